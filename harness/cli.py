@@ -1,0 +1,134 @@
+"""Command line: ``python -m harness run|report|env`` (also installed as ``harness``).
+
+Exit status: 0 on success (a sweep whose trials failed still succeeds: failures are results); 2 for a bad spec or
+bad arguments, with one line on standard error and no traceback; 1 for anything else that stops the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+def _int_list(text: str) -> list[int | str]:
+    # Values are validated by the spec (so errors name the spec file and field); here they are only split.
+    out: list[int | str] = []
+    for part in text.split(","):
+        part = part.strip()
+        out.append(int(part) if part.lstrip("-").isdigit() else part)
+    return out
+
+
+def _str_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harness", description="Batch-size benchmarks across PyTorch, TensorFlow "
+                                                                 "and MXNet: throughput, utilization, memory, accuracy.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run every trial of a spec, then write the report")
+    run.add_argument("spec", help="a YAML spec, e.g. specs/quick.yaml")
+    run.add_argument("--frameworks", type=_str_list, help="comma-separated subset, e.g. pytorch,mxnet")
+    run.add_argument("--batch-sizes", type=_int_list, help="comma-separated batch sizes, e.g. 8,64,512")
+    run.add_argument("--epochs", type=int, help="epochs per trial")
+    run.add_argument("--out", default="results", help="folder that receives the run directory (default: results)")
+    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    report = sub.add_parser("report", help="(re)write report.md and plots/ of a run directory")
+    report.add_argument("run_dir")
+    sub.add_parser("env", help="print what a run would record about this machine (JSON)")
+    return parser
+
+
+def _print_summary(data: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    from harness.report import summary_rows
+
+    util = "GPU use %" if data["backend"] == "nvml" else "CPU use %"
+    memory = "GPU mem MB" if data["backend"] == "nvml" else "RSS MB"
+    table = Table(title=f"{data['run']['spec']['name']} on {data['run']['device']}")
+    for title in ("framework", "batch", "status", "samples/s", "s/epoch", util, memory, "accuracy %"):
+        table.add_column(title, justify="left" if title in ("framework", "status") else "right")
+    for row in summary_rows(data):
+        table.add_row(*row)
+    console.print(table)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness import report, spec as spec_module
+    from harness.runner import run_spec
+
+    overrides = {"frameworks": args.frameworks, "batch_sizes": args.batch_sizes, "epochs": args.epochs}
+    spec = spec_module.load(args.spec, overrides)
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, disable=args.no_progress or not console.is_terminal)
+    state: dict[str, Any] = {}
+
+    def on_start(trial: Any, index: int, total: int) -> None:
+        state["trial"] = trial.id
+        if "task" not in state:
+            state["task"] = progress.add_task("starting", total=total)
+        progress.update(state["task"], description=f"{trial.id}: starting")
+
+    def on_event(event: dict[str, Any]) -> None:
+        if "task" in state and event.get("event") == "epoch":
+            progress.update(state["task"], description=f"{state.get('trial', '')} epoch {event['epoch'] + 1}: "
+                                                       f"accuracy {100 * event['test_accuracy']:.1f}%")
+
+    def on_end(trial: Any, record: dict[str, Any]) -> None:
+        progress.advance(state["task"])
+        throughput = record["metrics"].get("throughput")
+        detail = f"{throughput:,.0f} samples/s" if throughput else record["reason"]
+        progress.console.print(f"{trial.id}: {record['status']} ({detail}) in {record['wall_seconds']:.1f} s")
+
+    with progress:
+        run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event)
+    path = report.write(run_dir)
+    data = report.build(run_dir)
+    _print_summary(data, Console())
+    print(f"run directory: {run_dir}\nreport: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from harness.spec import SpecError
+
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "report":
+            from harness import report
+
+            try:
+                path = report.write(args.run_dir)
+            except FileNotFoundError as err:
+                print(f"harness report: {err}", file=sys.stderr)
+                return EXIT_USAGE
+            from rich.console import Console
+
+            _print_summary(report.build(args.run_dir), Console())
+            print(f"report: {path}")
+            return 0
+        if args.command == "env":
+            from harness import environment
+
+            print(json.dumps(environment.collect(), indent=2))
+            return 0
+    except SpecError as err:
+        print(err, file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted: finished trials are in the run directory's trials.jsonl", file=sys.stderr)
+        return 130
+    return EXIT_USAGE

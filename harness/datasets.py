@@ -1,0 +1,166 @@
+"""Datasets as numpy arrays, and the per-epoch batch order every framework shares.
+
+Images are float32 NHWC arrays scaled to [0, 1] (the same normalisation for every framework, done here once);
+labels are int64 class indices. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from harness.spec import Cifar10Data, DigitsData, SyntheticData
+
+CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"  # the archive's published checksum (cs.toronto.edu/~kriz/cifar.html)
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+class DatasetError(Exception):
+    """A dataset that cannot be loaded (missing file, wrong checksum). The message says what to do."""
+
+
+@dataclass(frozen=True)
+class Data:
+    """A loaded dataset.
+
+    x_train: float32 (N, H, W, C) in [0, 1]; y_train: int64 (N,); x_test, y_test likewise; num_classes: int.
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all four arrays (what an adapter places on the device)."""
+        return int(self.x_train.nbytes + self.y_train.nbytes + self.x_test.nbytes + self.y_test.nbytes)
+
+
+def describe(cfg: DigitsData | SyntheticData | Cifar10Data) -> tuple[tuple[int, int, int], int]:
+    """One image's (H, W, C) and the number of classes, without loading anything."""
+    if isinstance(cfg, DigitsData):
+        return (8, 8, 1), 10
+    if isinstance(cfg, SyntheticData):
+        return tuple(cfg.shape), cfg.classes  # type: ignore[return-value]
+    return (32, 32, 3), 10
+
+
+def load(cfg: DigitsData | SyntheticData | Cifar10Data, seed: int = 0) -> Data:
+    """Loads the dataset a spec names. ``seed`` drives synthetic data only. Raises DatasetError."""
+    if isinstance(cfg, DigitsData):
+        return _digits(cfg)
+    if isinstance(cfg, SyntheticData):
+        return _synthetic(cfg, seed)
+    return _cifar10(cfg)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which epoch ``epoch`` visits the n training samples: int64 (n,), a permutation of range(n).
+
+    Drawn from (seed, epoch) alone, so every framework sees the same batches in the same order.
+    """
+    return np.random.default_rng([seed, epoch, 0x0BA7C4]).permutation(n).astype(np.int64)
+
+
+def _digits(cfg: DigitsData) -> Data:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (bunch.images.astype(np.float32) / 16.0)[..., None]  # pixel values are 0..16
+    labels = bunch.target.astype(np.int64)
+    # A fixed stratified split, independent of the trial seed: every trial evaluates on the same test images.
+    rng = np.random.default_rng(20240101)
+    test_idx: list[int] = []
+    for label in range(10):
+        members = np.flatnonzero(labels == label)
+        take = int(round(len(members) * cfg.test_fraction))
+        test_idx.extend(rng.choice(members, size=take, replace=False).tolist())
+    test_mask = np.zeros(len(labels), dtype=bool)
+    test_mask[test_idx] = True
+    return Data(images[~test_mask], labels[~test_mask], images[test_mask], labels[test_mask], 10)
+
+
+def _synthetic(cfg: SyntheticData, seed: int) -> Data:
+    rng = np.random.default_rng([seed, 0x5E7])
+    h, w, c = cfg.shape
+
+    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
+        return rng.random((n, h, w, c), dtype=np.float32), rng.integers(0, cfg.classes, size=n, dtype=np.int64)
+
+    x_train, y_train = draw(cfg.size)
+    x_test, y_test = draw(cfg.test_size)
+    return Data(x_train, y_train, x_test, y_test, cfg.classes)
+
+
+def resolve_cifar10_path(cfg: Cifar10Data, base_dir: Path | None = None) -> Path:
+    """Where the CIFAR-10 archive is: ``cfg.path``, else ``<cache>/cifar-10-python.tar.gz`` with cache =
+    ``cfg.cache_dir``, ``$HARNESS_DATA`` or ``~/.cache/harness``. Raises DatasetError saying where to put it."""
+    if cfg.path is not None:
+        path = cfg.path if cfg.path.is_absolute() or base_dir is None else base_dir / cfg.path
+    else:
+        cache = cfg.cache_dir or Path(os.environ.get("HARNESS_DATA", Path.home() / ".cache" / "harness"))
+        path = Path(cache).expanduser() / CIFAR10_ARCHIVE
+    if not path.is_file():
+        raise DatasetError(f"no CIFAR-10 archive at {path}; download {CIFAR10_URL} and put it there "
+                           f"(or set dataset.path); the harness never downloads")
+    return path
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_cifar10_archive(path: Path, expected_md5: str | None = CIFAR10_MD5) -> Data:
+    """Reads the standard python-version CIFAR-10 tarball.
+
+    The archive holds ``cifar-10-batches-py/data_batch_1..5`` and ``test_batch``, pickles of dicts with ``b"data"``
+    (uint8 (N, 3072), channel-first rows) and ``b"labels"``. The checksum is verified before anything is unpickled
+    (pickle must only read a trusted file). Raises DatasetError on a wrong checksum or a malformed archive.
+    """
+    if expected_md5 is not None and (actual := _md5(path)) != expected_md5:
+        raise DatasetError(f"{path}: md5 {actual} is not CIFAR-10's {expected_md5}; the file is damaged or another file")
+    parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for member in tar.getmembers():
+                name = member.name.rsplit("/", 1)[-1]
+                if name.startswith("data_batch_") or name == "test_batch":
+                    handle = tar.extractfile(member)
+                    assert handle is not None
+                    batch = pickle.load(handle, encoding="bytes")
+                    data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+                    parts[name] = (data, np.asarray(batch[b"labels"], dtype=np.int64))
+    except (tarfile.TarError, OSError, KeyError, pickle.UnpicklingError, ValueError) as err:
+        raise DatasetError(f"{path}: not a readable CIFAR-10 python archive ({err})") from None
+    train_names = sorted(n for n in parts if n.startswith("data_batch_"))
+    if not train_names or "test_batch" not in parts:
+        raise DatasetError(f"{path}: the archive lacks data_batch_* or test_batch")
+
+    def to_nhwc(images: np.ndarray) -> np.ndarray:
+        return images.transpose(0, 2, 3, 1).astype(np.float32) / 255.0
+
+    x_train = np.concatenate([parts[n][0] for n in train_names])
+    y_train = np.concatenate([parts[n][1] for n in train_names])
+    x_test, y_test = parts["test_batch"]
+    return Data(to_nhwc(x_train), y_train, to_nhwc(x_test), y_test, 10)
+
+
+def _cifar10(cfg: Cifar10Data) -> Data:
+    data = load_cifar10_archive(resolve_cifar10_path(cfg))
+    if cfg.limit_train or cfg.limit_test:
+        data = Data(data.x_train[: cfg.limit_train], data.y_train[: cfg.limit_train],
+                    data.x_test[: cfg.limit_test], data.y_test[: cfg.limit_test], data.num_classes)
+    return data

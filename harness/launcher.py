@@ -1,0 +1,195 @@
+"""Runs one trial in a fresh worker process, samples it, and classifies how it ended.
+
+Each trial gets its own interpreter (no allocator state or compiled-graph cache leaks between trials) in its own
+process group (a timeout kills the worker and anything it started). The worker's events arrive over a dedicated
+pipe; its stdout and stderr go to a log whose tail is kept for error reports, since frameworks print freely.
+
+Statuses: ``ok`` (a result was reported and the worker exited 0); ``oom`` (the framework raised its out-of-memory
+error); ``error`` (any other exception, or an exit without a result); ``timeout`` (no exit within the trial's
+timeout: the process group is killed); ``crashed`` (killed by a signal without reporting, e.g. a segfault or the
+kernel's OOM killer, which sends SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from harness.sampler import Sampler, make_backend, phase_stats, windows_from_events
+
+STATUSES = ("ok", "oom", "error", "timeout", "crashed")
+LOG_TAIL_BYTES = 4000
+KILL_GRACE_S = 5.0
+
+
+@dataclass
+class Outcome:
+    """How a worker ended, with everything it reported. Times are seconds; ``samples`` as Sampler.samples."""
+
+    status: str
+    reason: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    returncode: int | None = None
+    log_tail: str = ""
+    wall_seconds: float = 0.0
+    sampler: dict[str, Any] = field(default_factory=dict)
+
+    def result(self) -> dict[str, Any] | None:
+        return next((e for e in reversed(self.events) if e.get("event") == "result"), None)
+
+
+def worker_env(threads: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: the caller's, plus thread counts for every framework's runtime (read at import,
+    so they must be set before the worker starts) and CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match
+    NVML's."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
+            env[name] = str(threads)
+        env["TF_NUM_INTEROP_THREADS"] = "1"
+        env["MXNET_CPU_WORKER_NTHREADS"] = "1"
+    # The worker imports the harness from where this process found it, whatever the current directory.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _tail(log: Any) -> str:
+    log.flush()
+    size = log.seek(0, os.SEEK_END)
+    log.seek(max(0, size - LOG_TAIL_BYTES))
+    return log.read().decode("utf-8", errors="replace")
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, device: str,
+               threads: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
+    """Starts a worker for ``payload`` (see Trial.payload), samples it, waits at most ``timeout_s`` seconds, and
+    returns its Outcome. Never raises for anything the worker does."""
+    backend, note = make_backend(device)
+    sampler = Sampler(backend, interval_s)
+    read_fd, write_fd = os.pipe()
+    events: list[dict[str, Any]] = []
+    buffer = b""
+    started = time.monotonic()
+    with tempfile.TemporaryFile() as log:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.worker", "--events-fd", str(write_fd)],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+                env=worker_env(threads), start_new_session=True)
+        finally:
+            os.close(write_fd)
+        sampler.start(proc.pid)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(payload).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker died at once; its exit status tells why
+        selector = selectors.DefaultSelector()
+        selector.register(read_fd, selectors.EVENT_READ)
+        deadline = started + timeout_s
+        timed_out = False
+        eof = False
+        try:
+            while not eof:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                if not selector.select(timeout=min(remaining, 0.5)):
+                    continue
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    eof = True
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    events.append(event)
+                    if on_event is not None:
+                        on_event(event)
+            if timed_out:
+                _kill_group(proc)
+                proc.wait()
+            else:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()) + KILL_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    _kill_group(proc)
+                    proc.wait()
+        finally:
+            selector.close()
+            os.close(read_fd)
+            sampler.stop()
+            backend.close()
+            if proc.poll() is None:
+                _kill_group(proc)
+                proc.wait()
+            # Whatever the worker started must not outlive it (a framework's helper processes).
+            _kill_group(proc)
+        tail = _tail(log)
+    wall = time.monotonic() - started
+    status, reason = classify(proc.returncode, events, timed_out, timeout_s, tail)
+    describe = backend.describe()
+    describe["interval_s"] = interval_s
+    if note:
+        describe["note"] = note
+    if sampler.errors:
+        describe["errors"] = sampler.errors[:10]
+    windows = windows_from_events(events)
+    describe["stats"] = phase_stats(sampler.samples, windows)
+    return Outcome(status, reason, events, sampler.samples, proc.returncode, tail, wall, describe)
+
+
+def classify(returncode: int | None, events: list[dict[str, Any]], timed_out: bool, timeout_s: float,
+             log_tail: str) -> tuple[str, str]:
+    """(status, reason) for a finished worker; see the module docstring for the statuses."""
+    if timed_out:
+        phase = next((f"{e['name']} {e.get('edge')}" for e in reversed(events) if e.get("event") == "phase"), None)
+        return "timeout", f"no exit within {timeout_s:g} s" + (f" (last phase event: {phase})" if phase else "")
+    error = next((e for e in events if e.get("event") == "error"), None)
+    if error is not None:
+        return error.get("kind", "error"), error.get("reason", "")
+    has_result = any(e.get("event") == "result" for e in events)
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (the kernel's OOM killer sends SIGKILL)" if name == "SIGKILL" else ""
+        return "crashed", f"killed by {name}{hint}" + _last_line(log_tail)
+    if returncode == 0 and has_result:
+        return "ok", ""
+    if returncode == 0:
+        return "error", "the worker exited without reporting a result" + _last_line(log_tail)
+    return "error", f"the worker exited with status {returncode} without reporting why" + _last_line(log_tail)
+
+
+def _last_line(tail: str) -> str:
+    lines = [line.strip() for line in tail.strip().splitlines() if line.strip()]
+    return f": {lines[-1][:300]}" if lines else ""

@@ -1,0 +1,195 @@
+"""The framework-neutral model: shape inference, parameter counts, FLOPs and seeded initial weights.
+
+Canonical conventions, which every adapter converts from:
+
+- activations are channel-first, (C, H, W) per sample; the datasets give NHWC images and adapters transpose or not;
+- conv2d weights are OIHW (out channels, in channels, kernel height, kernel width), biases (O,);
+- dense weights are (out, in), biases (out,);
+- ``flatten`` orders features channel-first: feature index = c * H * W + h * W + w. A framework that flattens an
+  (H, W, C) tensor must permute the rows of the following dense layer's input dimension, not the data.
+
+FLOPs follow the usual convention of counting 2 * M * N * K per matrix product (one multiply and one add per
+multiply-accumulate) and the equivalent for a convolution; pooling, activations and bias adds are not counted. A
+training step is counted as 3 x the forward pass (forward, plus the backward pass's gradient with respect to the
+activations and with respect to the weights; the convention of Kaplan et al. 2020 and PaLM's MFU, which slightly
+overcounts the first layer, whose input gradient is not needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harness.spec import Conv2D, Dense, Flatten, MaxPool2D, ModelSpec, ReLU, Softmax
+
+
+class ModelError(ValueError):
+    """A model that does not fit its input or its classes. ``layer`` is the index in the layer list, or None."""
+
+    def __init__(self, layer: int | None, message: str):
+        self.layer = layer
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One layer with its inferred shapes (channel-first, per sample) and its parameter shapes (canonical)."""
+
+    index: int
+    spec: Any
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    forward_flops: int = 0
+
+    @property
+    def kind(self) -> str:
+        return self.spec.type
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The analysed model. ``input_shape`` is (C, H, W); ``layers`` excludes nothing (a trailing softmax is kept
+    and marked by ``softmax_output``; adapters fold it into the loss)."""
+
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    layers: tuple[LayerInfo, ...]
+
+    @property
+    def parameter_count(self) -> int:
+        """Number of trainable scalars."""
+        return int(sum(int(np.prod(shape)) for layer in self.layers for shape in layer.params.values()))
+
+    @property
+    def forward_flops_per_sample(self) -> int:
+        """FLOPs of one sample's forward pass (2 * multiply-accumulates of convs and matmuls)."""
+        return int(sum(layer.forward_flops for layer in self.layers))
+
+    @property
+    def train_flops_per_sample(self) -> int:
+        """FLOPs of one sample's training step: 3 x forward (see the module docstring)."""
+        return 3 * self.forward_flops_per_sample
+
+    @property
+    def softmax_output(self) -> bool:
+        return bool(self.layers) and self.layers[-1].kind == "softmax"
+
+    def param_names(self) -> list[str]:
+        """Names of all parameters in a stable order: ``"<layer index>.weight"``, ``"<layer index>.bias"``."""
+        return [f"{layer.index}.{name}" for layer in self.layers for name in layer.params]
+
+
+def analyze(model: ModelSpec, image_shape_hwc: tuple[int, int, int], num_classes: int) -> ModelInfo:
+    """Infers every layer's shapes, parameters and FLOPs.
+
+    image_shape_hwc: one image's (height, width, channels). num_classes: the dataset's label count, which the last
+    layer's output must equal. Raises ModelError naming the first layer that does not fit.
+    """
+    h, w, c = image_shape_hwc
+    shape: tuple[int, ...] = (c, h, w)
+    infos: list[LayerInfo] = []
+    for i, layer in enumerate(model.layers):
+        params: dict[str, tuple[int, ...]] = {}
+        flops = 0
+        if isinstance(layer, Conv2D):
+            if len(shape) != 3:
+                raise ModelError(i, f"conv2d needs a (C, H, W) input, got {shape}; is it after flatten?")
+            cin, hin, win = shape
+            k = layer.kernel_size
+            if layer.padding == "same":
+                if k % 2 == 0:
+                    raise ModelError(i, "padding 'same' needs an odd kernel_size (frameworks pad even kernels differently)")
+                hout, wout = hin, win
+            else:
+                hout, wout = hin - k + 1, win - k + 1
+                if hout <= 0 or wout <= 0:
+                    raise ModelError(i, f"kernel_size {k} is larger than the {hin}x{win} input")
+            params = {"weight": (layer.filters, cin, k, k), "bias": (layer.filters,)}
+            flops = 2 * hout * wout * layer.filters * cin * k * k
+            out: tuple[int, ...] = (layer.filters, hout, wout)
+        elif isinstance(layer, MaxPool2D):
+            if len(shape) != 3:
+                raise ModelError(i, f"maxpool2d needs a (C, H, W) input, got {shape}")
+            cin, hin, win = shape
+            p, s = layer.pool_size, layer.stride or layer.pool_size
+            if p > hin or p > win:
+                raise ModelError(i, f"pool_size {p} is larger than the {hin}x{win} input")
+            out = (cin, (hin - p) // s + 1, (win - p) // s + 1)
+        elif isinstance(layer, Flatten):
+            out = (int(np.prod(shape)),)
+        elif isinstance(layer, Dense):
+            if len(shape) != 1:
+                raise ModelError(i, f"dense needs a flat input, got {shape}; add a flatten layer before it")
+            params = {"weight": (layer.units, shape[0]), "bias": (layer.units,)}
+            flops = 2 * shape[0] * layer.units
+            out = (layer.units,)
+        elif isinstance(layer, (ReLU, Softmax)):
+            out = shape
+        else:  # pragma: no cover - the spec's discriminated union admits nothing else
+            raise ModelError(i, f"unsupported layer {layer!r}")
+        infos.append(LayerInfo(i, layer, shape, out, params, flops))
+        shape = out
+    if shape != (num_classes,):
+        raise ModelError(len(model.layers) - 1, f"the model outputs {shape} but the dataset has {num_classes} classes")
+    return ModelInfo((c, h, w), num_classes, tuple(infos))
+
+
+def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 1:  # a bias: Keras's convention, fan_in = fan_out = its length
+        return shape[0], shape[0]
+    if len(shape) == 2:  # dense (out, in)
+        return shape[1], shape[0]
+    receptive = int(np.prod(shape[2:]))
+    return shape[1] * receptive, shape[0] * receptive
+
+
+def _initialize(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name == "zeros":
+        return np.zeros(shape, dtype=np.float32)
+    fan_in, fan_out = _fans(shape)
+    if name == "he_uniform":
+        limit = np.sqrt(6.0 / fan_in)
+        return rng.uniform(-limit, limit, size=shape).astype(np.float32)
+    if name == "glorot_uniform":
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-limit, limit, size=shape).astype(np.float32)
+    if name in ("he_normal", "glorot_normal"):
+        # Keras's variance-scaling normal: a normal truncated at 2 standard deviations, rescaled by 0.8796 (the std of
+        # a unit normal truncated at +-2) so that the variance is 2/fan_in (he) or 2/(fan_in+fan_out) (glorot).
+        variance = 2.0 / fan_in if name == "he_normal" else 2.0 / (fan_in + fan_out)
+        std = np.sqrt(variance) / 0.87962566103423978
+        values = rng.standard_normal(size=shape)
+        while np.any(bad := np.abs(values) > 2.0):
+            values[bad] = rng.standard_normal(size=int(bad.sum()))
+        return (values * std).astype(np.float32)
+    raise ValueError(f"unknown initializer {name!r}")
+
+
+def initial_weights(info: ModelInfo, seed: int) -> dict[str, np.ndarray]:
+    """Draws the initial parameters once, in the canonical layout, from ``seed``.
+
+    Returns a dict from ``"<layer index>.weight"`` / ``"<layer index>.bias"`` to float32 arrays (conv OIHW, dense
+    (out, in)). Each layer draws from its own generator seeded by (seed, layer index), so adding a layer does not
+    change the others' weights. Deterministic: the same seed gives the same arrays on any machine.
+    """
+    weights: dict[str, np.ndarray] = {}
+    for layer in info.layers:
+        if not layer.params:
+            continue
+        rng = np.random.default_rng([seed, layer.index])
+        weights[f"{layer.index}.weight"] = _initialize(layer.spec.kernel_init, layer.params["weight"], rng)
+        weights[f"{layer.index}.bias"] = _initialize(layer.spec.bias_init, layer.params["bias"], rng)
+    return weights
+
+
+def chw_to_hwc_permutation(shape_chw: tuple[int, int, int]) -> np.ndarray:
+    """Index map for a dense layer fed by a channel-last flatten.
+
+    For an (H, W, C) tensor flattened in that order, feature j of the channel-last flatten is feature
+    ``perm[j]`` of the canonical channel-first flatten, so ``kernel_hwc = weight[:, perm]`` (shape (out, in)).
+    """
+    c, h, w = shape_chw
+    return np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).reshape(-1)

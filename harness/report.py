@@ -1,0 +1,312 @@
+"""Run directory -> ``report.md`` (tables in the Ohio State layout) and ``plots/*.png``.
+
+Every table has one row per framework and one column per batch size, like the tables of the Ohio State thesis quoted
+in seed 002, so the two can be put side by side. A cell is the median over the repeats that ended ``ok``; a cell
+with no ``ok`` repeat shows the status instead (``oom``, ``error``, ``timeout``, ``crashed``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from harness.results import read_run, read_trials
+
+FRAMEWORK_TITLES = {"pytorch": "PyTorch", "tensorflow": "TensorFlow", "mxnet": "MXNet"}
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One reported quantity: how to read it from a trial record, its title, unit and meaning."""
+
+    key: str
+    title: str
+    unit: str
+    read: Callable[[dict[str, Any]], float | None]
+    digits: int
+    meaning: str
+
+
+def _get(record: dict[str, Any], *path: str) -> Any:
+    value: Any = record
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _scaled(scale: float, *path: str) -> Callable[[dict[str, Any]], float | None]:
+    def read(record: dict[str, Any]) -> float | None:
+        value = _get(record, *path)
+        return None if value is None else float(value) * scale
+
+    return read
+
+
+def _stat(metric: str, stat: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float | None]:
+    return _scaled(scale, "sampler", "stats", metric, stat)
+
+
+def _gpu_memory(record: dict[str, Any]) -> float | None:
+    process = _get(record, "sampler", "stats", "process_memory_bytes", "max")
+    if process is not None:
+        return process / MB
+    device = _get(record, "sampler", "stats", "device_memory_used_bytes", "max")
+    return None if device is None else device / MB
+
+
+def metrics_for(backend: str) -> list[Metric]:
+    """The metrics reported for a run whose sampler used ``backend`` ("nvml" or "host")."""
+    common = [
+        Metric("throughput", "Throughput", "samples/s", _scaled(1.0, "metrics", "throughput"), 1,
+               "training samples per second over the timed windows (warm-up, evaluation excluded)"),
+        Metric("seconds_per_epoch", "Time per epoch", "s", _scaled(1.0, "metrics", "seconds_per_epoch"), 3,
+               "samples per epoch / throughput: one epoch's training time without warm-up and evaluation"),
+        Metric("step_ms", "Step time (median)", "ms", _scaled(1e3, "metrics", "step_time_median_s"), 3,
+               "median over timed windows of window time / steps in the window"),
+        Metric("step_p90_ms", "Step time (p90)", "ms", _scaled(1e3, "metrics", "step_time_p90_s"), 3,
+               "90th percentile of the same per-step times"),
+        Metric("accuracy", "Test accuracy after the last epoch", "%", _scaled(100.0, "metrics", "test_accuracy"),
+               2, "share of the test set classified correctly after the last epoch"),
+        Metric("train_loss", "Training loss (last epoch)", "", _scaled(1.0, "metrics", "final_train_loss"), 4,
+               "mean of the losses read at each sync during the last epoch"),
+        Metric("gflops", "Achieved training compute", "GFLOP/s", _scaled(1e-9, "metrics", "achieved_flops"), 2,
+               "throughput x training FLOPs per sample (3 x forward; 2 FLOPs per multiply-accumulate)"),
+    ]
+    if backend == "nvml":
+        device = [
+            Metric("util", "GPU use (mean)", "%", _stat("gpu_util_percent", "mean"), 2,
+                   "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)"),
+            Metric("util_max", "GPU use (max)", "%", _stat("gpu_util_percent", "max"), 2, "max of the same samples"),
+            Metric("memory", "GPU memory (worker, peak)", "MB", _gpu_memory, 1,
+                   "peak NVML memory of the worker process on the GPU (device memory used where NVML does not report "
+                   "per-process memory); MB = 10^6 bytes"),
+            Metric("device_memory", "GPU memory (device, peak)", "MB", _stat("device_memory_used_bytes", "max", 1 / MB),
+                   1, "peak NVML device memory used, all processes; MB = 10^6 bytes"),
+            Metric("allocator_peak", "Framework allocator peak", "MB", _scaled(1 / MB, "metrics", "memory",
+                                                                                "allocator_peak_bytes"), 1,
+                   "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
+                   "TensorFlow get_memory_info peak; MXNet exposes none)"),
+            Metric("power", "Power (mean)", "W", _stat("power_w", "mean"), 1, "mean NVML board power draw"),
+        ]
+    else:
+        device = [
+            Metric("util", "CPU use (mean)", "%", _stat("cpu_percent", "mean"), 1,
+                   "mean CPU use of the worker process tree over the timed windows (psutil; 100 = one core busy)"),
+            Metric("util_max", "CPU use (max)", "%", _stat("cpu_percent", "max"), 1, "max of the same samples"),
+            Metric("memory", "Resident memory (peak)", "MB", _stat("rss_bytes", "max", 1 / MB), 1,
+                   "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes"),
+        ]
+    return device[:3] + common + device[3:]
+
+
+def trials_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per trial: framework, batch_size, repeat, status, reason and the raw record."""
+    return pd.DataFrame([{"framework": r["framework"], "batch_size": r["batch_size"], "repeat": r["repeat"],
+                          "status": r["status"], "reason": r.get("reason", ""), "record": r} for r in records])
+
+
+def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
+                 batch_sizes: list[int]) -> pd.DataFrame:
+    """Rows: frameworks; columns: batch sizes; cells: the median over ok repeats (float), or the status (str)."""
+    table = pd.DataFrame(index=frameworks, columns=batch_sizes, dtype=object)
+    for fw in frameworks:
+        for bs in batch_sizes:
+            mine = [r for r in records if r["framework"] == fw and r["batch_size"] == bs]
+            ok = [v for r in mine if r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
+            if ok:
+                table.loc[fw, bs] = float(np.median(ok))
+            elif mine:
+                statuses = sorted({r["status"] for r in mine})
+                table.loc[fw, bs] = "/".join(statuses) if statuses != ["ok"] else "n/a"
+            else:
+                table.loc[fw, bs] = ""
+    return table
+
+
+def _cell(value: Any, digits: int) -> str:
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], corner: str = "batch size") -> str:
+    """A Markdown table with the Ohio State layout: a header row of batch sizes, then one labelled row each."""
+    header = f"| {corner} | " + " | ".join(str(b) for b in batch_sizes) + " |"
+    rule = "| --- | " + " | ".join("---:" for _ in batch_sizes) + " |"
+    body = [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return "\n".join([header, rule, *body])
+
+
+def _title(framework: str) -> str:
+    return FRAMEWORK_TITLES.get(framework, framework)
+
+
+def build(run_dir: str | Path) -> dict[str, Any]:
+    """Reads a run and computes what the report shows: the run info, the records, the metrics and their tables."""
+    run = read_run(run_dir)
+    records = read_trials(run_dir)
+    spec = run["spec"]
+    frameworks = [f for f in spec["frameworks"] if any(r["framework"] == f for r in records)] or spec["frameworks"]
+    batch_sizes = [b for b in spec["batch_sizes"] if any(r["batch_size"] == b for r in records)] or spec["batch_sizes"]
+    backend = next((r["sampler"].get("backend") for r in records if r.get("sampler", {}).get("backend")), "host")
+    metrics = metrics_for(backend)
+    tables = {m.key: metric_table(records, m, frameworks, batch_sizes) for m in metrics}
+    return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes,
+            "backend": backend, "metrics": metrics, "tables": tables}
+
+
+def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The combined table of the thesis: per framework a use % row and a memory row, then the accuracy rows."""
+    metrics = {m.key: m for m in data["metrics"]}
+    epochs = data["run"]["spec"]["epochs"]
+    util, memory = metrics["util"], metrics["memory"]
+    util_label = "GPU use %" if data["backend"] == "nvml" else "CPU use %"
+    memory_label = "GPU memory MB" if data["backend"] == "nvml" else "RSS MB"
+    rows = []
+    for fw in data["frameworks"]:
+        for metric, label in ((util, util_label), (memory, memory_label)):
+            row = data["tables"][metric.key].loc[fw]
+            rows.append((f"{_title(fw)} {label}", [_cell(v, 2) for v in row]))
+    for fw in data["frameworks"]:
+        row = data["tables"]["accuracy"].loc[fw]
+        rows.append((f"{_title(fw)} accuracy after {epochs} epochs %", [_cell(v, 2) for v in row]))
+    return rows
+
+
+def _device_line(run: dict[str, Any]) -> str:
+    env = run.get("environment", {})
+    if run.get("device", "cpu").startswith("cuda"):
+        gpu = env.get("gpu", {})
+        names = ", ".join(d["name"] for d in gpu.get("devices", [])[:1]) or "unknown GPU"
+        return f"{run['device']} ({names}, driver {gpu.get('driver', '?')})"
+    return (f"cpu ({env.get('cpu', '?')}, {env.get('cpu_count_logical', '?')} logical cores, "
+            f"{env.get('memory_total_bytes', 0) / 1e9:.1f} GB RAM)")
+
+
+def _versions(records: list[dict[str, Any]]) -> str:
+    seen: dict[str, str] = {}
+    for r in records:
+        for name, version in r.get("versions", {}).items():
+            if name in ("torch", "tensorflow", "keras", "mxnet", "cuda", "cudnn"):
+                seen.setdefault(name, version)
+    return ", ".join(f"{k} {v}" for k, v in seen.items()) or "none reported"
+
+
+def render_markdown(data: dict[str, Any]) -> str:
+    """The whole report.md text."""
+    run, records, spec = data["run"], data["records"], data["run"]["spec"]
+    statuses = pd.Series([r["status"] for r in records]).value_counts().to_dict() if records else {}
+    threads = spec.get("cpu_threads")
+    opt = spec["optimizer"]
+    sampled = ("NVML (nvidia-ml-py)" if data["backend"] == "nvml" else "psutil (no GPU: the worker's CPU and memory)")
+    interval = spec["sampler"]["interval_s"]
+    lines = [
+        f"# {spec['name']}: {len(records)} of {len(run.get('planned_trials', []))} trials",
+        "",
+        f"- Run: `{Path(run.get('run_dir', '')).name or run.get('started')}` started {run.get('started')}, "
+        f"finished {run.get('finished') or 'not finished'}",
+        f"- Device: {_device_line(run)}",
+        f"- Frameworks: {_versions(records)}; harness {run.get('harness_version')} "
+        f"(git {run.get('environment', {}).get('git', {}).get('commit', 'unknown')[:12]})",
+        f"- Dataset: {spec['dataset']['name']}; {spec['epochs']} epochs of floor(N / batch size) full batches; "
+        f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); evaluation after each epoch, not timed",
+        f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
+        + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
+        + f", weight decay {opt['weight_decay']}); precision fp32 (TF32 off on GPUs); seed {spec['seed']}",
+        f"- CPU threads: {threads if threads is not None else 'framework defaults'} intra-op"
+        + (", 1 inter-op" if threads is not None else "")
+        + f"; device synchronized every {spec['timing']['sync_every']} step(s), at both edges of each timed window",
+        f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
+        f"- Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
+        "",
+        "Units: MB = 10^6 bytes; times in seconds unless marked ms; throughput in samples per second.",
+        "Each cell is the median over repeats that ended ok; otherwise the trial's status.",
+    ]
+    if data["backend"] == "nvml":
+        lines.append("GPU use % is NVML's utilization.gpu: the percentage of time, over the driver's sample period "
+                     "(1/6 s to 1 s), during which at least one kernel was running. It is not SM occupancy: one tiny "
+                     "kernel at a time reads as 100%. Achieved GFLOP/s says how much of the GPU did work.")
+    else:
+        lines.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
+                     "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")
+    lines += ["", "## The Ohio State layout", "", markdown_table(ohio_state_rows(data), data["batch_sizes"]), ""]
+    for metric in data["metrics"]:
+        table = data["tables"][metric.key]
+        rows = [(_title(fw), [_cell(v, metric.digits) for v in table.loc[fw]]) for fw in data["frameworks"]]
+        unit = f" ({metric.unit})" if metric.unit else ""
+        lines += [f"## {metric.title}{unit}", "", metric.meaning + ".", "",
+                  markdown_table(rows, data["batch_sizes"]), ""]
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
+        lines += [f"| {r['id']} | {r['status']} | {str(r.get('reason', '')).replace('|', '/')[:300]} |"
+                  for r in failed]
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{m.title}](plots/{m.key}.png)" for m in data["metrics"]] + [""]
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per metric: the metric against batch size (log2 axis), a line per framework; ok cells only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for metric in data["metrics"]:
+        table = data["tables"][metric.key]
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        for fw in data["frameworks"]:
+            points = [(bs, v) for bs, v in table.loc[fw].items() if isinstance(v, float)]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", label=_title(fw))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(data["batch_sizes"], [str(b) for b in data["batch_sizes"]])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"{metric.title} ({metric.unit})" if metric.unit else metric.title)
+        ax.set_title(metric.title)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{metric.key}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write(run_dir: str | Path) -> Path:
+    """Writes ``report.md`` and ``plots/`` into the run directory and returns the report's path."""
+    run_dir = Path(run_dir)
+    data = build(run_dir)
+    data["run"]["run_dir"] = str(run_dir)
+    plot(data, run_dir / "plots")
+    path = run_dir / "report.md"
+    path.write_text(render_markdown(data), encoding="utf-8")
+    return path
+
+
+def summary_rows(data: dict[str, Any]) -> list[list[str]]:
+    """Rows for the terminal summary: framework, batch size, status, throughput, s/epoch, use %, memory, accuracy."""
+    metrics = {m.key: m for m in data["metrics"]}
+    rows = []
+    for fw in data["frameworks"]:
+        for bs in data["batch_sizes"]:
+            cells = [data["tables"][k].loc[fw, bs] for k in ("throughput", "seconds_per_epoch", "util", "memory",
+                                                            "accuracy")]
+            digits = [metrics[k].digits for k in ("throughput", "seconds_per_epoch", "util", "memory", "accuracy")]
+            statuses = sorted({r["status"] for r in data["records"] if r["framework"] == fw and r["batch_size"] == bs})
+            rows.append([_title(fw), str(bs), "/".join(statuses)] + [_cell(c, d) for c, d in zip(cells, digits)])
+    return rows

@@ -1,0 +1,92 @@
+"""Runs a whole spec: plan the trials, run each in its own worker, write every finished trial before the next."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from harness import __version__, environment
+from harness.launcher import Outcome, run_worker
+from harness.plan import Trial, plan
+from harness.results import append_trial, create_run_dir, read_run, write_json, write_lines
+from harness.spec import Spec
+
+
+def resolve_device(device: str, gpu_info: dict[str, Any] | None = None) -> str:
+    """``auto`` becomes "cuda:0" when NVML sees a GPU, else "cpu"; any other value is returned as it is."""
+    if device != "auto":
+        return device
+    info = environment.gpus() if gpu_info is None else gpu_info
+    return "cuda:0" if info.get("available") else "cpu"
+
+
+def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
+    """The trials.jsonl line of one trial: identity, status and reason, metrics, sampler statistics, versions."""
+    result = outcome.result() or {}
+    ready = next((e for e in outcome.events if e.get("event") == "ready"), {})
+    record: dict[str, Any] = {
+        "id": trial.id,
+        "framework": trial.framework,
+        "batch_size": trial.batch_size,
+        "repeat": trial.repeat,
+        "device": trial.device,
+        "learning_rate": trial.learning_rate,
+        "status": outcome.status,
+        "reason": outcome.reason,
+        "wall_seconds": outcome.wall_seconds,
+        "returncode": outcome.returncode,
+        "metrics": result.get("metrics", {}),
+        "sampler": outcome.sampler,
+        "versions": result.get("versions") or ready.get("versions", {}),
+        "settings": result.get("settings") or ready.get("settings", {}),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if outcome.status != "ok":
+        record["log_tail"] = outcome.log_tail[-2000:]
+        error = next((e for e in outcome.events if e.get("event") == "error"), None)
+        if error is not None:
+            record["traceback"] = error.get("traceback", "")
+    return record
+
+
+def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = None,
+             on_start: Callable[[Trial, int, int], None] | None = None,
+             on_end: Callable[[Trial, dict[str, Any]], None] | None = None,
+             on_event: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    """Runs every trial of ``spec`` and returns the run directory (see harness.results for its layout).
+
+    Each trial's record is on disk (fsynced) before the next trial starts; a failing trial is recorded with its
+    status and reason and the sweep goes on. ``on_start(trial, index, total)``, ``on_end(trial, record)`` and
+    ``on_event(worker event)`` report progress.
+    """
+    env = environment.collect()
+    device = resolve_device(spec.device, env["gpu"])
+    trials = plan(spec, device)
+    run_dir = create_run_dir(out_root, spec.name)
+    run_info = {
+        "harness_version": __version__,
+        "spec_file": str(spec_path) if spec_path else None,
+        "spec": spec.model_dump(mode="json"),
+        "device": device,
+        "environment": env,
+        "planned_trials": [t.id for t in trials],
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished": None,
+    }
+    write_json(run_dir / "run.json", run_info)
+    for index, trial in enumerate(trials):
+        if on_start is not None:
+            on_start(trial, index, len(trials))
+        outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, spec.cpu_threads,
+                             on_event=on_event)
+        record = trial_record(trial, outcome)
+        write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
+        write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
+        append_trial(run_dir, record)
+        if on_end is not None:
+            on_end(trial, record)
+    run_info = read_run(run_dir)
+    run_info["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    write_json(run_dir / "run.json", run_info)
+    return run_dir

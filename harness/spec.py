@@ -1,0 +1,301 @@
+"""Benchmark specs: the pydantic models of a spec file, and ``load(path)``.
+
+A spec is a YAML file (read with ``yaml.safe_load``) that names the frameworks, the framework-neutral model, the
+dataset, the batch sizes and the training budget of a sweep. Every model here is strict: an unknown key, a wrong type
+or an out-of-range value is an error. ``load`` turns the first validation error into one line of the form
+``FILE: field.path: what is wrong`` inside a :class:`SpecError`; the CLI prints that line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
+
+
+class SpecError(Exception):
+    """A spec that cannot be run. ``str(err)`` is one line: ``FILE: field.path: what is wrong``."""
+
+    def __init__(self, file: str | os.PathLike[str], field: str, message: str):
+        self.file = str(file)
+        self.field = field
+        self.message = message
+        where = f"{self.file}: {field}: " if field else f"{self.file}: "
+        super().__init__(where + message)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Initializer = Literal["he_uniform", "he_normal", "glorot_uniform", "glorot_normal", "zeros"]
+Activation = Literal["relu", "none"]
+
+
+class Conv2D(_Strict):
+    """2-D convolution, stride 1. Weights in the canonical layout OIHW."""
+
+    type: Literal["conv2d"]
+    filters: int = Field(gt=0)
+    kernel_size: int = Field(gt=0)
+    padding: Literal["same", "valid"] = "valid"
+    activation: Activation = "none"
+    kernel_init: Initializer = "glorot_uniform"
+    bias_init: Initializer = "zeros"
+
+
+class MaxPool2D(_Strict):
+    """Max pooling with a square window; stride defaults to the window size; no padding."""
+
+    type: Literal["maxpool2d"]
+    pool_size: int = Field(default=2, gt=0)
+    stride: int | None = Field(default=None, gt=0)
+
+
+class Flatten(_Strict):
+    """Flattens (C, H, W) in channel-first order, whatever layout a framework computes in."""
+
+    type: Literal["flatten"]
+
+
+class Dense(_Strict):
+    """Fully connected layer. Weights in the canonical layout (out, in)."""
+
+    type: Literal["dense"]
+    units: int = Field(gt=0)
+    activation: Activation = "none"
+    kernel_init: Initializer = "glorot_uniform"
+    bias_init: Initializer = "zeros"
+
+
+class ReLU(_Strict):
+    type: Literal["relu"]
+
+
+class Softmax(_Strict):
+    """Allowed only as the last layer; it is folded into the softmax cross-entropy loss on the logits."""
+
+    type: Literal["softmax"]
+
+
+Layer = Annotated[Union[Conv2D, MaxPool2D, Flatten, Dense, ReLU, Softmax], Field(discriminator="type")]
+
+
+class ModelSpec(_Strict):
+    """A framework-neutral model: a layer list applied to NHWC images; its output is the class logits."""
+
+    layers: list[Layer] = Field(min_length=1)
+
+    @field_validator("layers")
+    @classmethod
+    def _softmax_last(cls, layers: list[Any]) -> list[Any]:
+        for i, layer in enumerate(layers[:-1]):
+            if layer.type == "softmax":
+                raise ValueError(f"softmax is allowed only as the last layer (found at index {i})")
+        return layers
+
+
+class DigitsData(_Strict):
+    """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes): real data, offline."""
+
+    name: Literal["digits"]
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+
+
+class SyntheticData(_Strict):
+    """Random images and labels drawn from the trial seed: for throughput and memory, not accuracy."""
+
+    name: Literal["synthetic"]
+    shape: tuple[int, int, int] = (32, 32, 3)
+    classes: int = Field(default=10, ge=2)
+    size: int = Field(default=1024, gt=0)
+    test_size: int = Field(default=256, gt=0)
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        if min(shape) <= 0:
+            raise ValueError("every dimension of shape (height, width, channels) must be positive")
+        return shape
+
+
+class Cifar10Data(_Strict):
+    """CIFAR-10 from the standard python tarball ``cifar-10-python.tar.gz`` (md5-verified), never downloaded.
+
+    ``path`` is the tarball; without it the file is looked up in ``cache_dir``, else ``$HARNESS_DATA``, else
+    ``~/.cache/harness``. A relative path is taken relative to the spec file.
+    """
+
+    name: Literal["cifar10"]
+    path: Path | None = None
+    cache_dir: Path | None = None
+    limit_train: int | None = Field(default=None, gt=0)
+    limit_test: int | None = Field(default=None, gt=0)
+
+
+Dataset = Annotated[Union[DigitsData, SyntheticData, Cifar10Data], Field(discriminator="name")]
+
+
+class OptimizerSpec(_Strict):
+    """The optimizer, with semantics made identical in every framework.
+
+    ``sgd``: v <- momentum * v + g; p <- p - lr * v (PyTorch's form; equal to Keras's and MXNet's for a constant
+    learning rate). ``adam``: bias-corrected Adam. ``weight_decay`` is an L2 term added to the gradient (coupled, as
+    in ``torch.optim.SGD``/``Adam`` and MXNet's ``wd``), never Keras's decoupled ``weight_decay``.
+    """
+
+    name: Literal["sgd", "adam"] = "sgd"
+    learning_rate: float = Field(default=0.01, gt=0)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.999, ge=0, lt=1)
+    epsilon: float = Field(default=1e-7, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _momentum_only_for_sgd(self) -> "OptimizerSpec":
+        if self.name != "sgd" and self.momentum:
+            raise ValueError("momentum applies to sgd only (adam uses beta1)")
+        return self
+
+
+class SamplerSpec(_Strict):
+    """Background sampling of the device (NVML) or, without a GPU, the worker's CPU and memory (psutil)."""
+
+    interval_s: float = Field(default=0.1, gt=0, le=10)
+
+
+class TimingSpec(_Strict):
+    """How the training loop is timed.
+
+    ``sync_every``: the device is synchronized after every this many steps; each such group of steps is one timed
+    window, and a window's step time is its duration over its steps. 1 times every step on its own.
+    """
+
+    sync_every: int = Field(default=1, ge=1)
+
+
+class Spec(_Strict):
+    """A whole benchmark spec. ``epochs`` counts full passes; each epoch is floor(N / batch size) full batches."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    frameworks: list[str] = Field(min_length=1)
+    model: ModelSpec
+    dataset: Dataset
+    batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
+    epochs: int = Field(default=1, ge=1)
+    warmup_steps: int = Field(default=5, ge=0)
+    optimizer: OptimizerSpec = OptimizerSpec()
+    seed: int = Field(default=0, ge=0)
+    device: str = "auto"
+    cpu_threads: int | None = Field(default=None, ge=1)
+    repeats: int = Field(default=1, ge=1)
+    timeout_s: float = Field(default=1800.0, gt=0)
+    sampler: SamplerSpec = SamplerSpec()
+    timing: TimingSpec = TimingSpec()
+
+    @field_validator("frameworks")
+    @classmethod
+    def _known_frameworks(cls, frameworks: list[str]) -> list[str]:
+        from adapters import available_names  # the registry imports no framework
+
+        known = available_names()
+        for i, name in enumerate(frameworks):
+            if name not in known:
+                raise ValueError(f"unknown framework {name!r} at index {i}; expected one of {', '.join(known)}")
+        if len(set(frameworks)) != len(frameworks):
+            raise ValueError("a framework is listed twice")
+        return frameworks
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _unique_sizes(cls, sizes: list[int]) -> list[int]:
+        if len(set(sizes)) != len(sizes):
+            raise ValueError("a batch size is listed twice")
+        return sizes
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str) -> str:
+        if device in ("auto", "cpu"):
+            return device
+        prefix, _, index = device.partition(":")
+        if prefix == "cuda" and index.isdigit():
+            return device
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N', not {device!r}")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    # pydantic puts the discriminator's tag in the location of a tagged union member ("conv2d"); it is kept, since
+    # it names which layer kind was being read.
+    return ".".join(str(part) for part in loc)
+
+
+def validate(data: Any, file: str | os.PathLike[str]) -> Spec:
+    """Validates already-parsed spec data. Raises SpecError naming ``file`` and the first failing field."""
+    if not isinstance(data, dict):
+        raise SpecError(file, "", "a spec must be a YAML mapping of field names to values")
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown field"
+        raise SpecError(file, _field_path(first["loc"]), message) from None
+    _check_dataset_files(spec, Path(file))
+    _check_model_fits_data(spec, Path(file))
+    return spec
+
+
+def _check_model_fits_data(spec: Spec, file: Path) -> None:
+    from harness import datasets, models
+
+    image_shape, classes = datasets.describe(spec.dataset)
+    try:
+        models.analyze(spec.model, image_shape, classes)
+    except models.ModelError as err:
+        raise SpecError(file, f"model.layers.{err.layer}", str(err)) from None
+
+
+def _check_dataset_files(spec: Spec, file: Path) -> None:
+    if isinstance(spec.dataset, Cifar10Data):
+        from harness.datasets import DatasetError, resolve_cifar10_path
+
+        try:
+            resolve_cifar10_path(spec.dataset, base_dir=file.parent)
+        except DatasetError as err:
+            raise SpecError(file, "dataset.path", str(err)) from None
+
+
+def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Spec:
+    """Reads, overrides and validates a spec file.
+
+    path: a YAML file. overrides: top-level fields that replace the file's (the CLI's ``--frameworks`` etc.).
+    Raises SpecError (one line, naming the file and the field) for a missing or unreadable file, invalid YAML, or
+    any invalid field; a relative ``dataset.path`` is resolved against the spec file's folder.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as err:
+        raise SpecError(file, "", f"cannot read the spec: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SpecError(file, "", f"invalid YAML{where}: {getattr(err, 'problem', None) or err}") from None
+    if isinstance(data, dict) and overrides:
+        data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+    spec = validate(data, file)
+    if isinstance(spec.dataset, Cifar10Data) and spec.dataset.path and not spec.dataset.path.is_absolute():
+        dataset = spec.dataset.model_copy(update={"path": (file.parent / spec.dataset.path).resolve()})
+        spec = spec.model_copy(update={"dataset": dataset})
+    return spec

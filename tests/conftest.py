@@ -1,0 +1,62 @@
+"""Shared fixtures: specs written to temporary files, and the fault adapter's registration."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.fault_adapter import REGISTRATION  # noqa: E402
+
+TINY_CNN = [
+    {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
+    {"type": "maxpool2d", "pool_size": 2},
+    {"type": "flatten"},
+    {"type": "dense", "units": 10},
+]
+
+BASE_SPEC = {
+    "name": "t",
+    "frameworks": ["pytorch"],
+    "model": {"layers": TINY_CNN},
+    "dataset": {"name": "digits"},
+    "batch_sizes": [32],
+    "epochs": 1,
+    "warmup_steps": 1,
+    "optimizer": {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9},
+    "cpu_threads": 1,
+    "timeout_s": 120,
+}
+
+
+def base_spec(**changes):
+    spec = copy.deepcopy(BASE_SPEC)
+    spec.update(changes)
+    return spec
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """write_spec(dict) -> path of a YAML file holding it."""
+
+    def write(data, name="spec.yaml"):
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data), encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def fault_adapter(monkeypatch):
+    """Registers the fault adapter (inherited by worker processes through the environment)."""
+    monkeypatch.setenv("HARNESS_ADAPTERS", REGISTRATION)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return "fault"

@@ -1,0 +1,97 @@
+"""A test adapter for process-level behaviour: a real numpy softmax regression (it ignores the spec's layers) that
+injects faults chosen per batch size by the environment variable HARNESS_FAULT, e.g. "8:raise,16:kill,32:hang".
+
+Faults (at the third train_step): raise (ValueError), oom (MemoryError, which this adapter classifies as OOM),
+kill (SIGKILL to itself), segv (SIGSEGV to itself), hang (sleeps forever), exit (os._exit(3) without a report).
+Registered for a test with HARNESS_ADAPTERS="fault=tests.fault_adapter:FaultAdapter".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+from adapters.base import Adapter
+
+REGISTRATION = "fault=tests.fault_adapter:FaultAdapter"
+
+
+class FaultAdapter(Adapter):
+    name = "fault"
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.loss = float("nan")
+        self.fault = None
+
+    def versions(self):
+        return {"numpy": np.__version__}
+
+    def prepare(self, device, threads, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def build(self, info, weights, optimizer):
+        self.weights = {k: v.copy() for k, v in weights.items()}
+        self.features = int(np.prod(info.input_shape))
+        self.w = np.zeros((self.features, info.num_classes), dtype=np.float64)
+        self.lr = optimizer.learning_rate
+
+    def load(self, data):
+        self.x = data.x_train.reshape(len(data.x_train), -1)
+        self.y = data.y_train
+        self.xt = data.x_test.reshape(len(data.x_test), -1)
+        self.yt = data.y_test
+
+    def _maybe_fault(self, batch_size):
+        spec = dict(item.split(":") for item in filter(None, os.environ.get("HARNESS_FAULT", "").split(",")))
+        fault = spec.get(str(batch_size))
+        if fault is None or self.steps != 2:
+            return
+        if fault == "raise":
+            raise ValueError("injected failure")
+        if fault == "oom":
+            raise MemoryError("injected out of memory")
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if fault == "hang":
+            while True:
+                time.sleep(1)
+        if fault == "exit":
+            os._exit(3)
+
+    def _probs(self, x):
+        z = x @ self.w
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def train_step(self, indices):
+        self._maybe_fault(len(indices))
+        x, y = self.x[indices], self.y[indices]
+        p = self._probs(x)
+        self.loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
+        p[np.arange(len(y)), y] -= 1
+        self.w -= self.lr * x.T @ p / len(y)
+        self.steps += 1
+
+    def sync(self):
+        return self.loss
+
+    def evaluate(self, batch_size):
+        p = self._probs(self.xt)
+        loss = float(-np.log(p[np.arange(len(self.yt)), self.yt] + 1e-12).mean())
+        return loss, float((p.argmax(axis=1) == self.yt).mean())
+
+    def predict(self, images):
+        return (images.reshape(len(images), -1) @ self.w).astype(np.float32)
+
+    def get_weights(self):
+        return self.weights
+
+    def is_oom(self, exc):
+        return isinstance(exc, MemoryError)

@@ -1,0 +1,114 @@
+"""The launcher with real worker processes: every way a trial can end, while the rest of the sweep finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import report, results
+from harness.launcher import classify, worker_env
+from harness.runner import run_spec
+from harness.spec import validate
+from tests.conftest import ROOT, base_spec
+
+
+def test_every_status_in_one_sweep(fault_adapter, monkeypatch, tmp_path):
+    # batch 8 raises, 12 runs out of memory, 16 is killed by SIGKILL, 20 segfaults, 24 exits silently, 28 hangs;
+    # 32 and 64 must still finish ok.
+    monkeypatch.setenv("HARNESS_FAULT", "8:raise,12:oom,16:kill,20:segv,24:exit,28:hang")
+    spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[8, 12, 16, 20, 24, 28, 32, 64],
+                              timeout_s=8, warmup_steps=0, epochs=2), tmp_path / "s.yaml")
+    run_dir = run_spec(spec, tmp_path / "results")
+    records = {r["batch_size"]: r for r in results.read_trials(run_dir)}
+    assert {bs: r["status"] for bs, r in records.items()} == {
+        8: "error", 12: "oom", 16: "crashed", 20: "crashed", 24: "error", 28: "timeout", 32: "ok", 64: "ok"}
+    assert records[8]["reason"] == "ValueError: injected failure"
+    assert "ValueError: injected failure" in records[8]["traceback"]
+    assert records[12]["reason"] == "MemoryError: injected out of memory"
+    assert records[16]["reason"].startswith("killed by SIGKILL")
+    assert records[20]["reason"].startswith("killed by SIGSEGV")
+    assert records[24]["reason"].startswith("the worker exited with status 3 without reporting why")
+    assert records[28]["reason"].startswith("no exit within 8 s")
+    assert 8 <= records[28]["wall_seconds"] < 20
+    for bs in (32, 64):
+        metrics = records[bs]["metrics"]
+        assert metrics["measured_steps"] == 2 * (1438 // bs) and metrics["throughput"] > 0
+        assert metrics["test_accuracy"] > 0.5  # the numpy softmax regression learns digits
+    # the report still renders, with the statuses in the failed cells
+    text = report.write(run_dir).read_text()
+    assert "| Fault | error | oom | crashed | crashed | error | timeout |" in text.replace("fault", "Fault")
+
+
+def test_events_are_stamped_and_phases_are_ordered(fault_adapter, tmp_path):
+    spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[64], epochs=3, warmup_steps=3),
+                    tmp_path / "s.yaml")
+    run_dir = run_spec(spec, tmp_path / "results")
+    events = results.read_lines(run_dir / "events" / "fault-bs64-r0.jsonl")
+    kinds = [(e["event"], e.get("name"), e.get("edge")) for e in events]
+    assert kinds[:3] == [("start", None, None), ("ready", None, None), ("phase", "warmup", "start")]
+    assert kinds.count(("phase", "train", "start")) == 3 and kinds[-1] == ("result", None, None)
+    stamps = [e["t"] for e in events]
+    assert stamps == sorted(stamps)
+    record = results.read_trials(run_dir)[0]
+    assert record["metrics"]["measured_steps"] == 3 * 22 - 3  # 1438 // 64 = 22 steps per epoch, 3 warm-up
+
+
+def test_batch_larger_than_the_dataset_is_a_clear_error(fault_adapter, tmp_path):
+    spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[4096]), tmp_path / "s.yaml")
+    record = results.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    assert record["status"] == "error"
+    assert record["reason"] == "batch size 4096 exceeds the 1438 training samples"
+
+
+def test_missing_framework_is_an_error_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setenv("HARNESS_ADAPTERS", "ghost=no_such_module:Ghost")
+    spec = validate(base_spec(frameworks=["ghost"]), tmp_path / "s.yaml")
+    record = results.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    assert record["status"] == "error" and record["reason"].startswith("ghost is not installed here")
+
+
+def test_classify_without_events():
+    assert classify(0, [], False, 10, "")[0] == "error"
+    assert classify(-9, [], False, 10, "Killed\n") == ("crashed",
+                                                        "killed by SIGKILL (the kernel's OOM killer sends SIGKILL): Killed")
+    assert classify(None, [], True, 10, "")[0] == "timeout"
+
+
+def test_worker_env_sets_threads_for_every_runtime():
+    env = worker_env(3, base={"PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["TF_NUM_INTRAOP_THREADS"] == "3"
+    assert env["TF_NUM_INTEROP_THREADS"] == env["MXNET_CPU_WORKER_NTHREADS"] == "1"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "OMP_NUM_THREADS" not in worker_env(None, base={"PATH": "/bin"})
+
+
+def test_trials_survive_sigkill_of_the_orchestrator(fault_adapter, write_spec, tmp_path):
+    """Kill `harness run` mid-sweep: every line of trials.jsonl is a whole trial, and the report still works."""
+    spec = write_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[16, 32, 64, 128, 256, 512], epochs=3))
+    out = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    deadline = time.monotonic() + 90
+    trials_file = None
+    while time.monotonic() < deadline:
+        found = list(out.glob("*/trials.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 2:
+            trials_file = found[0]
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert trials_file is not None, "no trial finished in 90 s"
+    lines = trials_file.read_text().splitlines()
+    assert 2 <= len(lines) < 6
+    for line in lines:
+        record = json.loads(line)  # whole lines only
+        assert record["status"] == "ok" and record["metrics"]["throughput"] > 0
+    text = report.write(trials_file.parent).read_text()
+    assert f"{len(lines)} of 6 trials" in text and "not finished" in text

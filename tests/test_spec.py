@@ -1,0 +1,104 @@
+"""Spec validation: every bad spec is one line naming the file and the field, exit status 2, no run directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import spec as spec_module
+from harness.spec import SpecError
+from tests.conftest import ROOT, base_spec
+
+
+def error_of(write_spec, data):
+    path = write_spec(data)
+    with pytest.raises(SpecError) as info:
+        spec_module.load(path)
+    return path, str(info.value)
+
+
+def test_shipped_specs_are_valid(tmp_path, monkeypatch):
+    quick = spec_module.load(ROOT / "specs" / "quick.yaml")
+    assert quick.frameworks == ["pytorch", "tensorflow", "mxnet"]
+    assert quick.batch_sizes == [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    # cnn.yaml needs the CIFAR-10 archive: with one in the cache folder it validates.
+    (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"placeholder")
+    monkeypatch.setenv("HARNESS_DATA", str(tmp_path))
+    cnn = spec_module.load(ROOT / "specs" / "cnn.yaml")
+    assert cnn.dataset.name == "cifar10" and cnn.epochs == 10
+
+
+@pytest.mark.parametrize("change, field, words", [
+    ({"epochs": "ten"}, "epochs", "valid integer"),
+    ({"batch_sizes": []}, "batch_sizes", "at least 1"),
+    ({"batch_sizes": [32, -4]}, "batch_sizes.1", "greater than 0"),
+    ({"batch_sizes": [32, 32]}, "batch_sizes", "listed twice"),
+    ({"frameworks": ["pytorch", "caffe"]}, "frameworks", "unknown framework 'caffe'"),
+    ({"frameworks": []}, "frameworks", "at least 1"),
+    ({"epoch": 3}, "epoch", "unknown field"),
+    ({"device": "gpu"}, "device", "'auto', 'cpu' or 'cuda:N'"),
+    ({"optimizer": {"name": "rmsprop"}}, "optimizer.name", "'sgd' or 'adam'"),
+    ({"optimizer": {"name": "sgd", "lr": 0.1}}, "optimizer.lr", "unknown field"),
+    ({"model": {"layers": [{"type": "dense", "units": 10}]}}, "model.layers.0", "add a flatten layer"),
+    ({"model": {"layers": [{"type": "conv2d", "filters": 0, "kernel_size": 3}]}},
+     "model.layers.0.conv2d.filters", "greater than 0"),
+    ({"model": {"layers": [{"type": "flatten"}, {"type": "dense", "units": 7}]}}, "model.layers.1", "10 classes"),
+    ({"dataset": {"name": "imagenet"}}, "dataset", "digits"),
+])
+def test_invalid_field_is_one_line_naming_file_and_field(write_spec, change, field, words):
+    path, message = error_of(write_spec, base_spec(**change))
+    assert message.startswith(f"{path}: {field}: "), message
+    assert words in message
+    assert "\n" not in message
+
+
+def test_missing_cifar10_archive_says_where_to_put_it(write_spec, tmp_path):
+    path, message = error_of(write_spec, base_spec(dataset={"name": "cifar10", "cache_dir": str(tmp_path / "none")}))
+    assert message.startswith(f"{path}: dataset.path: no CIFAR-10 archive at {tmp_path / 'none'}")
+    assert "cifar-10-python.tar.gz" in message and "never downloads" in message
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(SpecError, match=r"missing\.yaml: cannot read the spec"):
+        spec_module.load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match=r"bad\.yaml: invalid YAML at line 2"):
+        spec_module.load(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(SpecError, match="must be a YAML mapping"):
+        spec_module.load(scalar)
+
+
+def test_overrides_are_validated_like_the_file(write_spec):
+    path = write_spec(base_spec())
+    spec = spec_module.load(path, {"batch_sizes": [8, 16], "frameworks": None})
+    assert spec.batch_sizes == [8, 16] and spec.frameworks == ["pytorch"]
+    with pytest.raises(SpecError, match=r": batch_sizes\.0: Input should be greater than 0"):
+        spec_module.load(path, {"batch_sizes": [0]})
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
+def test_cli_bad_spec_exits_2_with_one_line_and_no_run_directory(write_spec, tmp_path):
+    path = write_spec(base_spec(batch_sizes=[-1]))
+    out = tmp_path / "results"
+    proc = run_cli("run", str(path), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{path}: batch_sizes.0: Input should be greater than 0"
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not out.exists()
+
+
+def test_cli_override_error_names_the_spec_file(write_spec, tmp_path):
+    path = write_spec(base_spec())
+    proc = run_cli("run", str(path), "--frameworks", "pytorch,theano", "--out", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{path}: frameworks: unknown framework 'theano'")
+    assert len(proc.stderr.strip().splitlines()) == 1
