@@ -45,6 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _summary_console() -> Any:
+    from rich.console import Console
+
+    console = Console()
+    # Piped output (CI logs, `| tee`) gets rich's 80-column default, which truncates the headers: widen it.
+    return console if console.is_terminal else Console(width=120)
+
+
 def _print_summary(data: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -95,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
         run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event)
     path = report.write(run_dir)
     data = report.build(run_dir)
-    _print_summary(data, Console())
+    _print_summary(data, _summary_console())
     print(f"run directory: {run_dir}\nreport: {path}")
     return 0
 
@@ -115,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             except FileNotFoundError as err:
                 print(f"harness report: {err}", file=sys.stderr)
                 return EXIT_USAGE
-            from rich.console import Console
-
-            _print_summary(report.build(args.run_dir), Console())
+            _print_summary(report.build(args.run_dir), _summary_console())
             print(f"report: {path}")
             return 0
         if args.command == "env":

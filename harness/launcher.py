@@ -130,6 +130,8 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, dev
                     except json.JSONDecodeError:
                         continue
                     events.append(event)
+                    if event.get("event") == "phase" and event.get("name") == "train":
+                        sampler.poke(event.get("edge", ""))
                     if on_event is not None:
                         on_event(event)
             if timed_out:

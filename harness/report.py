@@ -31,6 +31,7 @@ class Metric:
     read: Callable[[dict[str, Any]], float | None]
     digits: int
     meaning: str
+    sampler_metric: str | None = None  # the sampler metric it reads, whose statistics carry a scope
 
 
 def _get(record: dict[str, Any], *path: str) -> Any:
@@ -83,26 +84,30 @@ def metrics_for(backend: str) -> list[Metric]:
     if backend == "nvml":
         device = [
             Metric("util", "GPU use (mean)", "%", _stat("gpu_util_percent", "mean"), 2,
-                   "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)"),
-            Metric("util_max", "GPU use (max)", "%", _stat("gpu_util_percent", "max"), 2, "max of the same samples"),
+                   "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)",
+                   "gpu_util_percent"),
+            Metric("util_max", "GPU use (max)", "%", _stat("gpu_util_percent", "max"), 2, "max of the same samples",
+                   "gpu_util_percent"),
             Metric("memory", "GPU memory (worker, peak)", "MB", _gpu_memory, 1,
                    "peak NVML memory of the worker process on the GPU (device memory used where NVML does not report "
-                   "per-process memory); MB = 10^6 bytes"),
+                   "per-process memory); MB = 10^6 bytes", "process_memory_bytes"),
             Metric("device_memory", "GPU memory (device, peak)", "MB", _stat("device_memory_used_bytes", "max", 1 / MB),
-                   1, "peak NVML device memory used, all processes; MB = 10^6 bytes"),
+                   1, "peak NVML device memory used, all processes; MB = 10^6 bytes", "device_memory_used_bytes"),
             Metric("allocator_peak", "Framework allocator peak", "MB", _scaled(1 / MB, "metrics", "memory",
                                                                                 "allocator_peak_bytes"), 1,
                    "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
                    "TensorFlow get_memory_info peak; MXNet exposes none)"),
-            Metric("power", "Power (mean)", "W", _stat("power_w", "mean"), 1, "mean NVML board power draw"),
+            Metric("power", "Power (mean)", "W", _stat("power_w", "mean"), 1, "mean NVML board power draw", "power_w"),
         ]
     else:
         device = [
             Metric("util", "CPU use (mean)", "%", _stat("cpu_percent", "mean"), 1,
-                   "mean CPU use of the worker process tree over the timed windows (psutil; 100 = one core busy)"),
-            Metric("util_max", "CPU use (max)", "%", _stat("cpu_percent", "max"), 1, "max of the same samples"),
+                   "mean CPU use of the worker process tree over the timed windows (psutil; 100 = one core busy)",
+                   "cpu_percent"),
+            Metric("util_max", "CPU use (max)", "%", _stat("cpu_percent", "max"), 1, "max of the same samples",
+                   "cpu_percent"),
             Metric("memory", "Resident memory (peak)", "MB", _stat("rss_bytes", "max", 1 / MB), 1,
-                   "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes"),
+                   "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes", "rss_bytes"),
         ]
     return device[:3] + common + device[3:]
 
@@ -131,10 +136,28 @@ def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list
     return table
 
 
-def _cell(value: Any, digits: int) -> str:
+def span_cells(records: list[dict[str, Any]], metric: Metric) -> set[tuple[str, int]]:
+    """(framework, batch size) cells whose sampler statistics came from the whole measured span instead of the timed
+    windows (windows shorter than the sampling interval; see harness.sampler.phase_stats)."""
+    if metric.sampler_metric is None:
+        return set()
+    return {(r["framework"], r["batch_size"]) for r in records if r["status"] == "ok"
+            and _get(r, "sampler", "stats", metric.sampler_metric, "scope") == "span"}
+
+
+SPAN_NOTE = ("\\* sampled over the whole measured span, evaluation pauses included: the timed windows were shorter than "
+             "the sampling interval.")
+
+
+def _cell(value: Any, digits: int, mark: bool = False) -> str:
     if isinstance(value, float):
-        return f"{value:,.{digits}f}"
+        return f"{value:,.{digits}f}" + ("*" if mark else "")
     return str(value)
+
+
+def _row(data: dict[str, Any], metric: Metric, framework: str, digits: int) -> list[str]:
+    marks = data["marks"][metric.key]
+    return [_cell(v, digits, (framework, bs) in marks) for bs, v in data["tables"][metric.key].loc[framework].items()]
 
 
 def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], corner: str = "batch size") -> str:
@@ -159,8 +182,9 @@ def build(run_dir: str | Path) -> dict[str, Any]:
     backend = next((r["sampler"].get("backend") for r in records if r.get("sampler", {}).get("backend")), "host")
     metrics = metrics_for(backend)
     tables = {m.key: metric_table(records, m, frameworks, batch_sizes) for m in metrics}
+    marks = {m.key: span_cells(records, m) for m in metrics}
     return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes,
-            "backend": backend, "metrics": metrics, "tables": tables}
+            "backend": backend, "metrics": metrics, "tables": tables, "marks": marks}
 
 
 def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
@@ -173,11 +197,9 @@ def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
     rows = []
     for fw in data["frameworks"]:
         for metric, label in ((util, util_label), (memory, memory_label)):
-            row = data["tables"][metric.key].loc[fw]
-            rows.append((f"{_title(fw)} {label}", [_cell(v, 2) for v in row]))
+            rows.append((f"{_title(fw)} {label}", _row(data, metric, fw, 2)))
     for fw in data["frameworks"]:
-        row = data["tables"]["accuracy"].loc[fw]
-        rows.append((f"{_title(fw)} accuracy after {epochs} epochs %", [_cell(v, 2) for v in row]))
+        rows.append((f"{_title(fw)} accuracy after {epochs} epochs %", _row(data, metrics["accuracy"], fw, 2)))
     return rows
 
 
@@ -204,7 +226,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     """The whole report.md text."""
     run, records, spec = data["run"], data["records"], data["run"]["spec"]
     statuses = pd.Series([r["status"] for r in records]).value_counts().to_dict() if records else {}
-    threads = spec.get("cpu_threads")
+    threads = spec.get("cpu_threads") or next((r.get("threads") for r in records if r.get("threads")), None)
     opt = spec["optimizer"]
     sampled = ("NVML (nvidia-ml-py)" if data["backend"] == "nvml" else "psutil (no GPU: the worker's CPU and memory)")
     interval = spec["sampler"]["interval_s"]
@@ -221,8 +243,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
         + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
         + f", weight decay {opt['weight_decay']}); precision fp32 (TF32 off on GPUs); seed {spec['seed']}",
-        f"- CPU threads: {threads if threads is not None else 'framework defaults'} intra-op"
-        + (", 1 inter-op" if threads is not None else "")
+        f"- CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"
         + f"; device synchronized every {spec['timing']['sync_every']} step(s), at both edges of each timed window",
         f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
         f"- Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
@@ -237,13 +258,15 @@ def render_markdown(data: dict[str, Any]) -> str:
     else:
         lines.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
                      "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")
+    any_span = data["marks"]["util"] or data["marks"]["memory"]
     lines += ["", "## The Ohio State layout", "", markdown_table(ohio_state_rows(data), data["batch_sizes"]), ""]
+    lines += [SPAN_NOTE, ""] if any_span else []
     for metric in data["metrics"]:
-        table = data["tables"][metric.key]
-        rows = [(_title(fw), [_cell(v, metric.digits) for v in table.loc[fw]]) for fw in data["frameworks"]]
+        rows = [(_title(fw), _row(data, metric, fw, metric.digits)) for fw in data["frameworks"]]
         unit = f" ({metric.unit})" if metric.unit else ""
         lines += [f"## {metric.title}{unit}", "", metric.meaning + ".", "",
                   markdown_table(rows, data["batch_sizes"]), ""]
+        lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
@@ -301,12 +324,12 @@ def write(run_dir: str | Path) -> Path:
 def summary_rows(data: dict[str, Any]) -> list[list[str]]:
     """Rows for the terminal summary: framework, batch size, status, throughput, s/epoch, use %, memory, accuracy."""
     metrics = {m.key: m for m in data["metrics"]}
+    keys = ("throughput", "seconds_per_epoch", "util", "memory", "accuracy")
     rows = []
     for fw in data["frameworks"]:
         for bs in data["batch_sizes"]:
-            cells = [data["tables"][k].loc[fw, bs] for k in ("throughput", "seconds_per_epoch", "util", "memory",
-                                                            "accuracy")]
-            digits = [metrics[k].digits for k in ("throughput", "seconds_per_epoch", "util", "memory", "accuracy")]
+            cells = [_cell(data["tables"][k].loc[fw, bs], metrics[k].digits, (fw, bs) in data["marks"][k])
+                     for k in keys]
             statuses = sorted({r["status"] for r in data["records"] if r["framework"] == fw and r["batch_size"] == bs})
-            rows.append([_title(fw), str(bs), "/".join(statuses)] + [_cell(c, d) for c, d in zip(cells, digits)])
+            rows.append([_title(fw), str(bs), "/".join(statuses)] + cells)
     return rows

@@ -31,6 +31,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         "batch_size": trial.batch_size,
         "repeat": trial.repeat,
         "device": trial.device,
+        "threads": trial.threads,
         "learning_rate": trial.learning_rate,
         "status": outcome.status,
         "reason": outcome.reason,
@@ -78,7 +79,7 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     for index, trial in enumerate(trials):
         if on_start is not None:
             on_start(trial, index, len(trials))
-        outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, spec.cpu_threads,
+        outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, trial.threads,
                              on_event=on_event)
         record = trial_record(trial, outcome)
         write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)

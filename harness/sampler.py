@@ -18,6 +18,7 @@ A metric that fails is marked unavailable (with the reason) and no longer asked 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import numpy as np
 import psutil
 
 MIN_INTERVAL_S = 0.05
+EDGE_LAG_S = 0.5  # an end-edge sample taken at most this long after its window's end still describes the window
 
 
 class Backend(Protocol):
@@ -212,10 +214,15 @@ def make_backend(device: str) -> tuple[Backend, str | None]:
 
 @dataclass
 class Sampler:
-    """A thread sampling ``backend`` every ``interval_s`` seconds into ``samples``.
+    """A thread sampling ``backend`` every ``interval_s`` seconds into ``samples``, and at once when poked.
 
-    ``start(pid)`` attaches to the worker and starts the thread; ``stop()`` ends it within one interval plus the
-    duration of one backend call. Each sample is a dict with ``t`` (time.monotonic(), seconds) and the metrics.
+    ``start(pid)`` attaches to the worker and starts the thread; ``poke(edge)`` asks for a sample now, tagged
+    ``edge`` ("start" or "end" of a timed window; the launcher pokes when the worker's phase events arrive);
+    ``stop()`` ends the thread within the duration of one backend call plus a bounded join. Each sample is a dict
+    with ``t`` (time.monotonic(), seconds), ``edge`` when poked, and the metrics.
+
+    Edge samples make short windows measurable: psutil's cpu_percent is the average since the previous call, so the
+    sample at a window's end covers exactly the time since the sample at its start, however short the window.
     """
 
     backend: Backend
@@ -224,7 +231,8 @@ class Sampler:
     errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._stop = threading.Event()
+        self._pokes: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._stopping = False
         self._thread: threading.Thread | None = None
 
     def start(self, pid: int) -> None:
@@ -232,25 +240,43 @@ class Sampler:
         self._thread = threading.Thread(target=self._loop, name="harness-sampler", daemon=True)
         self._thread.start()
 
+    def poke(self, edge: str) -> None:
+        """Asks for one sample now, tagged with ``edge``. Thread-safe; never blocks."""
+        self._pokes.put(edge)
+
+    def _take(self, edge: str | None) -> None:
+        t = time.monotonic()
+        try:
+            values = self.backend.sample()
+        except Exception as err:  # noqa: BLE001 - sampling must never take the run down
+            self.errors.append(f"{type(err).__name__}: {err}")
+            values = {}
+        self.samples.append({"t": t, **({"edge": edge} if edge else {}), **values})
+
     def _loop(self) -> None:
         next_time = time.monotonic()
-        while not self._stop.is_set():
-            t = time.monotonic()
-            try:
-                values = self.backend.sample()
-            except Exception as err:  # noqa: BLE001 - sampling must never take the run down
-                self.errors.append(f"{type(err).__name__}: {err}")
-                values = {}
-            self.samples.append({"t": t, **values})
-            next_time += self.interval_s
+        while True:
             delay = next_time - time.monotonic()
-            if delay < 0:  # fell behind (a slow backend call): skip the missed ticks rather than burst
-                next_time = time.monotonic()
-                delay = 0
-            self._stop.wait(delay)
+            if delay > 0:
+                try:
+                    edge = self._pokes.get(timeout=delay)
+                except queue.Empty:
+                    edge = None
+                else:
+                    if edge is None:  # stop
+                        return
+                    self._take(edge)
+                    continue
+            if self._stopping:
+                return
+            self._take(None)
+            next_time += self.interval_s
+            if next_time < time.monotonic():  # fell behind (a slow backend call): skip missed ticks, no burst
+                next_time = time.monotonic() + self.interval_s
 
     def stop(self, join_timeout_s: float = 2.0) -> None:
-        self._stop.set()
+        self._stopping = True
+        self._pokes.put(None)
         if self._thread is not None:
             self._thread.join(join_timeout_s)
 
@@ -271,19 +297,33 @@ def windows_from_events(events: Iterable[dict[str, Any]], phase: str = "train") 
 
 
 def phase_stats(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) -> dict[str, dict[str, Any]]:
-    """Mean, median, max and count of every metric over the samples that fall inside ``windows``.
+    """Mean, median, max and count of every metric over the samples that belong to ``windows``.
 
-    Missing values (None) are left out. A metric with no sample in the windows (a measured phase shorter than the
-    interval) gets count 0 and None statistics.
+    A sample belongs to a window when it was taken inside it, or when it is the end-edge sample taken at most
+    EDGE_LAG_S after the window's end; start-edge samples (baselines, which describe the time before the window)
+    never do. Missing values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the timed
+    windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the samples
+    from the first window's start to the last one's end were used instead, evaluation pauses included; ``"none"``
+    when even that span holds no sample (statistics None, count 0).
     """
-    inside = [s for s in samples if any(a <= s["t"] <= b for a, b in windows)]
-    metrics = sorted({k for s in samples for k in s if k != "t"})
+    metrics = sorted({k for s in samples for k in s if k not in ("t", "edge")})
     stats: dict[str, dict[str, Any]] = {}
+    span = [(min(a for a, _ in windows), max(b for _, b in windows))] if windows else []
+
+    def belongs(sample: dict[str, Any], ranges: list[tuple[float, float]]) -> bool:
+        edge, t = sample.get("edge"), sample["t"]
+        if edge == "start":
+            return False
+        return any(a <= t <= b or (edge == "end" and b < t <= b + EDGE_LAG_S) for a, b in ranges)
+
     for metric in metrics:
-        values = np.asarray([s[metric] for s in inside if s.get(metric) is not None], dtype=float)
-        if values.size:
-            stats[metric] = {"mean": float(values.mean()), "median": float(np.median(values)),
-                             "max": float(values.max()), "count": int(values.size)}
+        for scope, ranges in (("windows", windows), ("span", span)):
+            values = np.asarray([s[metric] for s in samples if s.get(metric) is not None and belongs(s, ranges)],
+                                dtype=float)
+            if values.size:
+                stats[metric] = {"mean": float(values.mean()), "median": float(np.median(values)),
+                                 "max": float(values.max()), "count": int(values.size), "scope": scope}
+                break
         else:
-            stats[metric] = {"mean": None, "median": None, "max": None, "count": 0}
+            stats[metric] = {"mean": None, "median": None, "max": None, "count": 0, "scope": "none"}
     return stats

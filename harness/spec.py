@@ -145,7 +145,9 @@ class OptimizerSpec(_Strict):
     """The optimizer, with semantics made identical in every framework.
 
     ``sgd``: v <- momentum * v + g; p <- p - lr * v (PyTorch's form; equal to Keras's and MXNet's for a constant
-    learning rate). ``adam``: bias-corrected Adam. ``weight_decay`` is an L2 term added to the gradient (coupled, as
+    learning rate). ``adam``: PyTorch's bias-corrected Adam, p <- p - lr * m_hat / (sqrt(v_hat) + epsilon); TensorFlow's
+    and MXNet's kernels add epsilon before the bias correction, so those adapters pass epsilon * sqrt(1 - beta2^t)
+    to get the same update. ``weight_decay`` is an L2 term added to the gradient (coupled, as
     in ``torch.optim.SGD``/``Adam`` and MXNet's ``wd``), never Keras's decoupled ``weight_decay``.
     """
 

@@ -165,7 +165,7 @@ def run(payload: dict[str, Any], events: Events) -> int:
             adapter = adapters.get(trial["framework"])()
         except ImportError as err:
             raise TrialError(f"{trial['framework']} is not installed here ({err})") from None
-        adapter.prepare(trial["device"], spec.cpu_threads, trial["seed"])
+        adapter.prepare(trial["device"], trial["threads"], trial["seed"])
         data = datasets.load(spec.dataset, seed=trial["seed"])
         info = models.analyze(spec.model, tuple(data.x_train.shape[1:]), data.num_classes)
         adapter.build(info, models.initial_weights(info, trial["seed"]), spec.optimizer)

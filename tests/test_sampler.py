@@ -38,8 +38,15 @@ def test_host_backend_sees_a_busy_process_and_its_memory():
 def test_phase_stats_only_counts_samples_inside_windows():
     samples = [{"t": float(t), "x": float(t)} for t in range(10)]
     stats = phase_stats(samples, [(2.0, 4.0), (8.0, 8.5)])
-    assert stats["x"] == {"mean": (2 + 3 + 4 + 8) / 4, "median": 3.5, "max": 8.0, "count": 4}
-    assert phase_stats(samples, [(20.0, 21.0)])["x"]["count"] == 0
+    assert stats["x"] == {"mean": (2 + 3 + 4 + 8) / 4, "median": 3.5, "max": 8.0, "count": 4, "scope": "windows"}
+    assert phase_stats(samples, [(20.0, 21.0)])["x"] == {"mean": None, "median": None, "max": None, "count": 0,
+                                                         "scope": "none"}
+
+
+def test_phase_stats_falls_back_to_the_span_when_windows_are_shorter_than_the_interval():
+    samples = [{"t": float(t), "x": float(t)} for t in range(10)]
+    stats = phase_stats(samples, [(2.1, 2.2), (4.5, 4.6), (6.1, 6.3)])  # no sample inside any window
+    assert stats["x"] == {"mean": 4.5, "median": 4.5, "max": 6.0, "count": 4, "scope": "span"}  # t = 3, 4, 5, 6
 
 
 def test_sampler_stops_within_an_interval_even_with_a_slow_backend():
@@ -193,3 +200,50 @@ def test_real_nvml_sees_a_training_worker():
     stats = phase_stats(sampler.samples, [(sampler.samples[0]["t"], sampler.samples[-1]["t"])])
     assert stats["gpu_util_percent"]["mean"] > 50
     assert stats["process_memory_bytes"]["max"] > 64e6
+
+
+def test_poke_takes_a_tagged_sample_at_once():
+    sampler = Sampler(HostBackend(), interval_s=5.0)  # periodic samples would be 5 s apart
+    sampler.start(1)
+    time.sleep(0.05)
+    poked_at = time.monotonic()
+    sampler.poke("end")
+    time.sleep(0.1)
+    sampler.stop()
+    edges = [s for s in sampler.samples if s.get("edge") == "end"]
+    assert len(edges) == 1 and 0 <= edges[0]["t"] - poked_at < 0.05
+    assert "cpu_percent" in edges[0]
+
+
+def test_edge_samples_decide_membership():
+    samples = [{"t": 1.0, "x": 100.0},             # before the window
+               {"t": 2.01, "edge": "start", "x": 50.0},  # baseline: describes the time before the window
+               {"t": 2.5, "x": 7.0},
+               {"t": 3.02, "edge": "end", "x": 9.0},     # taken just after the end: describes the window
+               {"t": 3.3, "x": 100.0},
+               {"t": 4.0, "edge": "end", "x": 1.0}]      # an end sample too late for the window
+    stats = phase_stats(samples, [(2.0, 3.0)])
+    assert stats["x"]["count"] == 2 and stats["x"]["mean"] == 8.0 and stats["x"]["scope"] == "windows"
+
+
+def test_edge_sampling_measures_a_window_shorter_than_the_interval():
+    """A real busy process, a 0.15 s window, a 10 s interval: the end-edge sample alone describes the window."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        sampler = Sampler(HostBackend(), interval_s=10.0)
+        time.sleep(0.3)
+        sampler.start(proc.pid)
+        time.sleep(0.05)
+        start = time.monotonic()
+        sampler.poke("start")
+        time.sleep(0.15)
+        end = time.monotonic()
+        sampler.poke("end")
+        time.sleep(0.05)
+        sampler.stop()
+    finally:
+        proc.kill()
+        proc.wait()
+    stats = phase_stats(sampler.samples, [(start, end)])
+    assert stats["cpu_percent"]["count"] == 1 and stats["cpu_percent"]["scope"] == "windows"
+    assert stats["cpu_percent"]["mean"] > 60

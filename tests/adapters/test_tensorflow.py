@@ -1,0 +1,98 @@
+"""TensorFlow adapter: real training on the CPU, the canonical weights, PyTorch's optimizer semantics, no retracing,
+and OOM classification."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from adapters.base import DeviceUnavailable
+from adapters.pytorch import PyTorchAdapter
+from adapters.tensorflow import TensorFlowAdapter
+from harness import datasets, models
+from harness.spec import OptimizerSpec
+from tests.adapters import kit
+
+
+def test_learns_digits_on_cpu():
+    kit.check_learns_digits(TensorFlowAdapter)
+
+
+def test_holds_canonical_weights_and_matches_reference_forward():
+    kit.check_same_initial_weights_and_logits(TensorFlowAdapter)
+
+
+def test_parameter_count_matches_model():
+    kit.check_parameter_count(TensorFlowAdapter)
+
+
+@pytest.mark.parametrize("optimizer", [
+    OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9, weight_decay=0.01),
+    OptimizerSpec(name="sgd", learning_rate=0.1),
+    # epsilon large enough that adding it before or after Adam's bias correction (Keras's form or PyTorch's) shows
+    OptimizerSpec(name="adam", learning_rate=0.002, epsilon=1e-4, weight_decay=0.01),
+], ids=["sgd-momentum-wd", "sgd-plain", "adam-wd"])
+def test_trains_exactly_like_pytorch(optimizer):
+    """The same batches from the same weights give the same weights after several steps: the optimizer (coupled weight
+    decay, PyTorch's Adam epsilon), the HWIO/(in, out) layouts and the flatten permutation all hold during training."""
+    tf_adapter, data, info = kit.make(TensorFlowAdapter, optimizer=optimizer)
+    torch_adapter = kit.make(PyTorchAdapter, optimizer=optimizer)[0]
+    order = datasets.epoch_order(len(data.y_train), 0, 0)
+    for step in range(8):
+        batch = order[step * 32:(step + 1) * 32]
+        tf_adapter.train_step(batch)
+        torch_adapter.train_step(batch)
+        np.testing.assert_allclose(tf_adapter.sync(), torch_adapter.sync(), rtol=1e-4)
+    initial = models.initial_weights(info, 0)
+    expected = torch_adapter.get_weights()
+    held = tf_adapter.get_weights()
+    for name, value in expected.items():
+        assert np.abs(value - initial[name]).max() > 1e-3, f"{name} did not train"
+        np.testing.assert_allclose(held[name], value, rtol=0, atol=1e-5, err_msg=name)  # observed <4e-7; Keras-style Adam epsilon or no weight decay: ~1e-2
+
+
+def test_train_and_evaluate_never_retrace():
+    adapter, data, _ = kit.make(TensorFlowAdapter)
+    assert np.isnan(adapter.sync())  # no step yet
+    kit.train_epochs(adapter, data, epochs=1, batch_size=32)
+    for batch_size in (256, 100, 7):  # 360 test images: a smaller last batch every time
+        loss, accuracy = adapter.evaluate(batch_size)
+        assert np.isfinite(loss) and 0 <= accuracy <= 1
+    assert adapter._train_fns[32].experimental_get_tracing_count() == 1
+    assert adapter._eval_fn.experimental_get_tracing_count() == 1
+
+
+def test_cpu_settings_and_memory_stats():
+    adapter = kit.make(TensorFlowAdapter)[0]
+    settings = adapter.settings()
+    assert settings["intra_op_threads"] == 2 and settings["inter_op_threads"] == 1
+    assert settings["jit_compile"] is False
+    adapter.reset_memory_stats()
+    assert adapter.memory_stats() == {}  # TF keeps no allocator statistics for the CPU
+    assert adapter.versions()["tensorflow"] == tf.__version__
+
+
+def test_missing_gpu_is_device_unavailable():
+    index = len(tf.config.list_physical_devices("GPU"))  # one past the last GPU: cuda:0 on a CPU-only build
+    with pytest.raises(DeviceUnavailable, match="GPU"):
+        TensorFlowAdapter().prepare(f"cuda:{index}", 2, 0)
+
+
+def test_oom_is_classified_by_exception_type():
+    adapter = TensorFlowAdapter()
+    assert adapter.is_oom(tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor with shape[1024]"))
+    assert adapter.is_oom(tf.errors.InternalError(None, None, "Dst tensor is not initialized."))
+    assert not adapter.is_oom(tf.errors.InternalError(None, None, "cuDNN launch failure"))
+    assert not adapter.is_oom(tf.errors.InvalidArgumentError(None, None, "Matrix size-incompatible"))
+    assert not adapter.is_oom(ValueError("OOM when allocating tensor"))  # a message alone does not make an OOM
+
+
+def test_real_cpu_allocation_failure_is_oom():
+    adapter = TensorFlowAdapter()
+    adapter.prepare("cpu", 2, 0)
+    try:
+        with tf.device(adapter.device):
+            tf.zeros((2**42,))  # 16 TiB of float32: the CPU allocator refuses it
+    except BaseException as exc:  # noqa: BLE001 - the point is to classify whatever it raised
+        assert adapter.is_oom(exc), repr(exc)
+    else:
+        raise AssertionError("a 16 TiB allocation succeeded")
