@@ -15,7 +15,8 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from harness.results import read_run, read_trials
+from harness.results import read_lines, read_run, read_trials
+from harness.stats import median_ci, overlaps
 
 FRAMEWORK_TITLES = {"pytorch": "PyTorch", "tensorflow": "TensorFlow", "mxnet": "MXNet"}
 MB = 1e6
@@ -32,6 +33,7 @@ class Metric:
     digits: int
     meaning: str
     sampler_metric: str | None = None  # the sampler metric it reads, whose statistics carry a scope
+    ci: bool = False  # show the 95% bootstrap interval of the median over repeats
 
 
 def _get(record: dict[str, Any], *path: str) -> Any:
@@ -63,19 +65,30 @@ def _gpu_memory(record: dict[str, Any]) -> float | None:
     return None if device is None else device / MB
 
 
+def _energy_per_sample(record: dict[str, Any]) -> float | None:
+    joules = _get(record, "sampler", "energy", "joules")
+    samples = _get(record, "metrics", "measured_samples")
+    return joules / samples if joules is not None and samples else None
+
+
+def _mean_power(record: dict[str, Any]) -> float | None:
+    power = _get(record, "sampler", "energy", "mean_power_w")
+    return power if power is not None else _get(record, "sampler", "stats", "power_w", "mean")
+
+
 def metrics_for(backend: str) -> list[Metric]:
     """The metrics reported for a run whose sampler used ``backend`` ("nvml" or "host")."""
     common = [
         Metric("throughput", "Throughput", "samples/s", _scaled(1.0, "metrics", "throughput"), 1,
-               "training samples per second over the timed windows (warm-up, evaluation excluded)"),
+               "training samples per second over the timed windows (warm-up, evaluation excluded)", ci=True),
         Metric("seconds_per_epoch", "Time per epoch", "s", _scaled(1.0, "metrics", "seconds_per_epoch"), 3,
-               "samples per epoch / throughput: one epoch's training time without warm-up and evaluation"),
+               "samples per epoch / throughput: one epoch's training time without warm-up and evaluation", ci=True),
         Metric("step_ms", "Step time (median)", "ms", _scaled(1e3, "metrics", "step_time_median_s"), 3,
                "median over timed windows of window time / steps in the window"),
         Metric("step_p90_ms", "Step time (p90)", "ms", _scaled(1e3, "metrics", "step_time_p90_s"), 3,
                "90th percentile of the same per-step times"),
         Metric("accuracy", "Test accuracy after the last epoch", "%", _scaled(100.0, "metrics", "test_accuracy"),
-               2, "share of the test set classified correctly after the last epoch"),
+               2, "share of the test set classified correctly after the last epoch", ci=True),
         Metric("train_loss", "Training loss (last epoch)", "", _scaled(1.0, "metrics", "final_train_loss"), 4,
                "mean of the losses read at each sync during the last epoch"),
         Metric("gflops", "Achieved training compute", "GFLOP/s", _scaled(1e-9, "metrics", "achieved_flops"), 2,
@@ -97,7 +110,16 @@ def metrics_for(backend: str) -> list[Metric]:
                                                                                 "allocator_peak_bytes"), 1,
                    "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
                    "TensorFlow get_memory_info peak; MXNet exposes none)"),
-            Metric("power", "Power (mean)", "W", _stat("power_w", "mean"), 1, "mean NVML board power draw", "power_w"),
+            Metric("mfu", "Model FLOPs utilization", "%", _scaled(100.0, "metrics", "mfu"), 2,
+                   "achieved training FLOP/s over the device's fp32 peak (harness.peaks, each with its datasheet "
+                   "source); empty for a device not in the table"),
+            Metric("power", "Power (mean)", "W", _mean_power, 1,
+                   "mean board power over the timed windows (energy / time where NVML's energy counter exists, else "
+                   "the mean of NVML power samples)", "power_w"),
+            Metric("energy_per_sample", "Energy per training sample", "mJ",
+                   lambda r: None if (e := _energy_per_sample(r)) is None else e * 1e3, 3,
+                   "board energy over the timed windows (NVML total-energy counter, else integrated power) / samples "
+                   "trained in them; the whole board, not only this process"),
         ]
     else:
         device = [
@@ -112,10 +134,10 @@ def metrics_for(backend: str) -> list[Metric]:
     return device[:3] + common + device[3:]
 
 
-def trials_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
-    """One row per trial: framework, batch_size, repeat, status, reason and the raw record."""
-    return pd.DataFrame([{"framework": r["framework"], "batch_size": r["batch_size"], "repeat": r["repeat"],
-                          "status": r["status"], "reason": r.get("reason", ""), "record": r} for r in records])
+def cell_values(records: list[dict[str, Any]], metric: Metric, framework: str, batch_size: int) -> list[float]:
+    """The metric's finite values over the repeats of one cell that ended ok."""
+    return [v for r in records if r["framework"] == framework and r["batch_size"] == batch_size
+            and r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
 
 
 def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
@@ -124,8 +146,8 @@ def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list
     table = pd.DataFrame(index=frameworks, columns=batch_sizes, dtype=object)
     for fw in frameworks:
         for bs in batch_sizes:
+            ok = cell_values(records, metric, fw, bs)
             mine = [r for r in records if r["framework"] == fw and r["batch_size"] == bs]
-            ok = [v for r in mine if r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
             if ok:
                 table.loc[fw, bs] = float(np.median(ok))
             elif mine:
@@ -134,6 +156,36 @@ def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list
             else:
                 table.loc[fw, bs] = ""
     return table
+
+
+def ci_map(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
+           batch_sizes: list[int]) -> dict[tuple[str, int], tuple[float, float]]:
+    """95% bootstrap intervals of the median for the cells with two or more ok repeats."""
+    out = {}
+    for fw in frameworks:
+        for bs in batch_sizes:
+            interval = median_ci(cell_values(records, metric, fw, bs))
+            if interval is not None:
+                out[(fw, bs)] = interval
+    return out
+
+
+def noise_pairs(data: dict[str, Any], metric: Metric) -> list[str]:
+    """Pairs of cells whose 95% intervals overlap: the frameworks at one batch size, and neighbouring batch sizes of
+    one framework. Their difference is within the noise of this run."""
+    cis = data["cis"][metric.key]
+    pairs = []
+    fws, sizes = data["frameworks"], data["batch_sizes"]
+    for bs in sizes:
+        for i, a in enumerate(fws):
+            for b in fws[i + 1:]:
+                if overlaps(cis.get((a, bs)), cis.get((b, bs))):
+                    pairs.append(f"{_title(a)} vs {_title(b)} at batch size {bs}")
+    for fw in fws:
+        for x, y in zip(sizes, sizes[1:]):
+            if overlaps(cis.get((fw, x)), cis.get((fw, y))):
+                pairs.append(f"{_title(fw)}: batch size {x} vs {y}")
+    return pairs
 
 
 def span_cells(records: list[dict[str, Any]], metric: Metric) -> set[tuple[str, int]]:
@@ -156,8 +208,15 @@ def _cell(value: Any, digits: int, mark: bool = False) -> str:
 
 
 def _row(data: dict[str, Any], metric: Metric, framework: str, digits: int) -> list[str]:
-    marks = data["marks"][metric.key]
-    return [_cell(v, digits, (framework, bs) in marks) for bs, v in data["tables"][metric.key].loc[framework].items()]
+    marks, cis = data["marks"][metric.key], data["cis"].get(metric.key, {})
+    cells = []
+    for bs, value in data["tables"][metric.key].loc[framework].items():
+        text = _cell(value, digits, (framework, bs) in marks)
+        if (framework, bs) in cis:
+            low, high = cis[(framework, bs)]
+            text += f" [{low:,.{digits}f}, {high:,.{digits}f}]"
+        cells.append(text)
+    return cells
 
 
 def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], corner: str = "batch size") -> str:
@@ -183,8 +242,9 @@ def build(run_dir: str | Path) -> dict[str, Any]:
     metrics = metrics_for(backend)
     tables = {m.key: metric_table(records, m, frameworks, batch_sizes) for m in metrics}
     marks = {m.key: span_cells(records, m) for m in metrics}
+    cis = {m.key: ci_map(records, m, frameworks, batch_sizes) for m in metrics if m.ci}
     return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes,
-            "backend": backend, "metrics": metrics, "tables": tables, "marks": marks}
+            "backend": backend, "metrics": metrics, "tables": tables, "marks": marks, "cis": cis}
 
 
 def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
@@ -261,12 +321,19 @@ def render_markdown(data: dict[str, Any]) -> str:
     any_span = data["marks"]["util"] or data["marks"]["memory"]
     lines += ["", "## The Ohio State layout", "", markdown_table(ohio_state_rows(data), data["batch_sizes"]), ""]
     lines += [SPAN_NOTE, ""] if any_span else []
+    lines += ["## Memory, layer by layer", "", MEMORY_NOTE[data["backend"]], "",
+              markdown_table(memory_rows(data), data["batch_sizes"]), ""]
     for metric in data["metrics"]:
         rows = [(_title(fw), _row(data, metric, fw, metric.digits)) for fw in data["frameworks"]]
         unit = f" ({metric.unit})" if metric.unit else ""
         lines += [f"## {metric.title}{unit}", "", metric.meaning + ".", "",
                   markdown_table(rows, data["batch_sizes"]), ""]
         lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
+        if metric.ci and data["cis"][metric.key]:
+            pairs = noise_pairs(data, metric)
+            lines += ["Cells show the median [95% bootstrap interval of the median] over the repeats. "
+                      + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
+                         else "No compared pair's intervals overlap."), ""]
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
@@ -274,7 +341,40 @@ def render_markdown(data: dict[str, Any]) -> str:
                   for r in failed]
         lines.append("")
     lines += ["## Plots", ""] + [f"![{m.title}](plots/{m.key}.png)" for m in data["metrics"]] + [""]
+    lines += ["Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): "
+              + ", ".join(f"[{r['id']}](plots/trials/{r['id']}.png)" for r in records if r["status"] == "ok"), ""]
     return "\n".join(lines)
+
+
+MEMORY_NOTE = {
+    "nvml": "Three layers, peaks over the timed windows, MB = 10^6 bytes: NVML's device memory used (every process on "
+            "the GPU), NVML's memory of the worker process (what its allocator reserved plus the CUDA context), and "
+            "the framework allocator's own peak of live tensors (PyTorch max_memory_allocated, and "
+            "max_memory_reserved; TensorFlow get_memory_info peak; MXNet exposes no peak). Every layer includes the "
+            "dataset, which the harness keeps on the device (data MB row).",
+    "host": "On the CPU there is one layer: the resident memory (RSS) of the worker process tree, peak over the timed "
+            "windows, MB = 10^6 bytes; it includes the interpreter, the framework libraries and the dataset "
+            "(data MB row). PyTorch, TensorFlow and MXNet keep no allocator statistics for CPU memory.",
+}
+
+
+def memory_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """Per framework, one row per memory layer the run has (see MEMORY_NOTE), plus the dataset's bytes."""
+    if data["backend"] == "nvml":
+        layers = [("NVML device MB", ("sampler", "stats", "device_memory_used_bytes", "max")),
+                  ("NVML process MB", ("sampler", "stats", "process_memory_bytes", "max")),
+                  ("allocator peak MB", ("metrics", "memory", "allocator_peak_bytes")),
+                  ("allocator reserved peak MB", ("metrics", "memory", "allocator_reserved_peak_bytes"))]
+    else:
+        layers = [("RSS MB", ("sampler", "stats", "rss_bytes", "max"))]
+    layers.append(("data MB", ("metrics", "data_bytes")))
+    rows = []
+    for fw in data["frameworks"]:
+        for label, path in layers:
+            metric = Metric(label, label, "MB", _scaled(1 / MB, *path), 1, "")
+            table = metric_table(data["records"], metric, [fw], data["batch_sizes"])
+            rows.append((f"{_title(fw)} {label}", [_cell(v, 1) for v in table.loc[fw]]))
+    return rows
 
 
 def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -310,12 +410,57 @@ def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+SERIES_TITLES = {"cpu_percent": "CPU %", "rss_bytes": "RSS MB", "gpu_util_percent": "GPU use %",
+                 "mem_util_percent": "memory use %", "device_memory_used_bytes": "device MB",
+                 "process_memory_bytes": "process MB", "power_w": "power W", "sm_clock_mhz": "SM MHz",
+                 "temperature_c": "temperature C"}
+
+
+def plot_trial(run_dir: Path, trial_id: str, out: Path) -> Path | None:
+    """The sampled metrics of one trial over time (seconds since the worker started), with the warm-up (grey) and
+    the timed windows (green) shaded. Returns the PNG's path, or None when the trial has no samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from harness.sampler import windows_from_events
+
+    samples = read_lines(run_dir / "samples" / f"{trial_id}.jsonl")
+    events = read_lines(run_dir / "events" / f"{trial_id}.jsonl")
+    names = [m for m in SERIES_TITLES if any(s.get(m) is not None for s in samples)]
+    if not samples or not names:
+        return None
+    t0 = events[0]["t"] if events else samples[0]["t"]
+    fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names) + 0.6), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        scale = 1 / MB if name.endswith("_bytes") else 1.0
+        points = [(s["t"] - t0, s[name] * scale) for s in samples if s.get(name) is not None]
+        ax.plot(*zip(*points), lw=1, marker=".", ms=2)
+        ax.set_ylabel(SERIES_TITLES[name], fontsize=8)
+        for phase, color in (("warmup", "0.85"), ("train", "#c8e6c9")):
+            for a, b in windows_from_events(events, phase):
+                ax.axvspan(a - t0, b - t0, color=color, lw=0)
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds since the worker started")
+    axes[0, 0].set_title(f"{trial_id}: warm-up grey, timed windows green", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def write(run_dir: str | Path) -> Path:
-    """Writes ``report.md`` and ``plots/`` into the run directory and returns the report's path."""
+    """Writes ``report.md`` and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into
+    the run directory and returns the report's path."""
     run_dir = Path(run_dir)
     data = build(run_dir)
     data["run"]["run_dir"] = str(run_dir)
     plot(data, run_dir / "plots")
+    for record in data["records"]:
+        if record["status"] == "ok":
+            plot_trial(run_dir, record["id"], run_dir / "plots" / "trials" / f"{record['id']}.png")
     path = run_dir / "report.md"
     path.write_text(render_markdown(data), encoding="utf-8")
     return path

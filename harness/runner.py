@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import __version__, environment
+from harness import __version__, environment, peaks
 from harness.launcher import Outcome, run_worker
 from harness.plan import Trial, plan
 from harness.results import append_trial, create_run_dir, read_run, write_json, write_lines
@@ -43,12 +43,24 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         "settings": result.get("settings") or ready.get("settings", {}),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    add_mfu(record)
     if outcome.status != "ok":
         record["log_tail"] = outcome.log_tail[-2000:]
         error = next((e for e in outcome.events if e.get("event") == "error"), None)
         if error is not None:
             record["traceback"] = error.get("traceback", "")
     return record
+
+
+def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
+    """Adds ``metrics.mfu`` (fraction), ``peak_flops`` (FLOP/s) and ``peak_source`` for a GPU trial whose device
+    (the name NVML reported) is in harness.peaks; leaves them out otherwise (CPU trials, unknown devices)."""
+    achieved = record["metrics"].get("achieved_flops")
+    if not achieved or not record["device"].startswith("cuda"):
+        return
+    peak = peaks.lookup(record.get("sampler", {}).get("name"), precision)
+    if peak is not None:
+        record["metrics"].update({"mfu": achieved / peak[0], "peak_flops": peak[0], "peak_source": peak[1]})
 
 
 def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = None,

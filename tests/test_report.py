@@ -1,0 +1,115 @@
+"""The report from constructed run directories: Ohio State layout, statuses in cells, medians with bootstrap
+intervals over repeats, noise pairs, the GPU (NVML) layout with memory layers, MFU and energy per sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import report, results
+from harness.runner import add_mfu
+from harness.stats import median_ci, overlaps
+
+
+def record(framework, batch_size, repeat=0, status="ok", throughput=100.0, accuracy=0.5, backend="host", **extra):
+    stats = ({"cpu_percent": {"mean": 90.0, "max": 100.0, "count": 3, "scope": "windows"},
+              "rss_bytes": {"mean": 4e8, "max": 5e8, "count": 3, "scope": "windows"}} if backend == "host" else
+             {"gpu_util_percent": {"mean": 40.0, "max": 60.0, "count": 5, "scope": "windows"},
+              "process_memory_bytes": {"mean": 6e8, "max": 7e8, "count": 5, "scope": "windows"},
+              "device_memory_used_bytes": {"mean": 9e8, "max": 1e9, "count": 5, "scope": "windows"}})
+    metrics = {} if status != "ok" else {
+        "throughput": throughput, "seconds_per_epoch": 1000 / throughput, "step_time_median_s": batch_size / throughput,
+        "step_time_p90_s": 1.1 * batch_size / throughput, "test_accuracy": accuracy, "final_train_loss": 0.3,
+        "achieved_flops": throughput * 1e9, "measured_samples": 10_000, "data_bytes": 2_000_000,
+        "memory": {"allocator_peak_bytes": 3e8} if backend == "nvml" else {}}
+    rec = {"id": f"{framework}-bs{batch_size}-r{repeat}", "framework": framework, "batch_size": batch_size,
+           "repeat": repeat, "device": "cuda:0" if backend == "nvml" else "cpu", "status": status,
+           "reason": "" if status == "ok" else "CUDA out of memory", "metrics": metrics,
+           "sampler": {"backend": backend, "stats": stats, **({"name": "NVIDIA H100 80GB HBM3"} if backend == "nvml"
+                                                               else {})}}
+    rec.update(extra)
+    return rec
+
+
+def make_run(tmp_path, records, frameworks=("pytorch", "mxnet"), batch_sizes=(8, 16), epochs=10):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    spec = {"name": "t", "frameworks": list(frameworks), "batch_sizes": list(batch_sizes), "epochs": epochs,
+            "warmup_steps": 5, "seed": 0, "cpu_threads": 1, "dataset": {"name": "digits"},
+            "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9, "weight_decay": 0.0},
+            "sampler": {"interval_s": 0.1}, "timing": {"sync_every": 1}}
+    device = "cuda:0" if records and records[0]["device"].startswith("cuda") else "cpu"
+    results.write_json(run_dir / "run.json", {"spec": spec, "device": device, "planned_trials": [r["id"] for r in records],
+                                              "environment": {}, "started": "now", "finished": "later"})
+    for rec in records:
+        results.append_trial(run_dir, rec)
+    return run_dir
+
+
+def test_ohio_state_layout_with_statuses_and_medians(tmp_path):
+    records = [record("pytorch", 8, throughput=100.0, accuracy=0.6), record("pytorch", 16, throughput=180.0),
+               record("mxnet", 8, throughput=90.0), record("mxnet", 16, status="oom")]
+    text = report.write(make_run(tmp_path, records)).read_text()
+    assert "| batch size | 8 | 16 |" in text
+    assert "| PyTorch CPU use % | 90.00 | 90.00 |" in text
+    assert "| PyTorch RSS MB | 500.00 | 500.00 |" in text
+    assert "| MXNet RSS MB | 500.00 | oom |" in text
+    assert "| PyTorch accuracy after 10 epochs % | 60.00 | 50.00 |" in text
+    assert "| mxnet-bs16-r0 | oom | CUDA out of memory |" in text
+    assert "| PyTorch RSS MB | 500.0 | 500.0 |" in text and "| PyTorch data MB | 2.0 | 2.0 |" in text
+    assert (tmp_path / "run" / "plots" / "throughput.png").exists()
+
+
+def test_repeats_give_median_and_interval_and_noise_pairs(tmp_path):
+    rng = np.random.default_rng(1)
+    records = []
+    for repeat in range(6):
+        # pytorch 8 and mxnet 8 overlap (same distribution); pytorch 16 is far away from pytorch 8
+        records += [record("pytorch", 8, repeat, throughput=100 + rng.normal(0, 2)),
+                    record("mxnet", 8, repeat, throughput=100 + rng.normal(0, 2)),
+                    record("pytorch", 16, repeat, throughput=200 + rng.normal(0, 2)),
+                    record("mxnet", 16, repeat, throughput=300 + rng.normal(0, 2))]
+    data = report.build(make_run(tmp_path, records))
+    metric = next(m for m in data["metrics"] if m.key == "throughput")
+    low, high = data["cis"]["throughput"][("pytorch", 8)]
+    values = report.cell_values(records, metric, "pytorch", 8)
+    assert low <= np.median(values) <= high and high - low < 10
+    pairs = report.noise_pairs(data, metric)
+    assert pairs == ["PyTorch vs MXNet at batch size 8"]
+    row = report._row(data, metric, "pytorch", 1)
+    assert row[0].startswith(f"{np.median(values):,.1f} [") and row[0].endswith("]")
+
+
+def test_median_ci_and_overlap():
+    assert median_ci([3.0]) is None
+    assert median_ci([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    a = median_ci(list(range(100)))
+    assert 40 < a[0] < 50 < a[1] < 60
+    assert overlaps((1, 2), (2, 3)) and not overlaps((1, 2), (2.5, 3)) and overlaps(None, (1, 2)) is None
+
+
+def test_gpu_layout_memory_layers_mfu_and_energy(tmp_path):
+    recs = [record("pytorch", 8, backend="nvml", throughput=67_000.0,
+                   ), record("mxnet", 8, backend="nvml", throughput=33_500.0)]
+    for rec in recs:
+        rec["sampler"]["energy"] = {"joules": 500.0, "mean_power_w": 250.0, "method": "counter", "seconds": 2.0}
+        add_mfu(rec)
+    assert recs[0]["metrics"]["mfu"] == pytest.approx(67_000 * 1e9 / 67e12)
+    text = report.write(make_run(tmp_path, recs, batch_sizes=(8,))).read_text()
+    assert "| PyTorch GPU use % | 40.00 |" in text and "| PyTorch GPU memory MB | 700.00 |" in text
+    assert "| PyTorch NVML device MB | 1,000.0 |" in text and "| PyTorch allocator peak MB | 300.0 |" in text
+    assert "| MXNet allocator reserved peak MB | n/a |" in text
+    # 67,000 samples/s x 1 GFLOP per sample = 67 TFLOP/s: the whole fp32 peak of an H100 SXM
+    assert "## Model FLOPs utilization (%)" in text and "| PyTorch | 100.00 |" in text and "| MXNet | 50.00 |" in text
+    assert "## Energy per training sample (mJ)" in text and "| PyTorch | 50.000 |" in text  # 500 J / 10,000
+    assert "not SM occupancy" in text
+
+
+def test_mfu_left_out_for_cpu_and_unknown_devices():
+    cpu = record("pytorch", 8)
+    add_mfu(cpu)
+    assert "mfu" not in cpu["metrics"]
+    unknown = record("pytorch", 8, backend="nvml")
+    unknown["sampler"]["name"] = "Some Future GPU"
+    add_mfu(unknown)
+    assert "mfu" not in unknown["metrics"]
