@@ -1,7 +1,7 @@
-"""Command line: ``python -m harness run|report|env`` (also installed as ``harness``).
+"""Command line: ``python -m harness run|report|compare|history|env`` (also installed as ``harness``).
 
 Exit status: 0 on success (a sweep whose trials failed still succeeds: failures are results); 2 for a bad spec or
-bad arguments, with one line on standard error and no traceback; 1 for anything else that stops the command.
+bad arguments, with one line on standard error and no traceback; 1 when ``compare`` finds a regression.
 """
 
 from __future__ import annotations
@@ -39,8 +39,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--epochs", type=int, help="epochs per trial")
     run.add_argument("--out", default="results", help="folder that receives the run directory (default: results)")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    run.add_argument("--resume", metavar="RUN_DIR", help="finish an interrupted run of the same spec")
+    run.add_argument("--history", metavar="FILE", help="append the run's summary row to this history file")
     report = sub.add_parser("report", help="(re)write report.md and plots/ of a run directory")
     report.add_argument("run_dir")
+    compare = sub.add_parser("compare", help="compare two runs; exit 1 on a regression beyond the threshold")
+    compare.add_argument("base_run")
+    compare.add_argument("new_run")
+    compare.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
+                         help="percent change that counts as a regression (default 5)")
+    compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md)")
+    history = sub.add_parser("history", help="plot the trend of a metric over the runs in a history file")
+    history.add_argument("--file", default="results/history.jsonl", help="default: results/history.jsonl")
+    history.add_argument("--metric", default="throughput",
+                         help="throughput, seconds_per_epoch, accuracy, memory or util (default throughput)")
+    history.add_argument("--frameworks", type=_str_list, help="only these frameworks")
+    history.add_argument("--batch-sizes", type=lambda t: [int(x) for x in _str_list(t)], help="only these sizes")
+    history.add_argument("--out", default=None, help="PNG path (default: next to the history file)")
     sub.add_parser("env", help="print what a run would record about this machine (JSON)")
     return parser
 
@@ -77,6 +92,10 @@ def _run(args: argparse.Namespace) -> int:
 
     overrides = {"frameworks": args.frameworks, "batch_sizes": args.batch_sizes, "epochs": args.epochs}
     spec = spec_module.load(args.spec, overrides)
+    from harness.sampler import interval_warning
+
+    if (warning := interval_warning(spec.sampler.interval_s)) is not None:
+        print(f"{args.spec}: sampler.interval_s: {warning}", file=sys.stderr)
     console = Console(stderr=True)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, disable=args.no_progress or not console.is_terminal)
@@ -100,12 +119,44 @@ def _run(args: argparse.Namespace) -> int:
         progress.console.print(f"{trial.id}: {record['status']} ({detail}) in {record['wall_seconds']:.1f} s")
 
     with progress:
-        run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event)
+        run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
+                           resume=args.resume)
     path = report.write(run_dir)
+    if args.history:
+        from harness import history
+
+        history.append(args.history, run_dir)
     data = report.build(run_dir)
     _print_summary(data, _summary_console())
     print(f"run directory: {run_dir}\nreport: {path}")
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from harness.compare import compare_runs, to_markdown
+
+    try:
+        rows, summary = compare_runs(args.base_run, args.new_run, args.threshold)
+    except FileNotFoundError as err:
+        print(f"harness compare: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    out = Path(args.out) if args.out else Path(args.new_run) / f"compare-{Path(args.base_run).name}.md"
+    out.write_text(to_markdown(rows, summary), encoding="utf-8")
+    table = Table(title=f"{summary['base']} -> {summary['new']} (threshold {args.threshold:g}%)")
+    for title in ("framework", "batch", "metric", "base", "new", "change %", "noise", "verdict"):
+        table.add_column(title, justify="right" if title in ("batch", "base", "new", "change %") else "left")
+    for r in rows:
+        style = "bold red" if r.verdict == "regression" else None
+        table.add_row(r.framework, str(r.batch_size), r.metric, "" if r.base is None else f"{r.base:,.2f}",
+                      "" if r.new is None else f"{r.new:,.2f}",
+                      "" if r.change_pct is None else f"{r.change_pct:+.1f}", r.noise, r.verdict, style=style)
+    _summary_console().print(table)
+    for missing in summary["missing"]:
+        print(f"missing or failed on one side: {missing}")
+    print(f"{summary['regressions']} regression(s); comparison: {out}")
+    return 1 if summary["regressions"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +177,19 @@ def main(argv: list[str] | None = None) -> int:
             _print_summary(report.build(args.run_dir), _summary_console())
             print(f"report: {path}")
             return 0
+        if args.command == "compare":
+            return _compare(args)
+        if args.command == "history":
+            from harness import history
+
+            try:
+                out = history.plot(args.file, args.metric, args.out or Path(args.file).with_suffix(f".{args.metric}.png"),
+                                   args.frameworks, args.batch_sizes)
+            except (ValueError, FileNotFoundError) as err:
+                print(f"harness history: {err}", file=sys.stderr)
+                return EXIT_USAGE
+            print(f"plot: {out}")
+            return 0
         if args.command == "env":
             from harness import environment
 
@@ -133,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except SpecError as err:
         print(err, file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as err:  # --resume of a directory that is not a run
+        print(f"harness {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted: finished trials are in the run directory's trials.jsonl", file=sys.stderr)

@@ -45,12 +45,42 @@ def write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def append_trial(run_dir: Path, record: dict[str, Any]) -> None:
-    """Appends one trial record to trials.jsonl and forces it to disk (flush + fsync) before returning."""
-    with open(run_dir / "trials.jsonl", "a", encoding="utf-8") as f:
-        f.write(_dumps(record) + "\n")
+def append_line(path: Path, row: dict[str, Any]) -> None:
+    """Appends one JSON line to ``path`` and forces it to disk (flush + fsync) before returning."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(_dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def append_trial(run_dir: Path, record: dict[str, Any]) -> None:
+    """Appends one trial record to the run's trials.jsonl, on disk before this returns."""
+    append_line(run_dir / "trials.jsonl", record)
+
+
+def drop_torn_tail(path: Path) -> bool:
+    """Repairs the end of a JSON-lines file after a crash, so that appends continue on a clean line: a last line that
+    does not parse (a write cut short) is removed; a whole record missing only its newline gets one. Returns True
+    when a line was removed."""
+    if not path.exists() or not (raw := path.read_bytes()):
+        return False
+    complete, newline, tail = raw.rpartition(b"\n")
+    if not tail:  # the file ends with a newline: check its last line
+        complete, newline, tail = complete.rpartition(b"\n")
+        ending = b"\n"
+    else:
+        ending = b""
+    try:
+        json.loads(tail)
+    except ValueError:
+        fixed, removed = complete + newline, True
+    else:
+        fixed, removed = raw + (b"\n" if not ending else b""), False
+    if fixed != raw:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_bytes(fixed)
+        os.replace(tmp, path)
+    return removed
 
 
 def write_lines(path: Path, rows: Iterable[dict[str, Any]]) -> None:

@@ -9,8 +9,9 @@ from typing import Any, Callable
 from harness import __version__, environment, peaks
 from harness.launcher import Outcome, run_worker
 from harness.plan import Trial, plan
-from harness.results import append_trial, create_run_dir, read_run, write_json, write_lines
-from harness.spec import Spec
+from harness.results import (append_trial, create_run_dir, drop_torn_tail, read_run, read_trials, write_json,
+                             write_lines)
+from harness.spec import Spec, SpecError
 
 
 def resolve_device(device: str, gpu_info: dict[str, Any] | None = None) -> str:
@@ -63,30 +64,63 @@ def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
         record["metrics"].update({"mfu": achieved / peak[0], "peak_flops": peak[0], "peak_source": peak[1]})
 
 
+def spec_differences(old: Any, new: Any, path: str = "") -> list[str]:
+    """Dotted paths of the fields where two JSON-like specs differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += spec_differences(old.get(key), new.get(key), f"{path}.{key}" if path else str(key))
+        return out
+    return [] if old == new else [path or "(the whole spec)"]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = None,
              on_start: Callable[[Trial, int, int], None] | None = None,
              on_end: Callable[[Trial, dict[str, Any]], None] | None = None,
-             on_event: Callable[[dict[str, Any]], None] | None = None) -> Path:
+             on_event: Callable[[dict[str, Any]], None] | None = None,
+             resume: str | Path | None = None) -> Path:
     """Runs every trial of ``spec`` and returns the run directory (see harness.results for its layout).
 
     Each trial's record is on disk (fsynced) before the next trial starts; a failing trial is recorded with its
     status and reason and the sweep goes on. ``on_start(trial, index, total)``, ``on_end(trial, record)`` and
     ``on_event(worker event)`` report progress.
+
+    ``resume``: an interrupted run directory to finish instead of starting a new one. Trials already in its
+    trials.jsonl (whatever their status) are not run again; a torn last line (a crash mid-write) is removed and that
+    trial runs again. Raises SpecError when ``spec`` differs from the spec the run started with, naming the fields.
     """
-    env = environment.collect()
-    device = resolve_device(spec.device, env["gpu"])
-    trials = plan(spec, device)
-    run_dir = create_run_dir(out_root, spec.name)
-    run_info = {
-        "harness_version": __version__,
-        "spec_file": str(spec_path) if spec_path else None,
-        "spec": spec.model_dump(mode="json"),
-        "device": device,
-        "environment": env,
-        "planned_trials": [t.id for t in trials],
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "finished": None,
-    }
+    if resume is not None:
+        run_dir = Path(resume)
+        run_info = read_run(run_dir)
+        differences = spec_differences(run_info["spec"], spec.model_dump(mode="json"))
+        if differences:
+            raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
+                                                     f"started with in {', '.join(differences[:8])}")
+        drop_torn_tail(run_dir / "trials.jsonl")
+        device = run_info["device"]
+        done = {r["id"] for r in read_trials(run_dir)}
+        run_info.setdefault("resumed", []).append(_now())
+        run_info["finished"] = None
+    else:
+        env = environment.collect()
+        device = resolve_device(spec.device, env["gpu"])
+        run_dir = create_run_dir(out_root, spec.name)
+        done = set()
+        run_info = {
+            "harness_version": __version__,
+            "spec_file": str(spec_path) if spec_path else None,
+            "spec": spec.model_dump(mode="json"),
+            "device": device,
+            "environment": env,
+            "planned_trials": [t.id for t in plan(spec, device)],
+            "started": _now(),
+            "finished": None,
+        }
+    trials = [t for t in plan(spec, device) if t.id not in done]
     write_json(run_dir / "run.json", run_info)
     for index, trial in enumerate(trials):
         if on_start is not None:
@@ -100,6 +134,6 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
         if on_end is not None:
             on_end(trial, record)
     run_info = read_run(run_dir)
-    run_info["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    run_info["finished"] = _now()
     write_json(run_dir / "run.json", run_info)
     return run_dir

@@ -3,6 +3,8 @@ injects faults chosen per batch size by the environment variable HARNESS_FAULT, 
 
 Faults (at the third train_step): raise (ValueError), oom (MemoryError, which this adapter classifies as OOM),
 kill (SIGKILL to itself), segv (SIGSEGV to itself), hang (sleeps forever), exit (os._exit(3) without a report).
+HARNESS_STEP_SLEEP, e.g. "*:0.002,64:0.004", sleeps that many seconds in every train_step of that batch size ("*" for
+any): a stable step time, and a planted slowdown for the comparison tests.
 Registered for a test with HARNESS_ADAPTERS="fault=tests.fault_adapter:FaultAdapter".
 """
 
@@ -45,9 +47,15 @@ class FaultAdapter(Adapter):
         self.xt = data.x_test.reshape(len(data.x_test), -1)
         self.yt = data.y_test
 
+    @staticmethod
+    def _setting(variable, batch_size):
+        spec = dict(item.split(":") for item in filter(None, os.environ.get(variable, "").split(",")))
+        return spec.get(str(batch_size), spec.get("*"))
+
     def _maybe_fault(self, batch_size):
-        spec = dict(item.split(":") for item in filter(None, os.environ.get("HARNESS_FAULT", "").split(",")))
-        fault = spec.get(str(batch_size))
+        if (pause := self._setting("HARNESS_STEP_SLEEP", batch_size)) is not None:
+            time.sleep(float(pause))
+        fault = self._setting("HARNESS_FAULT", batch_size)
         if fault is None or self.steps != 2:
             return
         if fault == "raise":

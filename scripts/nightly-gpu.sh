@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The nightly GPU job: check the environment, run the spec, compare with the last good run, update the history,
+# and exit non-zero on a regression (or when the machine is not what the job expects).
+#
+# Settings (environment variables):
+#   PYTHON     the interpreter of the environment that has the frameworks (default .venv/bin/python)
+#   SPEC       the spec to run (default specs/cnn.yaml)
+#   RESULTS    where runs, history.jsonl and the last-good pointer live; keep it outside the checkout so that it
+#              survives between jobs (default results/nightly)
+#   THRESHOLD  percent change that counts as a regression (default 5)
+#   ALLOW_CPU  1 to run without a GPU (for trying the job out; a nightly GPU job should leave it unset)
+# Exit status: 0 no regression; 1 regression; 2 bad setup (no GPU, bad spec); other: the run itself failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+SPEC=${SPEC:-specs/cnn.yaml}
+RESULTS=${RESULTS:-results/nightly}
+THRESHOLD=${THRESHOLD:-5}
+mkdir -p "$RESULTS"
+
+echo "== environment"
+"$PYTHON" -m harness env > "$RESULTS/env-latest.json"
+if [ "${ALLOW_CPU:-0}" != 1 ]; then
+  "$PYTHON" - "$RESULTS/env-latest.json" <<'PY' || exit 2
+import json, sys
+gpu = json.load(open(sys.argv[1]))["gpu"]
+if not gpu.get("available"):
+    sys.exit(f"no GPU visible to NVML: {gpu.get('reason', 'unknown reason')}")
+print("GPU:", ", ".join(d["name"] for d in gpu["devices"]), "driver", gpu["driver"])
+PY
+fi
+
+echo "== run $SPEC"
+log="$RESULTS/run-latest.log"
+set +e
+"$PYTHON" -m harness run "$SPEC" --out "$RESULTS" --history "$RESULTS/history.jsonl" --no-progress 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+[ "$status" -eq 0 ] || exit "$status"
+run_dir=$(sed -n 's/^run directory: //p' "$log" | tail -n 1)
+
+echo "== compare"
+verdict=0
+if [ -f "$RESULTS/last-good" ] && [ -d "$(cat "$RESULTS/last-good")" ]; then
+  "$PYTHON" -m harness compare "$(cat "$RESULTS/last-good")" "$run_dir" --threshold "$THRESHOLD" || verdict=$?
+else
+  echo "no last good run yet: this run becomes the baseline"
+fi
+if [ "$verdict" -eq 0 ]; then
+  echo "$run_dir" > "$RESULTS/last-good"
+fi
+"$PYTHON" -m harness history --file "$RESULTS/history.jsonl" --metric throughput > /dev/null
+exit "$verdict"

@@ -1,0 +1,171 @@
+"""The nightly runner's pieces on real runs: compare (a planted slowdown is caught, repeats of one run are not),
+resume after the orchestrator is killed at several points, and the history file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import history, results
+from harness.compare import compare_runs
+from harness.runner import run_spec
+from harness.spec import validate
+from tests.conftest import base_spec
+
+
+def cli(*args, cwd, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
+                          env=env or os.environ.copy(), timeout=timeout)
+
+
+@pytest.fixture
+def steady(fault_adapter, monkeypatch):
+    """Fault-adapter steps that take a steady 3 ms, so throughput is stable enough to compare."""
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.003")
+    return fault_adapter
+
+
+def small_spec(framework, tmp_path, **changes):
+    settings = {"name": "nightly", "frameworks": [framework], "batch_sizes": [64, 128], "epochs": 1,
+                "warmup_steps": 2, "repeats": 3, **changes}
+    data = base_spec(**settings)
+    return validate(data, tmp_path / "nightly.yaml")
+
+
+def test_compare_catches_a_planted_slowdown_and_not_noise(steady, monkeypatch, tmp_path):
+    spec = small_spec(steady, tmp_path)
+    base = run_spec(spec, tmp_path / "r")
+    again = run_spec(spec, tmp_path / "r")
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.003,64:0.006")  # batch 64 steps take twice as long
+    slow = run_spec(spec, tmp_path / "r")
+
+    rows, summary = compare_runs(base, again, threshold_pct=10)
+    assert summary["regressions"] == 0, [r for r in rows if r.verdict == "regression"]
+    assert {r.noise for r in rows} <= {"intervals overlap", "intervals apart"}  # repeats give intervals
+
+    rows, summary = compare_runs(base, slow, threshold_pct=10)
+    flagged = {(r.batch_size, r.metric) for r in rows if r.verdict == "regression"}
+    assert flagged == {(64, "Throughput")}, rows
+    row = next(r for r in rows if r.batch_size == 64 and r.metric == "Throughput")
+    assert -60 < row.change_pct < -35 and row.noise == "intervals apart"
+
+    proc = cli("compare", str(base), str(slow), "--threshold", "10", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "1 regression(s)" in proc.stdout
+    markdown = (slow / f"compare-{base.name}.md").read_text()
+    assert "| fault | 64 | Throughput |" in markdown and "**regression**" in markdown
+    assert cli("compare", str(base), str(again), "--threshold", "10", cwd=tmp_path).returncode == 0
+
+
+def test_compare_lists_missing_and_failed_cells(steady, monkeypatch, tmp_path):
+    base = run_spec(small_spec(steady, tmp_path, repeats=1), tmp_path / "r")
+    monkeypatch.setenv("HARNESS_FAULT", "128:raise")
+    new = run_spec(small_spec(steady, tmp_path, repeats=1, batch_sizes=[32, 64, 128]), tmp_path / "r")
+    rows, summary = compare_runs(base, new)
+    verdicts = {(r.batch_size, r.verdict) for r in rows if r.metric in ("-", "Throughput")}
+    assert (32, "new only") in verdicts and (128, "failed in new") in verdicts
+    assert summary["missing"] == ["fault bs32: new only", "fault bs128: failed in new"]
+    assert next(r for r in rows if r.batch_size == 64 and r.metric == "Throughput").noise == \
+        "threshold only (no repeats)"
+
+
+def kill_after(proc, trials_glob, lines, out, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list(out.glob(trials_glob))
+        if lines == 0 and list(out.glob("*/events")):
+            break  # the first worker has started
+        if found and len(found[0].read_text().splitlines()) >= lines > 0:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("kill_at_lines", [0, 1, 4])
+def test_resume_after_a_kill_finishes_exactly_the_plan(steady, write_spec, tmp_path, kill_at_lines):
+    spec_file = write_spec(base_spec(name="nightly", frameworks=[steady], batch_sizes=[32, 64, 128], epochs=1,
+                                     repeats=2, warmup_steps=1))
+    out = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(spec_file), "--out", str(out),
+                             "--no-progress"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after(proc, "*/trials.jsonl", kill_at_lines, out)
+    (run_dir,) = out.iterdir()
+    before = [r["id"] for r in results.read_trials(run_dir)]
+    assert len(before) < 6
+    if kill_at_lines:
+        with open(run_dir / "trials.jsonl", "ab") as f:
+            f.write(b'{"id": "fault-bs128-r1", "status": "o')  # a write cut short by the crash
+    proc = cli("run", str(spec_file), "--resume", str(run_dir), "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    after = [r["id"] for r in results.read_trials(run_dir)]
+    planned = json.loads((run_dir / "run.json").read_text())["planned_trials"]
+    assert sorted(after) == sorted(planned) and len(after) == len(set(after)) == 6
+    assert after[:len(before)] == before  # finished trials were kept, not rerun
+    for line in (run_dir / "trials.jsonl").read_text().splitlines():
+        assert json.loads(line)["status"] == "ok"
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["finished"] and len(run["resumed"]) == 1
+
+
+def test_resume_refuses_a_different_spec(steady, write_spec, tmp_path):
+    spec_file = write_spec(base_spec(name="nightly", frameworks=[steady], batch_sizes=[64], epochs=1))
+    proc = cli("run", str(spec_file), "--out", str(tmp_path / "r"), "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = (tmp_path / "r").iterdir()
+    proc = cli("run", str(spec_file), "--resume", str(run_dir), "--epochs", "3", "--batch-sizes", "64,128",
+               cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"{spec_file}: cannot resume {run_dir}: the spec differs from the one it started "
+                                   f"with in batch_sizes, epochs")
+    proc = cli("run", str(spec_file), "--resume", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2 and "is not a run directory" in proc.stderr
+
+
+def test_history_across_three_runs(steady, monkeypatch, tmp_path):
+    spec = small_spec(steady, tmp_path, repeats=1)
+    history_file = tmp_path / "results" / "history.jsonl"
+    runs = []
+    for pause in ("0.003", "0.004", "0.006"):
+        monkeypatch.setenv("HARNESS_STEP_SLEEP", f"*:{pause}")
+        runs.append(run_spec(spec, tmp_path / "results"))
+        history.append(history_file, runs[-1])
+    history.append(history_file, runs[-1])  # the same run twice is one row
+    rows = history.read(history_file)
+    assert [r["run"] for r in rows] == [r.name for r in runs]
+    throughput = [r["cells"]["fault/64"]["throughput"] for r in rows]
+    assert throughput[0] > throughput[1] > throughput[2]  # the steps got slower run by run
+    assert rows[0]["cells"]["fault/128"]["status"] == "ok" and rows[0]["spec"] == "nightly"
+    proc = cli("history", "--file", str(history_file), "--metric", "throughput", "--batch-sizes", "64",
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "results" / "history.throughput.png").stat().st_size > 1000
+    assert cli("history", "--file", str(history_file), "--metric", "nonsense", cwd=tmp_path).returncode == 2
+
+
+def test_nightly_script_sets_a_baseline_then_catches_a_regression(steady, write_spec, monkeypatch, tmp_path):
+    from tests.conftest import ROOT
+
+    spec_file = write_spec(base_spec(name="nightly", frameworks=[steady], batch_sizes=[64], epochs=1, repeats=3))
+    env = {**os.environ, "PYTHON": sys.executable, "SPEC": str(spec_file), "RESULTS": str(tmp_path / "nightly"),
+           "THRESHOLD": "10", "ALLOW_CPU": "1"}
+    script = str(ROOT / "scripts" / "nightly-gpu.sh")
+    first = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "this run becomes the baseline" in first.stdout
+    baseline = (tmp_path / "nightly" / "last-good").read_text().strip()
+    env["HARNESS_STEP_SLEEP"] = "*:0.006"
+    second = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
+    assert (tmp_path / "nightly" / "last-good").read_text().strip() == baseline  # a regression is not a baseline
+    assert len(history.read(tmp_path / "nightly" / "history.jsonl")) == 2
+    assert (tmp_path / "nightly" / "history.throughput.png").exists()
+    no_gpu = subprocess.run(["bash", script], env={**env, "ALLOW_CPU": "0"}, capture_output=True, text=True,
+                            timeout=120)
+    assert no_gpu.returncode == 2 and "no GPU visible to NVML" in no_gpu.stderr
