@@ -25,28 +25,72 @@ def digits():
     return data, info
 
 
-def make(adapter_cls, seed: int = 0, optimizer: OptimizerSpec = SGD, threads: int = 2):
-    """A prepared, built and loaded adapter on the CPU, with the digits data and the CNN."""
+def make(adapter_cls, seed: int = 0, optimizer: OptimizerSpec = SGD, threads: int = 2,
+         weights: dict[str, np.ndarray] | None = None):
+    """A prepared, built and loaded adapter on the CPU, with the digits data and the CNN, holding ``weights``
+    (default: the canonical ``models.initial_weights(info, seed)``)."""
     data, info = digits()
     adapter = adapter_cls()
     adapter.prepare("cpu", threads, seed)
-    adapter.build(info, models.initial_weights(info, seed), optimizer)
+    adapter.build(info, models.initial_weights(info, seed) if weights is None else weights, optimizer)
     adapter.load(data)
     return adapter, data, info
+
+
+def epoch_batches(n: int, batch_size: int, epoch: int, seed: int = 0) -> list[np.ndarray]:
+    """The full batches of epoch ``epoch`` in the harness's order (``datasets.epoch_order``); a last partial batch is
+    dropped, as the harness's loop does."""
+    order = datasets.epoch_order(n, seed, epoch)
+    return [order[start:start + batch_size] for start in range(0, n - batch_size + 1, batch_size)]
+
+
+def batches(n: int, batch_size: int, steps: int, seed: int = 0) -> list[np.ndarray]:
+    """The first ``steps`` batches of a run, epoch after epoch: what every framework is fed in the same order."""
+    out: list[np.ndarray] = []
+    epoch = 0
+    while len(out) < steps:
+        out.extend(epoch_batches(n, batch_size, epoch, seed))
+        epoch += 1
+    return out[:steps]
 
 
 def train_epochs(adapter, data, epochs: int, batch_size: int, seed: int = 0) -> list[float]:
     """Trains for real; returns the mean of the synced losses of each epoch."""
     means = []
-    n = len(data.y_train)
     for epoch in range(epochs):
-        order = datasets.epoch_order(n, seed, epoch)
-        losses = []
-        for start in range(0, n - batch_size + 1, batch_size):
-            adapter.train_step(order[start:start + batch_size])
-            losses.append(adapter.sync())
+        losses = train_on(adapter, epoch_batches(len(data.y_train), batch_size, epoch, seed))[0]
         means.append(float(np.mean(losses)))
     return means
+
+
+def train_on(adapter, steps: list[np.ndarray], keep: tuple[int, ...] = ()) -> tuple[list[float],
+                                                                                  dict[int, dict[str, np.ndarray]]]:
+    """One train_step per batch in ``steps``, synced after each. Returns the loss of every step and the canonical
+    weights (``get_weights``) after each step count in ``keep`` (0: before the first step)."""
+    losses: list[float] = []
+    kept: dict[int, dict[str, np.ndarray]] = {}
+    if 0 in keep:
+        kept[0] = adapter.get_weights()
+    for count, batch in enumerate(steps, start=1):
+        adapter.train_step(batch)
+        losses.append(adapter.sync())
+        if count in keep:
+            kept[count] = adapter.get_weights()
+    return losses, kept
+
+
+def max_differences(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float]:
+    """The largest absolute difference between same-named arrays of ``a`` and ``b``, and the largest relative one
+    (|a - b| / |b| over the elements where |b| > 1e-3, so that near-zero entries do not dominate). For reporting how
+    close two frameworks came; the assertions use ``np.testing.assert_allclose``."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    abs_max = rel_max = 0.0
+    for name, ref in b.items():
+        diff = np.abs(np.asarray(a[name], np.float64) - np.asarray(ref, np.float64))
+        abs_max = max(abs_max, float(diff.max(initial=0.0)))
+        big = np.abs(ref) > 1e-3
+        rel_max = max(rel_max, float((diff[big] / np.abs(ref[big])).max(initial=0.0)))
+    return abs_max, rel_max
 
 
 def check_learns_digits(adapter_cls) -> None:
