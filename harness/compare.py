@@ -40,11 +40,11 @@ class Row:
 
 
 def _cells(records: list[dict[str, Any]]) -> set[tuple[str, int]]:
-    return {(r["framework"], r["batch_size"]) for r in records}
+    return {(report.row_key(r), r["batch_size"]) for r in records}
 
 
 def _status(records: list[dict[str, Any]], cell: tuple[str, int]) -> str:
-    statuses = sorted({r["status"] for r in records if (r["framework"], r["batch_size"]) == cell})
+    statuses = sorted({r["status"] for r in records if (report.row_key(r), r["batch_size"]) == cell})
     return "/".join(statuses)
 
 

@@ -24,7 +24,7 @@ def summary_row(run_dir: str | Path) -> dict[str, Any]:
     cells: dict[str, dict[str, Any]] = {}
     for fw in data["frameworks"]:
         for bs in data["batch_sizes"]:
-            statuses = sorted({r["status"] for r in data["records"] if r["framework"] == fw and r["batch_size"] == bs})
+            statuses = sorted({r["status"] for r in data["records"] if report.row_key(r) == fw and r["batch_size"] == bs})
             if not statuses:
                 continue
             cell: dict[str, Any] = {"status": "/".join(statuses)}
@@ -76,13 +76,13 @@ def plot(history_file: str | Path, metric: str, out: str | Path, frameworks: lis
     series: dict[str, list[tuple[int, float]]] = {}
     for i, row in enumerate(rows):
         for key, cell in row["cells"].items():
-            fw, bs = key.split("/")
-            if (frameworks and fw not in frameworks) or (batch_sizes and int(bs) not in batch_sizes):
+            fw, bs = key.rsplit("/", 1)
+            if (frameworks and fw.split(" (")[0] not in frameworks) or (batch_sizes and int(bs) not in batch_sizes):
                 continue
             if cell.get(metric) is not None:
                 series.setdefault(key, []).append((i, cell[metric]))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for key, points in sorted(series.items(), key=lambda kv: (kv[0].split("/")[0], int(kv[0].split("/")[1]))):
+    for key, points in sorted(series.items(), key=lambda kv: (kv[0].rsplit("/", 1)[0], int(kv[0].rsplit("/", 1)[1]))):
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", label=key)
     ax.set_xticks(range(len(rows)), [(r.get("started") or r["run"])[:10] + "\n" + (r.get("commit") or "")[:7]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from harness.spec import Spec
+from harness.spec import OptimizerSpec, Spec
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,9 @@ class Trial:
 
     id: stable and unique within a run, ``"<framework>-bs<batch size>-r<repeat>"``. device: "cpu" or "cuda:N"
     (``auto`` already resolved). threads: intra-op CPU threads for the framework (inter-op is 1), the same for every
-    framework. learning_rate: what the optimizer uses (the spec's, until scaling rules exist).
+    framework. batch_size: the micro-batch of one forward/backward pass; accumulation_steps micro-batches make one
+    optimizer step of effective_batch_size samples. learning_rate: what the optimizer uses, after the spec's scaling
+    rule. memory_limit_bytes: the worker's memory cap, or None. target_accuracy: a test accuracy to time, or None.
     """
 
     id: str
@@ -29,6 +32,12 @@ class Trial:
     warmup_steps: int
     sync_every: int
     learning_rate: float
+    accumulation_steps: int = 1
+    effective_batch_size: int = 0
+    memory_limit_bytes: int | None = None
+    target_accuracy: float | None = None
+    variant: str = ""
+    optimizer: dict[str, Any] | None = None
 
     def payload(self, spec: Spec) -> dict[str, Any]:
         """What the worker reads on standard input: the trial and the whole spec, as JSON-ready data."""
@@ -43,6 +52,33 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def variant_label(optimizer: OptimizerSpec) -> str:
+    """A short name for an optimizer variant, e.g. "sgd lr=0.01 m=0.9" or "adam lr=0.001"."""
+    label = f"{optimizer.name} lr={optimizer.learning_rate:g}"
+    if optimizer.name == "sgd" and optimizer.momentum:
+        label += f" m={optimizer.momentum:g}"
+    if optimizer.weight_decay:
+        label += f" wd={optimizer.weight_decay:g}"
+    return label
+
+
+def variants(spec: Spec) -> list[tuple[str, OptimizerSpec]]:
+    """(label, optimizer) of every variant; one unnamed variant (the spec's optimizer) when none are given."""
+    if spec.variants is None:
+        return [("", spec.optimizer)]
+    return [(variant_label(opt), opt) for opt in spec.variants.optimizer]
+
+
+def scaled_learning_rate(spec: Spec, effective_batch_size: int, optimizer: OptimizerSpec | None = None) -> float:
+    """The optimizer's learning rate after ``learning_rate_scaling`` (none, linear or sqrt) relative to
+    ``base_batch_size``: lr x B / base or lr x sqrt(B / base), with B the effective batch size."""
+    lr = (optimizer or spec.optimizer).learning_rate
+    if spec.learning_rate_scaling == "none" or spec.base_batch_size is None:
+        return lr
+    ratio = effective_batch_size / spec.base_batch_size
+    return lr * ratio if spec.learning_rate_scaling == "linear" else lr * math.sqrt(ratio)
+
+
 def plan(spec: Spec, device: str) -> list[Trial]:
     """The trials of ``spec`` in run order.
 
@@ -55,11 +91,17 @@ def plan(spec: Spec, device: str) -> list[Trial]:
     repeat uses the spec's seed: the same weights and batches; repeats measure timing noise, not seed variance.
     """
     return [
-        Trial(id=f"{framework}-bs{batch}-r{repeat}", framework=framework, batch_size=batch, repeat=repeat,
+        Trial(id=f"{framework}-bs{batch}-r{repeat}" + (f"-v{index}" if label else ""), framework=framework,
+              batch_size=batch, repeat=repeat, variant=label,
+              optimizer=None if not label else optimizer.model_dump(mode="json"),
               device=device, threads=spec.cpu_threads or available_cpus(), seed=spec.seed, epochs=spec.epochs,
-              warmup_steps=spec.warmup_steps,
-              sync_every=spec.timing.sync_every, learning_rate=spec.optimizer.learning_rate)
+              warmup_steps=spec.warmup_steps, sync_every=spec.timing.sync_every,
+              learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, optimizer),
+              accumulation_steps=spec.accumulation_steps, effective_batch_size=batch * spec.accumulation_steps,
+              memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
+              target_accuracy=spec.target_accuracy)
         for repeat in range(spec.repeats)
+        for index, (label, optimizer) in enumerate(variants(spec))
         for batch in spec.batch_sizes
         for framework in spec.frameworks
     ]

@@ -36,6 +36,12 @@ class Metric:
     ci: bool = False  # show the 95% bootstrap interval of the median over repeats
 
 
+def row_key(record: dict[str, Any]) -> str:
+    """The row a trial belongs to: its framework, plus its variant in parentheses when the spec has variants."""
+    variant = record.get("variant") or ""
+    return f"{record['framework']} ({variant})" if variant else record["framework"]
+
+
 def _get(record: dict[str, Any], *path: str) -> Any:
     value: Any = record
     for part in path:
@@ -136,7 +142,7 @@ def metrics_for(backend: str) -> list[Metric]:
 
 def cell_values(records: list[dict[str, Any]], metric: Metric, framework: str, batch_size: int) -> list[float]:
     """The metric's finite values over the repeats of one cell that ended ok."""
-    return [v for r in records if r["framework"] == framework and r["batch_size"] == batch_size
+    return [v for r in records if row_key(r) == framework and r["batch_size"] == batch_size
             and r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
 
 
@@ -147,7 +153,7 @@ def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list
     for fw in frameworks:
         for bs in batch_sizes:
             ok = cell_values(records, metric, fw, bs)
-            mine = [r for r in records if r["framework"] == fw and r["batch_size"] == bs]
+            mine = [r for r in records if row_key(r) == fw and r["batch_size"] == bs]
             if ok:
                 table.loc[fw, bs] = float(np.median(ok))
             elif mine:
@@ -193,7 +199,7 @@ def span_cells(records: list[dict[str, Any]], metric: Metric) -> set[tuple[str, 
     windows (windows shorter than the sampling interval; see harness.sampler.phase_stats)."""
     if metric.sampler_metric is None:
         return set()
-    return {(r["framework"], r["batch_size"]) for r in records if r["status"] == "ok"
+    return {(row_key(r), r["batch_size"]) for r in records if r["status"] == "ok"
             and _get(r, "sampler", "stats", metric.sampler_metric, "scope") == "span"}
 
 
@@ -212,7 +218,7 @@ def _row(data: dict[str, Any], metric: Metric, framework: str, digits: int) -> l
     cells = []
     for bs, value in data["tables"][metric.key].loc[framework].items():
         text = _cell(value, digits, (framework, bs) in marks)
-        if (framework, bs) in cis:
+        if (framework, bs) in cis and cis[(framework, bs)][0] != cis[(framework, bs)][1]:
             low, high = cis[(framework, bs)]
             text += f" [{low:,.{digits}f}, {high:,.{digits}f}]"
         cells.append(text)
@@ -227,8 +233,9 @@ def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], co
     return "\n".join([header, rule, *body])
 
 
-def _title(framework: str) -> str:
-    return FRAMEWORK_TITLES.get(framework, framework)
+def _title(key: str) -> str:
+    framework, _, variant = key.partition(" (")
+    return FRAMEWORK_TITLES.get(framework, framework) + (f" ({variant}" if variant else "")
 
 
 def build(run_dir: str | Path) -> dict[str, Any]:
@@ -236,7 +243,11 @@ def build(run_dir: str | Path) -> dict[str, Any]:
     run = read_run(run_dir)
     records = read_trials(run_dir)
     spec = run["spec"]
-    frameworks = [f for f in spec["frameworks"] if any(r["framework"] == f for r in records)] or spec["frameworks"]
+    # Rows: frameworks in the spec's order, each with its variants in the order they ran.
+    keys = list(dict.fromkeys(row_key(r) for r in records))
+    frameworks = sorted(keys, key=lambda k: (spec["frameworks"].index(k.split(" (")[0])
+                                             if k.split(" (")[0] in spec["frameworks"] else 99, keys.index(k)))
+    frameworks = frameworks or spec["frameworks"]
     batch_sizes = [b for b in spec["batch_sizes"] if any(r["batch_size"] == b for r in records)] or spec["batch_sizes"]
     backend = next((r["sampler"].get("backend") for r in records if r.get("sampler", {}).get("backend")), "host")
     metrics = metrics_for(backend)
@@ -331,9 +342,11 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
         if metric.ci and data["cis"][metric.key]:
             pairs = noise_pairs(data, metric)
-            lines += ["Cells show the median [95% bootstrap interval of the median] over the repeats. "
+            lines += ["Cells show the median [95% bootstrap interval of the median] over the repeats (no interval where "
+                      "every repeat gave the same value). "
                       + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
                          else "No compared pair's intervals overlap."), ""]
+    lines += study_sections(data)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
@@ -344,6 +357,75 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += ["Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): "
               + ", ".join(f"[{r['id']}](plots/trials/{r['id']}.png)" for r in records if r["status"] == "ok"), ""]
     return "\n".join(lines)
+
+
+def study_sections(data: dict[str, Any]) -> list[str]:
+    """Sections for the batch-size studies a spec turns on: learning-rate scaling and gradient accumulation, time to
+    a target accuracy, and powers of two against their neighbours."""
+    spec, records, sizes = data["run"]["spec"], data["records"], data["batch_sizes"]
+    lines: list[str] = []
+
+    def per_cell(read: Any, digits: int) -> list[tuple[str, list[str]]]:
+        metric = Metric("x", "x", "", read, digits, "")
+        table = metric_table(records, metric, data["frameworks"], sizes)
+        return [(_title(fw), [_cell(v, digits) for v in table.loc[fw]]) for fw in data["frameworks"]]
+
+    if spec.get("accumulation_steps", 1) > 1 or spec.get("learning_rate_scaling", "none") != "none":
+        lines += ["## Learning rate and effective batch size", "",
+                  f"Learning-rate scaling: {spec.get('learning_rate_scaling', 'none')} relative to batch size "
+                  f"{spec.get('base_batch_size')}; gradient accumulation: {spec.get('accumulation_steps', 1)} "
+                  "micro-batches of the batch size per optimizer step (effective batch size = steps x batch size). "
+                  "Batchnorm normalises each micro-batch on its own, so with batchnorm accumulation is not the same "
+                  "as one large batch.", "",
+                  "Effective batch size:", "",
+                  markdown_table(per_cell(_scaled(1.0, "metrics", "effective_batch_size"), 0), sizes), "",
+                  "Learning rate used:", "",
+                  markdown_table(per_cell(lambda r: r.get("learning_rate"), 5), sizes), ""]
+    target = spec.get("target_accuracy")
+    if target:
+        epochs = per_cell(_scaled(1.0, "metrics", "time_to_target", "epochs"), 0)
+        seconds = per_cell(_scaled(1.0, "metrics", "time_to_target", "training_seconds"), 2)
+        seconds_metric = Metric("t", "t", "", _scaled(1.0, "metrics", "time_to_target", "training_seconds"), 2, "")
+        firsts = []
+        for fw in data["frameworks"]:
+            reached = []
+            for bs in sizes:
+                values = cell_values(records, seconds_metric, fw, bs)
+                if values:
+                    reached.append((float(np.median(values)), bs))
+            if reached:
+                best_seconds, best_size = min(reached)
+                firsts.append(f"{_title(fw)}: batch size {best_size} ({best_seconds:.2f} s)")
+            else:
+                firsts.append(f"{_title(fw)}: not reached")
+        lines += [f"## Time to {100 * target:g}% test accuracy", "",
+                  "Training seconds (timed windows only, warm-up and evaluation excluded) and epochs until the test "
+                  "accuracy after an epoch first reached the target; empty where it was never reached.", "",
+                  "Epochs:", "", markdown_table(epochs, sizes), "", "Training seconds:", "",
+                  markdown_table(seconds, sizes), "", "First to reach it: " + "; ".join(firsts) + ".", ""]
+    powers = [n for n in sizes if n & (n - 1) == 0 and (n - 1 in sizes or n + 1 in sizes)]
+    if powers:
+        lines += ["## Powers of two against their neighbours", "",
+                  "Throughput of n - 1 and n + 1 relative to the power of two n. With repeats, 'no measurable "
+                  "difference' means the 95% intervals of the medians overlap.", "",
+                  "| framework | n | neighbour | change % | verdict |", "| --- | ---: | ---: | ---: | --- |"]
+        metric = next(m for m in data["metrics"] if m.key == "throughput")
+        cis = data["cis"].get("throughput", {})
+        for fw in data["frameworks"]:
+            for n in powers:
+                base = cell_values(records, metric, fw, n)
+                for other in (n - 1, n + 1):
+                    values = cell_values(records, metric, fw, other)
+                    if other not in sizes or not base or not values:
+                        continue
+                    change = (np.median(values) - np.median(base)) / np.median(base) * 100
+                    overlap = overlaps(cis.get((fw, n)), cis.get((fw, other)))
+                    verdict = ("single runs: no interval" if overlap is None else
+                               "no measurable difference" if overlap else
+                               "faster" if change > 0 else "slower")
+                    lines.append(f"| {_title(fw)} | {n} | {other} | {change:+.1f} | {verdict} |")
+        lines.append("")
+    return lines
 
 
 MEMORY_NOTE = {
@@ -475,6 +557,6 @@ def summary_rows(data: dict[str, Any]) -> list[list[str]]:
         for bs in data["batch_sizes"]:
             cells = [_cell(data["tables"][k].loc[fw, bs], metrics[k].digits, (fw, bs) in data["marks"][k])
                      for k in keys]
-            statuses = sorted({r["status"] for r in data["records"] if r["framework"] == fw and r["batch_size"] == bs})
+            statuses = sorted({r["status"] for r in data["records"] if row_key(r) == fw and r["batch_size"] == bs})
             rows.append([_title(fw), str(bs), "/".join(statuses)] + cells)
     return rows

@@ -31,9 +31,12 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         "framework": trial.framework,
         "batch_size": trial.batch_size,
         "repeat": trial.repeat,
+        "variant": trial.variant,
         "device": trial.device,
         "threads": trial.threads,
         "learning_rate": trial.learning_rate,
+        "accumulation_steps": trial.accumulation_steps,
+        "effective_batch_size": trial.effective_batch_size,
         "status": outcome.status,
         "reason": outcome.reason,
         "wall_seconds": outcome.wall_seconds,
@@ -51,6 +54,15 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         if error is not None:
             record["traceback"] = error.get("traceback", "")
     return record
+
+
+def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
+    """The record of a trial not run because a smaller batch size of the same framework ran out of memory."""
+    return {"id": trial.id, "framework": trial.framework, "batch_size": trial.batch_size, "repeat": trial.repeat,
+            "variant": trial.variant, "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
+            "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {}, "sampler": {},
+            "versions": {}, "settings": {}, "finished": _now(),
+            "reason": f"not run: batch size {oom_batch_size} already ran out of memory (after_oom: skip)"}
 
 
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
@@ -122,15 +134,32 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
         }
     trials = [t for t in plan(spec, device) if t.id not in done]
     write_json(run_dir / "run.json", run_info)
+    # The smallest batch size that ran out of memory, per framework and repeat (finished trials of a resumed run
+    # count too).
+    oom_at: dict[tuple[str, int, str], int] = {}
+    for finished in read_trials(run_dir):
+        if finished["status"] == "oom":
+            key = (finished["framework"], finished["repeat"], finished.get("variant", ""))
+            oom_at[key] = min(oom_at.get(key, finished["batch_size"]), finished["batch_size"])
     for index, trial in enumerate(trials):
         if on_start is not None:
             on_start(trial, index, len(trials))
+        limit = oom_at.get((trial.framework, trial.repeat, trial.variant))
+        if spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
+            record = skipped_record(trial, limit)
+            append_trial(run_dir, record)
+            if on_end is not None:
+                on_end(trial, record)
+            continue
         outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, trial.threads,
                              on_event=on_event)
         record = trial_record(trial, outcome)
         write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
         write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
         append_trial(run_dir, record)
+        if record["status"] == "oom":
+            key = (trial.framework, trial.repeat, trial.variant)
+            oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
         if on_end is not None:
             on_end(trial, record)
     run_info = read_run(run_dir)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
 
@@ -172,6 +173,21 @@ class SamplerSpec(_Strict):
     interval_s: float = Field(default=0.1, gt=0, le=10)
 
 
+class AllocatorSpec(_Strict):
+    """Allocator settings that change the memory numbers; every trial records the values used.
+
+    tensorflow_memory_growth: on by default (TensorFlow otherwise maps nearly all GPU memory at start,
+    https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth); turn it off to reproduce "TF grabs all
+    memory". pytorch_cuda_alloc_conf: PYTORCH_CUDA_ALLOC_CONF for the workers
+    (https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf).
+    mxnet_gpu_mem_pool_type: MXNET_GPU_MEM_POOL_TYPE (Naive, Round or Unpooled; MXNet's default is Naive).
+    """
+
+    tensorflow_memory_growth: bool = True
+    pytorch_cuda_alloc_conf: str | None = None
+    mxnet_gpu_mem_pool_type: Literal["Naive", "Round", "Unpooled"] | None = None
+
+
 class TimingSpec(_Strict):
     """How the training loop is timed.
 
@@ -182,8 +198,29 @@ class TimingSpec(_Strict):
     sync_every: int = Field(default=1, ge=1)
 
 
+class VariantsSpec(_Strict):
+    """Study variants crossed with the batch sizes: every combination of the lists given runs at every batch size.
+
+    optimizer: several optimizers (each a full optimizer spec), e.g. SGD with momentum and Adam, for the
+    seed-002 comparison of how optimizers tolerate large batches.
+    """
+
+    optimizer: list[OptimizerSpec] = Field(min_length=1)
+
+
 class Spec(_Strict):
-    """A whole benchmark spec. ``epochs`` counts full passes; each epoch is floor(N / batch size) full batches."""
+    """A whole benchmark spec. ``epochs`` counts full passes; each epoch is floor(N / effective batch size) full
+    optimizer steps.
+
+    memory_limit_mb: a cap on each worker's memory (MB = 10^6 bytes): on a GPU through the framework's own limit, on
+    the CPU through a process limit; it makes OOM real on any machine. accumulation_steps: k micro-batches of the
+    batch size per optimizer step (gradient accumulation; effective batch size = k x batch size).
+    learning_rate_scaling: the learning rate used at batch size B is the optimizer's learning rate x B /
+    base_batch_size (linear) or x sqrt(B / base_batch_size) (sqrt), with B the effective batch size.
+    target_accuracy: time and epochs to reach this test accuracy (fraction) are reported per trial.
+    after_oom: after an OOM at batch size b, larger batch sizes of that framework (same repeat and variant) are
+    recorded as skipped (``skip``, the default) or run anyway (``try``).
+    """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
@@ -201,6 +238,22 @@ class Spec(_Strict):
     timeout_s: float = Field(default=1800.0, gt=0)
     sampler: SamplerSpec = SamplerSpec()
     timing: TimingSpec = TimingSpec()
+    allocator: AllocatorSpec = AllocatorSpec()
+    memory_limit_mb: float | None = Field(default=None, gt=0)
+    accumulation_steps: int = Field(default=1, ge=1)
+    learning_rate_scaling: Literal["none", "linear", "sqrt"] = "none"
+    base_batch_size: int | None = Field(default=None, gt=0, validate_default=True)
+    target_accuracy: float | None = Field(default=None, gt=0, le=1)
+    after_oom: Literal["skip", "try"] = "skip"
+    variants: VariantsSpec | None = None
+
+    @field_validator("base_batch_size")
+    @classmethod
+    def _scaling_needs_a_base(cls, base: int | None, info: ValidationInfo) -> int | None:
+        if info.data.get("learning_rate_scaling", "none") != "none" and base is None:
+            raise ValueError(f"learning_rate_scaling {info.data['learning_rate_scaling']} needs base_batch_size "
+                             "(the batch size the optimizer's learning rate is for)")
+        return base
 
     @field_validator("frameworks")
     @classmethod

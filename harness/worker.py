@@ -67,12 +67,23 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
     """
     from harness.datasets import epoch_order
 
-    batch, epochs, warmup = trial["batch_size"], trial["epochs"], trial["warmup_steps"]
+    micro = trial["batch_size"]
+    accumulation = trial.get("accumulation_steps", 1)
+    batch = micro * accumulation  # samples per optimizer step
+    epochs, warmup = trial["epochs"], trial["warmup_steps"]
     sync_every, seed = trial["sync_every"], trial["seed"]
+    target = trial.get("target_accuracy")
     n = len(data.y_train)
     steps_per_epoch = n // batch
     if steps_per_epoch == 0:
-        raise TrialError(f"batch size {batch} exceeds the {n} training samples")
+        what = f"batch size {micro}" if accumulation == 1 else f"effective batch size {batch} ({accumulation} x {micro})"
+        raise TrialError(f"{what} exceeds the {n} training samples")
+
+    def step(indices: np.ndarray) -> None:
+        if accumulation == 1:
+            adapter.train_step(indices)
+        else:
+            adapter.train_step(indices, micro_batches=accumulation)
     if warmup >= steps_per_epoch * epochs:
         raise TrialError(f"warmup_steps {warmup} leaves none of the {steps_per_epoch * epochs} steps to measure")
 
@@ -81,6 +92,8 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
     measured_steps = 0
     epoch_records: list[dict[str, Any]] = []
     nonfinite = False
+    reached: dict[str, Any] | None = None
+    train_started = time.perf_counter()
     warm = warmup == 0
     adapter.sync()
     if warm:
@@ -94,7 +107,7 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
         if not warm:  # the warm-up steps still left fall at the start of this epoch
             count = min(warmup - epoch * steps_per_epoch, steps_per_epoch)
             for position in range(count):
-                adapter.train_step(order[position * batch:(position + 1) * batch])
+                step(order[position * batch:(position + 1) * batch])
             losses.append(adapter.sync())
             position = count
             if epoch * steps_per_epoch + count == warmup:
@@ -109,7 +122,7 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
             while position < steps_per_epoch:
                 count = min(sync_every, steps_per_epoch - position)
                 for _ in range(count):
-                    adapter.train_step(order[position * batch:(position + 1) * batch])
+                    step(order[position * batch:(position + 1) * batch])
                     position += 1
                 losses.append(adapter.sync())
                 now = time.perf_counter()
@@ -121,8 +134,13 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
             measured_seconds += epoch_seconds
         nonfinite = nonfinite or not all(math.isfinite(x) for x in losses)
         emit("phase", name="eval", epoch=epoch, edge="start")
-        test_loss, test_accuracy = adapter.evaluate(batch)
+        test_loss, test_accuracy = adapter.evaluate(micro)
         emit("phase", name="eval", epoch=epoch, edge="end")
+        if target is not None and reached is None and test_accuracy >= target:
+            # training_seconds: timed training only (warm-up steps and evaluations excluded);
+            # wall_seconds: from the first step to the end of this evaluation, everything included.
+            reached = {"epochs": epoch + 1, "training_seconds": measured_seconds,
+                       "wall_seconds": time.perf_counter() - train_started}
         record = {"epoch": epoch, "train_loss": float(np.mean(losses)) if losses else math.nan,
                   "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_seconds": epoch_seconds}
         epoch_records.append(record)
@@ -145,6 +163,11 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
         "test_loss": epoch_records[-1]["test_loss"],
         "test_accuracy": epoch_records[-1]["test_accuracy"],
         "nonfinite_loss": nonfinite,
+        "batch_size": micro,
+        "accumulation_steps": accumulation,
+        "effective_batch_size": batch,
+        "target_accuracy": target,
+        "time_to_target": reached,
         "epochs": epoch_records,
         "memory": memory,
     }
@@ -156,7 +179,7 @@ def run(payload: dict[str, Any], events: Events) -> int:
     try:
         import adapters
         from harness import datasets, models
-        from harness.spec import Spec
+        from harness.spec import OptimizerSpec, Spec
 
         trial = payload["trial"]
         spec = Spec.model_validate(payload["spec"])
@@ -165,10 +188,14 @@ def run(payload: dict[str, Any], events: Events) -> int:
             adapter = adapters.get(trial["framework"])()
         except ImportError as err:
             raise TrialError(f"{trial['framework']} is not installed here ({err})") from None
+        adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
+                           "memory_limit_bytes": trial.get("memory_limit_bytes")}
         adapter.prepare(trial["device"], trial["threads"], trial["seed"])
         data = datasets.load(spec.dataset, seed=trial["seed"])
         info = models.analyze(spec.model, tuple(data.x_train.shape[1:]), data.num_classes)
-        adapter.build(info, models.initial_weights(info, trial["seed"]), spec.optimizer)
+        base_optimizer = OptimizerSpec.model_validate(trial["optimizer"]) if trial.get("optimizer") else spec.optimizer
+        optimizer = base_optimizer.model_copy(update={"learning_rate": trial["learning_rate"]})
+        adapter.build(info, models.initial_weights(info, trial["seed"]), optimizer)
         adapter.load(data)
         adapter.sync()
         events.emit("ready", versions=adapter.versions(), settings=adapter.settings())

@@ -23,7 +23,7 @@ def test_every_status_in_one_sweep(fault_adapter, monkeypatch, tmp_path):
     # 32 and 64 must still finish ok.
     monkeypatch.setenv("HARNESS_FAULT", "8:raise,12:oom,16:kill,20:segv,24:exit,28:hang")
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[8, 12, 16, 20, 24, 28, 32, 64],
-                              timeout_s=8, warmup_steps=0, epochs=2), tmp_path / "s.yaml")
+                              timeout_s=8, warmup_steps=0, epochs=2, after_oom="try"), tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "results")
     records = {r["batch_size"]: r for r in results.read_trials(run_dir)}
     assert {bs: r["status"] for bs, r in records.items()} == {
@@ -112,3 +112,40 @@ def test_trials_survive_sigkill_of_the_orchestrator(fault_adapter, write_spec, t
         assert record["status"] == "ok" and record["metrics"]["throughput"] > 0
     text = report.write(trials_file.parent).read_text()
     assert f"{len(lines)} of 6 trials" in text and "not finished" in text
+
+
+def test_after_an_oom_larger_batch_sizes_are_skipped_unless_asked(fault_adapter, monkeypatch, tmp_path):
+    monkeypatch.setenv("HARNESS_FAULT", "32:oom")
+    common = dict(frameworks=[fault_adapter], batch_sizes=[16, 32, 64, 24], warmup_steps=0)
+    spec = validate(base_spec(**common), tmp_path / "s.yaml")
+    records = {r["batch_size"]: r for r in results.read_trials(run_spec(spec, tmp_path / "a"))}
+    assert {bs: r["status"] for bs, r in records.items()} == {16: "ok", 32: "oom", 64: "skipped", 24: "ok"}
+    assert records[64]["reason"] == "not run: batch size 32 already ran out of memory (after_oom: skip)"
+    spec = validate(base_spec(after_oom="try", **common), tmp_path / "s.yaml")
+    statuses = {r["batch_size"]: r["status"] for r in results.read_trials(run_spec(spec, tmp_path / "b"))}
+    assert statuses == {16: "ok", 32: "oom", 64: "ok", 24: "ok"}
+
+
+def test_learning_rate_scaling_and_accumulation_reach_the_trial(tmp_path):
+    from harness.plan import plan
+
+    spec = validate(base_spec(batch_sizes=[16, 64], accumulation_steps=2, learning_rate_scaling="sqrt",
+                              base_batch_size=32, optimizer={"name": "sgd", "learning_rate": 0.1}), tmp_path / "s.yaml")
+    trials = plan(spec, "cpu")
+    assert [(t.batch_size, t.effective_batch_size) for t in trials] == [(16, 32), (64, 128)]
+    assert trials[0].learning_rate == pytest.approx(0.1) and trials[1].learning_rate == pytest.approx(0.2)
+    linear = validate(base_spec(batch_sizes=[128], learning_rate_scaling="linear", base_batch_size=32,
+                                optimizer={"name": "sgd", "learning_rate": 0.1}), tmp_path / "s.yaml")
+    assert plan(linear, "cpu")[0].learning_rate == pytest.approx(0.4)
+
+
+def test_time_to_target_accuracy(fault_adapter, tmp_path):
+    spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], epochs=4, target_accuracy=0.5),
+                    tmp_path / "s.yaml")
+    record = results.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    reached = record["metrics"]["time_to_target"]
+    first = next(e["epoch"] for e in record["metrics"]["epochs"] if e["test_accuracy"] >= 0.5)
+    assert reached["epochs"] == first + 1 and 0 < reached["training_seconds"] <= reached["wall_seconds"]
+    unreachable = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], target_accuracy=1.0),
+                           tmp_path / "s.yaml")
+    assert results.read_trials(run_spec(unreachable, tmp_path / "u"))[0]["metrics"]["time_to_target"] is None

@@ -113,3 +113,32 @@ def test_mfu_left_out_for_cpu_and_unknown_devices():
     unknown["sampler"]["name"] = "Some Future GPU"
     add_mfu(unknown)
     assert "mfu" not in unknown["metrics"]
+
+
+def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
+    """Variants x batch sizes around a power of two, with repeats, scaling and a target accuracy."""
+    from harness.runner import run_spec
+    from harness.spec import validate
+    from tests.conftest import base_spec
+
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.002")
+    spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[15, 16, 17], epochs=2, repeats=2,
+                              learning_rate_scaling="linear", base_batch_size=16, target_accuracy=0.3,
+                              variants={"optimizer": [{"name": "sgd", "learning_rate": 0.1},
+                                                      {"name": "sgd", "learning_rate": 0.4, "momentum": 0.5}]}),
+                    tmp_path / "s.yaml")
+    run_dir = run_spec(spec, tmp_path / "r")
+    records = results.read_trials(run_dir)
+    assert len(records) == 2 * 2 * 3 and {r["variant"] for r in records} == {"sgd lr=0.1", "sgd lr=0.4 m=0.5"}
+    assert {r["learning_rate"] for r in records if r["batch_size"] == 16} == {0.1, 0.4}
+    text = report.write(run_dir).read_text()
+    text = text.replace("| fault (", "| Fault (")  # only built-in frameworks get a capitalised title
+    assert "| Fault (sgd lr=0.1) |" in text and "| Fault (sgd lr=0.4 m=0.5) |" in text
+    assert "| Fault (sgd lr=0.1) accuracy after 2 epochs % | 90.53 |" in text.replace("90.53 | 90.53 | 90.53", "90.53")
+    assert "## Learning rate and effective batch size" in text
+    assert "| Fault (sgd lr=0.1) | 0.09375 | 0.10000 | 0.10625 |" in text  # 0.1 x 15/16, x 16/16, x 17/16
+    assert "## Time to 30% test accuracy" in text and "First to reach it: fault (sgd lr=0.1): batch size" in text
+    assert "## Powers of two against their neighbours" in text
+    pow2_rows = [line for line in text.splitlines() if line.startswith("| Fault (sgd lr=0.1) | 16 |")]
+    assert [row.split("|")[3].strip() for row in pow2_rows] == ["15", "17"]
+    assert all(row.split("|")[5].strip() in ("no measurable difference", "faster", "slower") for row in pow2_rows)
