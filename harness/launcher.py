@@ -24,16 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.sampler import Sampler, make_backend, phase_stats, windows_from_events
+import numpy as np
 
-STATUSES = ("ok", "oom", "error", "timeout", "crashed")
+from harness.sampler import (Sampler, energy_over_windows, make_backend, phase_stats, throttle_summary,
+                             windows_from_events)
+
+STATUSES = ("ok", "oom", "error", "timeout", "crashed", "skipped")  # skipped: decided by the runner, see after_oom
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 
 
 @dataclass
 class Outcome:
-    """How a worker ended, with everything it reported. Times are seconds; ``samples`` as Sampler.samples."""
+    """How a worker ended, with everything it reported. Times are seconds; ``samples`` as Sampler.samples;
+    ``sampler`` as sampler_info (``{"backend": None, "interval_s": None}`` when the trial ran without a sampler)."""
 
     status: str
     reason: str
@@ -48,11 +52,17 @@ class Outcome:
         return next((e for e in reversed(self.events) if e.get("event") == "result"), None)
 
 
-def worker_env(threads: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(threads: int | None, base: dict[str, str] | None = None,
+               allocator: dict[str, Any] | None = None) -> dict[str, str]:
     """The worker's environment: the caller's, plus thread counts for every framework's runtime (read at import,
-    so they must be set before the worker starts) and CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match
-    NVML's."""
+    so they must be set before the worker starts), the allocator variables a spec sets (PYTORCH_CUDA_ALLOC_CONF,
+    MXNET_GPU_MEM_POOL_TYPE) and CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match NVML's."""
     env = dict(os.environ if base is None else base)
+    allocator = allocator or {}
+    if allocator.get("pytorch_cuda_alloc_conf"):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator["pytorch_cuda_alloc_conf"]
+    if allocator.get("mxnet_gpu_mem_pool_type"):
+        env["MXNET_GPU_MEM_POOL_TYPE"] = allocator["mxnet_gpu_mem_pool_type"]
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONUNBUFFERED"] = "1"
@@ -81,12 +91,52 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass  # the group is gone already
 
 
-def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, device: str,
+def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the trial record keeps of the sampling (Outcome.sampler), besides the raw samples:
+
+    the backend's describe() (``backend`` "nvml" | "host", ``unavailable`` {metric: reason}, NVML device ``name``,
+    ``uuid``, ``mig``, ``memory_info_version``, ``notes``, ``transient_errors``), ``interval_s``, ``note`` (why NVML
+    is not used, if so), ``errors`` (sampler-level), ``edge_samples_dropped`` (pokes too close to the previous
+    sample, see Sampler), ``sample_cost_s`` (the backend calls' durations: median,
+    max, total, count), ``stats`` (phase_stats over the train windows), ``energy`` (energy_over_windows plus
+    ``joules_per_sample`` = joules / the worker's measured_samples), and ``throttle`` (throttle_summary) when any
+    sample has clocks-event reasons.
+    """
+    info = sampler.backend.describe()
+    info["interval_s"] = sampler.interval_s
+    if note:
+        info["note"] = note
+    if sampler.errors:
+        info["errors"] = sampler.errors[:10]
+    info["edge_samples_dropped"] = sampler.dropped_pokes
+    cost = np.asarray(sampler.call_seconds, dtype=float)
+    info["sample_cost_s"] = ({"median": float(np.median(cost)), "max": float(cost.max()), "total": float(cost.sum()),
+                              "count": int(cost.size)} if cost.size else
+                             {"median": None, "max": None, "total": 0.0, "count": 0})
+    windows = windows_from_events(events)
+    info["stats"] = phase_stats(sampler.samples, windows)
+    energy = energy_over_windows(sampler.samples, windows)
+    result = next((e for e in reversed(events) if e.get("event") == "result"), None)
+    measured = (result or {}).get("metrics", {}).get("measured_samples")
+    energy["joules_per_sample"] = energy["joules"] / measured if energy["joules"] is not None and measured else None
+    info["energy"] = energy
+    throttle = throttle_summary(sampler.samples, windows)
+    if throttle is not None:
+        info["throttle"] = throttle
+    return info
+
+
+def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float | None, device: str,
                threads: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
-    """Starts a worker for ``payload`` (see Trial.payload), samples it, waits at most ``timeout_s`` seconds, and
-    returns its Outcome. Never raises for anything the worker does."""
-    backend, note = make_backend(device)
-    sampler = Sampler(backend, interval_s)
+    """Starts a worker for ``payload`` (see Trial.payload), samples it every ``interval_s`` seconds, waits at most
+    ``timeout_s`` seconds, and returns its Outcome. ``interval_s=None`` runs the worker with no sampler at all (no
+    thread, no backend; Outcome.sampler is ``{"backend": None, "interval_s": None}``), to measure the sampler's cost.
+    Never raises for anything the worker does."""
+    sampler: Sampler | None = None
+    note: str | None = None
+    if interval_s is not None:
+        backend, note = make_backend(device)
+        sampler = Sampler(backend, interval_s)
     read_fd, write_fd = os.pipe()
     events: list[dict[str, Any]] = []
     buffer = b""
@@ -96,10 +146,11 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, dev
             proc = subprocess.Popen(
                 [sys.executable, "-m", "harness.worker", "--events-fd", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                env=worker_env(threads), start_new_session=True)
+                env=worker_env(threads, allocator=payload.get("spec", {}).get("allocator")), start_new_session=True)
         finally:
             os.close(write_fd)
-        sampler.start(proc.pid)
+        if sampler is not None:
+            sampler.start(proc.pid)
         assert proc.stdin is not None
         try:
             proc.stdin.write(json.dumps(payload).encode())
@@ -130,7 +181,7 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, dev
                     except json.JSONDecodeError:
                         continue
                     events.append(event)
-                    if event.get("event") == "phase" and event.get("name") == "train":
+                    if sampler is not None and event.get("event") == "phase" and event.get("name") == "train":
                         sampler.poke(event.get("edge", ""))
                     if on_event is not None:
                         on_event(event)
@@ -147,8 +198,9 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, dev
         finally:
             selector.close()
             os.close(read_fd)
-            sampler.stop()
-            backend.close()
+            # A backend call stuck past the join timeout keeps its NVML handle: closing NVML under it could crash.
+            if sampler is not None and sampler.stop():
+                sampler.backend.close()
             if proc.poll() is None:
                 _kill_group(proc)
                 proc.wait()
@@ -157,15 +209,10 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float, dev
         tail = _tail(log)
     wall = time.monotonic() - started
     status, reason = classify(proc.returncode, events, timed_out, timeout_s, tail)
-    describe = backend.describe()
-    describe["interval_s"] = interval_s
-    if note:
-        describe["note"] = note
-    if sampler.errors:
-        describe["errors"] = sampler.errors[:10]
-    windows = windows_from_events(events)
-    describe["stats"] = phase_stats(sampler.samples, windows)
-    return Outcome(status, reason, events, sampler.samples, proc.returncode, tail, wall, describe)
+    if sampler is None:
+        return Outcome(status, reason, events, [], proc.returncode, tail, wall, {"backend": None, "interval_s": None})
+    samples = list(sampler.samples)
+    return Outcome(status, reason, events, samples, proc.returncode, tail, wall, sampler_info(sampler, note, events))
 
 
 def classify(returncode: int | None, events: list[dict[str, Any]], timed_out: bool, timeout_s: float,
