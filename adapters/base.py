@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from harness.spec import OptimizerSpec
 
 
+def micro_batch_size(batch_size: int, micro_batches: int) -> int:
+    """The size of each of the ``micro_batches`` consecutive micro-batches that a step of ``batch_size`` samples is
+    split into (gradient accumulation). Raises ValueError unless ``micro_batches`` is a positive divisor of
+    ``batch_size``."""
+    if micro_batches < 1 or batch_size % micro_batches:
+        raise ValueError(f"{batch_size} samples cannot be split into {micro_batches} equal micro-batches")
+    return batch_size // micro_batches
+
+
 class DeviceUnavailable(RuntimeError):
     """The framework cannot use the requested device (a CPU-only build asked for cuda:N, an index out of range)."""
 
@@ -28,6 +37,10 @@ class Adapter(abc.ABC):
     """One framework behind the harness's interface. Instances live in a worker process, one trial each."""
 
     name: ClassVar[str]
+    #: Set by the worker before ``prepare``: ``tensorflow_memory_growth`` (bool), ``memory_limit_bytes`` (int or
+    #: None: the cap a GPU adapter applies through its framework's own limit; on the CPU the worker applies a process
+    #: limit itself). Adapters read what applies to them and record it in ``settings``.
+    options: dict[str, Any] = {}
 
     @abc.abstractmethod
     def versions(self) -> dict[str, str]:
@@ -42,16 +55,27 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def build(self, info: "ModelInfo", weights: dict[str, np.ndarray], optimizer: "OptimizerSpec") -> None:
         """Builds the model of ``info`` with exactly ``weights`` (canonical layout, see harness.models) and the
-        optimizer. The loss is the mean softmax cross-entropy of the logits."""
+        optimizer. The loss is the mean softmax cross-entropy of the logits. ``weights`` may also hold buffers
+        (batchnorm's ``"<i>.running_mean"`` / ``"<i>.running_var"``); a buffer it lacks starts at
+        ``harness.models.initial_buffers``'s value."""
 
     @abc.abstractmethod
     def load(self, data: "Data") -> None:
         """Places the dataset on the device once (float32 images, int64 labels); train_step gathers from it."""
 
+    def set_train_images(self, images: np.ndarray) -> None:
+        """Replaces the training images on the device in place with ``images`` (float32 NHWC, the shape ``load``
+        placed), without re-tracing or re-allocating anything the train step holds: the harness calls it once per
+        epoch when the trial augments its data (harness.datasets.augment). Raises NotImplementedError when the
+        adapter cannot."""
+        raise NotImplementedError(f"the {self.name} adapter cannot replace its training images (augmentation)")
+
     @abc.abstractmethod
-    def train_step(self, indices: np.ndarray) -> None:
-        """One optimizer step on the training samples ``indices`` (int64 (B,)). May return before the device has
-        finished: the harness calls ``sync`` at the edges of timed windows."""
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+        """One optimizer step on the training samples ``indices`` (int64 (B,)). With ``micro_batches`` k > 1 (gradient
+        accumulation), the B samples are k consecutive micro-batches of B / k, whose gradients are accumulated (as the
+        mean over all B samples) before the one optimizer step. May return before the device has finished: the
+        harness calls ``sync`` at the edges of timed windows."""
 
     @abc.abstractmethod
     def sync(self) -> float:
@@ -69,6 +93,11 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def get_weights(self) -> dict[str, np.ndarray]:
         """The current parameters in the canonical layout and naming of ``harness.models.initial_weights``."""
+
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        """The current buffers (batchnorm's running statistics) in the canonical layout and naming of
+        ``harness.models.initial_buffers``. Default: none (a model without batchnorm, or an adapter without it)."""
+        return {}
 
     def reset_memory_stats(self) -> None:
         """Restarts the allocator's peak counters (called when the measured phase begins). Default: nothing."""

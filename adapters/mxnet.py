@@ -5,7 +5,8 @@ MXNet runs every operator asynchronously on its engine's worker threads; errors 
 synchronisation point, so ``sync`` is ``mx.nd.waitall`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
 ndarray/ndarray.html#mxnet.ndarray.waitall). The CPU thread count is fixed when libmxnet loads, from ``OMP_NUM_THREADS``
 (or ``MXNET_OMP_MAX_THREADS``; unset, half the logical CPUs on x86), and cannot be changed afterwards (see ``prepare``).
-MXNet exposes no allocator peak counters, so ``memory_stats`` is empty.
+MXNet exposes no allocator peak counters, so ``memory_stats`` is empty, and no per-process GPU memory cap, so a
+``memory_limit_bytes`` option is recorded as unsupported on a GPU (on the CPU the worker caps the process itself).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ with warnings.catch_warnings():
     from mxnet import autograd, gluon, nd
     from mxnet.gluon import nn
 
-from adapters.base import Adapter, DeviceUnavailable
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from harness.models import initial_buffers
 
 # What libmxnet saw when it loaded (during the import above): its OpenMP thread count is derived from these once.
 _THREAD_ENV = ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS", "MXNET_CPU_WORKER_NTHREADS", "MXNET_ENGINE_TYPE")
@@ -78,6 +80,55 @@ class _PyTorchAdam(mx.optimizer.Adam):
                        lr=lr * bias_correction2_sqrt / bias_correction1, wd=wd, **kwargs)
 
 
+def _block_params(block: nn.HybridBlock) -> dict[str, Any]:
+    """A layer's Gluon parameters by canonical name: conv and dense ``weight``/``bias``; batchnorm ``gamma`` as
+    ``weight``, ``beta`` as ``bias``, and its buffers ``running_mean``/``running_var`` (MXNet's own layouts are the
+    canonical ones: OIHW, (out, in), (C,))."""
+    if isinstance(block, nn.BatchNorm):
+        return {"weight": block.gamma, "bias": block.beta, "running_mean": block.running_mean,
+                "running_var": block.running_var}
+    return {"weight": block.weight, "bias": block.bias}
+
+
+_PROBED: dict[tuple[str, int, int], bool] = {}
+
+
+def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...]) -> bool:
+    """Whether MXNet's BatchNorm on ``ctx``, for inputs of per-sample ``shape`` (C, H, W) or (F,), updates its running
+    variance with the biased batch variance (the canonical update uses the unbiased one, harness.spec.BatchNorm).
+
+    It differs by device in MXNet 1.9.1: the CPU kernels (native and oneDNN) use the biased variance, cuDNN's kernel
+    the unbiased one (https://github.com/apache/mxnet/issues/18751, #14357). So it is measured, not assumed: one
+    training step of a fresh BatchNorm with momentum 0 (the running variance becomes the batch's) on two samples of
+    ``shape`` with at most 2 x 2 spatial positions (n = 2 to 8 values per channel, so n / (n - 1) is far from 1), run
+    like the real net (hybridized, forward and backward), compared with both variances. Cached per (device, rank,
+    channels); raises RuntimeError if it matches neither."""
+    key = (str(ctx), len(shape), shape[0])
+    if key not in _PROBED:
+        probe_shape = (2, shape[0], *(min(d, 2) for d in shape[1:]))
+        x = np.random.default_rng(0).standard_normal(probe_shape).astype(np.float32)
+        block = nn.BatchNorm(axis=1, momentum=0.0, in_channels=shape[0])
+        block.initialize(mx.init.Zero(), ctx=ctx)
+        block.hybridize(**HYBRIDIZE_FLAGS)
+        data = nd.array(x, ctx=ctx)
+        with autograd.record():
+            out = block(data)
+        out.backward()
+        nd.waitall()  # the CPU kernel's write of the running variance in backward is not declared to the engine
+        got = block.running_var.data().asnumpy().astype(np.float64)
+        axes = (0, *range(2, x.ndim))
+        biased = x.astype(np.float64).var(axis=axes)
+        n = x.size // shape[0]
+        if np.allclose(got, biased, rtol=1e-4):
+            _PROBED[key] = True
+        elif np.allclose(got, biased * n / (n - 1), rtol=1e-4):
+            _PROBED[key] = False
+        else:
+            raise RuntimeError(f"MXNet's BatchNorm on {ctx} updated its running variance to {got}, neither the biased "
+                               f"({biased}) nor the unbiased batch variance")
+    return _PROBED[key]
+
+
 def _omp_threads() -> int:
     """The OpenMP threads MXNet gives each operator, by its own rule (``OpenMP::OpenMP`` and
     ``GetRecommendedOMPThreadCount`` in src/engine/openmp.cc of MXNet 1.9.1): ``MXNET_OMP_MAX_THREADS`` if set, else
@@ -101,6 +152,10 @@ class MXNetAdapter(Adapter):
         self._threads_requested: int | None = None
         self._last_loss: mx.nd.NDArray | None = None
         self._layers: dict[int, nn.HybridBlock] = {}
+        self._memory_limit: dict[str, Any] = {}  # the GPU memory limit requested and (not) applied, for settings()
+        # (block, canonical momentum, values per channel in one sample) of each batchnorm whose kernel updates the
+        # running variance with the biased batch variance, corrected in train_step (see _fix_running_variances)
+        self._variance_fixups: list[tuple[nn.BatchNorm, float, int]] = []
 
     def versions(self) -> dict[str, str]:
         out = {"mxnet": mx.__version__}
@@ -142,6 +197,12 @@ class MXNetAdapter(Adapter):
             # their handles, at its first GPU operator, after this; a value the launcher set is kept.
             os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
             self.ctx = mx.gpu(index)
+            if (self.options or {}).get("memory_limit_bytes"):
+                # MXNet 1.9.1 has no per-process cap on GPU memory (MXNET_GPU_MEM_POOL_RESERVE only sets how much
+                # of the device its pool leaves free for other uses, https://mxnet.apache.org/versions/1.9.1/api/faq/
+                # env_var), so nothing is applied and settings say so.
+                self._memory_limit = {"memory_limit_bytes": None, "memory_limit": "not supported by MXNet on GPU",
+                                      "memory_limit_requested_bytes": int(self.options["memory_limit_bytes"])}
         else:
             self.ctx = mx.cpu()
         self._threads_requested = threads
@@ -151,7 +212,12 @@ class MXNetAdapter(Adapter):
         """Builds the Gluon model of ``info`` with exactly ``weights`` and a ``gluon.Trainer``.
 
         Conv2D weights are OIHW and Dense weights (out, in): MXNet's own layouts, so the canonical arrays are copied
-        in unchanged. A trailing softmax is folded into ``SoftmaxCrossEntropyLoss`` on the logits. The net is
+        in unchanged; so are batchnorm's gamma, beta and running statistics (from ``weights``' buffers if it has them,
+        else ``harness.models.initial_buffers``). A trailing softmax is folded into ``SoftmaxCrossEntropyLoss`` on the
+        logits. Batchnorm is ``nn.BatchNorm(axis=1)`` with MXNet's momentum = 1 - the canonical one; where its kernel
+        updates the running variance with the biased batch variance (the CPU's; see ``_running_var_is_biased``),
+        ``train_step`` corrects it to the canonical unbiased update (``_fix_running_variances``). Dropout is
+        ``nn.Dropout``, active only under ``autograd.record``. The net is
         hybridized with ``static_alloc=True, static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/
         docs/api/gluon/hybrid_block.html): a new input shape (evaluation's batches, ``predict``) re-plans the cached
         graph, which costs tens of microseconds for this model (measured on 1.9.1; memory stays flat however often the
@@ -168,6 +234,7 @@ class MXNetAdapter(Adapter):
         ctx = self.ctx
         net = nn.HybridSequential()
         self._layers = {}
+        self._variance_fixups = []
         for layer in info.layers:
             spec = layer.spec
             block: nn.HybridBlock | None = None
@@ -176,8 +243,22 @@ class MXNetAdapter(Adapter):
                                   padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
             elif layer.kind == "dense":
                 block = nn.Dense(spec.units, in_units=layer.input_shape[0])
+            elif layer.kind == "batchnorm":
+                # MXNet's momentum is the weight of the old running value: 1 - the canonical momentum. axis 1: the
+                # channels of NCHW or the features of a flat input.
+                block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
+                                     in_channels=layer.input_shape[0])
+                if _running_var_is_biased(ctx, layer.input_shape):
+                    per_sample = int(np.prod(layer.input_shape[1:]))  # values per channel in one sample: H x W or 1
+                    self._variance_fixups.append((block, spec.momentum, per_sample))
             elif layer.kind == "maxpool2d":
                 net.add(nn.MaxPool2D(spec.pool_size, spec.stride or spec.pool_size))
+            elif layer.kind == "avgpool2d":
+                net.add(nn.AvgPool2D(spec.pool_size, spec.stride or spec.pool_size))  # no padding: whole windows
+            elif layer.kind == "global_avgpool2d":
+                net.add(nn.GlobalAvgPool2D(), nn.Flatten())  # (N, C, 1, 1) -> (N, C)
+            elif layer.kind == "dropout":
+                net.add(nn.Dropout(spec.rate))  # active only under autograd.record(), i.e. in train_step
             elif layer.kind == "flatten":
                 net.add(nn.Flatten())  # NCHW flattens channel-first: the canonical order
             elif layer.kind == "relu":
@@ -186,12 +267,14 @@ class MXNetAdapter(Adapter):
             if block is not None:
                 self._layers[layer.index] = block
                 net.add(block)
-                if spec.activation == "relu":
+                if getattr(spec, "activation", "none") == "relu":
                     net.add(nn.Activation("relu"))
         net.initialize(mx.init.Zero(), ctx=ctx)
+        buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         for index, block in self._layers.items():
-            block.weight.set_data(nd.array(weights[f"{index}.weight"], ctx=ctx, dtype=np.float32))
-            block.bias.set_data(nd.array(weights[f"{index}.bias"], ctx=ctx, dtype=np.float32))
+            for canonical, param in _block_params(block).items():
+                source = weights if canonical in ("weight", "bias") else buffers
+                param.set_data(nd.array(source[f"{index}.{canonical}"], ctx=ctx, dtype=np.float32))
         net.hybridize(**HYBRIDIZE_FLAGS)
         self.net = net
         self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()  # sparse labels, log-softmax of the logits inside
@@ -204,7 +287,9 @@ class MXNetAdapter(Adapter):
                                epsilon=optimizer.epsilon, wd=optimizer.weight_decay, multi_precision=False,
                                lazy_update=False)
         # kvstore=None: one device, the update runs locally on it (no kvstore copy of the weights).
-        self.trainer = gluon.Trainer(net.collect_params(), opt, kvstore=None)
+        self._params = net.collect_params()
+        self._grad_req = "write"
+        self.trainer = gluon.Trainer(self._params, opt, kvstore=None)
 
     def _to_device_images(self, images: np.ndarray) -> mx.nd.NDArray:
         return nd.array(np.ascontiguousarray(images.transpose(0, 3, 1, 2)), ctx=self.ctx, dtype=np.float32)
@@ -216,12 +301,20 @@ class MXNetAdapter(Adapter):
         self.y_test = nd.array(data.y_test, ctx=self.ctx, dtype=np.int64)
         nd.waitall()
 
-    def train_step(self, indices: np.ndarray) -> None:
+    def set_train_images(self, images: np.ndarray) -> None:
+        """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place (``x[:] = ...``)."""
+        self.x_train[:] = np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32)
+
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
         """Gathers the batch on the device (``nd.take``), runs forward and backward under ``autograd.record`` and
         steps the Trainer with ``batch_size = len(indices)``: the backward pass of the per-sample loss vector gives the
         gradient of the sum, which ``Trainer.step`` rescales by 1 / batch_size, so the update uses the mean gradient
         (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/trainer.html#mxnet.gluon.Trainer.step).
         Returns once the work is queued; an error in it (an out-of-memory one too) is raised by the next ``sync``.
+
+        With ``micro_batches`` k > 1 (gradient accumulation) the parameters' ``grad_req`` is ``add``: the gradients
+        are zeroed, each micro-batch of B / k runs forward and backward on its own (adding the gradient of its summed
+        loss), and one ``Trainer.step(B)`` applies the sum rescaled by 1 / B, the mean over all B samples.
 
         The indices go in through ``nd.from_numpy`` (zero-copy DLPack, https://mxnet.apache.org/versions/1.9.1/api/
         python/docs/api/ndarray/ndarray.html#mxnet.ndarray.from_numpy), not ``nd.array``: on the CPU, ``nd.array``
@@ -232,13 +325,64 @@ class MXNetAdapter(Adapter):
         idx = nd.from_numpy(np.array(indices, dtype=np.int64), zero_copy=True)  # on cpu(0)
         if self.ctx.device_type != "cpu":
             idx = idx.as_in_context(self.ctx)  # an asynchronous copy operator
-        x = nd.take(self.x_train, idx)
-        y = nd.take(self.y_train, idx)
-        with autograd.record():
-            loss = self.loss_fn(self.net(x), y)
-        loss.backward()
-        self.trainer.step(len(indices))
-        self._last_loss = loss.mean()
+        if micro_batches == 1:
+            self._set_grad_req("write")
+            x = nd.take(self.x_train, idx)
+            y = nd.take(self.y_train, idx)
+            before = [block.running_var.data().copy() for block, _, _ in self._variance_fixups]
+            with autograd.record():
+                loss = self.loss_fn(self.net(x), y)
+            loss.backward()
+            if before:
+                self._fix_running_variances(before, len(indices))
+            self.trainer.step(len(indices))
+            self._last_loss = loss.mean()
+            return
+        micro = micro_batch_size(len(indices), micro_batches)
+        self._set_grad_req("add")
+        self._params.zero_grad()
+        sums = []
+        for start in range(0, len(indices), micro):
+            part = idx[start:start + micro]
+            before = [block.running_var.data().copy() for block, _, _ in self._variance_fixups]
+            with autograd.record():
+                loss = self.loss_fn(self.net(nd.take(self.x_train, part)), nd.take(self.y_train, part))
+            loss.backward()  # adds the gradient of this micro-batch's summed loss into the parameters' grads
+            if before:
+                self._fix_running_variances(before, micro)
+            sums.append(loss.sum())
+        self.trainer.step(len(indices))  # the sum over all B samples, rescaled by 1 / B: the mean gradient
+        self._last_loss = nd.add_n(*sums) / len(indices)
+
+    def _fix_running_variances(self, before: list[mx.nd.NDArray], batch: int) -> None:
+        """Turns the running variance that a biased-variance kernel (MXNet's CPU BatchNorm; see
+        ``_running_var_is_biased``) wrote in this forward and backward into the canonical one. With r the running
+        variance before the step, v the biased batch variance, n the values per channel in the batch and c = n / (n -
+        1), MXNet wrote r' = (1 - m) r + m v, the canonical value is (1 - m) r + m c v = c r' - (c - 1)(1 - m) r:
+        exact algebra on the two running values, queued like any operator (no wait), five small ops per layer.
+
+        The CPU kernel writes r' inside the backward pass without declaring that write to MXNet's engine (the running
+        statistics are read-only inputs of the backward node), so an operator that only reads the running variance
+        may run before the write (observed: it does). gamma's gradient is a declared output of the same backward
+        kernel: ``reshape_like(var, gamma.grad())``, the running variance itself, reads it, which orders the
+        correction after that kernel."""
+        for (block, momentum, per_sample), old in zip(self._variance_fixups, before):
+            n = batch * per_sample
+            if n < 2:
+                raise ValueError(f"batchnorm needs more than 1 value per channel in a training batch, got {n}")
+            c = n / (n - 1)
+            var = block.running_var.data()
+            written = nd.reshape_like(var, block.gamma.grad())  # = var, once the backward kernel is done
+            nd.elemwise_sub(written * c, old * ((c - 1.0) * (1.0 - momentum)), out=var)
+
+    def _set_grad_req(self, req: str) -> None:
+        """``write`` (each backward overwrites the gradients) for plain steps, ``add`` (backward adds into them) for
+        gradient accumulation (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/parameter.html,
+        ``grad_req``). Switched only when the kind of step changes, which a trial does at most once; parameters
+        without a gradient (batchnorm's running statistics) stay ``null``."""
+        if req != self._grad_req:
+            self._params.setattr("grad_req", req)
+            self._grad_req = req
 
     def sync(self) -> float:
         nd.waitall()
@@ -264,8 +408,17 @@ class MXNetAdapter(Adapter):
     def get_weights(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for index, block in self._layers.items():
-            out[f"{index}.weight"] = block.weight.data().asnumpy()  # asnumpy copies to a new host array
-            out[f"{index}.bias"] = block.bias.data().asnumpy()
+            for canonical, param in _block_params(block).items():
+                if canonical in ("weight", "bias"):
+                    out[f"{index}.{canonical}"] = param.data().asnumpy()  # asnumpy copies to a new host array
+        return out
+
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for index, block in self._layers.items():
+            for canonical, param in _block_params(block).items():
+                if canonical not in ("weight", "bias"):
+                    out[f"{index}.{canonical}"] = param.data().asnumpy()
         return out
 
     def memory_stats(self) -> dict[str, int]:
@@ -292,6 +445,7 @@ class MXNetAdapter(Adapter):
             out["MXNET_GPU_MEM_POOL_TYPE"] = os.environ.get("MXNET_GPU_MEM_POOL_TYPE", "Naive")
             out["MXNET_CUDNN_AUTOTUNE_DEFAULT"] = os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT", "1")
             out["NVIDIA_TF32_OVERRIDE"] = os.environ.get("NVIDIA_TF32_OVERRIDE", "")
+            out.update(self._memory_limit)
         return out
 
     def is_oom(self, exc: BaseException) -> bool:

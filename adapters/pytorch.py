@@ -2,7 +2,9 @@
 
 Sync is ``torch.cuda.synchronize`` on a GPU (https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution);
 on the CPU, PyTorch ops are synchronous. Allocator peaks come from ``torch.cuda.max_memory_allocated`` /
-``max_memory_reserved`` after ``reset_peak_memory_stats`` (https://pytorch.org/docs/stable/torch_cuda_memory.html).
+``max_memory_reserved`` after ``reset_peak_memory_stats`` (https://pytorch.org/docs/stable/torch_cuda_memory.html). A
+``memory_limit_bytes`` option caps the caching allocator on a GPU (``_apply_memory_limit``). The canonical batchnorm
+is PyTorch's own (momentum convention and unbiased running variance), so ``nn.BatchNorm1d/2d`` need no adjustment.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.base import Adapter, DeviceUnavailable
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from harness.models import initial_buffers
 
 
 class PyTorchAdapter(Adapter):
@@ -25,6 +28,7 @@ class PyTorchAdapter(Adapter):
         self.device = torch.device("cpu")
         self._last_loss: torch.Tensor | None = None
         self._modules: dict[int, nn.Module] = {}
+        self._memory_limit: dict[str, Any] = {}  # what _apply_memory_limit applied, for settings()
 
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__.split("+")[0], "torch_build": torch.__version__}
@@ -45,6 +49,7 @@ class PyTorchAdapter(Adapter):
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise).
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
+            self._apply_memory_limit(index)
         self.device = torch.device(device)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -53,8 +58,29 @@ class PyTorchAdapter(Adapter):
                 torch.set_num_interop_threads(1)
         torch.manual_seed(seed)
 
+    def _apply_memory_limit(self, index: int) -> None:
+        """``options["memory_limit_bytes"]`` on a GPU: ``torch.cuda.set_per_process_memory_fraction(limit /
+        total_memory, index)`` (https://pytorch.org/docs/stable/generated/torch.cuda.set_per_process_memory_fraction
+        .html). The caching allocator then raises ``torch.OutOfMemoryError`` for an allocation that would take the
+        memory it holds from the device past the fraction x total memory (the CUDA context itself is not counted). A
+        limit at or above the device's memory is a fraction of 1: no cap. On the CPU nothing is done here (the worker
+        caps the process)."""
+        limit = (self.options or {}).get("memory_limit_bytes")
+        if not limit:
+            return
+        total = int(torch.cuda.get_device_properties(index).total_memory)
+        fraction = min(float(limit) / total, 1.0)
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        self._memory_limit = {"memory_limit_bytes": int(limit), "memory_fraction": fraction,
+                              "device_total_memory_bytes": total}
+
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
+        """``nn.Sequential`` of the canonical layers (NCHW: weights copied in unchanged), in training mode except
+        inside ``evaluate`` and ``predict``. Batchnorm's running statistics start from ``weights``' buffers if it has
+        them, else from ``harness.models.initial_buffers``."""
+        buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         layers: list[nn.Module] = []
+        self._modules = {}
         for layer in info.layers:
             spec = layer.spec
             module: nn.Module | None = None
@@ -63,8 +89,22 @@ class PyTorchAdapter(Adapter):
                                    padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
             elif layer.kind == "dense":
                 module = nn.Linear(layer.input_shape[0], spec.units)
+            elif layer.kind == "batchnorm":
+                # momentum is PyTorch's own convention (the weight of the new batch), running_var is updated with the
+                # unbiased batch variance: the canonical semantics, natively (harness.spec.BatchNorm).
+                norm = nn.BatchNorm2d if len(layer.input_shape) == 3 else nn.BatchNorm1d
+                module = norm(layer.input_shape[0], eps=spec.epsilon, momentum=spec.momentum)
+                with torch.no_grad():
+                    module.running_mean.copy_(torch.from_numpy(buffers[f"{layer.index}.running_mean"]))
+                    module.running_var.copy_(torch.from_numpy(buffers[f"{layer.index}.running_var"]))
             elif layer.kind == "maxpool2d":
                 layers.append(nn.MaxPool2d(spec.pool_size, spec.stride or spec.pool_size))
+            elif layer.kind == "avgpool2d":
+                layers.append(nn.AvgPool2d(spec.pool_size, spec.stride or spec.pool_size))  # no padding
+            elif layer.kind == "global_avgpool2d":
+                layers.extend([nn.AdaptiveAvgPool2d(1), nn.Flatten()])  # (N, C, 1, 1) -> (N, C)
+            elif layer.kind == "dropout":
+                layers.append(nn.Dropout(spec.rate))
             elif layer.kind == "flatten":
                 layers.append(nn.Flatten())  # NCHW flattens channel-first: the canonical order
             elif layer.kind == "relu":
@@ -76,7 +116,7 @@ class PyTorchAdapter(Adapter):
                     module.bias.copy_(torch.from_numpy(weights[f"{layer.index}.bias"]))
                 self._modules[layer.index] = module
                 layers.append(module)
-                if spec.activation == "relu":
+                if getattr(spec, "activation", "none") == "relu":
                     layers.append(nn.ReLU())
         self.net = nn.Sequential(*layers).to(self.device).train()
         params = self.net.parameters()
@@ -88,7 +128,9 @@ class PyTorchAdapter(Adapter):
                                         eps=optimizer.epsilon, weight_decay=optimizer.weight_decay)
 
     def _to_device_images(self, images: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))).to(self.device)
+        # torch.tensor always copies: from_numpy(...).to("cpu") would share the caller's array (for one channel the
+        # NCHW transpose is already contiguous), and set_train_images would then write into the harness's dataset.
+        return torch.tensor(images.transpose(0, 3, 1, 2), dtype=torch.float32, device=self.device)
 
     def load(self, data: Any) -> None:
         self.x_train = self._to_device_images(data.x_train)
@@ -96,15 +138,34 @@ class PyTorchAdapter(Adapter):
         self.x_test = self._to_device_images(data.x_test)
         self.y_test = torch.from_numpy(data.y_test).to(self.device)
 
-    def train_step(self, indices: np.ndarray) -> None:
+    def set_train_images(self, images: np.ndarray) -> None:
+        """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place."""
+        self.x_train.copy_(torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))))
+
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+        """One optimizer step. With ``micro_batches`` k > 1, each of the k consecutive micro-batches is gathered,
+        run forward and backward on its own with its mean loss scaled by 1 / k (``backward`` adds into ``.grad``), so
+        that the one ``opt.step`` applies the mean gradient over all B samples while only one micro-batch's
+        activations are alive at a time. The recorded loss is the mean over all B samples."""
         idx = torch.from_numpy(indices).to(self.device, non_blocking=True)
-        x = self.x_train.index_select(0, idx)
-        y = self.y_train.index_select(0, idx)
         self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.net(x), y)
-        loss.backward()
+        if micro_batches == 1:
+            x = self.x_train.index_select(0, idx)
+            y = self.y_train.index_select(0, idx)
+            loss = F.cross_entropy(self.net(x), y)
+            loss.backward()
+            self.opt.step()
+            self._last_loss = loss.detach()
+            return
+        micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
+        total = torch.zeros((), device=self.device)
+        for part in idx.chunk(micro_batches):
+            loss = F.cross_entropy(self.net(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
+            loss = loss / micro_batches
+            loss.backward()
+            total += loss.detach()
         self.opt.step()
-        self._last_loss = loss.detach()
+        self._last_loss = total
 
     def sync(self) -> float:
         if self.device.type == "cuda":
@@ -139,6 +200,14 @@ class PyTorchAdapter(Adapter):
             out[f"{index}.bias"] = module.bias.detach().cpu().numpy().copy()
         return out
 
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for index, module in self._modules.items():
+            if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
+                out[f"{index}.running_mean"] = module.running_mean.detach().cpu().numpy().copy()
+                out[f"{index}.running_var"] = module.running_var.detach().cpu().numpy().copy()
+        return out
+
     def reset_memory_stats(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -156,6 +225,8 @@ class PyTorchAdapter(Adapter):
             out["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
             out["allow_tf32"] = False
             out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+            out["memory_limit_bytes"] = None
+            out.update(self._memory_limit)
         return out
 
     def is_oom(self, exc: BaseException) -> bool:

@@ -4,11 +4,13 @@ device, NHWC.
 Layouts: conv kernels are HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in, out) (``weight.T``), and the
 first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
 ``harness.models.chw_to_hwc_permutation`` so that it computes exactly the canonical channel-first model; the data
-itself is never permuted. ``get_weights`` inverts all of this.
+itself is never permuted (a batchnorm over those flat features has its gamma, beta and running statistics permuted
+the same way). Batchnorm is ``FusedBatchNormV3`` on NHWC (see ``_batchnorm``), its running statistics non-trainable
+variables. ``get_weights`` and ``get_buffers`` invert all of this.
 
-The train step is one ``tf.function`` per batch size with a fully static ``input_signature``, so it is traced once
-and never retraced in the timed loop (https://www.tensorflow.org/guide/function#controlling_retracing); evaluation
-and prediction use one whose batch dimension is None, so a smaller last batch does not retrace either.
+The train step is one ``tf.function`` per (batch size, micro-batches) with a fully static ``input_signature``, so it
+is traced once and never retraced in the timed loop (https://www.tensorflow.org/guide/function#controlling_retracing);
+evaluation and prediction use one whose batch dimension is None, so a smaller last batch does not retrace either.
 
 The optimizer is PyTorch's (``torch.optim.SGD`` / ``Adam``, coupled L2 weight decay) on TF's fused training kernels
 (``ResourceApplyMomentum`` / ``ResourceApplyAdam``: one op per variable), not ``keras.optimizers``: Keras 3's SGD would
@@ -17,7 +19,8 @@ it after (see ``_make_update``), and the spec makes the optimizer identical in e
 
 Sync reads the last loss with ``.numpy()``, after ``tf.test.experimental.sync_devices()`` on a GPU
 (https://www.tensorflow.org/api_docs/python/tf/test/experimental/sync_devices); on the CPU, eager TF is synchronous.
-GPU memory growth is on (https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth), and the allocator peak
+GPU memory growth is on unless ``options`` turn it off or set a memory limit
+(https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth; see ``_configure_gpu_memory``), and the allocator peak
 comes from ``tf.config.experimental.get_memory_info`` after ``reset_memory_stats``
 (https://www.tensorflow.org/api_docs/python/tf/config/experimental/get_memory_info); TF keeps no such statistics for
 the CPU (``get_memory_info("CPU:0")`` raises ValueError "Allocator stats not available").
@@ -25,6 +28,7 @@ the CPU (``get_memory_info("CPU:0")`` raises ValueError "Allocator stats not ava
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -33,8 +37,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silence
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from adapters.base import Adapter, DeviceUnavailable  # noqa: E402
-from harness.models import chw_to_hwc_permutation  # noqa: E402
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from harness.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 
 def _f32(array: np.ndarray) -> np.ndarray:
@@ -58,8 +62,11 @@ class TensorFlowAdapter(Adapter):
         self._last_loss: tf.Tensor | None = None
         # layer index -> (kind, kernel, bias, inverse row permutation of a dense kernel fed by an HWC flatten or None)
         self._params: dict[int, tuple[str, tf.Variable, tf.Variable, np.ndarray | None]] = {}
-        self._forward_layers: list[Callable[[tf.Tensor], tf.Tensor]] = []
-        self._train_fns: dict[int, Any] = {}
+        # layer index -> (running mean, running variance, inverse feature permutation or None) of a batchnorm
+        self._buffers: dict[int, tuple[tf.Variable, tf.Variable, np.ndarray | None]] = {}
+        self._forward_layers: list[Callable[[tf.Tensor, bool], tf.Tensor]] = []
+        self._memory_settings: dict[str, Any] = {}  # what _configure_gpu_memory applied, for settings()
+        self._train_fns: dict[tuple[int, int], Any] = {}  # (batch size, micro-batches) -> traced train step
 
     def versions(self) -> dict[str, str]:
         out = {"tensorflow": tf.__version__}
@@ -80,7 +87,8 @@ class TensorFlowAdapter(Adapter):
         """Must run before any TF op in the process: TF fixes visible devices, memory growth and thread pools when its
         context starts, and raises RuntimeError for a later change (repeating the same settings is allowed). For
         ``cuda:N`` only GPU N is made visible (it is then "/GPU:0"), with memory growth
-        (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth) and TF32 off
+        (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth) or a memory limit as
+        ``options`` ask (``_configure_gpu_memory``) and TF32 off
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/enable_tensor_float_32_execution). Raises
         DeviceUnavailable when TF sees no such GPU (a CPU-only build such as tensorflow-cpu, or no driver)."""
         if device.startswith("cuda"):
@@ -93,7 +101,7 @@ class TensorFlowAdapter(Adapter):
             if index >= len(gpus):
                 raise DeviceUnavailable(f"TensorFlow sees {len(gpus)} GPU(s); {device} is not one")
             tf.config.set_visible_devices([gpus[index]], "GPU")
-            tf.config.experimental.set_memory_growth(gpus[index], True)
+            self._configure_gpu_memory(gpus[index])
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise).
             tf.config.experimental.enable_tensor_float_32_execution(False)
             self.device, self._gpu = "/GPU:0", True
@@ -105,14 +113,47 @@ class TensorFlowAdapter(Adapter):
             tf.config.threading.set_inter_op_parallelism_threads(1)
         tf.random.set_seed(seed)
 
+    def _configure_gpu_memory(self, gpu: Any) -> None:
+        """The allocator settings of ``options``, applied to the one visible GPU before TF's context starts.
+
+        ``memory_limit_bytes``: a logical device with that ``memory_limit`` (in whole 2^20-byte units, TF's "MB",
+        rounded down so that the cap is never above the request;
+        https://www.tensorflow.org/api_docs/python/tf/config/set_logical_device_configuration,
+        https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth). TF refuses memory growth on a device that
+        has a logical device configuration (``set_memory_growth`` raises ValueError "Cannot set memory growth on device
+        when virtual devices configured", and the GPU options it builds then carry no allow_growth), so with a limit
+        growth is not enabled, whatever ``tensorflow_memory_growth`` says, and settings record ``memory_growth``
+        False and why: TF's BFC allocator then takes the whole limit from the device at its first allocation.
+        Without a limit, ``tensorflow_memory_growth`` (default True) enables growth
+        (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth); False leaves TF's
+        default, which maps nearly all of the GPU's memory when the context starts."""
+        options = self.options or {}
+        growth = bool(options.get("tensorflow_memory_growth", True))
+        limit = options.get("memory_limit_bytes")
+        self._memory_settings = {"memory_limit_bytes": None, "memory_growth": growth}
+        if limit:
+            mib = max(int(limit) // 2**20, 1)
+            tf.config.set_logical_device_configuration(gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=mib)])
+            self._memory_settings = {"memory_limit_bytes": mib * 2**20, "memory_limit_requested_bytes": int(limit),
+                                     "memory_growth": False}
+            if growth:
+                self._memory_settings["memory_growth_skipped"] = (
+                    "TensorFlow cannot combine memory growth with a memory limit (logical device configuration)")
+        elif growth:
+            tf.config.experimental.set_memory_growth(gpu, True)
+
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
         """Creates float32 ``tf.Variable``s on the device from the canonical ``weights`` (conv OIHW -> HWIO, dense
         (out, in) -> (in, out), rows of the first dense kernel after a flatten of (C, H, W) permuted to the (H, W, C)
-        order TF flattens in) and the optimizer state. A trailing softmax is left to the loss."""
+        order TF flattens in, and so are the features of a batchnorm between the two) and the optimizer state. A
+        trailing softmax is left to the loss. Batchnorm's running statistics are non-trainable variables, from
+        ``weights``' buffers if it has them, else ``harness.models.initial_buffers``."""
         self._params = {}
+        self._buffers = {}
         self._forward_layers = []
         self._train_fns = {}
         self._last_loss = None
+        buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         flatten_from: tuple[int, int, int] | None = None  # the (C, H, W) shape the next dense layer's input came from
         with tf.device(self.device):
             for layer in info.layers:
@@ -134,15 +175,45 @@ class TensorFlowAdapter(Adapter):
                     bias = tf.Variable(_f32(weights[b_name]), name=b_name)
                     self._params[layer.index] = ("dense", kernel, bias, inverse)
                     self._forward_layers.append(_dense(kernel, bias, spec.activation == "relu"))
+                elif layer.kind == "batchnorm":
+                    # Channels are the last axis in NHWC, so gamma, beta and the statistics need no transposition;
+                    # after a channel-last flatten the features are in (H, W, C) order and are permuted like the
+                    # following dense layer's rows.
+                    perm = inverse = None
+                    if len(layer.input_shape) == 1 and flatten_from is not None:
+                        perm = chw_to_hwc_permutation(flatten_from)
+                        inverse = np.argsort(perm)
+
+                    def tf_order(array: np.ndarray, perm: np.ndarray | None = perm) -> np.ndarray:
+                        array = _f32(array)
+                        return array if perm is None else np.ascontiguousarray(array[perm])
+                    gamma = tf.Variable(tf_order(weights[w_name]), name=w_name)
+                    beta = tf.Variable(tf_order(weights[b_name]), name=b_name)
+                    mean = tf.Variable(tf_order(buffers[f"{layer.index}.running_mean"]), trainable=False,
+                                       name=f"{layer.index}.running_mean")
+                    var = tf.Variable(tf_order(buffers[f"{layer.index}.running_var"]), trainable=False,
+                                      name=f"{layer.index}.running_var")
+                    self._params[layer.index] = ("batchnorm", gamma, beta, inverse)
+                    self._buffers[layer.index] = (mean, var, inverse)
+                    self._forward_layers.append(_batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon,
+                                                           flat=len(layer.input_shape) == 1))
                 elif layer.kind == "maxpool2d":
-                    self._forward_layers.append(_maxpool(spec.pool_size, spec.stride or spec.pool_size))
+                    self._forward_layers.append(_pool(tf.nn.max_pool2d, spec.pool_size, spec.stride or spec.pool_size))
+                elif layer.kind == "avgpool2d":
+                    self._forward_layers.append(_pool(tf.nn.avg_pool2d, spec.pool_size, spec.stride or spec.pool_size))
+                elif layer.kind == "global_avgpool2d":
+                    # (N, H, W, C) -> (N, C): channel order, the canonical one, so no permutation follows.
+                    self._forward_layers.append(lambda x, training: tf.reduce_mean(x, axis=(1, 2)))
+                elif layer.kind == "dropout":
+                    self._forward_layers.append(_dropout(spec.rate))
                 elif layer.kind == "flatten":
                     if len(layer.input_shape) == 3:
                         flatten_from = tuple(layer.input_shape)
                     features = int(np.prod(layer.input_shape))
-                    self._forward_layers.append(lambda x, n=features: tf.reshape(x, (-1, n)))  # NHWC: (H, W, C) order
+                    # NHWC flattens in (H, W, C) order
+                    self._forward_layers.append(lambda x, training, n=features: tf.reshape(x, (-1, n)))
                 elif layer.kind == "relu":
-                    self._forward_layers.append(tf.nn.relu)
+                    self._forward_layers.append(lambda x, training: tf.nn.relu(x))
                 # softmax: folded into the cross-entropy loss
             self._variables = [v for _, kernel, bias, _ in self._params.values() for v in (kernel, bias)]
             self._update = _make_update(optimizer, self._variables)
@@ -152,18 +223,20 @@ class TensorFlowAdapter(Adapter):
         self._eval_fn = tf.function(self._eval_batch, input_signature=[image_spec, tf.TensorSpec((None,), tf.int64)],
                                     jit_compile=False, autograph=False)
 
-    def _forward(self, x: tf.Tensor) -> tf.Tensor:
+    def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        """The model on ``x``; ``training`` (a Python bool, fixed when a function is traced) selects batchnorm's batch
+        statistics and running-statistics update, and dropout."""
         for fn in self._forward_layers:
-            x = fn(x)
+            x = fn(x, training)
         return x
 
     def _logits(self, x: tf.Tensor) -> tf.Tensor:
         with tf.device(self.device):
-            return self._forward(x)
+            return self._forward(x, training=False)
 
     def _eval_batch(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         with tf.device(self.device):
-            logits = self._forward(x)
+            logits = self._forward(x, training=False)
             loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
             correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.int64))
             return tf.reduce_sum(tf.cast(loss, tf.float64)), correct
@@ -173,28 +246,70 @@ class TensorFlowAdapter(Adapter):
             x = tf.gather(self.x_train, indices)
             y = tf.gather(self.y_train, indices)
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=self._forward(x)))
+                logits = self._forward(x, training=True)
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
             self._update(tape.gradient(loss, self._variables))
             return loss
 
-    def load(self, data: Any) -> None:
-        """Copies the four arrays to the device once, as ``tf.constant``s placed under ``tf.device``: NHWC float32
-        images, int64 labels."""
+    def _train_accumulated(self, indices: tf.Tensor, micro_batches: int) -> tf.Tensor:
+        """Gradient accumulation: a ``tf.while_loop`` over the k micro-batches (rows of ``indices`` reshaped to (k,
+        B / k)) whose loop variables are the running sums of the gradients of each micro-batch's mean loss / k, then
+        one optimizer update with the sums: the mean gradient over all B samples. ``parallel_iterations=1`` keeps the
+        iterations strictly one after the other, so only one micro-batch's activations are alive at a time (an
+        unrolled Python loop would leave TF's executor free to run the independent forward passes side by side,
+        https://www.tensorflow.org/api_docs/python/tf/while_loop); the graph's size does not grow with k either."""
+        k = micro_batches
         with tf.device(self.device):
-            self.x_train = tf.constant(data.x_train, dtype=tf.float32)
+            parts = tf.reshape(indices, (k, -1))
+
+            def body(i: tf.Tensor, loss_sum: tf.Tensor, *grad_sums: tf.Tensor) -> tuple[tf.Tensor, ...]:
+                part = tf.gather(parts, i)
+                x = tf.gather(self.x_train, part)
+                y = tf.gather(self.y_train, part)
+                with tf.GradientTape() as tape:
+                    logits = self._forward(x, training=True)
+                    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) / k
+                grads = tape.gradient(loss, self._variables)
+                return (i + 1, loss_sum + loss, *[s + g for s, g in zip(grad_sums, grads)])
+
+            start = (tf.constant(0), tf.zeros((), tf.float32), *[tf.zeros_like(v) for v in self._variables])
+            _, loss, *grads = tf.while_loop(lambda i, *_: i < k, body, start, parallel_iterations=1,
+                                            maximum_iterations=k)
+            self._update(grads)
+            return loss
+
+    def load(self, data: Any) -> None:
+        """Copies the four arrays to the device once, placed under ``tf.device``: NHWC float32 images, int64 labels.
+        The training images are a non-trainable ``tf.Variable`` so that set_train_images can overwrite them in place
+        (``assign``) without re-tracing the train step; the rest are ``tf.constant``s."""
+        with tf.device(self.device):
+            self.x_train = tf.Variable(data.x_train.astype(np.float32, copy=False), trainable=False,
+                                       name="x_train")
             self.y_train = tf.constant(data.y_train, dtype=tf.int64)
             self.x_test = tf.constant(data.x_test, dtype=tf.float32)
             self.y_test = tf.constant(data.y_test, dtype=tf.int64)
         self._train_fns = {}  # the train step captures the training tensors when it is traced
 
-    def train_step(self, indices: np.ndarray) -> None:
+    def set_train_images(self, images: np.ndarray) -> None:
+        """Overwrites the training images (float32 NHWC) in place with ``tf.Variable.assign``."""
+        self.x_train.assign(images.astype(np.float32, copy=False))
+
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
         """One step on ``indices`` (int64 (B,)): gather, forward, ``tf.GradientTape`` gradients and the optimizer
-        update in one ``tf.function``, traced on the first call with each batch size B and never again."""
-        fn = self._train_fns.get(len(indices))
+        update in one ``tf.function``, traced on the first call with each (B, micro_batches) and never again. With
+        ``micro_batches`` k > 1 the gradients of k micro-batches of B / k are summed inside that function
+        (``_train_accumulated``)."""
+        key = (len(indices), micro_batches)
+        fn = self._train_fns.get(key)
         if fn is None:
-            fn = tf.function(self._train, input_signature=[tf.TensorSpec((len(indices),), tf.int64)],
-                             jit_compile=False, autograph=False)
-            self._train_fns[len(indices)] = fn
+            signature = [tf.TensorSpec((len(indices),), tf.int64)]
+            if micro_batches == 1:
+                python_fn = self._train
+            else:
+                micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
+                python_fn = functools.partial(self._train_accumulated, micro_batches=micro_batches)
+            fn = tf.function(python_fn, input_signature=signature, jit_compile=False, autograph=False)
+            self._train_fns[key] = fn
         self._last_loss = fn(np.asarray(indices, dtype=np.int64))
 
     def sync(self) -> float:
@@ -228,12 +343,25 @@ class TensorFlowAdapter(Adapter):
         out: dict[str, np.ndarray] = {}
         for index, (kind, kernel, bias, inverse) in self._params.items():
             k = kernel.numpy()
+            b = bias.numpy()
             if kind == "conv2d":
                 weight = k.transpose(3, 2, 0, 1)  # HWIO -> OIHW
+            elif kind == "batchnorm":
+                weight, b = (k, b) if inverse is None else (k[inverse], b[inverse])  # undo the HWC feature order
             else:
                 weight = k.T if inverse is None else k.T[:, inverse]  # (in, out) -> (out, in), undo the HWC rows
-            out[f"{index}.weight"] = np.ascontiguousarray(weight)
-            out[f"{index}.bias"] = bias.numpy().copy()
+            out[f"{index}.weight"] = np.array(weight, order="C")  # always a copy
+            out[f"{index}.bias"] = np.array(b, order="C")
+        return out
+
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        """Copies of batchnorm's running statistics in the canonical feature order ("<index>.running_mean",
+        "<index>.running_var")."""
+        out: dict[str, np.ndarray] = {}
+        for index, (mean, var, inverse) in self._buffers.items():
+            for name, variable in (("running_mean", mean), ("running_var", var)):
+                value = variable.numpy()
+                out[f"{index}.{name}"] = np.array(value if inverse is None else value[inverse], order="C")
         return out
 
     def reset_memory_stats(self) -> None:
@@ -260,7 +388,7 @@ class TensorFlowAdapter(Adapter):
                                "optimizer_impl": "PyTorch semantics on ResourceApplyMomentum/Adam",
                                "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "")}
         if self._gpu:
-            out["memory_growth"] = True
+            out.update(self._memory_settings)
             out["TF_GPU_ALLOCATOR"] = os.environ.get("TF_GPU_ALLOCATOR", "")
             out["allow_tf32"] = tf.config.experimental.tensor_float_32_execution_enabled()
         return out
@@ -275,23 +403,58 @@ class TensorFlowAdapter(Adapter):
         return isinstance(exc, tf.errors.InternalError) and "Dst tensor is not initialized" in str(exc)
 
 
-def _conv(kernel: tf.Variable, bias: tf.Variable, padding: str, relu: bool) -> Callable[[tf.Tensor], tf.Tensor]:
+Layer = Callable[[tf.Tensor, bool], tf.Tensor]  # (x, training) -> y
+
+
+def _conv(kernel: tf.Variable, bias: tf.Variable, padding: str, relu: bool) -> Layer:
     # TF's "SAME" pads an odd kernel by k // 2 on every side at stride 1, as the canonical model does.
-    def fn(x: tf.Tensor) -> tf.Tensor:
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
         y = tf.nn.bias_add(tf.nn.conv2d(x, kernel, strides=1, padding=padding, data_format="NHWC"), bias)
         return tf.nn.relu(y) if relu else y
     return fn
 
 
-def _dense(kernel: tf.Variable, bias: tf.Variable, relu: bool) -> Callable[[tf.Tensor], tf.Tensor]:
-    def fn(x: tf.Tensor) -> tf.Tensor:
+def _dense(kernel: tf.Variable, bias: tf.Variable, relu: bool) -> Layer:
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
         y = tf.nn.bias_add(tf.matmul(x, kernel), bias)
         return tf.nn.relu(y) if relu else y
     return fn
 
 
-def _maxpool(pool: int, stride: int) -> Callable[[tf.Tensor], tf.Tensor]:
-    return lambda x: tf.nn.max_pool2d(x, ksize=pool, strides=stride, padding="VALID", data_format="NHWC")
+def _pool(op: Callable[..., tf.Tensor], pool: int, stride: int) -> Layer:
+    # VALID: no padding, every window whole (so an average is always over pool^2 values, as in the other frameworks).
+    return lambda x, training: op(x, ksize=pool, strides=stride, padding="VALID", data_format="NHWC")
+
+
+def _dropout(rate: float) -> Layer:
+    # tf.nn.dropout is inverted dropout (kept values scaled by 1 / (1 - rate)), drawn from TF's seeded generator.
+    return lambda x, training: tf.nn.dropout(x, rate=rate) if training and rate > 0 else x
+
+
+def _batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.Variable, momentum: float,
+               epsilon: float, flat: bool) -> Layer:
+    """Batchnorm on NHWC (channels last) with ``FusedBatchNormV3`` (https://www.tensorflow.org/api_docs/python/tf/
+    raw_ops/FusedBatchNormV3), the kernel behind Keras's fused batchnorm and cuDNN's on a GPU. A flat (N, F) input is
+    run as (N, 1, 1, F).
+
+    Training: the batch is normalised with its mean and biased variance, and with ``exponential_avg_factor`` =
+    momentum the op returns (1 - momentum) * running + momentum * batch statistic, the batch variance being the
+    unbiased one (TF applies Bessel's correction to the variance it returns, as cuDNN does): the canonical update
+    (``harness.spec.BatchNorm``), assigned back to the running variables. Inference: the running statistics."""
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
+        features = x.shape[-1]
+        x4 = tf.reshape(x, (-1, 1, 1, features)) if flat else x
+        common = {"x": x4, "scale": gamma, "offset": beta, "mean": mean, "variance": var, "epsilon": epsilon,
+                  "data_format": "NHWC"}
+        if training:
+            y, new_mean, new_var, *_ = tf.raw_ops.FusedBatchNormV3(exponential_avg_factor=momentum, is_training=True,
+                                                                    **common)
+            mean.assign(new_mean)
+            var.assign(new_var)
+        else:
+            y = tf.raw_ops.FusedBatchNormV3(is_training=False, **common)[0]
+        return tf.reshape(y, (-1, features)) if flat else y
+    return fn
 
 
 def _make_update(opt: Any, variables: list[tf.Variable]) -> Callable[[list[tf.Tensor]], None]:

@@ -6,10 +6,21 @@ Canonical conventions, which every adapter converts from:
 - conv2d weights are OIHW (out channels, in channels, kernel height, kernel width), biases (O,);
 - dense weights are (out, in), biases (out,);
 - ``flatten`` orders features channel-first: feature index = c * H * W + h * W + w. A framework that flattens an
-  (H, W, C) tensor must permute the rows of the following dense layer's input dimension, not the data.
+  (H, W, C) tensor must permute the rows of the following dense layer's input dimension, not the data (and the
+  features of a batchnorm between the two);
+- batchnorm's trainable parameters are "<i>.weight" (gamma, (C,) or (F,), initially 1) and "<i>.bias" (beta,
+  initially 0); its running mean and variance are buffers, not parameters: "<i>.running_mean" (initially 0) and
+  "<i>.running_var" (initially 1), from ``initial_buffers``. ``initial_weights``, ``param_names`` and
+  ``parameter_count`` cover the trainable parameters only. The momentum and variance conventions are PyTorch's (see
+  ``harness.spec.BatchNorm``): the running variance is updated with the unbiased batch variance, the normalisation in
+  training mode uses the biased one;
+- dropout is inverted dropout (kept values scaled by 1 / (1 - rate) in training, the identity in inference). Its
+  masks are random draws of each framework's own generator and cannot be made equal across frameworks, so the
+  equivalence of the frameworks is proven for inference and for training without dropout.
 
 FLOPs follow the usual convention of counting 2 * M * N * K per matrix product (one multiply and one add per
-multiply-accumulate) and the equivalent for a convolution; pooling, activations and bias adds are not counted. A
+multiply-accumulate) and the equivalent for a convolution; pooling (max, average, global average), batchnorm,
+dropout, activations and bias adds are not counted (they are elementwise or reductions, O(1) per value). A
 training step is counted as 3 x the forward pass (forward, plus the backward pass's gradient with respect to the
 activations and with respect to the weights; the convention of Kaplan et al. 2020 and PaLM's MFU, which slightly
 overcounts the first layer, whose input gradient is not needed).
@@ -22,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.spec import Conv2D, Dense, Flatten, MaxPool2D, ModelSpec, ReLU, Softmax
+from harness.spec import (AvgPool2D, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool2D, MaxPool2D, ModelSpec,
+                          ReLU, Softmax)
 
 
 class ModelError(ValueError):
@@ -35,7 +47,8 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """One layer with its inferred shapes (channel-first, per sample) and its parameter shapes (canonical)."""
+    """One layer with its inferred shapes (channel-first, per sample), its trainable parameter shapes (canonical) and
+    its buffer shapes (batchnorm's running statistics: state, not trained)."""
 
     index: int
     spec: Any
@@ -43,6 +56,7 @@ class LayerInfo:
     output_shape: tuple[int, ...]
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)
     forward_flops: int = 0
+    buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -81,6 +95,10 @@ class ModelInfo:
         """Names of all parameters in a stable order: ``"<layer index>.weight"``, ``"<layer index>.bias"``."""
         return [f"{layer.index}.{name}" for layer in self.layers for name in layer.params]
 
+    def buffer_names(self) -> list[str]:
+        """Names of all buffers in a stable order: ``"<layer index>.running_mean"``, ``"<layer index>.running_var"``."""
+        return [f"{layer.index}.{name}" for layer in self.layers for name in layer.buffers]
+
 
 def analyze(model: ModelSpec, image_shape_hwc: tuple[int, int, int], num_classes: int) -> ModelInfo:
     """Infers every layer's shapes, parameters and FLOPs.
@@ -93,6 +111,7 @@ def analyze(model: ModelSpec, image_shape_hwc: tuple[int, int, int], num_classes
     infos: list[LayerInfo] = []
     for i, layer in enumerate(model.layers):
         params: dict[str, tuple[int, ...]] = {}
+        buffers: dict[str, tuple[int, ...]] = {}
         flops = 0
         if isinstance(layer, Conv2D):
             if len(shape) != 3:
@@ -110,14 +129,24 @@ def analyze(model: ModelSpec, image_shape_hwc: tuple[int, int, int], num_classes
             params = {"weight": (layer.filters, cin, k, k), "bias": (layer.filters,)}
             flops = 2 * hout * wout * layer.filters * cin * k * k
             out: tuple[int, ...] = (layer.filters, hout, wout)
-        elif isinstance(layer, MaxPool2D):
+        elif isinstance(layer, (MaxPool2D, AvgPool2D)):
             if len(shape) != 3:
-                raise ModelError(i, f"maxpool2d needs a (C, H, W) input, got {shape}")
+                raise ModelError(i, f"{layer.type} needs a (C, H, W) input, got {shape}")
             cin, hin, win = shape
             p, s = layer.pool_size, layer.stride or layer.pool_size
             if p > hin or p > win:
                 raise ModelError(i, f"pool_size {p} is larger than the {hin}x{win} input")
             out = (cin, (hin - p) // s + 1, (win - p) // s + 1)
+        elif isinstance(layer, GlobalAvgPool2D):
+            if len(shape) != 3:
+                raise ModelError(i, f"global_avgpool2d needs a (C, H, W) input, got {shape}")
+            out = (shape[0],)
+        elif isinstance(layer, BatchNorm):
+            if len(shape) not in (1, 3):
+                raise ModelError(i, f"batchnorm needs a (C, H, W) or a flat input, got {shape}")
+            params = {"weight": (shape[0],), "bias": (shape[0],)}
+            buffers = {"running_mean": (shape[0],), "running_var": (shape[0],)}
+            out = shape
         elif isinstance(layer, Flatten):
             out = (int(np.prod(shape)),)
         elif isinstance(layer, Dense):
@@ -126,11 +155,11 @@ def analyze(model: ModelSpec, image_shape_hwc: tuple[int, int, int], num_classes
             params = {"weight": (layer.units, shape[0]), "bias": (layer.units,)}
             flops = 2 * shape[0] * layer.units
             out = (layer.units,)
-        elif isinstance(layer, (ReLU, Softmax)):
+        elif isinstance(layer, (ReLU, Softmax, Dropout)):
             out = shape
         else:  # pragma: no cover - the spec's discriminated union admits nothing else
             raise ModelError(i, f"unsupported layer {layer!r}")
-        infos.append(LayerInfo(i, layer, shape, out, params, flops))
+        infos.append(LayerInfo(i, layer, shape, out, params, flops, buffers))
         shape = out
     if shape != (num_classes,):
         raise ModelError(len(model.layers) - 1, f"the model outputs {shape} but the dataset has {num_classes} classes")
@@ -172,17 +201,33 @@ def initial_weights(info: ModelInfo, seed: int) -> dict[str, np.ndarray]:
     """Draws the initial parameters once, in the canonical layout, from ``seed``.
 
     Returns a dict from ``"<layer index>.weight"`` / ``"<layer index>.bias"`` to float32 arrays (conv OIHW, dense
-    (out, in)). Each layer draws from its own generator seeded by (seed, layer index), so adding a layer does not
-    change the others' weights. Deterministic: the same seed gives the same arrays on any machine.
+    (out, in), batchnorm gamma (C,) = 1 and beta (C,) = 0, drawing nothing). Each layer draws from its own generator
+    seeded by (seed, layer index), so adding a layer does not change the others' weights. Deterministic: the same seed
+    gives the same arrays on any machine. Buffers are not included (see ``initial_buffers``).
     """
     weights: dict[str, np.ndarray] = {}
     for layer in info.layers:
         if not layer.params:
             continue
+        if layer.kind == "batchnorm":
+            weights[f"{layer.index}.weight"] = np.ones(layer.params["weight"], dtype=np.float32)
+            weights[f"{layer.index}.bias"] = np.zeros(layer.params["bias"], dtype=np.float32)
+            continue
         rng = np.random.default_rng([seed, layer.index])
         weights[f"{layer.index}.weight"] = _initialize(layer.spec.kernel_init, layer.params["weight"], rng)
         weights[f"{layer.index}.bias"] = _initialize(layer.spec.bias_init, layer.params["bias"], rng)
     return weights
+
+
+def initial_buffers(info: ModelInfo) -> dict[str, np.ndarray]:
+    """The initial buffers, float32: every batchnorm's ``"<i>.running_mean"`` (zeros) and ``"<i>.running_var"``
+    (ones), the frameworks' common starting point. Adapters start from these unless ``build`` is given others."""
+    buffers: dict[str, np.ndarray] = {}
+    for layer in info.layers:
+        for name, shape in layer.buffers.items():
+            fill = 1.0 if name == "running_var" else 0.0
+            buffers[f"{layer.index}.{name}"] = np.full(shape, fill, dtype=np.float32)
+    return buffers
 
 
 def chw_to_hwc_permutation(shape_chw: tuple[int, int, int]) -> np.ndarray:

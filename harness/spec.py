@@ -58,6 +58,46 @@ class MaxPool2D(_Strict):
     stride: int | None = Field(default=None, gt=0)
 
 
+class AvgPool2D(_Strict):
+    """Average pooling with a square window; stride defaults to the window size; no padding (every window is whole,
+    so every average is over pool_size^2 values)."""
+
+    type: Literal["avgpool2d"]
+    pool_size: int = Field(default=2, gt=0)
+    stride: int | None = Field(default=None, gt=0)
+
+
+class GlobalAvgPool2D(_Strict):
+    """The mean over the height and width of each channel: (C, H, W) -> (C,)."""
+
+    type: Literal["global_avgpool2d"]
+
+
+class BatchNorm(_Strict):
+    """Batch normalisation over the channels of a (C, H, W) input (statistics over batch, height and width) or over
+    the features of a flat (F,) input (statistics over the batch), with a learned scale (gamma, "weight", initially 1)
+    and shift (beta, "bias", initially 0).
+
+    Training mode normalises with the batch's mean and biased variance and updates the running statistics, which
+    start at mean 0 and variance 1, as running <- (1 - momentum) * running + momentum * batch statistic, with the
+    UNBIASED batch variance (n / (n - 1) x the biased one, n the values per channel in the batch): PyTorch's
+    convention, in which momentum is the weight of the new batch (Keras and MXNet call 1 - momentum their momentum).
+    Inference mode normalises with the running statistics. The normalisation is (x - mean) / sqrt(var + epsilon).
+    """
+
+    type: Literal["batchnorm"]
+    momentum: float = Field(default=0.1, gt=0, le=1)
+    epsilon: float = Field(default=1e-5, gt=0)
+
+
+class Dropout(_Strict):
+    """Inverted dropout: in training mode each value is zeroed with probability ``rate`` and the others are scaled by
+    1 / (1 - rate); in inference mode the identity. The masks are each framework's own random draws."""
+
+    type: Literal["dropout"]
+    rate: float = Field(ge=0, lt=1)
+
+
 class Flatten(_Strict):
     """Flattens (C, H, W) in channel-first order, whatever layout a framework computes in."""
 
@@ -84,7 +124,8 @@ class Softmax(_Strict):
     type: Literal["softmax"]
 
 
-Layer = Annotated[Union[Conv2D, MaxPool2D, Flatten, Dense, ReLU, Softmax], Field(discriminator="type")]
+Layer = Annotated[Union[Conv2D, MaxPool2D, AvgPool2D, GlobalAvgPool2D, BatchNorm, Dropout, Flatten, Dense, ReLU,
+                         Softmax], Field(discriminator="type")]
 
 
 class ModelSpec(_Strict):
@@ -202,10 +243,11 @@ class VariantsSpec(_Strict):
     """Study variants crossed with the batch sizes: every combination of the lists given runs at every batch size.
 
     optimizer: several optimizers (each a full optimizer spec), e.g. SGD with momentum and Adam, for the
-    seed-002 comparison of how optimizers tolerate large batches.
+    seed-002 comparison of how optimizers tolerate large batches. augmentation: e.g. [false, true].
     """
 
-    optimizer: list[OptimizerSpec] = Field(min_length=1)
+    optimizer: list[OptimizerSpec] | None = Field(default=None, min_length=1)
+    augmentation: list[bool] | None = Field(default=None, min_length=1)
 
 
 class Spec(_Strict):
@@ -218,6 +260,8 @@ class Spec(_Strict):
     learning_rate_scaling: the learning rate used at batch size B is the optimizer's learning rate x B /
     base_batch_size (linear) or x sqrt(B / base_batch_size) (sqrt), with B the effective batch size.
     target_accuracy: time and epochs to reach this test accuracy (fraction) are reported per trial.
+    augmentation: random crop and flip of the training images, drawn by the harness from (seed, epoch) and loaded
+    to the device before each epoch (outside the timed windows), identical for every framework.
     after_oom: after an OOM at batch size b, larger batch sizes of that framework (same repeat and variant) are
     recorded as skipped (``skip``, the default) or run anyway (``try``).
     """
@@ -245,6 +289,7 @@ class Spec(_Strict):
     base_batch_size: int | None = Field(default=None, gt=0, validate_default=True)
     target_accuracy: float | None = Field(default=None, gt=0, le=1)
     after_oom: Literal["skip", "try"] = "skip"
+    augmentation: bool = False
     variants: VariantsSpec | None = None
 
     @field_validator("base_batch_size")

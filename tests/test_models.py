@@ -8,15 +8,9 @@ from hypothesis import given, settings, strategies as st
 
 from harness import models
 from harness.spec import ModelSpec
+from tests.adapters.kit import CNN
 
-SEED002 = ModelSpec.model_validate({"layers": [
-    {"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "activation": "relu",
-     "kernel_init": "he_uniform"},
-    {"type": "maxpool2d", "pool_size": 2},
-    {"type": "flatten"},
-    {"type": "dense", "units": 128, "activation": "relu", "kernel_init": "he_uniform"},
-    {"type": "dense", "units": 10},
-]})
+SEED002 = CNN  # the seed-002 CNN (tests/adapters/kit.py)
 
 
 def test_seed002_cnn_on_cifar10_by_hand():
@@ -81,3 +75,96 @@ def test_chw_to_hwc_permutation_matches_a_channel_last_flatten(c, h, w):
     x = np.random.default_rng(0).random((c, h, w))
     perm = models.chw_to_hwc_permutation((c, h, w))
     np.testing.assert_array_equal(x.reshape(-1)[perm], x.transpose(1, 2, 0).reshape(-1))
+
+
+NORM_CNN = ModelSpec.model_validate({"layers": [
+    {"type": "conv2d", "filters": 16, "kernel_size": 3, "padding": "same"},
+    {"type": "batchnorm"},
+    {"type": "relu"},
+    {"type": "avgpool2d", "pool_size": 2},
+    {"type": "conv2d", "filters": 32, "kernel_size": 3},
+    {"type": "batchnorm", "momentum": 0.01, "epsilon": 1e-3},
+    {"type": "maxpool2d", "pool_size": 3, "stride": 2},
+    {"type": "dropout", "rate": 0.25},
+    {"type": "global_avgpool2d"},
+    {"type": "batchnorm"},
+    {"type": "dense", "units": 10},
+]})
+
+
+def test_batchnorm_pooling_and_dropout_by_hand():
+    info = models.analyze(NORM_CNN, (32, 32, 3), 10)
+    # conv same 16: (16, 32, 32); batchnorm, relu keep it; avgpool 2: (16, 16, 16); conv valid 3: (32, 14, 14);
+    # maxpool 3 stride 2: ((14 - 3) // 2 + 1 = 6); dropout keeps it; global average pool: (32,); batchnorm (32,)
+    assert [layer.output_shape for layer in info.layers] == [
+        (16, 32, 32), (16, 32, 32), (16, 32, 32), (16, 16, 16), (32, 14, 14), (32, 14, 14), (32, 6, 6), (32, 6, 6),
+        (32,), (32,), (10,)]
+    # conv 16 x 27 + 16 = 448; batchnorm 16 gammas + 16 betas = 32; conv 32 x 16 x 9 + 32 = 4,640; batchnorm 64;
+    # batchnorm over the 32 pooled features 64; dense 32 x 10 + 10 = 330. Running statistics are not parameters.
+    assert info.parameter_count == 448 + 32 + 4_640 + 64 + 64 + 330 == 5_578
+    assert info.layers[1].params == {"weight": (16,), "bias": (16,)}
+    assert info.layers[9].params == {"weight": (32,), "bias": (32,)}
+    assert info.buffer_names() == ["1.running_mean", "1.running_var", "5.running_mean", "5.running_var",
+                                   "9.running_mean", "9.running_var"]
+    # Only the convolutions and the dense layer count (batchnorm, pooling and dropout are not FLOPs here):
+    # 2 x (32 x 32) x 16 x 27 + 2 x (14 x 14) x 32 x 144 + 2 x 32 x 10
+    assert info.forward_flops_per_sample == 884_736 + 1_806_336 + 640 == 2_691_712
+
+
+def test_batchnorm_weights_and_buffers_start_at_the_frameworks_defaults():
+    info = models.analyze(NORM_CNN, (32, 32, 3), 10)
+    weights = models.initial_weights(info, 3)
+    assert list(weights) == info.param_names()
+    np.testing.assert_array_equal(weights["1.weight"], np.ones(16, np.float32))  # gamma
+    np.testing.assert_array_equal(weights["1.bias"], np.zeros(16, np.float32))  # beta
+    buffers = models.initial_buffers(info)
+    assert list(buffers) == info.buffer_names()
+    np.testing.assert_array_equal(buffers["5.running_mean"], np.zeros(32, np.float32))
+    np.testing.assert_array_equal(buffers["5.running_var"], np.ones(32, np.float32))
+    assert all(value.dtype == np.float32 for value in {**weights, **buffers}.values())
+    # the other layers' draws do not depend on the batchnorm layers (each layer has its own generator)
+    plain = models.analyze(ModelSpec.model_validate({"layers": [
+        {"type": "conv2d", "filters": 16, "kernel_size": 3, "padding": "same"}, {"type": "flatten"},
+        {"type": "dense", "units": 10}]}), (32, 32, 3), 10)
+    np.testing.assert_array_equal(models.initial_weights(plain, 3)["0.weight"], weights["0.weight"])
+
+
+def test_batchnorm_on_a_flat_input_and_layer_errors():
+    flat = ModelSpec.model_validate({"layers": [
+        {"type": "flatten"}, {"type": "batchnorm"}, {"type": "dense", "units": 10}]})
+    info = models.analyze(flat, (8, 8, 1), 10)
+    assert info.layers[1].params == {"weight": (64,), "bias": (64,)}
+    assert info.parameter_count == 64 + 64 + 64 * 10 + 10
+    for layers, index, message in [
+        ([{"type": "flatten"}, {"type": "global_avgpool2d"}], 1, "global_avgpool2d needs a"),
+        ([{"type": "flatten"}, {"type": "avgpool2d"}], 1, "avgpool2d needs a"),
+        ([{"type": "avgpool2d", "pool_size": 9}], 0, "larger than the 8x8 input"),
+    ]:
+        with pytest.raises(models.ModelError, match=message) as err:
+            models.analyze(ModelSpec.model_validate({"layers": layers}), (8, 8, 1), 10)
+        assert err.value.layer == index
+
+
+@pytest.mark.parametrize("layer", [
+    {"type": "dropout", "rate": 1.0},
+    {"type": "dropout", "rate": -0.1},
+    {"type": "dropout"},  # the rate has no default
+    {"type": "batchnorm", "momentum": 0.0},
+    {"type": "batchnorm", "momentum": 1.5},
+    {"type": "batchnorm", "epsilon": 0.0},
+    {"type": "batchnorm", "axis": 1},  # unknown field
+    {"type": "avgpool2d", "pool_size": 0},
+    {"type": "global_avgpool2d", "pool_size": 2},
+])
+def test_invalid_new_layers_are_rejected(layer):
+    with pytest.raises(ValueError):
+        ModelSpec.model_validate({"layers": [layer, {"type": "flatten"}]})
+
+
+def test_new_layer_defaults():
+    spec = ModelSpec.model_validate({"layers": [
+        {"type": "batchnorm"}, {"type": "avgpool2d"}, {"type": "dropout", "rate": 0.0}, {"type": "global_avgpool2d"}]})
+    norm, pool, dropout, _ = spec.layers
+    assert (norm.momentum, norm.epsilon) == (0.1, 1e-5)  # PyTorch's defaults, in PyTorch's momentum convention
+    assert (pool.pool_size, pool.stride) == (2, None)
+    assert dropout.rate == 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from harness import datasets, models
 from harness.spec import DigitsData, ModelSpec, OptimizerSpec
@@ -19,17 +20,17 @@ CNN = ModelSpec.model_validate({"layers": [
 SGD = OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9)
 
 
-def digits():
+def digits(model: ModelSpec = CNN):
     data = datasets.load(DigitsData(name="digits"))
-    info = models.analyze(CNN, data.x_train.shape[1:], data.num_classes)
+    info = models.analyze(model, data.x_train.shape[1:], data.num_classes)
     return data, info
 
 
 def make(adapter_cls, seed: int = 0, optimizer: OptimizerSpec = SGD, threads: int = 2,
-         weights: dict[str, np.ndarray] | None = None):
-    """A prepared, built and loaded adapter on the CPU, with the digits data and the CNN, holding ``weights``
-    (default: the canonical ``models.initial_weights(info, seed)``)."""
-    data, info = digits()
+         weights: dict[str, np.ndarray] | None = None, model: ModelSpec = CNN):
+    """A prepared, built and loaded adapter on the CPU, with the digits data and ``model`` (default the CNN), holding
+    ``weights`` (default: the canonical ``models.initial_weights(info, seed)``; it may hold buffers too)."""
+    data, info = digits(model)
     adapter = adapter_cls()
     adapter.prepare("cpu", threads, seed)
     adapter.build(info, models.initial_weights(info, seed) if weights is None else weights, optimizer)
@@ -63,19 +64,23 @@ def train_epochs(adapter, data, epochs: int, batch_size: int, seed: int = 0) -> 
     return means
 
 
-def train_on(adapter, steps: list[np.ndarray], keep: tuple[int, ...] = ()) -> tuple[list[float],
-                                                                                  dict[int, dict[str, np.ndarray]]]:
-    """One train_step per batch in ``steps``, synced after each. Returns the loss of every step and the canonical
-    weights (``get_weights``) after each step count in ``keep`` (0: before the first step)."""
+def train_on(adapter, steps: list[np.ndarray], keep: tuple[int, ...] = (),
+             micro_batches: int = 1) -> tuple[list[float], dict[int, dict[str, np.ndarray]]]:
+    """One train_step per batch in ``steps`` (of ``micro_batches`` micro-batches each), synced after each. Returns the
+    loss of every step and the canonical state after each step count in ``keep`` (0: before the first step): the
+    weights (``get_weights``) and the buffers (``get_buffers``, batchnorm's running statistics) in one dict."""
     losses: list[float] = []
     kept: dict[int, dict[str, np.ndarray]] = {}
     if 0 in keep:
-        kept[0] = adapter.get_weights()
+        kept[0] = {**adapter.get_weights(), **adapter.get_buffers()}
     for count, batch in enumerate(steps, start=1):
-        adapter.train_step(batch)
+        if micro_batches == 1:
+            adapter.train_step(batch)
+        else:
+            adapter.train_step(batch, micro_batches=micro_batches)
         losses.append(adapter.sync())
         if count in keep:
-            kept[count] = adapter.get_weights()
+            kept[count] = {**adapter.get_weights(), **adapter.get_buffers()}
     return losses, kept
 
 
@@ -123,8 +128,14 @@ def check_parameter_count(adapter_cls) -> None:
     assert sum(v.size for v in adapter.get_weights().values()) == info.parameter_count == 67_274
 
 
-def numpy_forward(info, weights, images: np.ndarray) -> np.ndarray:
-    """A float64 reference forward pass in the canonical layout, written independently of every framework."""
+def numpy_forward(info, weights, images: np.ndarray, training: bool = False,
+                  batch_stats: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
+    """A float64 reference forward pass in the canonical layout, written independently of every framework.
+
+    Inference mode (default): batchnorm normalises with the running statistics, ``weights``' "<i>.running_mean" /
+    "<i>.running_var" if it has them, else 0 and 1; dropout is the identity. ``training``: batchnorm normalises with
+    the batch's mean and biased variance, and ``batch_stats`` (if given) receives each batchnorm's (mean, biased
+    variance) by layer index; dropout is still the identity (its masks are the frameworks' own)."""
     x = images.astype(np.float64).transpose(0, 3, 1, 2)  # NCHW
     for layer in info.layers:
         spec = layer.spec
@@ -144,6 +155,25 @@ def numpy_forward(info, weights, images: np.ndarray) -> np.ndarray:
             p, s = spec.pool_size, spec.stride or spec.pool_size
             ho, wo = layer.output_shape[1:]
             x = np.max(np.stack([x[:, :, i:i + s * ho:s, j:j + s * wo:s] for i in range(p) for j in range(p)]), axis=0)
+        elif layer.kind == "avgpool2d":
+            p, s = spec.pool_size, spec.stride or spec.pool_size
+            ho, wo = layer.output_shape[1:]
+            x = np.mean(np.stack([x[:, :, i:i + s * ho:s, j:j + s * wo:s] for i in range(p) for j in range(p)]), axis=0)
+        elif layer.kind == "global_avgpool2d":
+            x = x.mean(axis=(2, 3))
+        elif layer.kind == "batchnorm":
+            axes = (0, 2, 3) if x.ndim == 4 else (0,)
+            shape = (1, -1, 1, 1) if x.ndim == 4 else (1, -1)
+            if training:
+                mean, var = x.mean(axis=axes), x.var(axis=axes)  # the biased batch variance
+                if batch_stats is not None:
+                    batch_stats[layer.index] = (mean, var)
+            else:
+                mean = weights.get(f"{layer.index}.running_mean", np.zeros(x.shape[1])).astype(np.float64)
+                var = weights.get(f"{layer.index}.running_var", np.ones(x.shape[1])).astype(np.float64)
+            gamma, beta = weights[f"{layer.index}.weight"], weights[f"{layer.index}.bias"]
+            x = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + spec.epsilon) * gamma.reshape(shape) \
+                + beta.reshape(shape)
         elif layer.kind == "flatten":
             x = x.reshape(x.shape[0], -1)
         elif layer.kind == "dense":
@@ -153,3 +183,83 @@ def numpy_forward(info, weights, images: np.ndarray) -> np.ndarray:
         elif layer.kind == "relu":
             x = np.maximum(x, 0)
     return x
+
+
+def check_allocator_options_on_cpu(adapter_cls) -> None:
+    """The worker sets ``options`` before ``prepare``. On the CPU a memory limit and memory growth off are accepted
+    and are no-ops for the adapter (the worker caps a CPU worker process itself): it trains, and its settings claim
+    neither a framework memory limit nor a memory-growth setting."""
+    data, info = digits()
+    adapter = adapter_cls()
+    adapter.options = {"tensorflow_memory_growth": False, "memory_limit_bytes": 2 * 10**9}
+    adapter.prepare("cpu", 2, 0)
+    adapter.build(info, models.initial_weights(info, 0), SGD)
+    adapter.load(data)
+    adapter.train_step(batches(len(data.y_train), 32, 1)[0])
+    assert np.isfinite(adapter.sync())
+    settings = adapter.settings()
+    assert not {"memory_limit_bytes", "memory_limit", "memory_growth"} & set(settings), settings
+    assert adapter_cls.options == {}  # the instance's options, not the class default, were set
+
+
+# A small model with every layer kind that has a training and an inference mode, or buffers.
+NORM_CNN = ModelSpec.model_validate({"layers": [
+    {"type": "conv2d", "filters": 8, "kernel_size": 3, "padding": "same", "kernel_init": "he_uniform"},
+    {"type": "batchnorm"}, {"type": "relu"}, {"type": "avgpool2d", "pool_size": 2},
+    {"type": "flatten"}, {"type": "batchnorm", "momentum": 0.5}, {"type": "dropout", "rate": 0.2},
+    {"type": "dense", "units": 10},
+]})
+
+
+def check_inference_after_training(adapter_cls) -> None:
+    """After training steps (batchnorm in training mode, dropout on), predict and evaluate run in inference mode on
+    the state the adapter reports: its logits are the numpy reference's on ``get_weights`` + ``get_buffers``. predict
+    follows the last train_step without a sync in between, so an adapter whose running statistics are still being
+    written (asynchronous engines) would be caught."""
+    adapter, data, info = make(adapter_cls, model=NORM_CNN)
+    for batch in batches(len(data.y_train), 32, 3):
+        adapter.train_step(batch)
+    logits = adapter.predict(data.x_test)
+    state = {**adapter.get_weights(), **adapter.get_buffers()}
+    assert sorted(state) == sorted(info.param_names() + info.buffer_names())
+    assert not np.allclose(state["1.running_var"], 1.0)  # the running statistics did move
+    reference = numpy_forward(info, state, data.x_test)
+    np.testing.assert_allclose(logits, reference, rtol=1e-4, atol=1e-5)
+    shifted = reference - reference.max(axis=1, keepdims=True)
+    ref_loss = float(-(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)))[
+        np.arange(len(data.y_test)), data.y_test].mean())
+    assert adapter.evaluate(64)[0] == pytest.approx(ref_loss, rel=1e-5)
+
+
+def check_set_train_images(adapter_cls) -> None:
+    """set_train_images overwrites the resident training images in place, also after the train step was compiled or
+    traced: an adapter that steps on images A, is switched to B and steps again must end with exactly the weights of
+    an adapter that was loaded with those images from the start."""
+    import dataclasses
+
+    adapter, data, _ = make(adapter_cls)
+    original = data.x_train.copy()
+    first, *rest = batches(len(data.y_train), 32, 4)
+    augmented = datasets.augment(data.x_train, seed=0, epoch=0)
+    given = augmented.copy()
+    assert not np.allclose(augmented, data.x_train)
+    train_on(adapter, [first])  # compiles / traces the step on the original images
+    adapter.set_train_images(augmented)
+    train_on(adapter, rest)
+    # The adapter holds its own copy: neither the loaded dataset nor the array it was given may change (the harness
+    # augments the original images again each epoch).
+    np.testing.assert_array_equal(data.x_train, original)
+    np.testing.assert_array_equal(augmented, given)
+    mixed = augmented.copy()
+    mixed[first] = data.x_train[first]  # the first batch saw the original images
+    reference = adapter_cls()
+    reference.prepare("cpu", 2, 0)
+    _, info = digits()
+    reference.build(info, models.initial_weights(info, 0), SGD)
+    reference.load(dataclasses.replace(data, x_train=mixed))
+    train_on(reference, [first, *rest])
+    for name, value in reference.get_weights().items():
+        np.testing.assert_allclose(adapter.get_weights()[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+    unaugmented, _, _ = make(adapter_cls)
+    train_on(unaugmented, [first, *rest])
+    assert max_differences(unaugmented.get_weights(), reference.get_weights())[0] > 1e-4  # the images did matter

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from adapters.base import DeviceUnavailable
-from adapters.mxnet import MXNetAdapter, mx  # mx through the adapter, which makes it importable on numpy >= 1.24
+# mx through the adapter, which makes it importable on numpy >= 1.24
+from adapters.mxnet import MXNetAdapter, _running_var_is_biased, mx
 from harness import datasets
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
@@ -224,3 +225,56 @@ def test_real_cpu_allocation_failure_is_oom():
     assert result["type"] == "mxnet.base.MXNetError", result
     assert "Failed to allocate CPU Memory" in result["message"], result
     assert result["is_oom"], result
+
+
+def test_allocator_options_on_cpu():
+    kit.check_allocator_options_on_cpu(MXNetAdapter)
+
+
+def test_memory_limit_on_a_gpu_is_recorded_as_unsupported(monkeypatch):
+    """No GPU here: the GPU count is faked (mx.gpu(0) is only a Context until an operator runs on it). MXNet 1.9.1 has
+    no per-process GPU memory cap, so the adapter applies nothing and says so."""
+    monkeypatch.setattr(mx.context, "num_gpus", lambda: 1)
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # prepare sets it by setdefault; keep this process clean
+    adapter = MXNetAdapter()
+    adapter.options = {"tensorflow_memory_growth": True, "memory_limit_bytes": 4 * 10**9}
+    adapter.prepare("cuda:0", None, 0)
+    settings = adapter.settings()
+    assert settings["memory_limit"] == "not supported by MXNet on GPU"
+    assert settings["memory_limit_bytes"] is None and settings["memory_limit_requested_bytes"] == 4 * 10**9
+    unlimited = MXNetAdapter()
+    unlimited.options = {"memory_limit_bytes": None}
+    unlimited.prepare("cuda:0", None, 0)
+    assert "memory_limit" not in unlimited.settings()
+
+
+def test_cpu_batchnorm_kernel_updates_with_the_biased_variance():
+    """The fact the adapter corrects (see _fix_running_variances): MXNet 1.9.1's CPU BatchNorm, on a (C, H, W) input
+    and on a flat one, updates its running variance with the biased batch variance, where the canonical update (and
+    cuDNN's) uses the unbiased one. The probe measures it; should a build do otherwise, the adapter follows."""
+    assert _running_var_is_biased(mx.cpu(), (3, 5, 5))
+    assert _running_var_is_biased(mx.cpu(), (7,))
+
+
+def test_switching_between_plain_and_accumulated_steps():
+    """grad_req switches between write (plain steps) and add (accumulation) as the steps ask; gradients are zeroed
+    before each accumulated step. The same mixed sequence gives PyTorch's parameters."""
+    from adapters.pytorch import PyTorchAdapter
+
+    mx_adapter, data, _ = kit.make(MXNetAdapter)
+    torch_adapter = kit.make(PyTorchAdapter)[0]
+    for batch, k in zip(kit.batches(len(data.y_train), 32, 5), (4, 1, 2, 2, 1)):
+        for adapter in (mx_adapter, torch_adapter):
+            adapter.train_step(batch, micro_batches=k)
+        np.testing.assert_allclose(mx_adapter.sync(), torch_adapter.sync(), rtol=1e-5)
+    expected = torch_adapter.get_weights()
+    for name, value in mx_adapter.get_weights().items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_inference_after_training_uses_the_running_statistics():
+    kit.check_inference_after_training(MXNetAdapter)
+
+
+def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
+    kit.check_set_train_images(MXNetAdapter)

@@ -1,5 +1,7 @@
 """PyTorch adapter: real training on the CPU, the canonical weights, and OOM classification."""
 
+from types import SimpleNamespace
+
 import torch
 
 from adapters.pytorch import PyTorchAdapter
@@ -34,3 +36,45 @@ def test_real_cpu_allocation_failure_is_oom():
         assert adapter.is_oom(exc), repr(exc)
     else:
         raise AssertionError("a 4 PiB allocation succeeded")
+
+
+def test_allocator_options_on_cpu():
+    kit.check_allocator_options_on_cpu(PyTorchAdapter)
+
+
+def test_memory_limit_on_a_gpu_is_a_per_process_fraction(monkeypatch):
+    """No GPU here: the CUDA calls are replaced, to check what the adapter asks of them
+    (torch.cuda.set_per_process_memory_fraction(limit / total_memory, device)) and what it records."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: calls.append((fraction, device)))
+    adapter = PyTorchAdapter()
+    adapter.options = {"memory_limit_bytes": 20 * 2**30}
+    adapter._apply_memory_limit(1)
+    assert calls == [(0.25, 1)] and isinstance(calls[0][0], float)  # the call insists on a float
+    adapter.device = torch.device("cuda:1")  # what prepare sets; settings() reads no CUDA state
+    settings = adapter.settings()
+    assert settings["memory_limit_bytes"] == 20 * 2**30 and settings["memory_fraction"] == 0.25
+    assert settings["device_total_memory_bytes"] == 80 * 2**30
+
+    calls.clear()
+    above = PyTorchAdapter()
+    above.options = {"memory_limit_bytes": 100 * 2**30}  # more than the device has: a fraction of 1, no cap
+    above._apply_memory_limit(0)
+    assert calls == [(1.0, 0)]
+
+    calls.clear()
+    unlimited = PyTorchAdapter()
+    unlimited.options = {"tensorflow_memory_growth": True, "memory_limit_bytes": None}
+    unlimited._apply_memory_limit(0)
+    unlimited.device = torch.device("cuda:0")
+    assert calls == [] and unlimited.settings()["memory_limit_bytes"] is None
+
+
+def test_inference_after_training_uses_the_running_statistics():
+    kit.check_inference_after_training(PyTorchAdapter)
+
+
+def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
+    kit.check_set_train_images(PyTorchAdapter)

@@ -57,8 +57,13 @@ def test_train_and_evaluate_never_retrace():
     for batch_size in (256, 100, 7):  # 360 test images: a smaller last batch every time
         loss, accuracy = adapter.evaluate(batch_size)
         assert np.isfinite(loss) and 0 <= accuracy <= 1
-    assert adapter._train_fns[32].experimental_get_tracing_count() == 1
+    assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
     assert adapter._eval_fn.experimental_get_tracing_count() == 1
+    for batch in kit.batches(len(data.y_train), 32, 3):  # gradient accumulation: one more function, traced once
+        adapter.train_step(batch, micro_batches=4)
+        assert np.isfinite(adapter.sync())
+    assert adapter._train_fns[(32, 4)].experimental_get_tracing_count() == 1
+    assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
 
 
 def test_cpu_settings_and_memory_stats():
@@ -96,3 +101,49 @@ def test_real_cpu_allocation_failure_is_oom():
         assert adapter.is_oom(exc), repr(exc)
     else:
         raise AssertionError("a 16 TiB allocation succeeded")
+
+
+def test_allocator_options_on_cpu():
+    kit.check_allocator_options_on_cpu(TensorFlowAdapter)
+
+
+@pytest.mark.parametrize("options, growth_calls, logical, settings", [
+    ({"tensorflow_memory_growth": True, "memory_limit_bytes": None}, [True], None,
+     {"memory_limit_bytes": None, "memory_growth": True}),
+    ({"tensorflow_memory_growth": False, "memory_limit_bytes": None}, [], None,
+     {"memory_limit_bytes": None, "memory_growth": False}),
+    ({}, [True], None, {"memory_limit_bytes": None, "memory_growth": True}),  # growth is the default
+    # 3.5 GiB + 1000 bytes: whole MiB, rounded down; memory growth cannot be combined with a logical device
+    ({"tensorflow_memory_growth": True, "memory_limit_bytes": 7 * 2**29 + 1000}, [], 3584,
+     {"memory_limit_bytes": 3584 * 2**20, "memory_limit_requested_bytes": 7 * 2**29 + 1000, "memory_growth": False}),
+    ({"tensorflow_memory_growth": False, "memory_limit_bytes": 2**30}, [], 1024,
+     {"memory_limit_bytes": 2**30, "memory_limit_requested_bytes": 2**30, "memory_growth": False}),
+], ids=["growth", "no-growth", "default", "limit-and-growth", "limit"])
+def test_gpu_memory_options(monkeypatch, options, growth_calls, logical, settings):
+    """No GPU here: TF's configuration calls are replaced, to check what the adapter asks of them for each option and
+    what it records."""
+    growth, logical_devices = [], []
+    monkeypatch.setattr(tf.config.experimental, "set_memory_growth", lambda gpu, on: growth.append(on))
+    monkeypatch.setattr(tf.config, "set_logical_device_configuration",
+                        lambda gpu, devices: logical_devices.append(devices))
+    adapter = TensorFlowAdapter()
+    adapter.options = options
+    adapter._configure_gpu_memory(object())
+    assert growth == growth_calls
+    if logical is None:
+        assert logical_devices == []
+    else:
+        assert logical_devices == [[tf.config.LogicalDeviceConfiguration(memory_limit=logical)]]
+    adapter._gpu = True  # what prepare sets on a GPU; settings() reads no GPU state
+    recorded = adapter.settings()
+    for key, value in settings.items():
+        assert recorded[key] == value, key
+    assert ("memory_growth_skipped" in recorded) == (bool(logical) and options.get("tensorflow_memory_growth", True))
+
+
+def test_inference_after_training_uses_the_running_statistics():
+    kit.check_inference_after_training(TensorFlowAdapter)
+
+
+def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
+    kit.check_set_train_images(TensorFlowAdapter)
