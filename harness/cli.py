@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--batch-sizes", type=lambda t: [int(x) for x in _str_list(t)], help="only these sizes")
     history.add_argument("--out", default=None, help="PNG path (default: next to the history file)")
     sub.add_parser("env", help="print what a run would record about this machine (JSON)")
+    from harness import maxbatch
+
+    maxbatch.add_parser(sub)
     return parser
 
 
@@ -190,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_USAGE
             print(f"plot: {out}")
             return 0
+        if args.command == "max-batch":
+            from harness import maxbatch
+
+            return maxbatch.run(args)
         if args.command == "env":
             from harness import environment
 

@@ -71,6 +71,27 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0x0BA7C4]).permutation(n).astype(np.int64)
 
 
+def augment(images: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """Random crop and horizontal flip of every training image, drawn from (seed, epoch): the same augmented images
+    for every framework. images: float32 (N, H, W, C). Returns a new array of the same shape.
+
+    Crop: pad each side with ``max(1, H // 8)`` zero pixels (4 for 32x32, the usual CIFAR setting; 1 for 8x8) and cut
+    an H x W window at a random offset. Flip: left-right with probability 1/2.
+    """
+    n, h, w, c = images.shape
+    pad = max(1, h // 8)
+    rng = np.random.default_rng([seed, epoch, 0xA06])
+    padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    dy = rng.integers(0, 2 * pad + 1, size=n)
+    dx = rng.integers(0, 2 * pad + 1, size=n)
+    rows = dy[:, None] + np.arange(h)[None, :]  # (N, H)
+    cols = dx[:, None] + np.arange(w)[None, :]  # (N, W)
+    flip = rng.random(n) < 0.5
+    cols = np.where(flip[:, None], cols[:, ::-1], cols)
+    out = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
 def _digits(cfg: DigitsData) -> Data:
     from sklearn.datasets import load_digits
 

@@ -38,6 +38,7 @@ class Trial:
     target_accuracy: float | None = None
     variant: str = ""
     optimizer: dict[str, Any] | None = None
+    augmentation: bool = False
 
     def payload(self, spec: Spec) -> dict[str, Any]:
         """What the worker reads on standard input: the trial and the whole spec, as JSON-ready data."""
@@ -62,11 +63,20 @@ def variant_label(optimizer: OptimizerSpec) -> str:
     return label
 
 
-def variants(spec: Spec) -> list[tuple[str, OptimizerSpec]]:
-    """(label, optimizer) of every variant; one unnamed variant (the spec's optimizer) when none are given."""
+def variants(spec: Spec) -> list[tuple[str, OptimizerSpec, bool]]:
+    """(label, optimizer, augmentation) of every combination of the spec's variant lists; one unnamed variant (the
+    spec's optimizer and augmentation) when none are given."""
     if spec.variants is None:
-        return [("", spec.optimizer)]
-    return [(variant_label(opt), opt) for opt in spec.variants.optimizer]
+        return [("", spec.optimizer, spec.augmentation)]
+    optimizers = spec.variants.optimizer or [spec.optimizer]
+    augmentations = spec.variants.augmentation if spec.variants.augmentation is not None else [spec.augmentation]
+    out = []
+    for opt in optimizers:
+        for aug in augmentations:
+            parts = ([variant_label(opt)] if spec.variants.optimizer else []) + (
+                [f"aug {'on' if aug else 'off'}"] if spec.variants.augmentation is not None else [])
+            out.append((", ".join(parts), opt, aug))
+    return out
 
 
 def scaled_learning_rate(spec: Spec, effective_batch_size: int, optimizer: OptimizerSpec | None = None) -> float:
@@ -92,7 +102,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
     """
     return [
         Trial(id=f"{framework}-bs{batch}-r{repeat}" + (f"-v{index}" if label else ""), framework=framework,
-              batch_size=batch, repeat=repeat, variant=label,
+              batch_size=batch, repeat=repeat, variant=label, augmentation=augmentation,
               optimizer=None if not label else optimizer.model_dump(mode="json"),
               device=device, threads=spec.cpu_threads or available_cpus(), seed=spec.seed, epochs=spec.epochs,
               warmup_steps=spec.warmup_steps, sync_every=spec.timing.sync_every,
@@ -101,7 +111,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy)
         for repeat in range(spec.repeats)
-        for index, (label, optimizer) in enumerate(variants(spec))
+        for index, (label, optimizer, augmentation) in enumerate(variants(spec))
         for batch in spec.batch_sizes
         for framework in spec.frameworks
     ]

@@ -347,6 +347,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                       + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
                          else "No compared pair's intervals overlap."), ""]
     lines += study_sections(data)
+    lines += measurement_notes(data)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
@@ -357,6 +358,56 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += ["Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): "
               + ", ".join(f"[{r['id']}](plots/trials/{r['id']}.png)" for r in records if r["status"] == "ok"), ""]
     return "\n".join(lines)
+
+
+def measurement_notes(data: dict[str, Any]) -> list[str]:
+    """The "How the sampler fared" section: metrics the sampler could not read (and why), why NVML was not used,
+    backend notes and errors, which energy method each trial's figure came from and how many windows were too short
+    for it, and clocks-event (throttle) reasons seen during the timed windows. Empty when there is nothing to say."""
+    unavailable: dict[str, set[str]] = {}
+    notes: dict[str, list[str]] = {}
+    methods: dict[str, list[str]] = {}
+    short: list[str] = []
+    throttled: list[str] = []
+    for r in data["records"]:
+        info = r.get("sampler") or {}
+        for metric, why in (info.get("unavailable") or {}).items():
+            unavailable.setdefault(metric, set()).add(str(why))
+        for note in [info.get("note"), *(info.get("notes") or []), *(info.get("errors") or [])]:
+            if note:
+                notes.setdefault(str(note), []).append(r["id"])
+        energy = info.get("energy") or {}
+        if r["status"] == "ok" and data["backend"] == "nvml":
+            methods.setdefault(energy.get("method") or "none", []).append(r["id"])
+            if energy.get("short_windows"):
+                short.append(f"{r['id']} ({energy['short_windows']} of {energy.get('windows')} windows "
+                             f"< {energy.get('short_window_s')} s)")
+        shares = (info.get("throttle") or {}).get("share") or {}
+        active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
+        if active:
+            throttled.append(f"{r['id']}: {', '.join(active)}")
+    lines: list[str] = []
+    if unavailable:
+        lines += ["Not measured (the device or driver does not provide it):", ""]
+        lines += [f"- {metric}: {'; '.join(sorted(why))}" for metric, why in sorted(unavailable.items())]
+        lines.append("")
+    if notes:
+        lines += ["Sampler notes:", ""]
+        lines += [f"- {note} ({len(ids)} trial{'s' if len(ids) > 1 else ''})" for note, ids in notes.items()]
+        lines.append("")
+    if methods:
+        names = {"counter": "NVML's total-energy counter (nvmlDeviceGetTotalEnergyConsumption)",
+                 "power_integral": "power integrated over time (nvmlDeviceGetPowerUsage; no energy counter)",
+                 "none": "no energy figure (neither counter nor power readings)"}
+        lines += ["Energy came from: " + "; ".join(f"{names.get(m, m)}: {len(ids)} trials"
+                                                   for m, ids in methods.items()) + ".", ""]
+    if short:
+        lines += ["Energy of windows shorter than the readings' refresh is approximate (the counter or power reading "
+                  "lags the window edges): " + "; ".join(short[:20]) + ("; ..." if len(short) > 20 else "") + ".", ""]
+    if throttled:
+        lines += ["Clock throttling seen in the timed windows (share of samples; see nvmlClocksEventReasons): "
+                  + "; ".join(throttled[:20]) + ".", ""]
+    return (["## How the sampler fared", ""] + lines) if lines else []
 
 
 def study_sections(data: dict[str, Any]) -> list[str]:

@@ -65,7 +65,7 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
     throughput is in samples per second. Raises TrialError when the batch size exceeds the training set or warm-up
     leaves no step to measure.
     """
-    from harness.datasets import epoch_order
+    from harness.datasets import augment, epoch_order
 
     micro = trial["batch_size"]
     accumulation = trial.get("accumulation_steps", 1)
@@ -102,6 +102,11 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
         emit("phase", name="warmup", edge="start")
     for epoch in range(epochs):
         order = epoch_order(n, seed, epoch)
+        if trial.get("augmentation"):
+            emit("phase", name="augment", epoch=epoch, edge="start")
+            adapter.set_train_images(augment(data.x_train, seed, epoch))
+            adapter.sync()
+            emit("phase", name="augment", epoch=epoch, edge="end")
         losses: list[float] = []
         position = 0
         if not warm:  # the warm-up steps still left fall at the start of this epoch
@@ -188,6 +193,10 @@ def run(payload: dict[str, Any], events: Events) -> int:
             adapter = adapters.get(trial["framework"])()
         except ImportError as err:
             raise TrialError(f"{trial['framework']} is not installed here ({err})") from None
+        if trial["device"] == "cpu" and trial.get("memory_limit_bytes"):
+            from harness.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
+
+            apply_cpu_memory_limit(trial["memory_limit_bytes"], trial["framework"], emit=events.emit)
         adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
                            "memory_limit_bytes": trial.get("memory_limit_bytes")}
         adapter.prepare(trial["device"], trial["threads"], trial["seed"])
@@ -215,6 +224,9 @@ def run(payload: dict[str, Any], events: Events) -> int:
                 oom = adapter.is_oom(exc)
             except Exception:  # noqa: BLE001 - a broken classifier must not hide the original error
                 oom = False
+        # Python's own MemoryError is an out-of-memory too: an allocation outside the framework's allocator (numpy,
+        # a lazily imported module) failing, typically under a CPU memory cap (harness.limits).
+        oom = oom or isinstance(exc, MemoryError)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = reason if isinstance(exc, TrialError) else f"{type(exc).__name__}: {reason}".rstrip(": ")
         events.emit("error", kind="oom" if oom else "error", reason=reason[:500],

@@ -77,3 +77,20 @@ def test_cifar10_lookup_order_and_clear_error(tmp_path, monkeypatch):
         datasets.resolve_cifar10_path(Cifar10Data(name="cifar10"))
     (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"x")
     assert datasets.resolve_cifar10_path(Cifar10Data(name="cifar10")) == tmp_path / "cifar-10-python.tar.gz"
+
+
+def test_augment_is_a_seeded_crop_and_flip_of_each_image():
+    rng = np.random.default_rng(3)
+    images = rng.random((40, 8, 8, 2), dtype=np.float32)
+    out = datasets.augment(images, seed=5, epoch=1)
+    assert out.shape == images.shape and out.dtype == np.float32
+    np.testing.assert_array_equal(out, datasets.augment(images, seed=5, epoch=1))
+    assert not np.array_equal(out, datasets.augment(images, seed=5, epoch=2))
+    padded = np.pad(images, ((0, 0), (1, 1), (1, 1), (0, 0)))  # 8 // 8 = 1 pixel of padding
+    flips = 0
+    for i in range(len(images)):
+        matches = [(dy, dx, flip) for dy in range(3) for dx in range(3) for flip in (False, True)
+                   if np.array_equal(out[i], (lambda c: c[:, ::-1] if flip else c)(padded[i, dy:dy + 8, dx:dx + 8]))]
+        assert len(matches) == 1, (i, matches)  # exactly one crop offset and flip explains each output
+        flips += matches[0][2]
+    assert 8 < flips < 32  # about half flipped

@@ -41,3 +41,26 @@ def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
     for metric in ("throughput", "util", "memory", "accuracy", "seconds_per_epoch"):
         assert (run_dir / "plots" / f"{metric}.png").stat().st_size > 1000
     assert "samples/s" in proc.stdout and "report:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_augmentation_variants_train_every_framework_on_the_same_images(write_spec, tmp_path):
+    """variants.augmentation [false, true]: the harness augments once per epoch and each adapter overwrites its
+    resident images in place. The three frameworks start from the same weights and see the same batches of the same
+    augmented images, so their last training losses agree closely; augmentation changes them."""
+    spec = write_spec(base_spec(name="aug", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[128],
+                                epochs=2, warmup_steps=1, variants={"augmentation": [False, True]}))
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    records = results.read_trials(run_dir)
+    assert len(records) == 6 and all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
+    loss = {(r["framework"], r["variant"]): r["metrics"]["final_train_loss"] for r in records}
+    for variant in ("aug off", "aug on"):
+        values = [loss[(fw, variant)] for fw in ("pytorch", "tensorflow", "mxnet")]
+        assert max(values) - min(values) < 1e-3 * max(values), (variant, values)
+    assert abs(loss[("pytorch", "aug on")] - loss[("pytorch", "aug off")]) > 1e-3, loss
+    events = (run_dir / "events" / f"{records[-1]['id']}.jsonl").read_text()
+    assert events.count('"name": "augment"') == 4  # start and end, once per epoch, outside the timed windows

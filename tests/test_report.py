@@ -142,3 +142,23 @@ def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
     pow2_rows = [line for line in text.splitlines() if line.startswith("| Fault (sgd lr=0.1) | 16 |")]
     assert [row.split("|")[3].strip() for row in pow2_rows] == ["15", "17"]
     assert all(row.split("|")[5].strip() in ("no measurable difference", "faster", "slower") for row in pow2_rows)
+
+
+def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
+    recs = [record("pytorch", 8, backend="nvml"), record("mxnet", 8, backend="nvml")]
+    recs[0]["sampler"].update(unavailable={"energy_mj": "NVML_ERROR_NOT_SUPPORTED (nvmlDeviceGetTotalEnergyConsumption)"},
+                              notes=["MIG instance: device-level utilization is not available"],
+                              energy={"joules": 9.0, "method": "power_integral", "short_windows": 2, "windows": 5,
+                                      "short_window_s": 1.0, "seconds": 0.1},
+                              throttle={"count": 4, "share": {"gpu_idle": 0.5, "sw_power_cap": 0.25}})
+    recs[1]["sampler"]["energy"] = {"joules": 5.0, "method": "counter", "short_windows": 0, "windows": 5}
+    text = report.write(make_run(tmp_path, recs, batch_sizes=(8,))).read_text()
+    section = text[text.index("## How the sampler fared"):]
+    assert "- energy_mj: NVML_ERROR_NOT_SUPPORTED" in section
+    assert "- MIG instance: device-level utilization is not available (1 trial)" in section
+    assert "total-energy counter (nvmlDeviceGetTotalEnergyConsumption): 1 trials" in section
+    assert "power integrated over time" in section and "pytorch-bs8-r0 (2 of 5 windows < 1.0 s)" in section
+    assert "pytorch-bs8-r0: sw_power_cap 25%" in section and "gpu_idle" not in section
+    quiet = [record("pytorch", 8)]  # host backend, nothing unusual: no section at all
+    (tmp_path / "q").mkdir()
+    assert "How the sampler fared" not in report.write(make_run(tmp_path / "q", quiet, batch_sizes=(8,))).read_text()

@@ -1,0 +1,194 @@
+"""The CPU memory cap of a worker (``memory_limit_mb`` of a spec, ``Trial.memory_limit_bytes``).
+
+What ``memory_limit_mb`` means on the CPU
+-----------------------------------------
+The memory a trial may take **on top of what its worker holds once the framework is imported** (the interpreter, the
+harness, the framework's libraries and whatever the import itself allocated). Everything after that point counts: the
+framework's runtime setup (thread pools), the model and optimizer state, the dataset the worker loads, and the
+training and evaluation. ``apply_cpu_memory_limit`` is called by the worker right after it creates the adapter (which
+imports the framework) and before ``adapter.prepare``. MB = 10^6 bytes, as everywhere in a spec.
+
+How it is enforced, per framework (measured with torch 2.13, tensorflow-cpu 2.21 and mxnet 1.9.1 on Linux 6.x: a
+small batch trains and evaluates under the cap; a large one fails with the framework's own out-of-memory error):
+
+- PyTorch, MXNet and any other framework: a process limit, ``RLIMIT_DATA`` (soft limit) = the process's ``VmData``
+  now + the limit. Since Linux 4.7, RLIMIT_DATA counts every private writable mapping (``VmData``: the brk heap,
+  malloc's mmap'd chunks and arenas, thread stacks), not just the brk heap; shared libraries' code and read-only
+  mappings do not count. An allocation beyond it fails with ENOMEM, so malloc returns NULL and the framework's
+  CPU allocator raises its own error: PyTorch ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``,
+  MXNet ``MXNetError: ... Failed to allocate CPU Memory``.
+  ``RLIMIT_AS`` was measured and rejected: it counts the whole address space (``VmSize``), which TensorFlow and MXNet
+  grow by hundreds of MB of reserved-but-unused areas (thread stacks, malloc arenas) while they set up, so a cap of a
+  few hundred MB above the baseline failed MXNet at batch 64 and made numpy's dataset allocation fail (a plain
+  MemoryError, not the framework's OOM) in TensorFlow and MXNet.
+- TensorFlow: the process limit alone makes TensorFlow abort: its convolution kernels (Eigen's tensor contraction)
+  allocate their workspace with ``new`` on an op thread, and a failing allocation there throws ``std::bad_alloc``
+  that nothing catches (``terminate called after throwing an instance of 'std::bad_alloc'``, SIGABRT) in most
+  over-limit runs. So TensorFlow's CPU tensors are put in a BFC allocator capped at the limit
+  (``TF_CPU_ALLOCATOR_USE_BFC=true``, ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` = the limit in MiB, rounded down; read when
+  TensorFlow creates its CPU device, i.e. after import and before the first op, which is why the limit is applied
+  before ``prepare``): a tensor beyond it raises ``ResourceExhaustedError`` ("OOM when allocating tensor"), after
+  the BFC allocator's own retry wait of about 10 s. For TensorFlow the limit therefore counts **tensor bytes**
+  (dataset constants, variables, optimizer slots, activations, gradients), not the numpy copy of the dataset, the
+  traced graphs or the kernels' workspaces; the process limit is kept as a backstop at VmData + 2 x limit + 1 GiB,
+  far enough above that the tensor cap is what trips.
+
+On a GPU, ``memory_limit_mb`` is applied by the adapters through each framework's own device-memory limit (see
+``adapters.base.Adapter.options``); this module is not used there.
+
+What is recorded: ``apply_cpu_memory_limit`` returns (and, given ``emit``, reports as a ``memory_limit`` event) the
+mechanism and the numbers it set. It also resets the kernel's peak-RSS counter (``VmHWM``, by writing 5 to
+``/proc/self/clear_refs``) and, given ``emit``, reports a ``memory_peak`` event when the worker exits (an ``atexit``
+handler; after an OOM too): the peak of what the cap counts, measured from the same baseline (``peak_estimate``:
+TensorFlow's BFC peak, exact; for the process limit an estimate of the VmData peak, which the kernel does not keep,
+from the peak RSS and the VmData at exit). ``harness.maxbatch`` fits its memory model to that number. A hard crash
+(SIGKILL, SIGSEGV) reports no peak.
+
+Caveat, measured: a cap below what a framework needs for its own runtime (here PyTorch ~110 MB and MXNet ~100 MB of
+VmData after import, mostly 8 MB thread stacks and modules PyTorch imports lazily when the optimizer is built) fails
+outside the allocator: a Python ``MemoryError`` during an import, or MXNet's "Resource temporarily unavailable" when
+its engine cannot start a thread (after which MXNet 1.9.1 hangs in its exit handler until the trial's timeout).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import resource
+import sys
+from typing import Any, Callable
+
+MIB = 1 << 20
+GIB = 1 << 30
+#: TensorFlow's process-limit backstop: VmData + TF_BACKSTOP_FACTOR x limit + TF_BACKSTOP_EXTRA_BYTES.
+TF_BACKSTOP_FACTOR = 2
+TF_BACKSTOP_EXTRA_BYTES = GIB
+
+_STATUS_FIELDS = {"VmData": "data_bytes", "VmRSS": "rss_bytes", "VmHWM": "rss_peak_bytes", "VmSize": "virtual_bytes",
+                  "RssFile": "rss_file_bytes", "RssShmem": "rss_shmem_bytes"}
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """``data_bytes`` (VmData: what RLIMIT_DATA counts), ``rss_bytes`` (VmRSS), ``rss_peak_bytes`` (VmHWM),
+    ``virtual_bytes`` (VmSize), ``rss_file_bytes`` (RssFile: resident pages of mapped files, e.g. libraries' code)
+    and ``rss_shmem_bytes`` (RssShmem) of a process, from /proc/PID/status. Empty where /proc is not available."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in _STATUS_FIELDS:
+                    out[_STATUS_FIELDS[key]] = int(value.split()[0]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Resets this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0). False where that is refused."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _set_data_limit(cap: int) -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if soft != resource.RLIM_INFINITY:
+        cap = min(cap, soft)  # never loosen a tighter limit the worker inherited
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))  # soft only: the hard limit stays as it was
+    return cap
+
+
+def apply_cpu_memory_limit(limit_bytes: int, framework: str | None = None,
+                           emit: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Caps this process's memory at ``limit_bytes`` beyond what it holds now (see the module docstring for what
+    that means per framework); call it after the framework is imported and before any framework op.
+
+    framework: the adapter's name ("tensorflow" gets the BFC tensor cap, everything else the process limit).
+    emit: the worker's ``Events.emit``; when given, a ``memory_limit`` event is emitted now and a ``memory_peak``
+    event when the process exits: ``peak_bytes`` and its ``source`` (see peak_estimate), ``at_exit`` and ``baseline``
+    (process_memory() then and before the cap) and ``tensorflow_bfc_peak_bytes``.
+    Returns what was applied (the ``memory_limit`` event's fields): ``mechanism``, ``limit_bytes``, ``baseline``
+    (process_memory() before the cap), ``rlimit_data_bytes`` (the soft RLIMIT_DATA set), ``peak_reset`` (whether
+    VmHWM was reset) and, for TensorFlow, ``tf_cpu_bfc_limit_mib``.
+    """
+    limit_bytes = int(limit_bytes)
+    if limit_bytes <= 0:
+        raise ValueError(f"memory limit must be positive, not {limit_bytes}")
+    baseline = process_memory()
+    data = baseline.get("data_bytes")
+    if data is None:
+        raise OSError("cannot read VmData from /proc/self/status: the CPU memory limit needs Linux")
+    info: dict[str, Any] = {"limit_bytes": limit_bytes, "baseline": baseline}
+    if framework == "tensorflow":
+        mib = max(1, limit_bytes // MIB)
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(mib)
+        info["mechanism"] = "tensorflow cpu BFC allocator limit + RLIMIT_DATA backstop"
+        info["tf_cpu_bfc_limit_mib"] = mib
+        info["rlimit_data_bytes"] = _set_data_limit(data + TF_BACKSTOP_FACTOR * limit_bytes + TF_BACKSTOP_EXTRA_BYTES)
+    else:
+        info["mechanism"] = "RLIMIT_DATA"
+        info["rlimit_data_bytes"] = _set_data_limit(data + limit_bytes)
+    info["peak_reset"] = reset_peak_rss()
+    if emit is not None:
+        emit("memory_limit", **info)
+        atexit.register(_report_peak, emit, framework, baseline, info["peak_reset"])
+    return info
+
+
+def _tensorflow_cpu_peak() -> int | None:
+    """Peak bytes of TensorFlow's CPU BFC allocator since it was created (None where TF is not loaded or keeps no
+    statistics)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return None
+    try:
+        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    except Exception:  # noqa: BLE001 - no BFC allocator on the CPU, or TF already shutting down
+        return None
+
+
+def peak_estimate(mechanism_is_tf: bool, baseline: dict[str, int], now: dict[str, int], peak_reset: bool,
+                  tensor_peak: int | None) -> tuple[int | None, str]:
+    """The best available measure of the peak of what the cap counts since it was applied, with its source.
+
+    TensorFlow (BFC cap): the allocator's own peak (``tensor_peak``), exact. Otherwise RLIMIT_DATA caps private
+    memory (VmData), whose peak the kernel does not keep; the estimate is the larger of
+
+    - the peak growth of private resident memory: VmHWM since the reset, less the baseline VmRSS, less the growth of
+      file-backed and shared resident pages (RssFile, RssShmem: libraries' code paged in while training, which
+      RLIMIT_DATA does not count; assumed not to shrink, as they are not evicted without memory pressure). Exact for
+      memory that is written, blind to memory reserved but never touched (thread stacks, pools);
+    - the VmData growth at exit: what a pooled allocator such as MXNet's keeps is its peak; an allocator that gives
+      memory back (glibc's mmap'd chunks, PyTorch) makes this an underestimate.
+    """
+    if mechanism_is_tf and tensor_peak is not None:
+        return tensor_peak, "tensorflow cpu BFC allocator peak"
+    rss_growth = None
+    if now.get("rss_peak_bytes") is not None and peak_reset:
+        paged = sum(now.get(k, 0) - baseline.get(k, 0) for k in ("rss_file_bytes", "rss_shmem_bytes"))
+        rss_growth = now["rss_peak_bytes"] - baseline.get("rss_bytes", 0) - max(0, paged)
+    data = now.get("data_bytes")
+    data_growth = data - baseline["data_bytes"] if data is not None and "data_bytes" in baseline else None
+    if rss_growth is None and data_growth is None:
+        return None, "unavailable"
+    if data_growth is None or (rss_growth is not None and rss_growth >= data_growth):
+        return rss_growth, "peak private RSS growth (VmHWM less file pages)"
+    return data_growth, "VmData growth at exit"
+
+
+def _report_peak(emit: Callable[..., Any], framework: str | None, baseline: dict[str, int], peak_reset: bool) -> None:
+    try:
+        now = process_memory()
+        tensor_peak = _tensorflow_cpu_peak() if framework == "tensorflow" else None
+        peak, source = peak_estimate(framework == "tensorflow", baseline, now, peak_reset, tensor_peak)
+        emit("memory_peak", peak_bytes=peak, source=source, at_exit=now, baseline=baseline,
+             tensorflow_bfc_peak_bytes=tensor_peak)
+    except Exception:  # noqa: BLE001 - no memory left even for this, or the events pipe is gone: nothing to report
+        pass

@@ -1,0 +1,215 @@
+"""The largest-batch finder: real frameworks under a real memory cap (no fakes), the memory model, and the ways a
+search ends. The three framework searches run at the same time (each probe is a separate worker process; memory,
+not speed, is measured), which keeps this file near 2 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import maxbatch, results
+from harness.maxbatch import MemoryModel, find_max_batch, fit_memory_model
+from harness.spec import validate
+from tests.conftest import ROOT, base_spec
+
+CNN = [
+    {"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "activation": "relu"},
+    {"type": "maxpool2d", "pool_size": 2},
+    {"type": "conv2d", "filters": 64, "kernel_size": 3, "padding": "same", "activation": "relu"},
+    {"type": "maxpool2d", "pool_size": 2},
+    {"type": "flatten"},
+    {"type": "dense", "units": 128, "activation": "relu"},
+    {"type": "dense", "units": 10},
+]
+# Caps (MB) that put each framework's limit at roughly 100-300 samples of this CNN (measured: PyTorch ~110 MB +
+# 0.76 MB/sample, MXNet ~105 MB + 1.7 MB/sample of process memory; TensorFlow's BFC tensor cap ~25 MB + 0.5 MB/sample).
+CAPS = {"pytorch": 250, "mxnet": 250, "tensorflow": 150}
+
+
+def cnn_spec(tmp_path, framework, **changes):
+    data = base_spec(**{"frameworks": [framework], "model": {"layers": CNN}, "device": "cpu", "cpu_threads": 1,
+                        "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10}, "timeout_s": 120,
+                        **changes})
+    return validate(data, tmp_path / "s.yaml")
+
+
+@pytest.fixture(scope="module")
+def searches(tmp_path_factory):
+    """One search per framework, run concurrently: {framework: MaxBatchResult}."""
+    tmp = tmp_path_factory.mktemp("maxbatch")
+
+    def search(framework):
+        spec = cnn_spec(tmp, framework, memory_limit_mb=CAPS[framework])
+        return find_max_batch(spec, framework, initial_sizes=(16, 64), tolerance=0.1)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {fw: pool.submit(search, fw) for fw in CAPS}
+        return {fw: f.result() for fw, f in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", list(CAPS))
+def test_finds_the_limit_under_a_real_cap(searches, framework):
+    result = searches[framework]
+    table = maxbatch.table(result)
+    assert result.status == "found", table
+    limit = result.limit
+    assert result.probed(limit).status == "ok"
+    above = sorted(p.batch_size for p in result.probes if p.batch_size > limit)
+    assert above and result.probed(above[0]).status == "oom", table
+    assert above[0] == result.smallest_oom and above[0] - limit <= max(1, math.floor(0.1 * limit))
+    assert result.recommended == limit  # no margin
+    assert result.model is not None and result.model.per_sample_bytes > 0, table
+    assert result.predicted_limit is not None and result.predicted_limit > 0
+    # every OOM is the framework's own error under the cap, never a crash
+    oom = result.probed(above[0])
+    own_error = {"pytorch": "DefaultCPUAllocator: can't allocate memory", "tensorflow": "ResourceExhaustedError",
+                 "mxnet": "MXNetError: Failed to allocate CPU Memory"}[framework]
+    assert own_error in oom.reason, oom.reason
+    assert all(p.status in ("ok", "oom") for p in result.probes)
+    assert all(p.peak_bytes is not None and p.peak_bytes > 0 for p in result.probes if p.status == "ok")
+
+
+@pytest.mark.slow
+def test_the_run_directory(searches, tmp_path):
+    result = searches["pytorch"]
+    spec = cnn_spec(tmp_path, "pytorch", memory_limit_mb=CAPS["pytorch"])
+    run_dir = maxbatch.write_run(result, spec, tmp_path / "results")
+    run = results.read_run(run_dir)
+    assert run["kind"] == "max-batch" and run["result"]["limit"] == result.limit
+    assert run["result"]["model"]["per_sample_bytes"] > 0
+    probes = results.read_lines(run_dir / "probes.jsonl")
+    assert [p["batch_size"] for p in probes] == [p.batch_size for p in result.probes]
+    text = (run_dir / "max_batch.md").read_text()
+    assert f"largest batch that fits: {result.limit}" in text and "| # | batch | status |" in text
+
+
+@pytest.mark.slow
+def test_a_cap_below_the_smallest_batch_is_a_clear_result(tmp_path):
+    # A dense layer of 3072 x 8000 weights: ~98 MB per copy (the canonical weights, PyTorch's parameters, their
+    # gradients, the momentum buffers) cannot fit 150 MB at any batch size.
+    spec = cnn_spec(tmp_path, "pytorch", memory_limit_mb=150,
+                    model={"layers": [{"type": "flatten"}, {"type": "dense", "units": 8000},
+                                      {"type": "dense", "units": 10}]})
+    result = find_max_batch(spec, "pytorch", initial_sizes=(8,))
+    assert result.status == "nothing_fits", maxbatch.table(result)
+    assert [(p.batch_size, p.status) for p in result.probes] == [(8, "oom"), (1, "oom")]
+    assert result.limit is None and result.recommended is None and result.smallest_oom == 1
+    assert result.reason == "even batch size 1 runs out of memory under the cap (150 MB)"
+
+
+def test_a_failure_that_is_not_oom_stops_the_search(fault_adapter, monkeypatch, tmp_path):
+    monkeypatch.setenv("HARNESS_FAULT", "64:raise")
+    spec = validate(base_spec(frameworks=[fault_adapter], memory_limit_mb=2000), tmp_path / "s.yaml")
+    result = find_max_batch(spec, fault_adapter, device="cpu", initial_sizes=(16, 64, 256))
+    assert result.status == "stopped"
+    assert [(p.batch_size, p.status) for p in result.probes] == [(16, "ok"), (64, "error")]
+    assert result.reason == "batch size 64 ended error (not an out-of-memory error): ValueError: injected failure"
+    assert result.limit is None and result.recommended is None
+    assert "the largest size that fitted before the search stopped: 16" in result.notes
+
+
+def test_fit_memory_model_with_known_numbers():
+    exact = fit_memory_model([(16, 100e6 + 16 * 2e6), (64, 100e6 + 64 * 2e6), (256, 100e6 + 256 * 2e6)])
+    assert exact.fixed_bytes == pytest.approx(100e6) and exact.per_sample_bytes == pytest.approx(2e6)
+    assert exact.r2 == pytest.approx(1.0) and exact.points == 3
+    assert exact.predict_limit(500e6) == 200  # (500 - 100) / 2
+    assert exact.predict_limit(50e6) == 0  # the fixed part alone exceeds the cap
+    noisy = fit_memory_model([(10, 12.0), (20, 19.0), (30, 32.0), (40, 41.0)])
+    # least squares by hand: slope = sum(dx dy) / sum(dx^2) = 500 / 500 = 1.0 (x mean 25, y mean 26), intercept 1.0
+    assert noisy.per_sample_bytes == pytest.approx(1.0) and noisy.fixed_bytes == pytest.approx(1.0)
+    assert noisy.r2 == pytest.approx(1 - 6 / 506)  # residuals 1, -2, 1, 0; deviations from the mean -14, -7, 6, 15
+    assert fit_memory_model([(16, 5.0), (16, 6.0)]) is None  # one distinct size: no line
+    assert MemoryModel(10.0, -1.0, 0.5, 2).predict_limit(100.0) is None  # memory falling with the batch: no prediction
+
+
+class _Outcome:
+    """What find_max_batch reads of a launcher Outcome, for the search-logic tests below."""
+
+    def __init__(self, status, peak=None, reason=""):
+        self.status, self.reason, self.wall_seconds, self.log_tail, self.sampler = status, reason, 0.0, "", {}
+        self.events = [{"event": "memory_peak", "peak_bytes": peak, "source": "test"}] if peak is not None else []
+
+    def result(self):
+        return None
+
+
+def _simulate(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b):
+    sizes = []
+
+    def fake_run_worker(payload, timeout_s, interval_s, device, threads=None, on_event=None):
+        b = payload["trial"]["batch_size"]
+        sizes.append(b)
+        return _Outcome("ok", peak(b)) if fits(b) else _Outcome("oom", reason="RuntimeError: out of memory")
+
+    monkeypatch.setattr(maxbatch, "run_worker", fake_run_worker)
+    return sizes
+
+
+def test_search_logic_probes_the_prediction_then_closes_the_bracket(monkeypatch, tmp_path):
+    # 50 MB + 1 MB per sample under a 400 MB cap: the limit is 350; the model predicts it exactly.
+    sizes = _simulate(monkeypatch, lambda b: 50e6 + 1e6 * b <= 400e6)
+    spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.1)
+    assert result.predicted_limit == 350 and result.limit == 350 and result.status == "found"
+    assert sizes[:4] == [16, 64, 350, 357]  # the prediction, then one tolerance step above it
+    assert result.recommended == 315 and sizes[-1] == 315  # the margin target is probed, not assumed
+    assert result.model.per_sample_bytes == pytest.approx(1e6)
+
+
+def test_search_logic_without_oom_and_with_non_monotonic_memory(monkeypatch, tmp_path):
+    spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
+    _simulate(monkeypatch, lambda b: True)
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=1000)
+    assert result.status == "no_oom" and result.limit == 1000
+    # 200 fails although 400 fits: the margin's target is verified and the recommendation falls back to a size
+    # that was probed successfully.
+    _simulate(monkeypatch, lambda b: b <= 400 and b != 200, peak=lambda b: 1e6 * b)
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.05, margin=0.5)
+    assert result.limit == 400 and result.recommended == 64 and result.probed(200).status == "oom"
+    assert any("not monotonic" in note for note in result.notes)
+
+
+def test_cli(fault_adapter, write_spec, tmp_path, capsys):
+    from harness import cli
+
+    path = write_spec(base_spec(frameworks=[fault_adapter], memory_limit_mb=2000, device="cpu"))
+    assert cli.main(["max-batch", str(path), "--framework", fault_adapter, "--initial-sizes", "16",
+                     "--max-batch", "64", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "fault on cpu: no_oom" in out and "largest batch that fits: 64" in out
+    run_dir = next((tmp_path / "out").iterdir())
+    assert json.loads((run_dir / "run.json").read_text())["result"]["status"] == "no_oom"
+    assert (run_dir / "max_batch.md").exists() and (run_dir / "events").is_dir()
+    bad = write_spec({"name": "x"}, "bad.yaml")
+    assert cli.main(["max-batch", str(bad), "--framework", "pytorch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{bad}: ") and len(err.strip().splitlines()) == 1
+    assert cli.main(["max-batch", str(path), "--framework", "caffe"]) == 2
+    assert "unknown framework 'caffe'" in capsys.readouterr().err
+
+
+def test_apply_cpu_memory_limit_in_a_fresh_process():
+    code = """
+import json, numpy as np
+from harness.limits import apply_cpu_memory_limit
+info = apply_cpu_memory_limit(200_000_000)
+a = np.ones(100_000_000 // 8)  # 100 MB: within the cap
+try:
+    b = np.ones(300_000_000 // 8)  # 300 MB more: beyond it
+    over = "allocated"
+except MemoryError:
+    over = "MemoryError"
+print(json.dumps({"info": info, "over": over}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert data["over"] == "MemoryError"
+    info = data["info"]
+    assert info["mechanism"] == "RLIMIT_DATA"
+    assert info["rlimit_data_bytes"] == info["baseline"]["data_bytes"] + 200_000_000
