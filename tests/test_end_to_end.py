@@ -12,15 +12,21 @@ from harness import results
 from tests.conftest import base_spec
 
 
-@pytest.mark.slow
-def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
-    spec = write_spec(base_spec(name="e2e", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[32, 256],
-                                epochs=2, warmup_steps=2))
+def run_cli(spec, tmp_path):
+    """``python -m harness run SPEC`` in a subprocess; asserts exit 0 and returns (the process, its run directory)."""
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
+    spec = write_spec(base_spec(name="e2e", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[32, 256],
+                                epochs=2, warmup_steps=2))
+    proc, run_dir = run_cli(spec, tmp_path)
     records = results.read_trials(run_dir)
     assert [r["id"] for r in records] == ["pytorch-bs32-r0", "tensorflow-bs32-r0", "mxnet-bs32-r0",
                                           "pytorch-bs256-r0", "tensorflow-bs256-r0", "mxnet-bs256-r0"]
@@ -50,11 +56,7 @@ def test_augmentation_variants_train_every_framework_on_the_same_images(write_sp
     augmented images, so their last training losses agree closely; augmentation changes them."""
     spec = write_spec(base_spec(name="aug", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[128],
                                 epochs=2, warmup_steps=1, variants={"augmentation": [False, True]}))
-    out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()
+    _, run_dir = run_cli(spec, tmp_path)
     records = results.read_trials(run_dir)
     assert len(records) == 6 and all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
     loss = {(r["framework"], r["variant"]): r["metrics"]["final_train_loss"] for r in records}

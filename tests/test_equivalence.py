@@ -105,6 +105,20 @@ def ten_steps(request):
     return out
 
 
+def assert_runs_agree(runs, names, steps: int, rtol: float, atol: float) -> None:
+    """Every pair of frameworks in ``runs`` ({framework: kit.train_on's (losses, kept states)}): the losses of the
+    first ``steps`` steps agree within 1e-5 relative, and every array in ``names`` after ``steps`` steps within
+    ``rtol`` / ``atol`` (the message gives the largest differences over all arrays)."""
+    for a, b in PAIRS:
+        np.testing.assert_allclose(runs[a][0][:steps], runs[b][0][:steps], rtol=1e-5, err_msg=f"losses {a} vs {b}")
+        largest = kit.max_differences(runs[a][1][steps], runs[b][1][steps])
+        for name in names:
+            np.testing.assert_allclose(
+                runs[a][1][steps][name], runs[b][1][steps][name], rtol=rtol, atol=atol,
+                err_msg=f"{name} after {steps} step(s), {a} vs {b}; over all: max |a - b| {largest[0]:.2g}, "
+                        f"max relative {largest[1]:.2g}")
+
+
 @pytest.mark.parametrize("steps", [1, 10])
 def test_parameters_agree_after_steps(ten_steps, steps):
     """Every parameter agrees across the three frameworks after 1 and after 10 steps (SGD with momentum and weight
@@ -115,15 +129,7 @@ def test_parameters_agree_after_steps(ten_steps, steps):
     for name, value in initial.items():
         moved = np.abs(ten_steps["pytorch"][1][steps][name] - value).max()
         assert moved > 100 * PARAM_ATOL, f"{name} moved only {moved:.2g} in {steps} step(s)"
-    for a, b in PAIRS:
-        np.testing.assert_allclose(ten_steps[a][0][:steps], ten_steps[b][0][:steps], rtol=1e-5,
-                                   err_msg=f"losses {a} vs {b}")
-        largest = kit.max_differences(ten_steps[a][1][steps], ten_steps[b][1][steps])
-        for name in initial:
-            np.testing.assert_allclose(
-                ten_steps[a][1][steps][name], ten_steps[b][1][steps][name], rtol=PARAM_RTOL, atol=PARAM_ATOL,
-                err_msg=f"{name} after {steps} step(s), {a} vs {b}; over all parameters: max |a - b| "
-                        f"{largest[0]:.2g}, max relative {largest[1]:.2g}")
+    assert_runs_agree(ten_steps, list(initial), steps, PARAM_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
@@ -303,14 +309,7 @@ def test_batchnorm_training_agrees_after_steps(norm_ten_steps, steps):
     for name in set(names) - inert:
         moved = np.abs(runs["pytorch"][1][steps][name] - initial[name]).max()
         assert moved > (100 if steps == 10 else 2) * NORM_ATOL, f"{name} moved only {moved:.2g} in {steps} step(s)"
-    for a, b in PAIRS:
-        np.testing.assert_allclose(runs[a][0][:steps], runs[b][0][:steps], rtol=1e-5, err_msg=f"losses {a} vs {b}")
-        largest = kit.max_differences(runs[a][1][steps], runs[b][1][steps])
-        for name in names:
-            np.testing.assert_allclose(
-                runs[a][1][steps][name], runs[b][1][steps][name], rtol=NORM_RTOL, atol=NORM_ATOL,
-                err_msg=f"{name} after {steps} step(s), {a} vs {b}; over all: max |a - b| {largest[0]:.2g}, "
-                        f"max relative {largest[1]:.2g}")
+    assert_runs_agree(runs, names, steps, NORM_RTOL, NORM_ATOL)
 
 
 def _expected_running_stats(info, weights, images, running) -> dict[str, np.ndarray]:
