@@ -263,3 +263,14 @@ def check_set_train_images(adapter_cls) -> None:
     unaugmented, _, _ = make(adapter_cls)
     train_on(unaugmented, [first, *rest])
     assert max_differences(unaugmented.get_weights(), reference.get_weights())[0] > 1e-4  # the images did matter
+
+
+def check_allocation_failure_is_oom(adapter, allocate, what: str) -> None:
+    """``allocate()`` (an allocation the CPU allocator must refuse, of ``what``) raises, and ``adapter`` classifies
+    whatever it raised as its OOM."""
+    try:
+        allocate()
+    except BaseException as exc:  # noqa: BLE001 - the point is to classify whatever it raised
+        assert adapter.is_oom(exc), repr(exc)
+    else:
+        raise AssertionError(f"an allocation of {what} succeeded")
