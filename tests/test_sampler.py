@@ -14,11 +14,41 @@ import types
 import psutil
 import pytest
 
+from harness import sampler as sampler_module
 from harness.sampler import (COUNTER_UPDATE_S, DEFAULT_INTERVAL_S, MIN_EDGE_GAP_S, POWER_AVERAGING_S, HostBackend,
                              NvmlBackend, Sampler, energy_over_windows, interval_warning, make_backend,
                              nvml_visible_index, phase_stats, throttle_summary)
 
 BUSY = "import time\nx = bytearray(80_000_000)\nend = time.time() + 30\nwhile time.time() < end: pass\n"
+
+
+def test_host_backend_lists_the_process_tree_at_most_once_per_refresh_period(monkeypatch):
+    """Listing children walks /proc; between refreshes a sample reads only the known processes, and a child that
+    appears is counted from the next refresh on."""
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        listed = []
+        real = sampler_module._process_tree
+
+        def counting(pid):
+            listed.append(pid)
+            return real(pid) + ([psutil.Process(child.pid)] if len(listed) > 1 else [])  # the child "appears" later
+
+        monkeypatch.setattr(sampler_module, "_process_tree", counting)
+        backend = HostBackend(tree_refresh_s=0.3)
+        backend.attach(parent.pid)
+        time.sleep(0.5)  # the child allocates its 80 MB meanwhile
+        first = [backend.sample() for _ in range(5)]  # the first lists again (0.3 s passed), the rest reuse it
+        assert len(listed) == 2
+        assert all(s["rss_bytes"] > 80e6 for s in first)  # parent + child
+        time.sleep(0.1)
+        backend.sample()
+        assert len(listed) == 2
+    finally:
+        for proc in (parent, child):
+            proc.kill()
+            proc.wait()
 
 
 def _cpu_seconds(pid):
