@@ -4,8 +4,11 @@ Each probe trains the spec's model at one batch size in a fresh worker (``harnes
 memory cap: three full optimizer steps and an evaluation at that batch size. The worker's status decides: ``ok``
 fits, ``oom`` (the framework's own out-of-memory error, see ``harness.limits`` on the CPU) does not; so does an
 ``error`` that is Python's own ``MemoryError`` (an allocation outside the framework's allocator failing under the cap:
-numpy, or a module PyTorch imports lazily when the cap is below its runtime's needs). Any other ending (``error``,
-``crashed``, ``timeout``) stops the search with its reason, since it says nothing about memory.
+numpy, or a module PyTorch imports lazily when the cap is below its runtime's needs). On the CPU, a probe that ends
+``error`` or ``crashed`` under the cap (MXNet's engine can abort with SIGABRT when a thread's stack or a buffer cannot
+be allocated) runs once more without the cap: if that control run is ok, the cap caused the failure and it counts as
+out of memory (the reason says so). Any other ending (``error``, ``crashed``, ``timeout``) stops the search with its
+reason, since it says nothing about memory.
 
 The probe: the spec as it is (model, optimizer, allocator settings, accumulation_steps, threads, seed) except that
 the data are **synthetic images of the spec's dataset's shape and classes** (the real dataset may be too small for
@@ -290,6 +293,8 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         status, reason = outcome.status, _reason(outcome)
         if status == "error" and (reason.startswith("MemoryError") or MEMORY_ERROR_LINE in reason):
             status, reason = "oom", f"{reason} (Python's MemoryError: an allocation outside the framework failed)"
+        if status in ("error", "crashed") and device == "cpu" and applied_mb is not None:
+            status, reason = control(batch_size, status, reason)
         peak, source = _peak(outcome, device) if status in ("ok", "oom") else (None, "")
         if status == "oom" and peak is not None:  # reached before the failure: a lower bound, not fitted
             source += " (at the failure: a lower bound)"
@@ -302,6 +307,20 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         if status not in ("ok", "oom"):
             raise _Stop(record)
         return status == "ok"
+
+    def control(batch_size: int, status: str, reason: str) -> tuple[str, str]:
+        """A probe that failed under the CPU cap otherwise than with an OOM (a C++ runtime that cannot allocate a
+        thread's stack or a buffer often aborts instead of raising) runs again without the cap: if it then runs ok,
+        the cap caused the failure, and it counts as out of memory; else the original failure stands."""
+        free = probe_spec(spec, framework, batch_size, None, device, file)
+        trial = plan(free, device)[0]
+        outcome = run_worker(trial.payload(free), timeout, None, device, trial.threads)
+        if outcome.status == "ok":
+            return "oom", (f"{reason} (under the cap; the same probe without the cap ran ok, so the cap caused it: "
+                           f"counted as out of memory)")
+        result.notes.append(f"batch size {batch_size} failed without the cap too ({outcome.status}): not a memory "
+                            f"failure")
+        return status, reason
 
     def refit() -> int | None:
         points = [(p.batch_size, p.peak_bytes) for p in result.probes if p.status == "ok" and p.peak_bytes is not None]

@@ -112,6 +112,18 @@ def test_a_failure_that_is_not_oom_stops_the_search(fault_adapter, monkeypatch, 
     assert result.reason == "batch size 64 ended error (not an out-of-memory error): ValueError: injected failure"
     assert result.limit is None and result.recommended is None
     assert "the largest size that fitted before the search stopped: 16" in result.notes
+    assert "batch size 64 failed without the cap too (error): not a memory failure" in result.notes
+
+
+def test_a_crash_that_only_happens_under_the_cap_counts_as_out_of_memory(fault_adapter, monkeypatch, tmp_path):
+    """A worker that aborts under the CPU cap but runs ok without it (a control run) ran out of memory."""
+    monkeypatch.setenv("HARNESS_FAULT", "64:abort-capped")
+    spec = validate(base_spec(frameworks=[fault_adapter], memory_limit_mb=2000), tmp_path / "s.yaml")
+    result = find_max_batch(spec, fault_adapter, device="cpu", initial_sizes=(16, 64), tolerance=0.5)
+    crashed = result.probed(64)
+    assert crashed.status == "oom", maxbatch.table(result)
+    assert crashed.reason.startswith("killed by SIGABRT") and "without the cap ran ok" in crashed.reason
+    assert result.status == "found" and 16 <= result.limit < 64 and result.smallest_oom == 64
 
 
 def test_fit_memory_model_with_known_numbers():
