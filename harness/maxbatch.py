@@ -2,9 +2,10 @@
 
 Each probe trains the spec's model at one batch size in a fresh worker (``harness.launcher.run_worker``) under the
 memory cap: three full optimizer steps and an evaluation at that batch size. The worker's status decides: ``ok``
-fits, ``oom`` (the framework's own out-of-memory error, see ``harness.limits`` on the CPU) does not; so does an
-``error`` that is Python's own ``MemoryError`` (an allocation outside the framework's allocator failing under the cap:
-numpy, or a module PyTorch imports lazily when the cap is below its runtime's needs). On the CPU, a probe that ends
+fits, ``oom`` (the framework's own out-of-memory error, see ``harness.limits`` on the CPU, or Python's own
+``MemoryError``, which the worker reports as oom: an allocation outside the framework's allocator failing under the
+cap, numpy or a module PyTorch imports lazily when the cap is below its runtime's needs) does not; so does a worker
+that ran out of memory even for its error report (it exits "without reporting why" with MemoryError last in its log). On the CPU, a probe that ends
 ``error`` or ``crashed`` under the cap (MXNet's engine can abort with SIGABRT when a thread's stack or a buffer cannot
 be allocated) runs once more without the cap: if that control run is ok, the cap caused the failure and it counts as
 out of memory (the reason says so). Any other ending (``error``, ``crashed``, ``timeout``) stops the search with its
@@ -291,7 +292,7 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         trial = plan(pspec, device)[0]
         outcome = run_worker(trial.payload(pspec), timeout, pspec.sampler.interval_s, device, trial.threads)
         status, reason = outcome.status, _reason(outcome)
-        if status == "error" and (reason.startswith("MemoryError") or MEMORY_ERROR_LINE in reason):
+        if status == "error" and MEMORY_ERROR_LINE in reason:  # a raised MemoryError the worker reports as oom
             status, reason = "oom", f"{reason} (Python's MemoryError: an allocation outside the framework failed)"
         if status in ("error", "crashed") and device == "cpu" and applied_mb is not None:
             status, reason = control(batch_size, status, reason)
