@@ -21,6 +21,7 @@ run: $(VENV)/.installed
 	$(PY) -m harness run $(SPEC)
 
 test: $(VENV)/.installed
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.installed

@@ -3,7 +3,7 @@
 An adapter runs in the worker process of one trial. The harness calls, in this order: ``prepare`` (device, threads,
 seed, allocator settings: before any framework op), ``build`` (the model from the canonical weights), ``load`` (the
 dataset to the device, once), then ``train_step`` many times with ``sync`` at the edges of every timed window, and
-``evaluate``. Timing is never done inside an adapter: the loop in ``harness.worker`` times every framework with the
+``evaluate``. Timing is never done inside an adapter: the loop in ``harness.execution.worker`` times every framework with the
 same code.
 """
 
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from harness.datasets import Data
-    from harness.models import ModelInfo
+    from harness.neutral.datasets import Data
+    from harness.neutral.models import ModelInfo
     from harness.spec import OptimizerSpec
 
 
@@ -54,10 +54,10 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def build(self, info: "ModelInfo", weights: dict[str, np.ndarray], optimizer: "OptimizerSpec") -> None:
-        """Builds the model of ``info`` with exactly ``weights`` (canonical layout, see harness.models) and the
+        """Builds the model of ``info`` with exactly ``weights`` (canonical layout, see harness.neutral.models) and the
         optimizer. The loss is the mean softmax cross-entropy of the logits. ``weights`` may also hold buffers
         (batchnorm's ``"<i>.running_mean"`` / ``"<i>.running_var"``); a buffer it lacks starts at
-        ``harness.models.initial_buffers``'s value."""
+        ``harness.neutral.models.initial_buffers``'s value."""
 
     @abc.abstractmethod
     def load(self, data: "Data") -> None:
@@ -66,7 +66,7 @@ class Adapter(abc.ABC):
     def set_train_images(self, images: np.ndarray) -> None:
         """Replaces the training images on the device in place with ``images`` (float32 NHWC, the shape ``load``
         placed), without re-tracing or re-allocating anything the train step holds: the harness calls it once per
-        epoch when the trial augments its data (harness.datasets.augment). Raises NotImplementedError when the
+        epoch when the trial augments its data (harness.neutral.datasets.augment). Raises NotImplementedError when the
         adapter cannot."""
         raise NotImplementedError(f"the {self.name} adapter cannot replace its training images (augmentation)")
 
@@ -92,11 +92,11 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def get_weights(self) -> dict[str, np.ndarray]:
-        """The current parameters in the canonical layout and naming of ``harness.models.initial_weights``."""
+        """The current parameters in the canonical layout and naming of ``harness.neutral.models.initial_weights``."""
 
     def get_buffers(self) -> dict[str, np.ndarray]:
         """The current buffers (batchnorm's running statistics) in the canonical layout and naming of
-        ``harness.models.initial_buffers``. Default: none (a model without batchnorm, or an adapter without it)."""
+        ``harness.neutral.models.initial_buffers``. Default: none (a model without batchnorm, or an adapter without it)."""
         return {}
 
     def reset_memory_stats(self) -> None:

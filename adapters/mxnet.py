@@ -37,7 +37,7 @@ with warnings.catch_warnings():
     from mxnet.gluon import nn
 
 from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
-from harness.models import initial_buffers
+from harness.neutral.models import initial_buffers
 
 # What libmxnet saw when it loaded (during the import above): its OpenMP thread count is derived from these once.
 _THREAD_ENV = ("OMP_NUM_THREADS", "MXNET_OMP_MAX_THREADS", "MXNET_CPU_WORKER_NTHREADS", "MXNET_ENGINE_TYPE")
@@ -213,7 +213,7 @@ class MXNetAdapter(Adapter):
 
         Conv2D weights are OIHW and Dense weights (out, in): MXNet's own layouts, so the canonical arrays are copied
         in unchanged; so are batchnorm's gamma, beta and running statistics (from ``weights``' buffers if it has them,
-        else ``harness.models.initial_buffers``). A trailing softmax is folded into ``SoftmaxCrossEntropyLoss`` on the
+        else ``harness.neutral.models.initial_buffers``). A trailing softmax is folded into ``SoftmaxCrossEntropyLoss`` on the
         logits. Batchnorm is ``nn.BatchNorm(axis=1)`` with MXNet's momentum = 1 - the canonical one; where its kernel
         updates the running variance with the biased batch variance (the CPU's; see ``_running_var_is_biased``),
         ``train_step`` corrects it to the canonical unbiased update (``_fix_running_variances``). Dropout is
@@ -236,39 +236,7 @@ class MXNetAdapter(Adapter):
         self._layers = {}
         self._variance_fixups = []
         for layer in info.layers:
-            spec = layer.spec
-            block: nn.HybridBlock | None = None
-            if layer.kind == "conv2d":
-                block = nn.Conv2D(spec.filters, spec.kernel_size, in_channels=layer.input_shape[0],
-                                  padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
-            elif layer.kind == "dense":
-                block = nn.Dense(spec.units, in_units=layer.input_shape[0])
-            elif layer.kind == "batchnorm":
-                # MXNet's momentum is the weight of the old running value: 1 - the canonical momentum. axis 1: the
-                # channels of NCHW or the features of a flat input.
-                block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
-                                     in_channels=layer.input_shape[0])
-                if _running_var_is_biased(ctx, layer.input_shape):
-                    per_sample = int(np.prod(layer.input_shape[1:]))  # values per channel in one sample: H x W or 1
-                    self._variance_fixups.append((block, spec.momentum, per_sample))
-            elif layer.kind == "maxpool2d":
-                net.add(nn.MaxPool2D(spec.pool_size, spec.stride or spec.pool_size))
-            elif layer.kind == "avgpool2d":
-                net.add(nn.AvgPool2D(spec.pool_size, spec.stride or spec.pool_size))  # no padding: whole windows
-            elif layer.kind == "global_avgpool2d":
-                net.add(nn.GlobalAvgPool2D(), nn.Flatten())  # (N, C, 1, 1) -> (N, C)
-            elif layer.kind == "dropout":
-                net.add(nn.Dropout(spec.rate))  # active only under autograd.record(), i.e. in train_step
-            elif layer.kind == "flatten":
-                net.add(nn.Flatten())  # NCHW flattens channel-first: the canonical order
-            elif layer.kind == "relu":
-                net.add(nn.Activation("relu"))
-            # softmax: folded into the cross-entropy loss
-            if block is not None:
-                self._layers[layer.index] = block
-                net.add(block)
-                if getattr(spec, "activation", "none") == "relu":
-                    net.add(nn.Activation("relu"))
+            self._add_layer(net, layer, ctx)
         net.initialize(mx.init.Zero(), ctx=ctx)
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         for index, block in self._layers.items():
@@ -278,18 +246,48 @@ class MXNetAdapter(Adapter):
         net.hybridize(**HYBRIDIZE_FLAGS)
         self.net = net
         self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()  # sparse labels, log-softmax of the logits inside
-        if optimizer.name == "sgd":
-            opt: mx.optimizer.Optimizer = mx.optimizer.SGD(
-                learning_rate=optimizer.learning_rate, momentum=optimizer.momentum, wd=optimizer.weight_decay,
-                multi_precision=False, lazy_update=False)
-        else:
-            opt = _PyTorchAdam(learning_rate=optimizer.learning_rate, beta1=optimizer.beta1, beta2=optimizer.beta2,
-                               epsilon=optimizer.epsilon, wd=optimizer.weight_decay, multi_precision=False,
-                               lazy_update=False)
+        opt = _optimizer(optimizer)
         # kvstore=None: one device, the update runs locally on it (no kvstore copy of the weights).
         self._params = net.collect_params()
         self._grad_req = "write"
         self.trainer = gluon.Trainer(self._params, opt, kvstore=None)
+
+    def _add_layer(self, net: Any, layer: Any, ctx: Any) -> None:
+        """Appends one layer's Gluon blocks to ``net``; blocks with parameters are kept in ``self._layers`` by layer
+        index, to receive the canonical weights."""
+        spec = layer.spec
+        block: nn.HybridBlock | None = None
+        if layer.kind == "conv2d":
+            block = nn.Conv2D(spec.filters, spec.kernel_size, in_channels=layer.input_shape[0],
+                              padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
+        elif layer.kind == "dense":
+            block = nn.Dense(spec.units, in_units=layer.input_shape[0])
+        elif layer.kind == "batchnorm":
+            # MXNet's momentum is the weight of the old running value: 1 - the canonical momentum. axis 1: the
+            # channels of NCHW or the features of a flat input.
+            block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
+                                 in_channels=layer.input_shape[0])
+            if _running_var_is_biased(ctx, layer.input_shape):
+                per_sample = int(np.prod(layer.input_shape[1:]))  # values per channel in one sample: H x W or 1
+                self._variance_fixups.append((block, spec.momentum, per_sample))
+        elif layer.kind == "maxpool2d":
+            net.add(nn.MaxPool2D(spec.pool_size, spec.stride or spec.pool_size))
+        elif layer.kind == "avgpool2d":
+            net.add(nn.AvgPool2D(spec.pool_size, spec.stride or spec.pool_size))  # no padding: whole windows
+        elif layer.kind == "global_avgpool2d":
+            net.add(nn.GlobalAvgPool2D(), nn.Flatten())  # (N, C, 1, 1) -> (N, C)
+        elif layer.kind == "dropout":
+            net.add(nn.Dropout(spec.rate))  # active only under autograd.record(), i.e. in train_step
+        elif layer.kind == "flatten":
+            net.add(nn.Flatten())  # NCHW flattens channel-first: the canonical order
+        elif layer.kind == "relu":
+            net.add(nn.Activation("relu"))
+        # softmax: folded into the cross-entropy loss
+        if block is not None:
+            self._layers[layer.index] = block
+            net.add(block)
+            if getattr(spec, "activation", "none") == "relu":
+                net.add(nn.Activation("relu"))
 
     def _to_device_images(self, images: np.ndarray) -> mx.nd.NDArray:
         return nd.array(np.ascontiguousarray(images.transpose(0, 3, 1, 2)), ctx=self.ctx, dtype=np.float32)
@@ -459,3 +457,12 @@ class MXNetAdapter(Adapter):
             return False
         message = str(exc).lower()
         return "out of memory" in message or "failed to allocate cpu memory" in message
+
+
+def _optimizer(optimizer: Any) -> Any:
+    """MXNet's SGD, or ``_PyTorchAdam``, for the canonical optimizer spec (see ``MXNetAdapter.build``)."""
+    if optimizer.name == "sgd":
+        return mx.optimizer.SGD(learning_rate=optimizer.learning_rate, momentum=optimizer.momentum,
+                                wd=optimizer.weight_decay, multi_precision=False, lazy_update=False)
+    return _PyTorchAdam(learning_rate=optimizer.learning_rate, beta1=optimizer.beta1, beta2=optimizer.beta2,
+                        epsilon=optimizer.epsilon, wd=optimizer.weight_decay, multi_precision=False, lazy_update=False)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
-from harness.models import initial_buffers
+from harness.neutral.models import initial_buffers
 
 
 class PyTorchAdapter(Adapter):
@@ -77,7 +77,7 @@ class PyTorchAdapter(Adapter):
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
         """``nn.Sequential`` of the canonical layers (NCHW: weights copied in unchanged), in training mode except
         inside ``evaluate`` and ``predict``. Batchnorm's running statistics start from ``weights``' buffers if it has
-        them, else from ``harness.models.initial_buffers``."""
+        them, else from ``harness.neutral.models.initial_buffers``."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         layers: list[nn.Module] = []
         self._modules = {}

@@ -3,7 +3,7 @@ device, NHWC.
 
 Layouts: conv kernels are HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in, out) (``weight.T``), and the
 first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
-``harness.models.chw_to_hwc_permutation`` so that it computes exactly the canonical channel-first model; the data
+``harness.neutral.models.chw_to_hwc_permutation`` so that it computes exactly the canonical channel-first model; the data
 itself is never permuted (a batchnorm over those flat features has its gamma, beta and running statistics permuted
 the same way). Batchnorm is ``FusedBatchNormV3`` on NHWC (see ``_batchnorm``), its running statistics non-trainable
 variables. ``get_weights`` and ``get_buffers`` invert all of this.
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
-from harness.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
+from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 
 def _f32(array: np.ndarray) -> np.ndarray:
@@ -147,74 +147,17 @@ class TensorFlowAdapter(Adapter):
         (out, in) -> (in, out), rows of the first dense kernel after a flatten of (C, H, W) permuted to the (H, W, C)
         order TF flattens in, and so are the features of a batchnorm between the two) and the optimizer state. A
         trailing softmax is left to the loss. Batchnorm's running statistics are non-trainable variables, from
-        ``weights``' buffers if it has them, else ``harness.models.initial_buffers``."""
+        ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``."""
         self._params = {}
         self._buffers = {}
         self._forward_layers = []
         self._train_fns = {}
         self._last_loss = None
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
-        flatten_from: tuple[int, int, int] | None = None  # the (C, H, W) shape the next dense layer's input came from
+        self._flatten_from: tuple[int, int, int] | None = None
         with tf.device(self.device):
             for layer in info.layers:
-                spec = layer.spec
-                w_name, b_name = f"{layer.index}.weight", f"{layer.index}.bias"
-                if layer.kind == "conv2d":
-                    kernel = tf.Variable(_f32(weights[w_name]).transpose(2, 3, 1, 0), name=w_name)  # OIHW -> HWIO
-                    bias = tf.Variable(_f32(weights[b_name]), name=b_name)
-                    self._params[layer.index] = ("conv2d", kernel, bias, None)
-                    self._forward_layers.append(_conv(kernel, bias, spec.padding.upper(), spec.activation == "relu"))
-                elif layer.kind == "dense":
-                    weight = _f32(weights[w_name])
-                    inverse = None
-                    if flatten_from is not None:
-                        perm = chw_to_hwc_permutation(flatten_from)
-                        weight, inverse = weight[:, perm], np.argsort(perm)
-                        flatten_from = None
-                    kernel = tf.Variable(np.ascontiguousarray(weight.T), name=w_name)  # (out, in) -> (in, out)
-                    bias = tf.Variable(_f32(weights[b_name]), name=b_name)
-                    self._params[layer.index] = ("dense", kernel, bias, inverse)
-                    self._forward_layers.append(_dense(kernel, bias, spec.activation == "relu"))
-                elif layer.kind == "batchnorm":
-                    # Channels are the last axis in NHWC, so gamma, beta and the statistics need no transposition;
-                    # after a channel-last flatten the features are in (H, W, C) order and are permuted like the
-                    # following dense layer's rows.
-                    perm = inverse = None
-                    if len(layer.input_shape) == 1 and flatten_from is not None:
-                        perm = chw_to_hwc_permutation(flatten_from)
-                        inverse = np.argsort(perm)
-
-                    def tf_order(array: np.ndarray, perm: np.ndarray | None = perm) -> np.ndarray:
-                        array = _f32(array)
-                        return array if perm is None else np.ascontiguousarray(array[perm])
-                    gamma = tf.Variable(tf_order(weights[w_name]), name=w_name)
-                    beta = tf.Variable(tf_order(weights[b_name]), name=b_name)
-                    mean = tf.Variable(tf_order(buffers[f"{layer.index}.running_mean"]), trainable=False,
-                                       name=f"{layer.index}.running_mean")
-                    var = tf.Variable(tf_order(buffers[f"{layer.index}.running_var"]), trainable=False,
-                                      name=f"{layer.index}.running_var")
-                    self._params[layer.index] = ("batchnorm", gamma, beta, inverse)
-                    self._buffers[layer.index] = (mean, var, inverse)
-                    self._forward_layers.append(_batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon,
-                                                           flat=len(layer.input_shape) == 1))
-                elif layer.kind == "maxpool2d":
-                    self._forward_layers.append(_pool(tf.nn.max_pool2d, spec.pool_size, spec.stride or spec.pool_size))
-                elif layer.kind == "avgpool2d":
-                    self._forward_layers.append(_pool(tf.nn.avg_pool2d, spec.pool_size, spec.stride or spec.pool_size))
-                elif layer.kind == "global_avgpool2d":
-                    # (N, H, W, C) -> (N, C): channel order, the canonical one, so no permutation follows.
-                    self._forward_layers.append(lambda x, training: tf.reduce_mean(x, axis=(1, 2)))
-                elif layer.kind == "dropout":
-                    self._forward_layers.append(_dropout(spec.rate))
-                elif layer.kind == "flatten":
-                    if len(layer.input_shape) == 3:
-                        flatten_from = tuple(layer.input_shape)
-                    features = int(np.prod(layer.input_shape))
-                    # NHWC flattens in (H, W, C) order
-                    self._forward_layers.append(lambda x, training, n=features: tf.reshape(x, (-1, n)))
-                elif layer.kind == "relu":
-                    self._forward_layers.append(lambda x, training: tf.nn.relu(x))
-                # softmax: folded into the cross-entropy loss
+                self._add_layer(layer, weights, buffers)
             self._variables = [v for _, kernel, bias, _ in self._params.values() for v in (kernel, bias)]
             self._update = _make_update(optimizer, self._variables)
         c, h, w = info.input_shape
@@ -222,6 +165,68 @@ class TensorFlowAdapter(Adapter):
         self._logits_fn = tf.function(self._logits, input_signature=[image_spec], jit_compile=False, autograph=False)
         self._eval_fn = tf.function(self._eval_batch, input_signature=[image_spec, tf.TensorSpec((None,), tf.int64)],
                                     jit_compile=False, autograph=False)
+
+    def _add_layer(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray]) -> None:
+        """Creates one layer's variables from the canonical ``weights``/``buffers`` and appends its forward function.
+        ``self._flatten_from``: the (C, H, W) shape the next dense layer's input was flattened from, or None."""
+        spec = layer.spec
+        w_name, b_name = f"{layer.index}.weight", f"{layer.index}.bias"
+        if layer.kind == "conv2d":
+            kernel = tf.Variable(_f32(weights[w_name]).transpose(2, 3, 1, 0), name=w_name)  # OIHW -> HWIO
+            bias = tf.Variable(_f32(weights[b_name]), name=b_name)
+            self._params[layer.index] = ("conv2d", kernel, bias, None)
+            self._forward_layers.append(_conv(kernel, bias, spec.padding.upper(), spec.activation == "relu"))
+        elif layer.kind == "dense":
+            weight = _f32(weights[w_name])
+            inverse = None
+            if self._flatten_from is not None:
+                perm = chw_to_hwc_permutation(self._flatten_from)
+                weight, inverse = weight[:, perm], np.argsort(perm)
+                self._flatten_from = None
+            kernel = tf.Variable(np.ascontiguousarray(weight.T), name=w_name)  # (out, in) -> (in, out)
+            bias = tf.Variable(_f32(weights[b_name]), name=b_name)
+            self._params[layer.index] = ("dense", kernel, bias, inverse)
+            self._forward_layers.append(_dense(kernel, bias, spec.activation == "relu"))
+        elif layer.kind == "batchnorm":
+            # Channels are the last axis in NHWC, so gamma, beta and the statistics need no transposition;
+            # after a channel-last flatten the features are in (H, W, C) order and are permuted like the
+            # following dense layer's rows.
+            perm = inverse = None
+            if len(layer.input_shape) == 1 and self._flatten_from is not None:
+                perm = chw_to_hwc_permutation(self._flatten_from)
+                inverse = np.argsort(perm)
+
+            def tf_order(array: np.ndarray, perm: np.ndarray | None = perm) -> np.ndarray:
+                array = _f32(array)
+                return array if perm is None else np.ascontiguousarray(array[perm])
+            gamma = tf.Variable(tf_order(weights[w_name]), name=w_name)
+            beta = tf.Variable(tf_order(weights[b_name]), name=b_name)
+            mean = tf.Variable(tf_order(buffers[f"{layer.index}.running_mean"]), trainable=False,
+                               name=f"{layer.index}.running_mean")
+            var = tf.Variable(tf_order(buffers[f"{layer.index}.running_var"]), trainable=False,
+                              name=f"{layer.index}.running_var")
+            self._params[layer.index] = ("batchnorm", gamma, beta, inverse)
+            self._buffers[layer.index] = (mean, var, inverse)
+            self._forward_layers.append(_batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon,
+                                                   flat=len(layer.input_shape) == 1))
+        elif layer.kind == "maxpool2d":
+            self._forward_layers.append(_pool(tf.nn.max_pool2d, spec.pool_size, spec.stride or spec.pool_size))
+        elif layer.kind == "avgpool2d":
+            self._forward_layers.append(_pool(tf.nn.avg_pool2d, spec.pool_size, spec.stride or spec.pool_size))
+        elif layer.kind == "global_avgpool2d":
+            # (N, H, W, C) -> (N, C): channel order, the canonical one, so no permutation follows.
+            self._forward_layers.append(lambda x, training: tf.reduce_mean(x, axis=(1, 2)))
+        elif layer.kind == "dropout":
+            self._forward_layers.append(_dropout(spec.rate))
+        elif layer.kind == "flatten":
+            if len(layer.input_shape) == 3:
+                self._flatten_from = tuple(layer.input_shape)
+            features = int(np.prod(layer.input_shape))
+            # NHWC flattens in (H, W, C) order
+            self._forward_layers.append(lambda x, training, n=features: tf.reshape(x, (-1, n)))
+        elif layer.kind == "relu":
+            self._forward_layers.append(lambda x, training: tf.nn.relu(x))
+        # softmax: folded into the cross-entropy loss
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         """The model on ``x``; ``training`` (a Python bool, fixed when a function is traced) selects batchnorm's batch

@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.launcher import run_worker  # noqa: E402
+from harness.execution.launcher import run_worker  # noqa: E402
+from harness.measure.sampler import DEFAULT_INTERVAL_S  # noqa: E402
 from harness.plan import available_cpus, plan  # noqa: E402
-from harness.sampler import DEFAULT_INTERVAL_S  # noqa: E402
 from harness.spec import Spec  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
@@ -47,7 +47,7 @@ TINY_CNN = [
     {"type": "flatten"},
     {"type": "dense", "units": 10},
 ]
-TRAIN_SAMPLES = 1438  # digits: 1797 images, 80 % for training (harness.datasets)
+TRAIN_SAMPLES = 1438  # digits: 1797 images, 80 % for training (harness.neutral.datasets)
 
 
 def make_spec(framework: str, batch_size: int, epochs: int, threads: int, device: str) -> Spec:

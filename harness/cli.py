@@ -1,4 +1,7 @@
-"""Command line: ``python -m harness run|report|compare|history|env`` (also installed as ``harness``).
+"""Command line: ``python -m harness run|report|compare|history|max-batch|env`` (also installed as ``harness``).
+
+The parsers of every subcommand and the dispatch to the studies and results that do the work; nothing is computed
+here. Imports are made inside the commands so that ``--help`` and a bad argument answer at once.
 
 Exit status: 0 on success (a sweep whose trials failed still succeeds: failures are results); 2 for a bad spec or
 bad arguments, with one line on standard error and no traceback; 1 when ``compare`` finds a regression.
@@ -57,9 +60,48 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--batch-sizes", type=lambda t: [int(x) for x in _str_list(t)], help="only these sizes")
     history.add_argument("--out", default=None, help="PNG path (default: next to the history file)")
     sub.add_parser("env", help="print what a run would record about this machine (JSON)")
-    from harness import maxbatch
+    _max_batch_parser(sub)
+    return parser
 
-    maxbatch.add_parser(sub)
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, not {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be positive")
+    return sizes
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text}")
+    return value
+
+
+def _max_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """``max-batch SPEC --framework NAME [--memory-limit-mb X] [--margin F] [--out DIR] ...``."""
+    tolerance = 0.05  # harness.studies.max_batch.search.DEFAULT_TOLERANCE, not imported to keep startup light
+    parser = subparsers.add_parser(
+        "max-batch", help="find the largest batch size that fits the memory cap (one worker per probe)",
+        description="Probes batch sizes, each in its own worker, fits peak memory = fixed + per-sample x batch, "
+                    "predicts the limit from the cap and bisects to it. Exit 0 with the result, 1 when a probe "
+                    "failed otherwise than out of memory, 2 for a bad spec or arguments.")
+    parser.add_argument("spec", help="a YAML spec, e.g. specs/max_batch.yaml")
+    parser.add_argument("--framework", required=True, help="pytorch, tensorflow, mxnet (or a registered adapter)")
+    parser.add_argument("--memory-limit-mb", type=float, help="the cap (MB = 10^6 bytes); default: the spec's "
+                                                              "memory_limit_mb, else the device's memory")
+    parser.add_argument("--margin", type=_fraction, default=0.0,
+                        help="fraction of the limit kept free in the recommendation (default 0)")
+    parser.add_argument("--tolerance", type=_fraction, default=tolerance,
+                        help=f"stop when the bracket is within this fraction (default {tolerance})")
+    parser.add_argument("--initial-sizes", type=_sizes, help="small sizes probed first (default 16,64,256)")
+    parser.add_argument("--max-batch", type=int, help="the largest size to try")
+    parser.add_argument("--device", help="cpu or cuda:N (default: the spec's device)")
+    parser.add_argument("--timeout", type=float, help="seconds per probe (default: the spec's timeout_s)")
+    parser.add_argument("--out", default="results", help="folder that receives the run directory (default: results)")
     return parser
 
 
@@ -74,7 +116,7 @@ def _summary_console() -> Any:
 def _print_summary(data: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    from harness.report import summary_rows
+    from harness.results.tables import summary_rows
 
     util = "GPU use %" if data["backend"] == "nvml" else "CPU use %"
     memory = "GPU mem MB" if data["backend"] == "nvml" else "RSS MB"
@@ -90,12 +132,13 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness import report, spec as spec_module
-    from harness.runner import run_spec
+    from harness import plan
+    from harness.results import report
+    from harness.studies.sweep import run_spec
 
     overrides = {"frameworks": args.frameworks, "batch_sizes": args.batch_sizes, "epochs": args.epochs}
-    spec = spec_module.load(args.spec, overrides)
-    from harness.sampler import interval_warning
+    spec = plan.load(args.spec, overrides)
+    from harness.measure.sampler import interval_warning
 
     if (warning := interval_warning(spec.sampler.interval_s)) is not None:
         print(f"{args.spec}: sampler.interval_s: {warning}", file=sys.stderr)
@@ -126,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
                            resume=args.resume)
     path = report.write(run_dir)
     if args.history:
-        from harness import history
+        from harness.studies import history
 
         history.append(args.history, run_dir)
     data = report.build(run_dir)
@@ -138,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from harness.compare import compare_runs, to_markdown
+    from harness.studies.compare import compare_runs, to_markdown
 
     try:
         rows, summary = compare_runs(args.base_run, args.new_run, args.threshold)
@@ -170,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         if args.command == "report":
-            from harness import report
+            from harness.results import report
 
             try:
                 path = report.write(args.run_dir)
@@ -183,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return _compare(args)
         if args.command == "history":
-            from harness import history
+            from harness.studies import history
 
             try:
                 out = history.plot(args.file, args.metric, args.out or Path(args.file).with_suffix(f".{args.metric}.png"),
@@ -194,13 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {out}")
             return 0
         if args.command == "max-batch":
-            from harness import maxbatch
+            from harness.studies.max_batch import command
 
-            return maxbatch.run(args)
+            return command.run(args)
         if args.command == "env":
-            from harness import environment
+            from harness.measure import machine
 
-            print(json.dumps(environment.collect(), indent=2))
+            print(json.dumps(machine.collect(), indent=2))
             return 0
     except SpecError as err:
         print(err, file=sys.stderr)

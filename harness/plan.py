@@ -1,13 +1,64 @@
-"""Spec -> the ordered list of trials a run executes."""
+"""Spec -> the ordered list of trials a run executes, and the checks of a spec that need more than its fields.
+
+``load`` and ``checked_spec`` are what the commands use: the field rules of ``harness.spec`` and then the checks that
+need the neutral model, the dataset files or the adapter registry (every framework named has an adapter; the model
+fits the dataset's images and classes; a CIFAR-10 tarball exists). Every failure is a ``SpecError``: one line naming
+the file and the field, which the CLI prints before exiting with status 2. Imports ``harness.neutral`` and
+``harness.spec``, and the adapter registry (which imports no framework).
+"""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-from harness.spec import OptimizerSpec, Spec
+from harness import spec as spec_module
+from harness.neutral import datasets, models
+from harness.spec import Cifar10Data, OptimizerSpec, Spec, SpecError
+
+
+def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Spec:
+    """``harness.spec.load`` (read, override, field rules), then ``check``. Raises SpecError."""
+    spec = spec_module.load(path, overrides)
+    check(spec, path)
+    return spec
+
+
+def checked_spec(data: Any, file: str | os.PathLike[str]) -> Spec:
+    """``harness.spec.validate`` of already-parsed data, then ``check``. Raises SpecError."""
+    spec = spec_module.validate(data, file)
+    check(spec, file)
+    return spec
+
+
+def check(spec: Spec, file: str | os.PathLike[str]) -> None:
+    """The checks that need the adapters, the dataset files and the model. Raises SpecError naming ``file``."""
+    for i, name in enumerate(spec.frameworks):
+        check_framework_name(name, file, f"frameworks.{i}")
+    base = Path(file).parent
+    if isinstance(spec.dataset, Cifar10Data):
+        try:
+            datasets.resolve_cifar10_path(spec.dataset, base_dir=base)
+        except datasets.DatasetError as err:
+            raise SpecError(file, "dataset.path", str(err)) from None
+    image_shape, classes = datasets.describe(spec.dataset)
+    try:
+        models.analyze(spec.model, image_shape, classes)
+    except models.ModelError as err:
+        raise SpecError(file, f"model.layers.{err.layer}", str(err)) from None
+
+
+def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "frameworks") -> None:
+    """Raises SpecError unless an adapter is registered under ``name`` (``adapters.available_names``)."""
+    from adapters import available_names  # the registry imports no framework
+
+    known = available_names()
+    if name not in known:
+        where = f" at index {field.rsplit('.', 1)[1]}" if "." in field else ""
+        raise SpecError(file, "frameworks", f"unknown framework {name!r}{where}; expected one of {', '.join(known)}")
 
 
 @dataclass(frozen=True)

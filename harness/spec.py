@@ -4,6 +4,9 @@ A spec is a YAML file (read with ``yaml.safe_load``) that names the frameworks, 
 dataset, the batch sizes and the training budget of a sweep. Every model here is strict: an unknown key, a wrong type
 or an out-of-range value is an error. ``load`` turns the first validation error into one line of the form
 ``FILE: field.path: what is wrong`` inside a :class:`SpecError`; the CLI prints that line and exits with status 2.
+
+This module holds the field rules only and imports nothing else of the harness: the checks that need the model,
+the dataset files or the adapter registry are in ``harness.plan`` (``plan.load``, ``plan.checked_spec``).
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
 
@@ -302,13 +304,7 @@ class Spec(_Strict):
 
     @field_validator("frameworks")
     @classmethod
-    def _known_frameworks(cls, frameworks: list[str]) -> list[str]:
-        from adapters import available_names  # the registry imports no framework
-
-        known = available_names()
-        for i, name in enumerate(frameworks):
-            if name not in known:
-                raise ValueError(f"unknown framework {name!r} at index {i}; expected one of {', '.join(known)}")
+    def _unique_frameworks(cls, frameworks: list[str]) -> list[str]:
         if len(set(frameworks)) != len(frameworks):
             raise ValueError("a framework is listed twice")
         return frameworks
@@ -338,7 +334,8 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 
 def validate(data: Any, file: str | os.PathLike[str]) -> Spec:
-    """Validates already-parsed spec data. Raises SpecError naming ``file`` and the first failing field."""
+    """Validates already-parsed spec data against the field rules. Raises SpecError naming ``file`` and the first
+    failing field. The checks that need the model, the data or the adapters are ``harness.plan.checked_spec``'s."""
     if not isinstance(data, dict):
         raise SpecError(file, "", "a spec must be a YAML mapping of field names to values")
     try:
@@ -349,29 +346,7 @@ def validate(data: Any, file: str | os.PathLike[str]) -> Spec:
         if first["type"] == "extra_forbidden":
             message = "unknown field"
         raise SpecError(file, _field_path(first["loc"]), message) from None
-    _check_dataset_files(spec, Path(file))
-    _check_model_fits_data(spec, Path(file))
     return spec
-
-
-def _check_model_fits_data(spec: Spec, file: Path) -> None:
-    from harness import datasets, models
-
-    image_shape, classes = datasets.describe(spec.dataset)
-    try:
-        models.analyze(spec.model, image_shape, classes)
-    except models.ModelError as err:
-        raise SpecError(file, f"model.layers.{err.layer}", str(err)) from None
-
-
-def _check_dataset_files(spec: Spec, file: Path) -> None:
-    if isinstance(spec.dataset, Cifar10Data):
-        from harness.datasets import DatasetError, resolve_cifar10_path
-
-        try:
-            resolve_cifar10_path(spec.dataset, base_dir=file.parent)
-        except DatasetError as err:
-            raise SpecError(file, "dataset.path", str(err)) from None
 
 
 def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Spec:
@@ -379,7 +354,8 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
 
     path: a YAML file. overrides: top-level fields that replace the file's (the CLI's ``--frameworks`` etc.).
     Raises SpecError (one line, naming the file and the field) for a missing or unreadable file, invalid YAML, or
-    any invalid field; a relative ``dataset.path`` is resolved against the spec file's folder.
+    any field against its rules; a relative ``dataset.path`` is resolved against the spec file's folder. The checks
+    that need the model, the data or the adapters are ``harness.plan.load``'s.
     """
     file = Path(path)
     try:

@@ -10,7 +10,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from harness import datasets
+from harness.neutral import datasets
 from harness.spec import Cifar10Data, DigitsData, SyntheticData
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import results
+from harness.results import store
 from tests.conftest import base_spec
 
 
@@ -27,7 +27,7 @@ def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
     spec = write_spec(base_spec(name="e2e", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[32, 256],
                                 epochs=2, warmup_steps=2))
     proc, run_dir = run_cli(spec, tmp_path)
-    records = results.read_trials(run_dir)
+    records = store.read_trials(run_dir)
     assert [r["id"] for r in records] == ["pytorch-bs32-r0", "tensorflow-bs32-r0", "mxnet-bs32-r0",
                                           "pytorch-bs256-r0", "tensorflow-bs256-r0", "mxnet-bs256-r0"]
     for r in records:
@@ -57,7 +57,7 @@ def test_augmentation_variants_train_every_framework_on_the_same_images(write_sp
     spec = write_spec(base_spec(name="aug", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[128],
                                 epochs=2, warmup_steps=1, variants={"augmentation": [False, True]}))
     _, run_dir = run_cli(spec, tmp_path)
-    records = results.read_trials(run_dir)
+    records = store.read_trials(run_dir)
     assert len(records) == 6 and all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
     loss = {(r["framework"], r["variant"]): r["metrics"]["final_train_loss"] for r in records}
     for variant in ("aug off", "aug on"):

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from harness import report, results
-from harness.launcher import classify, worker_env
-from harness.runner import run_spec
-from harness.spec import validate
-from tests.conftest import ROOT, base_spec
+from harness.execution.launcher import classify, worker_env
+from harness.plan import checked_spec as validate
+from harness.results import report, store
+from harness.studies.sweep import run_spec
+from tests.conftest import base_spec
 
 
 def test_every_status_in_one_sweep(fault_adapter, monkeypatch, tmp_path):
@@ -25,7 +25,7 @@ def test_every_status_in_one_sweep(fault_adapter, monkeypatch, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[8, 12, 16, 20, 24, 28, 32, 64],
                               timeout_s=8, warmup_steps=0, epochs=2, after_oom="try"), tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "results")
-    records = {r["batch_size"]: r for r in results.read_trials(run_dir)}
+    records = {r["batch_size"]: r for r in store.read_trials(run_dir)}
     assert {bs: r["status"] for bs, r in records.items()} == {
         8: "error", 12: "oom", 16: "crashed", 20: "crashed", 24: "error", 28: "timeout", 32: "ok", 64: "ok"}
     assert records[8]["reason"] == "ValueError: injected failure"
@@ -49,19 +49,19 @@ def test_events_are_stamped_and_phases_are_ordered(fault_adapter, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[64], epochs=3, warmup_steps=3),
                     tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "results")
-    events = results.read_lines(run_dir / "events" / "fault-bs64-r0.jsonl")
+    events = store.read_lines(run_dir / "events" / "fault-bs64-r0.jsonl")
     kinds = [(e["event"], e.get("name"), e.get("edge")) for e in events]
     assert kinds[:3] == [("start", None, None), ("ready", None, None), ("phase", "warmup", "start")]
     assert kinds.count(("phase", "train", "start")) == 3 and kinds[-1] == ("result", None, None)
     stamps = [e["t"] for e in events]
     assert stamps == sorted(stamps)
-    record = results.read_trials(run_dir)[0]
+    record = store.read_trials(run_dir)[0]
     assert record["metrics"]["measured_steps"] == 3 * 22 - 3  # 1438 // 64 = 22 steps per epoch, 3 warm-up
 
 
 def test_batch_larger_than_the_dataset_is_a_clear_error(fault_adapter, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[4096]), tmp_path / "s.yaml")
-    record = results.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
     assert record["status"] == "error"
     assert record["reason"] == "batch size 4096 exceeds the 1438 training samples"
 
@@ -69,7 +69,7 @@ def test_batch_larger_than_the_dataset_is_a_clear_error(fault_adapter, tmp_path)
 def test_missing_framework_is_an_error_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("HARNESS_ADAPTERS", "ghost=no_such_module:Ghost")
     spec = validate(base_spec(frameworks=["ghost"]), tmp_path / "s.yaml")
-    record = results.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
     assert record["status"] == "error" and record["reason"].startswith("ghost is not installed here")
 
 
@@ -118,11 +118,11 @@ def test_after_an_oom_larger_batch_sizes_are_skipped_unless_asked(fault_adapter,
     monkeypatch.setenv("HARNESS_FAULT", "32:oom")
     common = dict(frameworks=[fault_adapter], batch_sizes=[16, 32, 64, 24], warmup_steps=0)
     spec = validate(base_spec(**common), tmp_path / "s.yaml")
-    records = {r["batch_size"]: r for r in results.read_trials(run_spec(spec, tmp_path / "a"))}
+    records = {r["batch_size"]: r for r in store.read_trials(run_spec(spec, tmp_path / "a"))}
     assert {bs: r["status"] for bs, r in records.items()} == {16: "ok", 32: "oom", 64: "skipped", 24: "ok"}
     assert records[64]["reason"] == "not run: batch size 32 already ran out of memory (after_oom: skip)"
     spec = validate(base_spec(after_oom="try", **common), tmp_path / "s.yaml")
-    statuses = {r["batch_size"]: r["status"] for r in results.read_trials(run_spec(spec, tmp_path / "b"))}
+    statuses = {r["batch_size"]: r["status"] for r in store.read_trials(run_spec(spec, tmp_path / "b"))}
     assert statuses == {16: "ok", 32: "oom", 64: "ok", 24: "ok"}
 
 
@@ -142,10 +142,10 @@ def test_learning_rate_scaling_and_accumulation_reach_the_trial(tmp_path):
 def test_time_to_target_accuracy(fault_adapter, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], epochs=4, target_accuracy=0.5),
                     tmp_path / "s.yaml")
-    record = results.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
     reached = record["metrics"]["time_to_target"]
     first = next(e["epoch"] for e in record["metrics"]["epochs"] if e["test_accuracy"] >= 0.5)
     assert reached["epochs"] == first + 1 and 0 < reached["training_seconds"] <= reached["wall_seconds"]
     unreachable = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], target_accuracy=1.0),
                            tmp_path / "s.yaml")
-    assert results.read_trials(run_spec(unreachable, tmp_path / "u"))[0]["metrics"]["time_to_target"] is None
+    assert store.read_trials(run_spec(unreachable, tmp_path / "u"))[0]["metrics"]["time_to_target"] is None

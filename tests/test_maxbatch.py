@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import maxbatch, results
-from harness.maxbatch import MemoryModel, find_max_batch, fit_memory_model
-from harness.spec import validate
+from harness.plan import checked_spec as validate
+from harness.results import store
+from harness.studies import max_batch
+from harness.studies.max_batch import MemoryModel, find_max_batch, fit_memory_model, search
 from tests.conftest import ROOT, base_spec
 
 CNN = [
@@ -56,7 +57,7 @@ def searches(tmp_path_factory):
 @pytest.mark.parametrize("framework", list(CAPS))
 def test_finds_the_limit_under_a_real_cap(searches, framework):
     result = searches[framework]
-    table = maxbatch.table(result)
+    table = max_batch.table(result)
     assert result.status == "found", table
     limit = result.limit
     assert result.probed(limit).status == "ok"
@@ -79,11 +80,11 @@ def test_finds_the_limit_under_a_real_cap(searches, framework):
 def test_the_run_directory(searches, tmp_path):
     result = searches["pytorch"]
     spec = cnn_spec(tmp_path, "pytorch", memory_limit_mb=CAPS["pytorch"])
-    run_dir = maxbatch.write_run(result, spec, tmp_path / "results")
-    run = results.read_run(run_dir)
+    run_dir = max_batch.write_run(result, spec, tmp_path / "results")
+    run = store.read_run(run_dir)
     assert run["kind"] == "max-batch" and run["result"]["limit"] == result.limit
     assert run["result"]["model"]["per_sample_bytes"] > 0
-    probes = results.read_lines(run_dir / "probes.jsonl")
+    probes = store.read_lines(run_dir / "probes.jsonl")
     assert [p["batch_size"] for p in probes] == [p.batch_size for p in result.probes]
     text = (run_dir / "max_batch.md").read_text()
     assert f"largest batch that fits: {result.limit}" in text and "| # | batch | status |" in text
@@ -97,7 +98,7 @@ def test_a_cap_below_the_smallest_batch_is_a_clear_result(tmp_path):
                     model={"layers": [{"type": "flatten"}, {"type": "dense", "units": 8000},
                                       {"type": "dense", "units": 10}]})
     result = find_max_batch(spec, "pytorch", initial_sizes=(8,))
-    assert result.status == "nothing_fits", maxbatch.table(result)
+    assert result.status == "nothing_fits", max_batch.table(result)
     assert [(p.batch_size, p.status) for p in result.probes] == [(8, "oom"), (1, "oom")]
     assert result.limit is None and result.recommended is None and result.smallest_oom == 1
     assert result.reason == "even batch size 1 runs out of memory under the cap (150 MB)"
@@ -121,7 +122,7 @@ def test_a_crash_that_only_happens_under_the_cap_counts_as_out_of_memory(fault_a
     spec = validate(base_spec(frameworks=[fault_adapter], memory_limit_mb=2000), tmp_path / "s.yaml")
     result = find_max_batch(spec, fault_adapter, device="cpu", initial_sizes=(16, 64), tolerance=0.5)
     crashed = result.probed(64)
-    assert crashed.status == "oom", maxbatch.table(result)
+    assert crashed.status == "oom", max_batch.table(result)
     assert crashed.reason.startswith("killed by SIGABRT") and "without the cap ran ok" in crashed.reason
     assert result.status == "found" and 16 <= result.limit < 64 and result.smallest_oom == 64
 
@@ -159,7 +160,7 @@ def _simulate(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b):
         sizes.append(b)
         return _Outcome("ok", peak(b)) if fits(b) else _Outcome("oom", reason="RuntimeError: out of memory")
 
-    monkeypatch.setattr(maxbatch, "run_worker", fake_run_worker)
+    monkeypatch.setattr(search, "run_worker", fake_run_worker)
     return sizes
 
 
@@ -209,7 +210,7 @@ def test_cli(fault_adapter, write_spec, tmp_path, capsys):
 def test_apply_cpu_memory_limit_in_a_fresh_process():
     code = """
 import json, numpy as np
-from harness.limits import apply_cpu_memory_limit
+from harness.execution.limits import apply_cpu_memory_limit
 info = apply_cpu_memory_limit(200_000_000)
 a = np.ones(100_000_000 // 8)  # 100 MB: within the cap
 try:

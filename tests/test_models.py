@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from harness import models
+from harness.neutral import models
 from harness.spec import ModelSpec
 from tests.adapters.kit import CNN
 

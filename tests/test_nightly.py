@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from harness import history, results
-from harness.compare import compare_runs
-from harness.runner import run_spec
-from harness.spec import validate
+from harness.plan import checked_spec as validate
+from harness.results import store
+from harness.studies import history
+from harness.studies.compare import compare_runs
+from harness.studies.sweep import run_spec
 from tests.conftest import base_spec
 
 
@@ -97,14 +98,14 @@ def test_resume_after_a_kill_finishes_exactly_the_plan(steady, write_spec, tmp_p
                              "--no-progress"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_after(proc, "*/trials.jsonl", kill_at_lines, out)
     (run_dir,) = out.iterdir()
-    before = [r["id"] for r in results.read_trials(run_dir)]
+    before = [r["id"] for r in store.read_trials(run_dir)]
     assert len(before) < 6
     if kill_at_lines:
         with open(run_dir / "trials.jsonl", "ab") as f:
             f.write(b'{"id": "fault-bs128-r1", "status": "o')  # a write cut short by the crash
     proc = cli("run", str(spec_file), "--resume", str(run_dir), "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    after = [r["id"] for r in results.read_trials(run_dir)]
+    after = [r["id"] for r in store.read_trials(run_dir)]
     planned = json.loads((run_dir / "run.json").read_text())["planned_trials"]
     assert sorted(after) == sorted(planned) and len(after) == len(set(after)) == 6
     assert after[:len(before)] == before  # finished trials were kept, not rerun

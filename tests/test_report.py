@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import report, results
-from harness.runner import add_mfu
-from harness.stats import median_ci, overlaps
+from harness.results import report, store, tables
+from harness.results.stats import median_ci, overlaps
+from harness.studies.sweep import add_mfu
 
 
 def record(framework, batch_size, repeat=0, status="ok", throughput=100.0, accuracy=0.5, backend="host", **extra):
@@ -39,10 +39,10 @@ def make_run(tmp_path, records, frameworks=("pytorch", "mxnet"), batch_sizes=(8,
             "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9, "weight_decay": 0.0},
             "sampler": {"interval_s": 0.1}, "timing": {"sync_every": 1}}
     device = "cuda:0" if records and records[0]["device"].startswith("cuda") else "cpu"
-    results.write_json(run_dir / "run.json", {"spec": spec, "device": device, "planned_trials": [r["id"] for r in records],
+    store.write_json(run_dir / "run.json", {"spec": spec, "device": device, "planned_trials": [r["id"] for r in records],
                                               "environment": {}, "started": "now", "finished": "later"})
     for rec in records:
-        results.append_trial(run_dir, rec)
+        store.append_trial(run_dir, rec)
     return run_dir
 
 
@@ -72,11 +72,11 @@ def test_repeats_give_median_and_interval_and_noise_pairs(tmp_path):
     data = report.build(make_run(tmp_path, records))
     metric = next(m for m in data["metrics"] if m.key == "throughput")
     low, high = data["cis"]["throughput"][("pytorch", 8)]
-    values = report.cell_values(records, metric, "pytorch", 8)
+    values = tables.cell_values(records, metric, "pytorch", 8)
     assert low <= np.median(values) <= high and high - low < 10
-    pairs = report.noise_pairs(data, metric)
+    pairs = tables.noise_pairs(data, metric)
     assert pairs == ["PyTorch vs MXNet at batch size 8"]
-    row = report._row(data, metric, "pytorch", 1)
+    row = tables.metric_row(data, metric, "pytorch", 1)
     assert row[0].startswith(f"{np.median(values):,.1f} [") and row[0].endswith("]")
 
 
@@ -117,8 +117,8 @@ def test_mfu_left_out_for_cpu_and_unknown_devices():
 
 def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
     """Variants x batch sizes around a power of two, with repeats, scaling and a target accuracy."""
-    from harness.runner import run_spec
-    from harness.spec import validate
+    from harness.plan import checked_spec as validate
+    from harness.studies.sweep import run_spec
     from tests.conftest import base_spec
 
     monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.002")
@@ -128,7 +128,7 @@ def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
                                                       {"name": "sgd", "learning_rate": 0.4, "momentum": 0.5}]}),
                     tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "r")
-    records = results.read_trials(run_dir)
+    records = store.read_trials(run_dir)
     assert len(records) == 2 * 2 * 3 and {r["variant"] for r in records} == {"sgd lr=0.1", "sgd lr=0.4 m=0.5"}
     assert {r["learning_rate"] for r in records if r["batch_size"] == 16} == {0.1, 0.4}
     text = report.write(run_dir).read_text()

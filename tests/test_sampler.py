@@ -14,10 +14,18 @@ import types
 import psutil
 import pytest
 
-from harness import sampler as sampler_module
-from harness.sampler import (COUNTER_UPDATE_S, DEFAULT_INTERVAL_S, MIN_EDGE_GAP_S, POWER_AVERAGING_S, HostBackend,
-                             NvmlBackend, Sampler, energy_over_windows, interval_warning, make_backend,
-                             nvml_visible_index, phase_stats, throttle_summary)
+from harness.measure import host as host_module
+from harness.measure.energy import COUNTER_UPDATE_S, POWER_AVERAGING_S, energy_over_windows, throttle_summary
+from harness.measure.host import HostBackend
+from harness.measure.nvml import NvmlBackend, nvml_visible_index
+from harness.measure.sampler import (
+    DEFAULT_INTERVAL_S,
+    MIN_EDGE_GAP_S,
+    Sampler,
+    interval_warning,
+    make_backend,
+    phase_stats,
+)
 
 BUSY = "import time\nx = bytearray(80_000_000)\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 
@@ -29,13 +37,13 @@ def test_host_backend_lists_the_process_tree_at_most_once_per_refresh_period(mon
     child = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
         listed = []
-        real = sampler_module._process_tree
+        real = host_module.process_tree
 
         def counting(pid):
             listed.append(pid)
             return real(pid) + ([psutil.Process(child.pid)] if len(listed) > 1 else [])  # the child "appears" later
 
-        monkeypatch.setattr(sampler_module, "_process_tree", counting)
+        monkeypatch.setattr(host_module, "process_tree", counting)
         backend = HostBackend(tree_refresh_s=0.3)
         backend.attach(parent.pid)
         time.sleep(0.5)  # the child allocates its 80 MB meanwhile
@@ -692,8 +700,8 @@ def test_edge_sampling_measures_a_window_shorter_than_the_interval():
 # --- the launcher's side ------------------------------------------------------------------------------------------
 
 def _fault_trial(tmp_path, batch=64, epochs=3):
+    from harness.plan import checked_spec as validate
     from harness.plan import plan
-    from harness.spec import validate
     from tests.conftest import base_spec
 
     spec = validate(base_spec(frameworks=["fault"], batch_sizes=[batch], epochs=epochs, warmup_steps=0),
@@ -702,7 +710,7 @@ def _fault_trial(tmp_path, batch=64, epochs=3):
 
 
 def test_a_worker_can_run_without_any_sampler(fault_adapter, monkeypatch, tmp_path):
-    from harness import launcher
+    from harness.execution import launcher
 
     monkeypatch.setattr(launcher, "make_backend", lambda device: pytest.fail("no backend may be made"))
     spec, trial = _fault_trial(tmp_path)
@@ -719,7 +727,7 @@ def test_a_worker_can_run_without_any_sampler(fault_adapter, monkeypatch, tmp_pa
 
 def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapter, monkeypatch, tmp_path):
     """A real worker sampled through the fake NVML, whose energy counter runs at exactly 100 W."""
-    from harness import launcher
+    from harness.execution import launcher
 
     monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.01")  # 22 steps of >= 10 ms per epoch: windows of ~0.25 s
     nvml = fake_nvml()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import spec as spec_module
+from harness import plan as spec_module
 from harness.spec import SpecError
 from tests.conftest import ROOT, base_spec
 

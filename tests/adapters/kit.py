@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import datasets, models
+from harness.neutral import datasets, models
 from harness.spec import DigitsData, ModelSpec, OptimizerSpec
 
 # The seed-002 CNN, sized for 8x8 digits: conv 3x3 same (32) -> maxpool 2 -> flatten -> dense 128 -> dense 10.

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from adapters.base import DeviceUnavailable
+
 # mx through the adapter, which makes it importable on numpy >= 1.24
 from adapters.mxnet import MXNetAdapter, _running_var_is_biased, mx
-from harness import datasets
+from harness.neutral import datasets
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
 

@@ -8,7 +8,7 @@ import tensorflow as tf
 from adapters.base import DeviceUnavailable
 from adapters.pytorch import PyTorchAdapter
 from adapters.tensorflow import TensorFlowAdapter
-from harness import datasets, models
+from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
 

@@ -1,6 +1,6 @@
 """Peak dense floating-point throughput per GPU model and precision, for model-FLOPs utilization (MFU).
 
-MFU = achieved training FLOP/s (model FLOPs per sample x samples per second; see harness.models) / the device's peak
+MFU = achieved training FLOP/s (model FLOPs per sample x samples per second; see harness.neutral.models) / the device's peak
 for the precision used. Each entry gives its source: the vendor's datasheet or architecture whitepaper figure without
 sparsity, at boost clock. A device not in the table gets no MFU (it is left empty, never guessed). Only fp32 is used
 today (the harness trains in fp32 with TF32 off); tf32 and bf16 entries are kept for when precision options exist.

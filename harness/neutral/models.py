@@ -33,8 +33,19 @@ from typing import Any
 
 import numpy as np
 
-from harness.spec import (AvgPool2D, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool2D, MaxPool2D, ModelSpec,
-                          ReLU, Softmax)
+from harness.spec import (
+    AvgPool2D,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool2D,
+    MaxPool2D,
+    ModelSpec,
+    ReLU,
+    Softmax,
+)
 
 
 class ModelError(ValueError):
@@ -110,60 +121,63 @@ def analyze(model: ModelSpec, image_shape_hwc: tuple[int, int, int], num_classes
     shape: tuple[int, ...] = (c, h, w)
     infos: list[LayerInfo] = []
     for i, layer in enumerate(model.layers):
-        params: dict[str, tuple[int, ...]] = {}
-        buffers: dict[str, tuple[int, ...]] = {}
-        flops = 0
-        if isinstance(layer, Conv2D):
-            if len(shape) != 3:
-                raise ModelError(i, f"conv2d needs a (C, H, W) input, got {shape}; is it after flatten?")
-            cin, hin, win = shape
-            k = layer.kernel_size
-            if layer.padding == "same":
-                if k % 2 == 0:
-                    raise ModelError(i, "padding 'same' needs an odd kernel_size (frameworks pad even kernels differently)")
-                hout, wout = hin, win
-            else:
-                hout, wout = hin - k + 1, win - k + 1
-                if hout <= 0 or wout <= 0:
-                    raise ModelError(i, f"kernel_size {k} is larger than the {hin}x{win} input")
-            params = {"weight": (layer.filters, cin, k, k), "bias": (layer.filters,)}
-            flops = 2 * hout * wout * layer.filters * cin * k * k
-            out: tuple[int, ...] = (layer.filters, hout, wout)
-        elif isinstance(layer, (MaxPool2D, AvgPool2D)):
-            if len(shape) != 3:
-                raise ModelError(i, f"{layer.type} needs a (C, H, W) input, got {shape}")
-            cin, hin, win = shape
-            p, s = layer.pool_size, layer.stride or layer.pool_size
-            if p > hin or p > win:
-                raise ModelError(i, f"pool_size {p} is larger than the {hin}x{win} input")
-            out = (cin, (hin - p) // s + 1, (win - p) // s + 1)
-        elif isinstance(layer, GlobalAvgPool2D):
-            if len(shape) != 3:
-                raise ModelError(i, f"global_avgpool2d needs a (C, H, W) input, got {shape}")
-            out = (shape[0],)
-        elif isinstance(layer, BatchNorm):
-            if len(shape) not in (1, 3):
-                raise ModelError(i, f"batchnorm needs a (C, H, W) or a flat input, got {shape}")
-            params = {"weight": (shape[0],), "bias": (shape[0],)}
-            buffers = {"running_mean": (shape[0],), "running_var": (shape[0],)}
-            out = shape
-        elif isinstance(layer, Flatten):
-            out = (int(np.prod(shape)),)
-        elif isinstance(layer, Dense):
-            if len(shape) != 1:
-                raise ModelError(i, f"dense needs a flat input, got {shape}; add a flatten layer before it")
-            params = {"weight": (layer.units, shape[0]), "bias": (layer.units,)}
-            flops = 2 * shape[0] * layer.units
-            out = (layer.units,)
-        elif isinstance(layer, (ReLU, Softmax, Dropout)):
-            out = shape
-        else:  # pragma: no cover - the spec's discriminated union admits nothing else
-            raise ModelError(i, f"unsupported layer {layer!r}")
-        infos.append(LayerInfo(i, layer, shape, out, params, flops, buffers))
-        shape = out
+        infos.append(_layer_info(i, layer, shape))
+        shape = infos[-1].output_shape
     if shape != (num_classes,):
         raise ModelError(len(model.layers) - 1, f"the model outputs {shape} but the dataset has {num_classes} classes")
     return ModelInfo((c, h, w), num_classes, tuple(infos))
+
+
+def _layer_info(i: int, layer: Any, shape: tuple[int, ...]) -> LayerInfo:
+    """One layer's output shape, parameters, buffers and forward FLOPs for an input of ``shape`` (channel-first)."""
+    if isinstance(layer, Conv2D):
+        return _conv2d(i, layer, shape)
+    if isinstance(layer, (MaxPool2D, AvgPool2D)):
+        cin, hin, win = _image_input(i, layer.type, shape)
+        p, s = layer.pool_size, layer.stride or layer.pool_size
+        if p > hin or p > win:
+            raise ModelError(i, f"pool_size {p} is larger than the {hin}x{win} input")
+        return LayerInfo(i, layer, shape, (cin, (hin - p) // s + 1, (win - p) // s + 1))
+    if isinstance(layer, GlobalAvgPool2D):
+        return LayerInfo(i, layer, shape, (_image_input(i, layer.type, shape)[0],))
+    if isinstance(layer, BatchNorm):
+        if len(shape) not in (1, 3):
+            raise ModelError(i, f"batchnorm needs a (C, H, W) or a flat input, got {shape}")
+        return LayerInfo(i, layer, shape, shape, {"weight": (shape[0],), "bias": (shape[0],)}, 0,
+                         {"running_mean": (shape[0],), "running_var": (shape[0],)})
+    if isinstance(layer, Flatten):
+        return LayerInfo(i, layer, shape, (int(np.prod(shape)),))
+    if isinstance(layer, Dense):
+        if len(shape) != 1:
+            raise ModelError(i, f"dense needs a flat input, got {shape}; add a flatten layer before it")
+        return LayerInfo(i, layer, shape, (layer.units,), {"weight": (layer.units, shape[0]), "bias": (layer.units,)},
+                         2 * shape[0] * layer.units)
+    if isinstance(layer, (ReLU, Softmax, Dropout)):
+        return LayerInfo(i, layer, shape, shape)
+    raise ModelError(i, f"unsupported layer {layer!r}")  # pragma: no cover - the spec's union admits nothing else
+
+
+def _image_input(i: int, kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) != 3:
+        raise ModelError(i, f"{kind} needs a (C, H, W) input, got {shape}" + ("; is it after flatten?"
+                                                                             if kind == "conv2d" else ""))
+    return shape
+
+
+def _conv2d(i: int, layer: Conv2D, shape: tuple[int, ...]) -> LayerInfo:
+    cin, hin, win = _image_input(i, "conv2d", shape)
+    k = layer.kernel_size
+    if layer.padding == "same":
+        if k % 2 == 0:
+            raise ModelError(i, "padding 'same' needs an odd kernel_size (frameworks pad even kernels differently)")
+        hout, wout = hin, win
+    else:
+        hout, wout = hin - k + 1, win - k + 1
+        if hout <= 0 or wout <= 0:
+            raise ModelError(i, f"kernel_size {k} is larger than the {hin}x{win} input")
+    return LayerInfo(i, layer, shape, (layer.filters, hout, wout),
+                     {"weight": (layer.filters, cin, k, k), "bias": (layer.filters,)},
+                     2 * hout * wout * layer.filters * cin * k * k)
 
 
 def _fans(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Layout of ``results/<UTC time>-<spec name>/``:
 
-- ``run.json``: the spec as run, the environment (see ``harness.environment``), the harness version, the start time.
+- ``run.json``: the spec as run, the environment (see ``harness.measure.machine``), the harness version, the start time.
 - ``trials.jsonl``: one JSON object per finished trial (any status), appended, flushed and fsynced before the next
   trial starts. A crash can leave at most a torn last line, which ``read_trials`` ignores.
 - ``samples/<trial id>.jsonl``: every sampler sample (``t`` = time.monotonic() seconds, then the metrics), and

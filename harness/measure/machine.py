@@ -105,3 +105,11 @@ def collect() -> dict[str, Any]:
             "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "TF_FORCE_GPU_ALLOW_GROWTH", "MXNET_GPU_MEM_POOL_TYPE",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
     }
+
+
+def resolve_device(device: str, gpu_info: dict[str, Any] | None = None) -> str:
+    """``auto`` becomes "cuda:0" when NVML sees a GPU, else "cpu"; any other value is returned as it is."""
+    if device != "auto":
+        return device
+    info = gpus() if gpu_info is None else gpu_info
+    return "cuda:0" if info.get("available") else "cpu"

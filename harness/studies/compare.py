@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from harness import report
-from harness.results import read_run, read_trials
-from harness.stats import median_ci, overlaps
+from harness.results import tables
+from harness.results.metrics import metrics_for, row_key
+from harness.results.stats import median_ci, overlaps
+from harness.results.store import read_run, read_trials
 
-# metric key in harness.report -> True when higher is better
+# metric key in harness.results.report -> True when higher is better
 COMPARED = {"throughput": True, "accuracy": True, "memory": False, "allocator_peak": False}
 DEFAULT_THRESHOLD_PCT = 5.0
 
@@ -40,11 +41,11 @@ class Row:
 
 
 def _cells(records: list[dict[str, Any]]) -> set[tuple[str, int]]:
-    return {(report.row_key(r), r["batch_size"]) for r in records}
+    return {(row_key(r), r["batch_size"]) for r in records}
 
 
 def _status(records: list[dict[str, Any]], cell: tuple[str, int]) -> str:
-    statuses = sorted({r["status"] for r in records if (report.row_key(r), r["batch_size"]) == cell})
+    statuses = sorted({r["status"] for r in records if (row_key(r), r["batch_size"]) == cell})
     return "/".join(statuses)
 
 
@@ -55,7 +56,7 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path,
     base_run, new_run = read_run(base_dir), read_run(new_dir)
     base, new = read_trials(base_dir), read_trials(new_dir)
     backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
-    metrics = {m.key: m for m in report.metrics_for(backend) if m.key in COMPARED}
+    metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
     rows: list[Row] = []
     for cell in sorted(_cells(base) | _cells(new), key=lambda c: (c[0], c[1])):
         fw, bs = cell
@@ -64,8 +65,8 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path,
             rows.append(Row(fw, bs, "-", None, None, None, "", side))
             continue
         for key, metric in metrics.items():
-            b_values = report.cell_values(base, metric, fw, bs)
-            n_values = report.cell_values(new, metric, fw, bs)
+            b_values = tables.cell_values(base, metric, fw, bs)
+            n_values = tables.cell_values(new, metric, fw, bs)
             if not b_values or not n_values:
                 if key == "throughput":  # say it once per cell, on the main metric
                     which = "failed in base" if not b_values else "failed in new"

@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from harness.sampler import (Sampler, energy_over_windows, make_backend, phase_stats, throttle_summary,
-                             windows_from_events)
+from harness.measure.energy import energy_over_windows, throttle_summary
+from harness.measure.sampler import Sampler, make_backend, phase_stats, windows_from_events
 
 STATUSES = ("ok", "oom", "error", "timeout", "crashed", "skipped")  # skipped: decided by the runner, see after_oom
 LOG_TAIL_BYTES = 4000
@@ -137,82 +137,108 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float | No
     if interval_s is not None:
         backend, note = make_backend(device)
         sampler = Sampler(backend, interval_s)
-    read_fd, write_fd = os.pipe()
-    events: list[dict[str, Any]] = []
-    buffer = b""
     started = time.monotonic()
     with tempfile.TemporaryFile() as log:
+        run = _WorkerRun(payload, threads, log, sampler, on_event)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "harness.worker", "--events-fd", str(write_fd)],
+            run.pump(started + timeout_s)
+            run.wait(started + timeout_s)
+        finally:
+            run.close()
+        tail = _tail(log)
+    wall = time.monotonic() - started
+    returncode = run.proc.returncode
+    status, reason = classify(returncode, run.events, run.timed_out, timeout_s, tail)
+    if sampler is None:
+        return Outcome(status, reason, run.events, [], returncode, tail, wall, {"backend": None, "interval_s": None})
+    return Outcome(status, reason, run.events, list(sampler.samples), returncode, tail, wall,
+                   sampler_info(sampler, note, run.events))
+
+
+class _WorkerRun:
+    """One worker process from its start to its end: the events pipe, the sampler's attachment and pokes, the
+    deadline and the kill of its process group."""
+
+    def __init__(self, payload: dict[str, Any], threads: int | None, log: Any, sampler: Sampler | None,
+                 on_event: Callable[[dict[str, Any]], None] | None):
+        self.sampler, self.on_event = sampler, on_event
+        self.events: list[dict[str, Any]] = []
+        self.timed_out = False
+        self._buffer = b""
+        self.read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.execution.worker", "--events-fd", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
                 env=worker_env(threads, allocator=payload.get("spec", {}).get("allocator")), start_new_session=True)
+        except BaseException:
+            os.close(self.read_fd)
+            raise
         finally:
             os.close(write_fd)
         if sampler is not None:
-            sampler.start(proc.pid)
-        assert proc.stdin is not None
+            sampler.start(self.proc.pid)
+        assert self.proc.stdin is not None
         try:
-            proc.stdin.write(json.dumps(payload).encode())
-            proc.stdin.close()
+            self.proc.stdin.write(json.dumps(payload).encode())
+            self.proc.stdin.close()
         except BrokenPipeError:
             pass  # the worker died at once; its exit status tells why
-        selector = selectors.DefaultSelector()
-        selector.register(read_fd, selectors.EVENT_READ)
-        deadline = started + timeout_s
-        timed_out = False
-        eof = False
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.read_fd, selectors.EVENT_READ)
+
+    def pump(self, deadline: float) -> None:
+        """Reads events until the worker closes the pipe, or sets ``timed_out`` at the deadline."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.timed_out = True
+                return
+            if not self.selector.select(timeout=min(remaining, 0.5)):
+                continue
+            chunk = os.read(self.read_fd, 65536)
+            self._buffer += chunk
+            *lines, self._buffer = self._buffer.split(b"\n")
+            for line in lines:
+                self._handle(line)
+            if not chunk:
+                self._handle(self._buffer)
+                return
+
+    def _handle(self, line: bytes) -> None:
         try:
-            while not eof:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                if not selector.select(timeout=min(remaining, 0.5)):
-                    continue
-                chunk = os.read(read_fd, 65536)
-                if not chunk:
-                    eof = True
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    try:
-                        event = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    events.append(event)
-                    if sampler is not None and event.get("event") == "phase" and event.get("name") == "train":
-                        sampler.poke(event.get("edge", ""))
-                    if on_event is not None:
-                        on_event(event)
-            if timed_out:
-                _kill_group(proc)
-                proc.wait()
-            else:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()) + KILL_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    _kill_group(proc)
-                    proc.wait()
-        finally:
-            selector.close()
-            os.close(read_fd)
-            # A backend call stuck past the join timeout keeps its NVML handle: closing NVML under it could crash.
-            if sampler is not None and sampler.stop():
-                sampler.backend.close()
-            if proc.poll() is None:
-                _kill_group(proc)
-                proc.wait()
-            # Whatever the worker started must not outlive it (a framework's helper processes).
-            _kill_group(proc)
-        tail = _tail(log)
-    wall = time.monotonic() - started
-    status, reason = classify(proc.returncode, events, timed_out, timeout_s, tail)
-    if sampler is None:
-        return Outcome(status, reason, events, [], proc.returncode, tail, wall, {"backend": None, "interval_s": None})
-    samples = list(sampler.samples)
-    return Outcome(status, reason, events, samples, proc.returncode, tail, wall, sampler_info(sampler, note, events))
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        self.events.append(event)
+        if self.sampler is not None and event.get("event") == "phase" and event.get("name") == "train":
+            self.sampler.poke(event.get("edge", ""))
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def wait(self, deadline: float) -> None:
+        """Waits for the exit (the deadline plus KILL_GRACE_S once the pipe is closed); kills the group past it."""
+        if not self.timed_out:
+            try:
+                self.proc.wait(timeout=max(0.0, deadline - time.monotonic()) + KILL_GRACE_S)
+                return
+            except subprocess.TimeoutExpired:
+                self.timed_out = True
+        _kill_group(self.proc)
+        self.proc.wait()
+
+    def close(self) -> None:
+        """Stops the sampler and makes sure nothing of the worker outlives it."""
+        self.selector.close()
+        os.close(self.read_fd)
+        # A backend call stuck past the join timeout keeps its NVML handle: closing NVML under it could crash.
+        if self.sampler is not None and self.sampler.stop():
+            self.sampler.backend.close()
+        if self.proc.poll() is None:
+            _kill_group(self.proc)
+            self.proc.wait()
+        # Whatever the worker started must not outlive it (a framework's helper processes).
+        _kill_group(self.proc)
 
 
 def classify(returncode: int | None, events: list[dict[str, Any]], timed_out: bool, timeout_s: float,

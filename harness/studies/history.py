@@ -10,21 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness import report
-from harness.results import append_line, read_lines
+from harness.results import tables
+from harness.results.metrics import row_key
+from harness.results.store import append_line, read_lines
 
 TRACKED = ("throughput", "seconds_per_epoch", "accuracy", "memory", "util")
 
 
 def summary_row(run_dir: str | Path) -> dict[str, Any]:
     """The history row of one run directory."""
-    data = report.build(run_dir)
+    data = tables.build(run_dir)
     run = data["run"]
     metrics = {m.key: m for m in data["metrics"] if m.key in TRACKED}
     cells: dict[str, dict[str, Any]] = {}
     for fw in data["frameworks"]:
         for bs in data["batch_sizes"]:
-            statuses = sorted({r["status"] for r in data["records"] if report.row_key(r) == fw and r["batch_size"] == bs})
+            statuses = sorted({r["status"] for r in data["records"] if row_key(r) == fw and r["batch_size"] == bs})
             if not statuses:
                 continue
             cell: dict[str, Any] = {"status": "/".join(statuses)}

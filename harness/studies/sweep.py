@@ -6,20 +6,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from harness import __version__, environment, peaks
-from harness.launcher import Outcome, run_worker
+from harness import __version__
+from harness.execution.launcher import Outcome, run_worker
+from harness.measure import machine, peaks
+from harness.measure.machine import resolve_device
 from harness.plan import Trial, plan
-from harness.results import (append_trial, create_run_dir, drop_torn_tail, read_run, read_trials, write_json,
-                             write_lines)
+from harness.results.store import (
+    append_trial,
+    create_run_dir,
+    drop_torn_tail,
+    read_run,
+    read_trials,
+    write_json,
+    write_lines,
+)
 from harness.spec import Spec, SpecError
-
-
-def resolve_device(device: str, gpu_info: dict[str, Any] | None = None) -> str:
-    """``auto`` becomes "cuda:0" when NVML sees a GPU, else "cpu"; any other value is returned as it is."""
-    if device != "auto":
-        return device
-    info = environment.gpus() if gpu_info is None else gpu_info
-    return "cuda:0" if info.get("available") else "cpu"
 
 
 def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
 
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
     """Adds ``metrics.mfu`` (fraction), ``peak_flops`` (FLOP/s) and ``peak_source`` for a GPU trial whose device
-    (the name NVML reported) is in harness.peaks; leaves them out otherwise (CPU trials, unknown devices)."""
+    (the name NVML reported) is in harness.measure.peaks; leaves them out otherwise (CPU trials, unknown devices)."""
     achieved = record["metrics"].get("achieved_flops")
     if not achieved or not record["device"].startswith("cuda"):
         return
@@ -95,7 +96,7 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
              on_end: Callable[[Trial, dict[str, Any]], None] | None = None,
              on_event: Callable[[dict[str, Any]], None] | None = None,
              resume: str | Path | None = None) -> Path:
-    """Runs every trial of ``spec`` and returns the run directory (see harness.results for its layout).
+    """Runs every trial of ``spec`` and returns the run directory (see harness.results.store for its layout).
 
     Each trial's record is on disk (fsynced) before the next trial starts; a failing trial is recorded with its
     status and reason and the sweep goes on. ``on_start(trial, index, total)``, ``on_end(trial, record)`` and
@@ -105,64 +106,74 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     trials.jsonl (whatever their status) are not run again; a torn last line (a crash mid-write) is removed and that
     trial runs again. Raises SpecError when ``spec`` differs from the spec the run started with, naming the fields.
     """
-    if resume is not None:
-        run_dir = Path(resume)
-        run_info = read_run(run_dir)
-        differences = spec_differences(run_info["spec"], spec.model_dump(mode="json"))
-        if differences:
-            raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
-                                                     f"started with in {', '.join(differences[:8])}")
-        drop_torn_tail(run_dir / "trials.jsonl")
-        device = run_info["device"]
-        done = {r["id"] for r in read_trials(run_dir)}
-        run_info.setdefault("resumed", []).append(_now())
-        run_info["finished"] = None
-    else:
-        env = environment.collect()
-        device = resolve_device(spec.device, env["gpu"])
-        run_dir = create_run_dir(out_root, spec.name)
-        done = set()
-        run_info = {
-            "harness_version": __version__,
-            "spec_file": str(spec_path) if spec_path else None,
-            "spec": spec.model_dump(mode="json"),
-            "device": device,
-            "environment": env,
-            "planned_trials": [t.id for t in plan(spec, device)],
-            "started": _now(),
-            "finished": None,
-        }
+    run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path) if resume is not None else
+                               _create(spec, out_root, spec_path))
+    device = run_info["device"]
     trials = [t for t in plan(spec, device) if t.id not in done]
     write_json(run_dir / "run.json", run_info)
-    # The smallest batch size that ran out of memory, per framework and repeat (finished trials of a resumed run
-    # count too).
-    oom_at: dict[tuple[str, int, str], int] = {}
-    for finished in read_trials(run_dir):
-        if finished["status"] == "oom":
-            key = (finished["framework"], finished["repeat"], finished.get("variant", ""))
-            oom_at[key] = min(oom_at.get(key, finished["batch_size"]), finished["batch_size"])
+    oom_at = _oom_sizes(read_trials(run_dir))
     for index, trial in enumerate(trials):
         if on_start is not None:
             on_start(trial, index, len(trials))
-        limit = oom_at.get((trial.framework, trial.repeat, trial.variant))
+        key = (trial.framework, trial.repeat, trial.variant)
+        limit = oom_at.get(key)
         if spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
             record = skipped_record(trial, limit)
             append_trial(run_dir, record)
-            if on_end is not None:
-                on_end(trial, record)
-            continue
-        outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, trial.threads,
-                             on_event=on_event)
-        record = trial_record(trial, outcome)
-        write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
-        write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
-        append_trial(run_dir, record)
-        if record["status"] == "oom":
-            key = (trial.framework, trial.repeat, trial.variant)
-            oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
+        else:
+            outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, trial.threads,
+                                 on_event=on_event)
+            record = trial_record(trial, outcome)
+            write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
+            write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
+            append_trial(run_dir, record)
+            if record["status"] == "oom":
+                oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
         if on_end is not None:
             on_end(trial, record)
     run_info = read_run(run_dir)
     run_info["finished"] = _now()
     write_json(run_dir / "run.json", run_info)
     return run_dir
+
+
+def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> tuple[Path, dict[str, Any], set[str]]:
+    """A new run directory and its run.json contents (the machine, the resolved device, the planned trials)."""
+    env = machine.collect()
+    device = resolve_device(spec.device, env["gpu"])
+    run_dir = create_run_dir(out_root, spec.name)
+    run_info = {
+        "harness_version": __version__,
+        "spec_file": str(spec_path) if spec_path else None,
+        "spec": spec.model_dump(mode="json"),
+        "device": device,
+        "environment": env,
+        "planned_trials": [t.id for t in plan(spec, device)],
+        "started": _now(),
+        "finished": None,
+    }
+    return run_dir, run_info, set()
+
+
+def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None) -> tuple[Path, dict[str, Any], set[str]]:
+    """An interrupted run directory, its run.json marked resumed, and the ids of its finished trials. Raises
+    SpecError when ``spec`` differs from the one the run started with."""
+    run_info = read_run(run_dir)
+    differences = spec_differences(run_info["spec"], spec.model_dump(mode="json"))
+    if differences:
+        raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
+                                                 f"started with in {', '.join(differences[:8])}")
+    drop_torn_tail(run_dir / "trials.jsonl")
+    run_info.setdefault("resumed", []).append(_now())
+    run_info["finished"] = None
+    return run_dir, run_info, {r["id"] for r in read_trials(run_dir)}
+
+
+def _oom_sizes(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], int]:
+    """The smallest batch size that ran out of memory per (framework, repeat, variant), from finished trials."""
+    oom_at: dict[tuple[str, int, str], int] = {}
+    for finished in records:
+        if finished["status"] == "oom":
+            key = (finished["framework"], finished["repeat"], finished.get("variant", ""))
+            oom_at[key] = min(oom_at.get(key, finished["batch_size"]), finished["batch_size"])
+    return oom_at

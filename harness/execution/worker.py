@@ -1,0 +1,274 @@
+"""The worker process: one trial, one fresh interpreter, one framework.
+
+Run as ``python -m harness.execution.worker --events-fd N`` with the trial (JSON, see ``harness.plan.Trial.payload``) on
+standard input. It imports the trial's adapter, builds the model from the canonical weights, loads the dataset to the
+device once, runs the shared training loop below and writes events, one JSON object per line, to file descriptor N.
+The framework's own stdout and stderr go wherever the launcher sent them (a log whose tail is kept for errors).
+
+Every event carries ``t``, a ``time.monotonic()`` stamp (CLOCK_MONOTONIC on Linux: the same clock in every process of
+the machine, so the launcher's sampler can place its samples in the worker's phases).
+
+The loop: each epoch is floor(N / batch size) full batches in the order ``harness.neutral.datasets.epoch_order`` gives (the
+remainder is dropped, so no smaller last batch changes shapes and triggers a retrace or re-allocation inside a timed
+window). The first ``warmup_steps`` optimizer steps of the run are warm-up: they train like any other step (every
+framework takes exactly the same optimizer steps) but are not timed. After warm-up, the steps of each epoch are timed
+in windows of ``timing.sync_every`` steps with a device sync at both edges of every window. Evaluation on the test set
+follows each epoch, outside the timed windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from harness.neutral.datasets import augment, epoch_order
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class TrialError(Exception):
+    """A trial that cannot run as specified (the reason is user-facing)."""
+
+
+class Events:
+    """Writes events to the launcher's pipe, one JSON line each, flushed at once."""
+
+    def __init__(self, fd: int | None):
+        self._out = os.fdopen(fd, "w", buffering=1, encoding="utf-8") if fd is not None else None
+        self.log: list[dict[str, Any]] = []
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, "t": time.monotonic(), **fields}
+        self.log.append(record)
+        if self._out is not None:
+            self._out.write(json.dumps(record, default=_jsonable) + "\n")
+        return record
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., Any]) -> dict[str, Any]:
+    """The shared training loop (see the module docstring). Returns the trial's training metrics.
+
+    adapter: a prepared, built and loaded Adapter. data: harness.neutral.datasets.Data. trial: the payload's trial
+    fields (batch_size, epochs, warmup_steps, seed, sync_every; accumulation_steps, augmentation, target_accuracy
+    optional). emit: Events.emit. Times are in seconds (perf_counter); throughput is in samples per second. Raises
+    TrialError when the batch size exceeds the training set or warm-up leaves no step to measure.
+    """
+    return _Loop(adapter, data, trial, emit).run()
+
+
+class _Loop:
+    """The state of one training run: the step counts, the timed windows so far and the epoch records."""
+
+    def __init__(self, adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., Any]):
+        self.adapter, self.data, self.emit = adapter, data, emit
+        self.micro = trial["batch_size"]
+        self.accumulation = trial.get("accumulation_steps", 1)
+        self.batch = self.micro * self.accumulation  # samples per optimizer step
+        self.epochs, self.warmup = trial["epochs"], trial["warmup_steps"]
+        self.sync_every, self.seed = trial["sync_every"], trial["seed"]
+        self.augmentation = bool(trial.get("augmentation"))
+        self.target = trial.get("target_accuracy")
+        self.n = len(data.y_train)
+        self.steps_per_epoch = self.n // self.batch
+        if self.steps_per_epoch == 0:
+            what = (f"batch size {self.micro}" if self.accumulation == 1 else
+                    f"effective batch size {self.batch} ({self.accumulation} x {self.micro})")
+            raise TrialError(f"{what} exceeds the {self.n} training samples")
+        if self.warmup >= self.steps_per_epoch * self.epochs:
+            raise TrialError(f"warmup_steps {self.warmup} leaves none of the {self.steps_per_epoch * self.epochs} "
+                             "steps to measure")
+        self.step_seconds: list[float] = []  # per-step time of each window (window time / its steps)
+        self.measured_seconds = 0.0
+        self.measured_steps = 0
+        self.epoch_records: list[dict[str, Any]] = []
+        self.nonfinite = False
+        self.reached: dict[str, Any] | None = None
+        self.warm = self.warmup == 0
+
+    def step(self, order: np.ndarray, position: int) -> None:
+        indices = order[position * self.batch:(position + 1) * self.batch]
+        if self.accumulation == 1:
+            self.adapter.train_step(indices)
+        else:
+            self.adapter.train_step(indices, micro_batches=self.accumulation)
+
+    def run(self) -> dict[str, Any]:
+        train_started = time.perf_counter()
+        self.adapter.sync()
+        if self.warm:
+            self.adapter.reset_memory_stats()
+        else:
+            self.emit("phase", name="warmup", edge="start")
+        for epoch in range(self.epochs):
+            order = epoch_order(self.n, self.seed, epoch)
+            if self.augmentation:
+                self.augment(epoch)
+            losses: list[float] = []
+            position = 0 if self.warm else self.warm_up(epoch, order, losses)
+            epoch_seconds = self.timed(epoch, order, position, losses) if position < self.steps_per_epoch else 0.0
+            self.nonfinite = self.nonfinite or not all(math.isfinite(x) for x in losses)
+            self.evaluate(epoch, losses, epoch_seconds, train_started)
+        return self.metrics()
+
+    def augment(self, epoch: int) -> None:
+        """This epoch's augmented training images, loaded to the device outside the timed windows."""
+        self.emit("phase", name="augment", epoch=epoch, edge="start")
+        self.adapter.set_train_images(augment(self.data.x_train, self.seed, epoch))
+        self.adapter.sync()
+        self.emit("phase", name="augment", epoch=epoch, edge="end")
+
+    def warm_up(self, epoch: int, order: np.ndarray, losses: list[float]) -> int:
+        """The warm-up steps still left, at the start of this epoch; returns the position after them."""
+        count = min(self.warmup - epoch * self.steps_per_epoch, self.steps_per_epoch)
+        for position in range(count):
+            self.step(order, position)
+        losses.append(self.adapter.sync())
+        if epoch * self.steps_per_epoch + count == self.warmup:
+            self.warm = True
+            self.emit("phase", name="warmup", edge="end")
+            self.adapter.reset_memory_stats()
+        return count
+
+    def timed(self, epoch: int, order: np.ndarray, position: int, losses: list[float]) -> float:
+        """The rest of the epoch in timed windows of sync_every steps, synced at both edges; returns its seconds."""
+        self.adapter.sync()
+        self.emit("phase", name="train", epoch=epoch, edge="start")
+        start = previous = time.perf_counter()
+        while position < self.steps_per_epoch:
+            count = min(self.sync_every, self.steps_per_epoch - position)
+            for _ in range(count):
+                self.step(order, position)
+                position += 1
+            losses.append(self.adapter.sync())
+            now = time.perf_counter()
+            self.step_seconds.append((now - previous) / count)
+            self.measured_steps += count
+            previous = now
+        self.emit("phase", name="train", epoch=epoch, edge="end")
+        self.measured_seconds += previous - start
+        return previous - start
+
+    def evaluate(self, epoch: int, losses: list[float], epoch_seconds: float, train_started: float) -> None:
+        """The test set after the epoch (outside the timed windows), the epoch record, and time to the target."""
+        self.emit("phase", name="eval", epoch=epoch, edge="start")
+        test_loss, test_accuracy = self.adapter.evaluate(self.micro)
+        self.emit("phase", name="eval", epoch=epoch, edge="end")
+        if self.target is not None and self.reached is None and test_accuracy >= self.target:
+            # training_seconds: timed training only (warm-up steps and evaluations excluded);
+            # wall_seconds: from the first step to the end of this evaluation, everything included.
+            self.reached = {"epochs": epoch + 1, "training_seconds": self.measured_seconds,
+                            "wall_seconds": time.perf_counter() - train_started}
+        record = {"epoch": epoch, "train_loss": float(np.mean(losses)) if losses else math.nan,
+                  "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_seconds": epoch_seconds}
+        self.epoch_records.append(record)
+        self.emit("epoch", **record)
+
+    def metrics(self) -> dict[str, Any]:
+        throughput = self.measured_steps * self.batch / self.measured_seconds
+        per_step = np.asarray(self.step_seconds)
+        last = self.epoch_records[-1]
+        return {
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.steps_per_epoch * self.epochs,
+            "measured_steps": self.measured_steps,
+            "measured_samples": self.measured_steps * self.batch,
+            "measured_seconds": self.measured_seconds,
+            "throughput": throughput,
+            "seconds_per_epoch": self.steps_per_epoch * self.batch / throughput,
+            "step_time_median_s": float(np.median(per_step)),
+            "step_time_p90_s": float(np.percentile(per_step, 90)),
+            "final_train_loss": last["train_loss"],
+            "test_loss": last["test_loss"],
+            "test_accuracy": last["test_accuracy"],
+            "nonfinite_loss": self.nonfinite,
+            "batch_size": self.micro,
+            "accumulation_steps": self.accumulation,
+            "effective_batch_size": self.batch,
+            "target_accuracy": self.target,
+            "time_to_target": self.reached,
+            "epochs": self.epoch_records,
+            "memory": self.adapter.memory_stats(),
+        }
+
+
+def run(payload: dict[str, Any], events: Events) -> int:
+    """Runs one trial end to end and reports it through ``events``. Returns the process exit status."""
+    adapter = None
+    try:
+        import adapters
+        from harness.neutral import datasets, models
+        from harness.spec import OptimizerSpec, Spec
+
+        trial = payload["trial"]
+        spec = Spec.model_validate(payload["spec"])
+        events.emit("start", pid=os.getpid(), framework=trial["framework"], batch_size=trial["batch_size"])
+        try:
+            adapter = adapters.get(trial["framework"])()
+        except ImportError as err:
+            raise TrialError(f"{trial['framework']} is not installed here ({err})") from None
+        if trial["device"] == "cpu" and trial.get("memory_limit_bytes"):
+            from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
+
+            apply_cpu_memory_limit(trial["memory_limit_bytes"], trial["framework"], emit=events.emit)
+        adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
+                           "memory_limit_bytes": trial.get("memory_limit_bytes")}
+        adapter.prepare(trial["device"], trial["threads"], trial["seed"])
+        data = datasets.load(spec.dataset, seed=trial["seed"])
+        info = models.analyze(spec.model, tuple(data.x_train.shape[1:]), data.num_classes)
+        base_optimizer = OptimizerSpec.model_validate(trial["optimizer"]) if trial.get("optimizer") else spec.optimizer
+        optimizer = base_optimizer.model_copy(update={"learning_rate": trial["learning_rate"]})
+        adapter.build(info, models.initial_weights(info, trial["seed"]), optimizer)
+        adapter.load(data)
+        adapter.sync()
+        events.emit("ready", versions=adapter.versions(), settings=adapter.settings())
+        metrics = train(adapter, data, trial, events.emit)
+        metrics.update({
+            "parameter_count": info.parameter_count,
+            "train_flops_per_sample": info.train_flops_per_sample,
+            "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,
+            "data_bytes": data.nbytes,
+        })
+        events.emit("result", metrics=metrics, versions=adapter.versions(), settings=adapter.settings())
+        return EXIT_OK
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the process exits non-zero
+        oom = False
+        if adapter is not None:
+            try:
+                oom = adapter.is_oom(exc)
+            except Exception:  # noqa: BLE001 - a broken classifier must not hide the original error
+                oom = False
+        # Python's own MemoryError is an out-of-memory too: an allocation outside the framework's allocator (numpy,
+        # a lazily imported module) failing, typically under a CPU memory cap (harness.execution.limits).
+        oom = oom or isinstance(exc, MemoryError)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = reason if isinstance(exc, TrialError) else f"{type(exc).__name__}: {reason}".rstrip(": ")
+        events.emit("error", kind="oom" if oom else "error", reason=reason[:500],
+                    traceback="".join(traceback.format_exception(exc))[-4000:])
+        return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.execution.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--events-fd", type=int, required=True, help="file descriptor for the JSON-lines events")
+    args = parser.parse_args(argv)
+    payload = json.loads(sys.stdin.read())
+    events = Events(args.events_fd)
+    return run(payload, events)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The NVML backend of the sampler (nvidia-ml-py, imported as ``pynvml``; NVML reference:
+https://docs.nvidia.com/deploy/nvml-api/).
+
+What it reads, per sample:
+``gpu_util_percent`` and ``mem_util_percent`` (nvmlDeviceGetUtilizationRates: the percent of time over the driver's
+  last sample period, between 1/6 s and 1 s depending on the product, during which one or more kernels ran / device
+  memory was read or written; NOT the fraction of SMs in use), ``device_memory_used_bytes`` (nvmlDeviceGetMemoryInfo,
+  the v2 struct where bindings and driver have it), ``process_memory_bytes`` (the worker process tree's memory from
+  nvmlDeviceGetComputeRunningProcesses; None where NVML does not report it), ``power_w`` (nvmlDeviceGetPowerUsage),
+  ``energy_mj`` (nvmlDeviceGetTotalEnergyConsumption), ``sm_clock_mhz`` (nvmlDeviceGetClockInfo NVML_CLOCK_SM),
+  ``temperature_c`` (nvmlDeviceGetTemperature NVML_TEMPERATURE_GPU) and ``throttle_reasons`` (the
+  nvmlClocksEventReasons bitmask). Power, energy, clocks and temperature describe the whole board, every process on it.
+Degradation, one metric at a time: NotSupported, NoPermission or FunctionNotFound (or bindings without the call) mark
+that metric unavailable for the rest of the run, with the reason, in ``describe()["unavailable"]``; any other error
+leaves that metric None in that one sample. Nothing is ever raised into the run.
+
+Design decision (no GPU was available to measure it; it rests on the NVML documentation):
+
+- Utilization by polling nvmlDeviceGetUtilizationRates, not by draining nvmlDeviceGetSamples
+  (NVML_GPU_UTILIZATION_SAMPLES). Each polled value already averages the driver's last 1/6 s..1 s, so polling at 0.1 s
+  loses no utilization information, only phase alignment of at most one driver period. nvmlDeviceGetSamples returns
+  the samples "maintained in the buffer by the driver" newer than a caller-kept ``lastSeenTimeStamp`` (a "CPU
+  timestamp in microseconds" on a clock the documentation does not name, so aligning it with time.monotonic() would
+  need a calibration that cannot be checked without a GPU); how many samples the buffer holds and what period each
+  averages are not documented and may differ by product, so a late drain may silently lose samples. Its documented
+  advantage (higher-frequency data at lower polling cost) cannot be verified here either.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import psutil
+
+from harness.measure.host import process_tree
+
+
+def _nvml() -> Any:
+    import pynvml  # nvidia-ml-py
+
+    return pynvml
+
+
+def nvml_visible_index(device: str, visible: str | None = None) -> int | str:
+    """What CUDA device ``device`` ("cuda" or "cuda:N") is, as NVML can find it: an int (an NVML index) or a str
+    (a GPU UUID or UUID prefix "GPU-...", or a MIG device: "MIG-<uuid>", or "MIG-GPU-<uuid>/<gi>/<ci>" before R470).
+
+    ``visible`` is CUDA_VISIBLE_DEVICES (read from the environment when None; unset means every GPU is visible, and
+    cuda:N is NVML device N). CUDA numbers the visible devices in the order of that list; integer entries name devices
+    in CUDA's enumeration order, which is NVML's (PCI bus order) only with CUDA_DEVICE_ORDER=PCI_BUS_ID, which the
+    launcher sets for its workers. As CUDA does, the list ends at the first invalid entry (e.g. "-1"). Raises ValueError
+    when ``device`` is not a CUDA device or is not among the visible ones (an empty CUDA_VISIBLE_DEVICES hides all).
+    """
+    kind, _, number = device.partition(":")
+    if kind != "cuda" or not (number == "" or number.isdigit()):
+        raise ValueError(f"{device!r} is not a CUDA device (cuda or cuda:N)")
+    index = int(number or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is None:
+        return index
+    entries: list[int | str] = []
+    for raw in visible.split(","):
+        entry = raw.strip()
+        if entry.isdigit():
+            entries.append(int(entry))
+        elif entry.upper().startswith(("GPU-", "MIG-")) and len(entry) > 4:
+            entries.append(entry)
+        else:
+            break  # CUDA: an invalid entry hides itself and every entry after it
+    if index >= len(entries):
+        raise ValueError(f"{device} is not among the {len(entries)} device(s) that CUDA_VISIBLE_DEVICES={visible!r} "
+                         f"makes visible")
+    return entries[index]
+
+
+def _error_classes(nvml: Any, *names: str) -> tuple[type, ...]:
+    return tuple(c for n in names if isinstance(c := getattr(nvml, n, None), type))
+
+
+class NvmlBackend:
+    """NVML samples of one GPU (or MIG device) and of the worker process tree's memory on it.
+
+    ``device``: an NVML index, or a string from ``nvml_visible_index`` (GPU UUID or prefix, MIG UUID). ``nvml``: the
+    pynvml module (tests pass a fake). ``notes``: lines for describe()["notes"]. Raises when NVML cannot be initialised
+    or the device is not found (after shutting NVML down again); ``make_backend`` turns that into the host backend.
+    """
+
+    name = "nvml"
+    METRICS = ("energy_mj", "power_w", "gpu_util_percent", "mem_util_percent", "device_memory_used_bytes",
+               "process_memory_bytes", "sm_clock_mhz", "temperature_c", "throttle_reasons")
+    DESCRIPTIONS = {
+        "gpu_util_percent": "NVML utilization.gpu: % of the driver's last sample period (1/6 s..1 s) in which any "
+                            "kernel ran (not SM occupancy)",
+        "mem_util_percent": "NVML utilization.memory: % of that period in which device memory was read or written",
+        "device_memory_used_bytes": "NVML device memory used by all processes, bytes (see memory_info_version)",
+        "process_memory_bytes": "NVML memory of the worker process tree on this GPU, bytes (None: NVML does not report "
+                                "it, e.g. MIG or a container's PID namespace)",
+        "power_w": "board power draw, W (NVML: averaged over 1 s on Ampere except GA100 and newer, else instantaneous)",
+        "energy_mj": "board energy counter, mJ since the driver was loaded (Volta and newer)",
+        "sm_clock_mhz": "current SM clock, MHz",
+        "temperature_c": "GPU die temperature, degrees C",
+        "throttle_reasons": "nvmlClocksEventReasons bitmask of why clocks are held below their maximum",
+    }
+    # Errors that will not go away during a run: the metric is marked unavailable.
+    PERMANENT = ("NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound")
+
+    def __init__(self, device: int | str = 0, nvml: Any = None, notes: Iterable[str] = ()):
+        self.nvml = nvml or _nvml()
+        self.unavailable: dict[str, str] = {}
+        self.notes: list[str] = list(notes)
+        self.transient: dict[str, dict[str, Any]] = {}
+        self._permanent = _error_classes(self.nvml, *self.PERMANENT)
+        self._pid: int | None = None
+        self._pids: set[int] = set()
+        self.selector = device
+        self.mig = False
+        self.nvml.nvmlInit()
+        try:
+            self.handle = self._resolve(device)
+        except BaseException:
+            self.close()
+            raise
+        self.uuid = self._text("nvmlDeviceGetUUID")
+        self.device_name = self._text("nvmlDeviceGetName")
+        self._memory_version = 2 if getattr(self.nvml, "nvmlMemory_v2", None) is not None else 1
+        self.memory_note = "" if self._memory_version == 2 else "nvidia-ml-py has no nvmlMemory_v2: v1 struct"
+        names = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+        self._throttle_calls = [n for n in names if hasattr(self.nvml, n)]
+        if self.mig:
+            self.notes.append("MIG device: NVML may not report per-process memory (process_memory_bytes None), and "
+                              "does not support utilization rates on MIG-enabled GPUs")
+            reason = ("MIG device: the board's power and energy are shared with the other MIG instances and cannot "
+                      "be attributed to this one")
+            self.unavailable.update({"power_w": reason, "energy_mj": reason})
+
+    # --- resolving the device -------------------------------------------------------------------------------------
+    def _resolve(self, device: int | str) -> Any:
+        nvml = self.nvml
+        if isinstance(device, int):
+            return nvml.nvmlDeviceGetHandleByIndex(device)
+        if device.upper().startswith("MIG-GPU-"):  # pre-R470 form: MIG-GPU-<uuid>/<gpu instance>/<compute instance>
+            self.mig = True
+            parent, gi, ci = device[4:].split("/")
+            return self._mig_by_instance(self._by_uuid(parent), int(gi), int(ci))
+        if device.upper().startswith("MIG-"):
+            self.mig = True
+            return nvml.nvmlDeviceGetHandleByUUID(device)  # accepts MIG device UUIDs (R470+)
+        return self._by_uuid(device)
+
+    def _by_uuid(self, uuid: str) -> Any:
+        """The device whose UUID is ``uuid``, or starts with it (CUDA accepts unambiguous UUID prefixes)."""
+        nvml = self.nvml
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except nvml.NVMLError:
+            pass
+        matches = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            if _decode(nvml.nvmlDeviceGetUUID(handle)).lower().startswith(uuid.lower()):
+                matches.append(handle)
+        if len(matches) != 1:
+            raise LookupError(f"{len(matches)} GPUs have a UUID starting with {uuid!r}; CUDA needs exactly one")
+        return matches[0]
+
+    def _mig_by_instance(self, parent: Any, gpu_instance: int, compute_instance: int) -> Any:
+        nvml = self.nvml
+        for index in range(nvml.nvmlDeviceGetMaxMigDeviceCount(parent)):
+            try:
+                handle = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+            except nvml.NVMLError:
+                continue  # an empty slot
+            if (nvml.nvmlDeviceGetGpuInstanceId(handle) == gpu_instance
+                    and nvml.nvmlDeviceGetComputeInstanceId(handle) == compute_instance):
+                return handle
+        raise LookupError(f"no MIG device with GPU instance {gpu_instance} and compute instance {compute_instance}")
+
+    def _text(self, call: str) -> str | None:
+        try:
+            return _decode(getattr(self.nvml, call)(self.handle))
+        except Exception:  # noqa: BLE001 - a missing name or UUID is not worth failing for
+            return None
+
+    # --- sampling ---------------------------------------------------------------------------------------------------
+    def attach(self, pid: int) -> None:
+        self._pid = pid
+        self._pids = {pid}
+
+    def _read(self, metric: str, read: Callable[[], Any], out: dict[str, Any], *also: str) -> None:
+        """out[metric] = read(), degrading as the module docstring says; ``also`` share the call's fate."""
+        if metric in self.unavailable:
+            return
+        try:
+            out[metric] = read()
+            return
+        except AttributeError as err:  # the bindings lack the call
+            reason = f"nvidia-ml-py: {err}"
+        except Exception as err:  # noqa: BLE001 - sampling never raises into the run
+            if isinstance(err, self._permanent):
+                reason = f"{getattr(read, 'call', metric)}: {err}"
+            else:
+                for name in (metric, *also):
+                    out[name] = None  # this sample lacks it; later ones may have it
+                    entry = self.transient.setdefault(name, {"count": 0, "last": ""})
+                    entry["count"] += 1
+                    entry["last"] = f"{type(err).__name__}: {err}"
+                return
+        for name in (metric, *also):
+            self.unavailable[name] = reason
+
+    def _memory_used(self) -> float:
+        nvml = self.nvml
+        if self._memory_version == 2:
+            fallback = _error_classes(nvml, "NVMLError_FunctionNotFound", "NVMLError_NotSupported",
+                                      "NVMLError_ArgumentVersionMismatch")
+            try:
+                return float(nvml.nvmlDeviceGetMemoryInfo(self.handle, version=nvml.nvmlMemory_v2).used)
+            except TypeError as err:  # bindings whose nvmlDeviceGetMemoryInfo takes no version
+                self.memory_note = f"v2 not in nvidia-ml-py ({err}): v1 struct"
+            except fallback as err:  # a driver without nvmlDeviceGetMemoryInfo_v2
+                self.memory_note = f"v2 refused by the driver ({type(err).__name__}: {err}): v1 struct"
+            self._memory_version = 1
+        return float(nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def _process_memory(self) -> float | None:
+        if self._pid is not None:
+            self._pids = {self._pid, *(p.pid for p in process_tree(self._pid)[1:])}
+        total = 0
+        found = False
+        foreign = False
+        for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            if proc.pid in self._pids:
+                found = True
+                if proc.usedGpuMemory is None:  # NVML_VALUE_NOT_AVAILABLE (MIG, some containers)
+                    return None
+                total += proc.usedGpuMemory
+            elif not psutil.pid_exists(proc.pid):
+                foreign = True
+        if not found and foreign:
+            # NVML lists PIDs this process cannot see: they are in another PID namespace (this process is in a
+            # container; NVML reports host PIDs), so the worker's own entry cannot be recognised. Unknown, not 0.
+            note = ("NVML lists GPU processes whose PIDs are not visible here (a PID namespace, e.g. a container): "
+                    "the worker's own GPU memory cannot be attributed")
+            if note not in self.notes:
+                self.notes.append(note)
+            return None
+        return float(total) if found else 0.0
+
+    def _throttle(self) -> int:
+        while self._throttle_calls:
+            call = self._throttle_calls[0]
+            try:
+                return int(getattr(self.nvml, call)(self.handle))
+            except _error_classes(self.nvml, "NVMLError_FunctionNotFound"):
+                if len(self._throttle_calls) == 1:
+                    raise
+                self._throttle_calls.pop(0)  # a driver older than the event-reasons name: use the throttle name
+        raise AttributeError("no nvmlDeviceGetCurrentClocks{Event,Throttle}Reasons")
+
+    def _temperature(self) -> float:
+        nvml = self.nvml
+        return float(nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU))
+
+    def sample(self) -> dict[str, Any]:
+        """One sample. The energy counter is read first, closest to the sample's timestamp."""
+        out: dict[str, Any] = {}
+        nvml, handle = self.nvml, self.handle
+        rates: dict[str, Any] = {}
+
+        def utilization() -> float:
+            rates["r"] = nvml.nvmlDeviceGetUtilizationRates(handle)
+            return float(rates["r"].gpu)
+
+        calls: list[tuple[str, Callable[[], Any], str, tuple[str, ...]]] = [
+            ("energy_mj", lambda: int(nvml.nvmlDeviceGetTotalEnergyConsumption(handle)),
+             "nvmlDeviceGetTotalEnergyConsumption", ()),
+            ("power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, "nvmlDeviceGetPowerUsage", ()),
+            ("gpu_util_percent", utilization, "nvmlDeviceGetUtilizationRates", ("mem_util_percent",)),
+            ("device_memory_used_bytes", self._memory_used, "nvmlDeviceGetMemoryInfo", ()),
+            ("process_memory_bytes", self._process_memory, "nvmlDeviceGetComputeRunningProcesses", ()),
+            ("sm_clock_mhz", lambda: float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+             "nvmlDeviceGetClockInfo(NVML_CLOCK_SM)", ()),
+            ("temperature_c", self._temperature, "nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)", ()),
+            ("throttle_reasons", self._throttle, "nvmlDeviceGetCurrentClocksEventReasons", ()),
+        ]
+        for metric, read, call, also in calls:
+            self._read(metric, _Named(read, call), out, *also)
+            if metric == "gpu_util_percent" and "r" in rates:
+                out["mem_util_percent"] = float(rates["r"].memory)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutting down a broken NVML is not worth an error
+            pass
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "backend": "nvml", "name": self.device_name, "uuid": self.uuid, "mig": self.mig,
+            "device_selector": self.selector, "memory_info_version": self._memory_version,
+            "unavailable": dict(self.unavailable), "notes": list(self.notes),
+            "transient_errors": {k: dict(v) for k, v in self.transient.items()},
+            "metrics": {m: self.DESCRIPTIONS[m] for m in self.METRICS if m not in self.unavailable},
+        }
+        if self.memory_note:
+            info["memory_info_note"] = self.memory_note
+        return info
+
+
+class _Named:
+    """A zero-argument reader with the NVML call's name, for unavailable reasons."""
+
+    def __init__(self, read: Callable[[], Any], call: str):
+        self.read, self.call = read, call
+
+    def __call__(self) -> Any:
+        return self.read()
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,252 @@
+"""Background sampling of the device while a worker trains, and statistics over the measured phase.
+
+The sampler is a thread in the launcher's process, never in the worker (no GIL contention with the training loop).
+Every ``interval_s`` it asks its backend for one sample, a dict of metric -> number stamped with ``time.monotonic()``
+(the clock the worker stamps its phase events with; CLOCK_MONOTONIC is system-wide on Linux). Backends:
+
+- ``NvmlBackend`` (``harness.measure.nvml``; nvidia-ml-py, NVML reference: https://docs.nvidia.com/deploy/nvml-api/):
+  ``gpu_util_percent`` and ``mem_util_percent`` (nvmlDeviceGetUtilizationRates: the percent of time over the driver's
+  last sample period, between 1/6 s and 1 s depending on the product, during which one or more kernels ran / device
+  memory was read or written; NOT the fraction of SMs in use), ``device_memory_used_bytes`` (nvmlDeviceGetMemoryInfo,
+  the v2 struct where bindings and driver have it), ``process_memory_bytes`` (the worker process tree's memory from
+  nvmlDeviceGetComputeRunningProcesses; None where NVML does not report it), ``power_w`` (nvmlDeviceGetPowerUsage),
+  ``energy_mj`` (nvmlDeviceGetTotalEnergyConsumption), ``sm_clock_mhz`` (nvmlDeviceGetClockInfo NVML_CLOCK_SM),
+  ``temperature_c`` (nvmlDeviceGetTemperature NVML_TEMPERATURE_GPU) and ``throttle_reasons`` (the
+  nvmlClocksEventReasons bitmask). Power, energy, clocks and temperature describe the whole board, every process on it.
+- ``HostBackend`` (``harness.measure.host``; psutil), where there is no GPU: the worker process tree's CPU % (100 = one
+  core busy) and resident memory (bytes).
+
+No NVML library, no driver, no such device: ``make_backend`` samples the host instead and says why.
+
+Design decision (no GPU was available to measure it; it rests on the NVML documentation):
+
+- Default interval 0.1 s: below the shortest utilization averaging period (1/6 s), so every driver period is seen at
+  least once; no faster, because utilization cannot change faster than that period, psutil's process CPU times
+  advance in 10 ms clock ticks on Linux (psutil recommends at least 0.1 s between cpu_percent calls for accuracy), and
+  NVML refreshes power/energy only every 20-100 ms. Short timed windows are covered by edge samples
+  (``Sampler.poke``), not by a faster clock. ``interval_warning`` flags intervals below 50 ms;
+  ``benchmarks/sampler_overhead.py`` measures what sampling costs the worker.
+
+Energy, power and throttling over the measured windows: ``harness.measure.energy``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol
+
+import numpy as np
+
+from harness.measure.host import HostBackend
+from harness.measure.nvml import NvmlBackend, nvml_visible_index
+
+DEFAULT_INTERVAL_S = 0.1
+MIN_INTERVAL_S = 0.05  # below this interval_warning() warns
+EDGE_LAG_S = 0.5  # an end-edge sample taken at most this long after its window's end still describes the window
+MIN_EDGE_GAP_S = 0.025  # edge samples (pokes) at most every 25 ms: a ~2 ms backend call then costs <= 8 % of a core
+# Metrics that are not levels: a cumulative counter and a bitmask. phase_stats skips them (a mean means nothing);
+# energy_over_windows and throttle_summary read them.
+NON_STAT_METRICS = ("energy_mj", "throttle_reasons")
+
+
+class Backend(Protocol):
+    name: str
+    unavailable: dict[str, str]
+
+    def attach(self, pid: int) -> None: ...
+    def sample(self) -> dict[str, float | None]: ...
+    def close(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
+
+
+def interval_warning(interval_s: float | None) -> str | None:
+    """A one-line warning for a sampling interval below MIN_INTERVAL_S (50 ms), else None."""
+    if interval_s is None or interval_s >= MIN_INTERVAL_S:
+        return None
+    return (f"{interval_s:g} s is below {MIN_INTERVAL_S * 1e3:.0f} ms: NVML averages utilization over 1/6 s..1 s and "
+            f"refreshes power/energy every 20-100 ms, psutil counts CPU time in 10 ms ticks; faster sampling adds "
+            f"launcher CPU load, not resolution (default {DEFAULT_INTERVAL_S:g} s)")
+
+
+def make_backend(device: str, nvml: Any = None) -> tuple[Backend, str | None]:
+    """The backend for a trial's device: NVML for "cuda[:N]" when it can be initialised and the device found, else
+    the host backend. Returns (backend, note); the note says why NVML is not used, or is None. ``nvml``: the pynvml
+    module (tests pass a fake)."""
+    if not device.startswith("cuda"):
+        return HostBackend(), None
+    try:
+        target = nvml_visible_index(device)
+        notes = []
+        order = os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        if isinstance(target, int) and order != "PCI_BUS_ID":
+            notes.append(f"CUDA_DEVICE_ORDER={order}: {device} was taken to be NVML device {target}, which holds only "
+                         f"in PCI bus order; use GPU UUIDs in CUDA_VISIBLE_DEVICES to be sure")
+        return NvmlBackend(target, nvml=nvml, notes=notes), None
+    except Exception as err:  # noqa: BLE001 - no library, no driver, no such device: fall back, say why
+        return HostBackend(), f"NVML unavailable ({type(err).__name__}: {err}); sampling the host instead"
+
+
+@dataclass
+class Sampler:
+    """A thread sampling ``backend`` every ``interval_s`` seconds into ``samples``, and at once when poked.
+
+    ``start(pid)`` attaches to the worker and starts the thread; ``poke(edge)`` asks for a sample now, tagged
+    ``edge`` ("start" or "end" of a timed window; the launcher pokes when the worker's phase events arrive);
+    ``stop()`` ends the thread: at once while it waits, else after the backend call in progress, waiting at most
+    ``join_timeout_s`` (a call that blocks longer is abandoned: its sample is dropped, stop() returns False and the
+    caller must not close the backend under it). Each sample is a dict with ``t`` (time.monotonic() just before the
+    backend call, seconds), ``edge`` when poked, and the metrics. ``call_seconds`` holds how long each call took.
+
+    Edge samples make short windows measurable: psutil's cpu_percent is the average since the previous call, so the
+    sample at a window's end covers exactly the time since the sample at its start, however short the window. A poke
+    that arrives less than ``min_edge_gap_s`` after the previous edge sample is dropped (counted in
+    ``dropped_pokes``); a dropped "end" poke is deferred instead, to ``min_edge_gap_s`` after the previous edge
+    sample, so every window still gets a sample at or after its end: windows of a few milliseconds (tiny epochs) would otherwise make the sampler call its backend
+    hundreds of times a second and take CPU from the worker it measures (benchmarks/sampler_overhead.py measured a
+    23 % slowdown). The samples before and after then stand for that edge, so a window's end sample may also cover
+    the pause before it.
+    """
+
+    backend: Backend
+    interval_s: float = DEFAULT_INTERVAL_S
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    call_seconds: list[float] = field(default_factory=list)
+    min_edge_gap_s: float = MIN_EDGE_GAP_S
+
+    def __post_init__(self) -> None:
+        self._pokes: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._stopping = False
+        self._abandoned = False
+        self._last_edge_t: float | None = None
+        self.dropped_pokes = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self, pid: int) -> None:
+        self.backend.attach(pid)
+        self._thread = threading.Thread(target=self._loop, name="harness-sampler", daemon=True)
+        self._thread.start()
+
+    def poke(self, edge: str) -> None:
+        """Asks for one sample now, tagged with ``edge``. Thread-safe; never blocks."""
+        self._pokes.put(edge)
+
+    def _take(self, edge: str | None) -> None:
+        t = time.monotonic()
+        try:
+            values = self.backend.sample()
+        except Exception as err:  # noqa: BLE001 - sampling must never take the run down
+            self.errors.append(f"{type(err).__name__}: {err}")
+            values = {}
+        if self._abandoned:
+            return  # stop() gave up on this call: the run's samples are final
+        self.call_seconds.append(time.monotonic() - t)
+        self.samples.append({"t": t, **({"edge": edge} if edge else {}), **values})
+
+    def _loop(self) -> None:
+        next_time = time.monotonic()
+        pending_end: float | None = None  # when a deferred end-edge sample is due
+        while True:
+            due = next_time if pending_end is None else min(next_time, pending_end)
+            delay = due - time.monotonic()
+            if delay > 0:
+                try:
+                    edge = self._pokes.get(timeout=delay)
+                except queue.Empty:
+                    edge = None
+                else:
+                    if edge is None:  # stop
+                        return
+                    if self._last_edge_t is not None and time.monotonic() - self._last_edge_t < self.min_edge_gap_s:
+                        self.dropped_pokes += 1  # the previous edge sample is recent enough to stand for this one
+                        if edge == "end" and pending_end is None:
+                            # A window closed: it still needs a sample after its end, or a window shorter than the gap
+                            # would have none at all. Take it as soon as the gap allows.
+                            pending_end = self._last_edge_t + self.min_edge_gap_s
+                    else:
+                        self._last_edge_t = time.monotonic()
+                        pending_end = None
+                        self._take(edge)
+                    continue
+            if self._stopping:
+                return
+            if pending_end is not None and pending_end <= time.monotonic():
+                self._last_edge_t = time.monotonic()
+                pending_end = None
+                self._take("end")
+                continue
+            self._take(None)
+            next_time += self.interval_s
+            if next_time < time.monotonic():  # fell behind (a slow backend call): skip missed ticks, no burst
+                next_time = time.monotonic() + self.interval_s
+
+    def stop(self, join_timeout_s: float = 2.0) -> bool:
+        """Stops the thread; True when it ended within ``join_timeout_s``."""
+        self._stopping = True
+        self._pokes.put(None)
+        if self._thread is None:
+            return True
+        self._thread.join(join_timeout_s)
+        if self._thread.is_alive():
+            self._abandoned = True
+            self.errors.append(f"the sampler thread was still inside a backend call {join_timeout_s:g} s after "
+                               f"stop(); abandoned")
+            return False
+        return True
+
+
+def windows_from_events(events: Iterable[dict[str, Any]], phase: str = "train") -> list[tuple[float, float]]:
+    """The (start, end) monotonic times of every ``phase`` window in a worker's events."""
+    windows: list[tuple[float, float]] = []
+    open_at: float | None = None
+    for event in events:
+        if event.get("event") != "phase" or event.get("name") != phase:
+            continue
+        if event["edge"] == "start":
+            open_at = event["t"]
+        elif open_at is not None:
+            windows.append((open_at, event["t"]))
+            open_at = None
+    return windows
+
+
+def belongs(sample: dict[str, Any], ranges: list[tuple[float, float]]) -> bool:
+    edge, t = sample.get("edge"), sample["t"]
+    if edge == "start":
+        return False
+    return any(a <= t <= b or (edge == "end" and b < t <= b + EDGE_LAG_S) for a, b in ranges)
+
+
+def scopes(windows: list[tuple[float, float]]) -> list[tuple[str, list[tuple[float, float]]]]:
+    span = [(min(a for a, _ in windows), max(b for _, b in windows))] if windows else []
+    return [("windows", windows), ("span", span)]
+
+
+def phase_stats(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) -> dict[str, dict[str, Any]]:
+    """Mean, median, max and count of every metric over the samples that belong to ``windows``.
+
+    A sample belongs to a window when it was taken inside it, or when it is the end-edge sample taken at most
+    EDGE_LAG_S after the window's end; start-edge samples (baselines, which describe the time before the window)
+    never do. Missing values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the timed
+    windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the samples
+    from the first window's start to the last one's end were used instead, evaluation pauses included; ``"none"``
+    when even that span holds no sample (statistics None, count 0). NON_STAT_METRICS (a counter, a bitmask) are left
+    out: see energy_over_windows and throttle_summary.
+    """
+    metrics = sorted({k for s in samples for k in s if k not in ("t", "edge") and k not in NON_STAT_METRICS})
+    stats: dict[str, dict[str, Any]] = {}
+    for metric in metrics:
+        for scope, ranges in scopes(windows):
+            values = np.asarray([s[metric] for s in samples if s.get(metric) is not None and belongs(s, ranges)],
+                                dtype=float)
+            if values.size:
+                stats[metric] = {"mean": float(values.mean()), "median": float(np.median(values)),
+                                 "max": float(values.max()), "count": int(values.size), "scope": scope}
+                break
+        else:
+            stats[metric] = {"mean": None, "median": None, "max": None, "count": 0, "scope": "none"}
+    return stats

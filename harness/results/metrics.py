@@ -1,0 +1,125 @@
+"""What each reported number is: ``Metric`` (how it is read from a trial record, its title, unit and meaning), the
+metrics of a run by sampler backend, and the row a trial belongs to. No reading of files and no formatting here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+FRAMEWORK_TITLES = {"pytorch": "PyTorch", "tensorflow": "TensorFlow", "mxnet": "MXNet"}
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One reported quantity: how to read it from a trial record, its title, unit and meaning."""
+
+    key: str
+    title: str
+    unit: str
+    read: Callable[[dict[str, Any]], float | None]
+    digits: int
+    meaning: str
+    sampler_metric: str | None = None  # the sampler metric it reads, whose statistics carry a scope
+    ci: bool = False  # show the 95% bootstrap interval of the median over repeats
+
+
+def row_key(record: dict[str, Any]) -> str:
+    """The row a trial belongs to: its framework, plus its variant in parentheses when the spec has variants."""
+    variant = record.get("variant") or ""
+    return f"{record['framework']} ({variant})" if variant else record["framework"]
+
+def title(key: str) -> str:
+    framework, _, variant = key.partition(" (")
+    return FRAMEWORK_TITLES.get(framework, framework) + (f" ({variant}" if variant else "")
+
+def read_path(record: dict[str, Any], *path: str) -> Any:
+    value: Any = record
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+def scaled(scale: float, *path: str) -> Callable[[dict[str, Any]], float | None]:
+    def read(record: dict[str, Any]) -> float | None:
+        value = read_path(record, *path)
+        return None if value is None else float(value) * scale
+
+    return read
+
+def sampler_stat(metric: str, stat: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float | None]:
+    return scaled(scale, "sampler", "stats", metric, stat)
+
+def _gpu_memory(record: dict[str, Any]) -> float | None:
+    process = read_path(record, "sampler", "stats", "process_memory_bytes", "max")
+    if process is not None:
+        return process / MB
+    device = read_path(record, "sampler", "stats", "device_memory_used_bytes", "max")
+    return None if device is None else device / MB
+
+def _energy_per_sample(record: dict[str, Any]) -> float | None:
+    joules = read_path(record, "sampler", "energy", "joules")
+    samples = read_path(record, "metrics", "measured_samples")
+    return joules / samples if joules is not None and samples else None
+
+def _mean_power(record: dict[str, Any]) -> float | None:
+    power = read_path(record, "sampler", "energy", "mean_power_w")
+    return power if power is not None else read_path(record, "sampler", "stats", "power_w", "mean")
+
+def metrics_for(backend: str) -> list[Metric]:
+    """The metrics reported for a run whose sampler used ``backend`` ("nvml" or "host")."""
+    common = [
+        Metric("throughput", "Throughput", "samples/s", scaled(1.0, "metrics", "throughput"), 1,
+               "training samples per second over the timed windows (warm-up, evaluation excluded)", ci=True),
+        Metric("seconds_per_epoch", "Time per epoch", "s", scaled(1.0, "metrics", "seconds_per_epoch"), 3,
+               "samples per epoch / throughput: one epoch's training time without warm-up and evaluation", ci=True),
+        Metric("step_ms", "Step time (median)", "ms", scaled(1e3, "metrics", "step_time_median_s"), 3,
+               "median over timed windows of window time / steps in the window"),
+        Metric("step_p90_ms", "Step time (p90)", "ms", scaled(1e3, "metrics", "step_time_p90_s"), 3,
+               "90th percentile of the same per-step times"),
+        Metric("accuracy", "Test accuracy after the last epoch", "%", scaled(100.0, "metrics", "test_accuracy"),
+               2, "share of the test set classified correctly after the last epoch", ci=True),
+        Metric("train_loss", "Training loss (last epoch)", "", scaled(1.0, "metrics", "final_train_loss"), 4,
+               "mean of the losses read at each sync during the last epoch"),
+        Metric("gflops", "Achieved training compute", "GFLOP/s", scaled(1e-9, "metrics", "achieved_flops"), 2,
+               "throughput x training FLOPs per sample (3 x forward; 2 FLOPs per multiply-accumulate)"),
+    ]
+    if backend == "nvml":
+        device = [
+            Metric("util", "GPU use (mean)", "%", sampler_stat("gpu_util_percent", "mean"), 2,
+                   "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)",
+                   "gpu_util_percent"),
+            Metric("util_max", "GPU use (max)", "%", sampler_stat("gpu_util_percent", "max"), 2, "max of the same samples",
+                   "gpu_util_percent"),
+            Metric("memory", "GPU memory (worker, peak)", "MB", _gpu_memory, 1,
+                   "peak NVML memory of the worker process on the GPU (device memory used where NVML does not report "
+                   "per-process memory); MB = 10^6 bytes", "process_memory_bytes"),
+            Metric("device_memory", "GPU memory (device, peak)", "MB", sampler_stat("device_memory_used_bytes", "max", 1 / MB),
+                   1, "peak NVML device memory used, all processes; MB = 10^6 bytes", "device_memory_used_bytes"),
+            Metric("allocator_peak", "Framework allocator peak", "MB", scaled(1 / MB, "metrics", "memory",
+                                                                                "allocator_peak_bytes"), 1,
+                   "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
+                   "TensorFlow get_memory_info peak; MXNet exposes none)"),
+            Metric("mfu", "Model FLOPs utilization", "%", scaled(100.0, "metrics", "mfu"), 2,
+                   "achieved training FLOP/s over the device's fp32 peak (harness.measure.peaks, each with its datasheet "
+                   "source); empty for a device not in the table"),
+            Metric("power", "Power (mean)", "W", _mean_power, 1,
+                   "mean board power over the timed windows (energy / time where NVML's energy counter exists, else "
+                   "the mean of NVML power samples)", "power_w"),
+            Metric("energy_per_sample", "Energy per training sample", "mJ",
+                   lambda r: None if (e := _energy_per_sample(r)) is None else e * 1e3, 3,
+                   "board energy over the timed windows (NVML total-energy counter, else integrated power) / samples "
+                   "trained in them; the whole board, not only this process"),
+        ]
+    else:
+        device = [
+            Metric("util", "CPU use (mean)", "%", sampler_stat("cpu_percent", "mean"), 1,
+                   "mean CPU use of the worker process tree over the timed windows (psutil; 100 = one core busy)",
+                   "cpu_percent"),
+            Metric("util_max", "CPU use (max)", "%", sampler_stat("cpu_percent", "max"), 1, "max of the same samples",
+                   "cpu_percent"),
+            Metric("memory", "Resident memory (peak)", "MB", sampler_stat("rss_bytes", "max", 1 / MB), 1,
+                   "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes", "rss_bytes"),
+        ]
+    return device[:3] + common + device[3:]

@@ -1,0 +1,81 @@
+"""The report's plots: one PNG per metric against batch size, and each trial's sampled time series with its phases
+shaded (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.measure.sampler import windows_from_events
+from harness.results.metrics import MB, title
+from harness.results.store import read_lines
+
+
+def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per metric: the metric against batch size (log2 axis), a line per framework; ok cells only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for metric in data["metrics"]:
+        table = data["tables"][metric.key]
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        for fw in data["frameworks"]:
+            points = [(bs, v) for bs, v in table.loc[fw].items() if isinstance(v, float)]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", label=title(fw))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(data["batch_sizes"], [str(b) for b in data["batch_sizes"]])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"{metric.title} ({metric.unit})" if metric.unit else metric.title)
+        ax.set_title(metric.title)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{metric.key}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+SERIES_TITLES = {"cpu_percent": "CPU %", "rss_bytes": "RSS MB", "gpu_util_percent": "GPU use %",
+                 "mem_util_percent": "memory use %", "device_memory_used_bytes": "device MB",
+                 "process_memory_bytes": "process MB", "power_w": "power W", "sm_clock_mhz": "SM MHz",
+                 "temperature_c": "temperature C"}
+
+def plot_trial(run_dir: Path, trial_id: str, out: Path) -> Path | None:
+    """The sampled metrics of one trial over time (seconds since the worker started), with the warm-up (grey) and
+    the timed windows (green) shaded. Returns the PNG's path, or None when the trial has no samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = read_lines(run_dir / "samples" / f"{trial_id}.jsonl")
+    events = read_lines(run_dir / "events" / f"{trial_id}.jsonl")
+    names = [m for m in SERIES_TITLES if any(s.get(m) is not None for s in samples)]
+    if not samples or not names:
+        return None
+    t0 = events[0]["t"] if events else samples[0]["t"]
+    fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names) + 0.6), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        scale = 1 / MB if name.endswith("_bytes") else 1.0
+        points = [(s["t"] - t0, s[name] * scale) for s in samples if s.get(name) is not None]
+        ax.plot(*zip(*points), lw=1, marker=".", ms=2)
+        ax.set_ylabel(SERIES_TITLES[name], fontsize=8)
+        for phase, color in (("warmup", "0.85"), ("train", "#c8e6c9")):
+            for a, b in windows_from_events(events, phase):
+                ax.axvspan(a - t0, b - t0, color=color, lw=0)
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds since the worker started")
+    axes[0, 0].set_title(f"{trial_id}: warm-up grey, timed windows green", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,287 @@
+"""Run directory -> ``report.md`` (tables in the Ohio State layout, memory layers, every metric, the batch-size
+studies the spec turned on, how the sampler fared) and ``plots/*.png``.
+
+Every table has one row per framework and one column per batch size, like the tables of the Ohio State thesis quoted
+in seed 002, so the two can be put side by side. A cell is the median over the repeats that ended ``ok``; a cell
+with no ``ok`` repeat shows the status instead (``oom``, ``error``, ``timeout``, ``crashed``). The tables are
+``harness.results.tables``'s; this module writes the text around them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness.results.metrics import Metric, scaled, title
+from harness.results.plots import plot, plot_trial
+from harness.results.stats import overlaps
+from harness.results.tables import (
+    MEMORY_NOTE,
+    SPAN_NOTE,
+    build,
+    cell_values,
+    format_cell,
+    markdown_table,
+    memory_rows,
+    metric_row,
+    metric_table,
+    noise_pairs,
+    ohio_state_rows,
+)
+
+__all__ = ["build", "render_markdown", "write"]
+
+
+def _device_line(run: dict[str, Any]) -> str:
+    env = run.get("environment", {})
+    if run.get("device", "cpu").startswith("cuda"):
+        gpu = env.get("gpu", {})
+        names = ", ".join(d["name"] for d in gpu.get("devices", [])[:1]) or "unknown GPU"
+        return f"{run['device']} ({names}, driver {gpu.get('driver', '?')})"
+    return (f"cpu ({env.get('cpu', '?')}, {env.get('cpu_count_logical', '?')} logical cores, "
+            f"{env.get('memory_total_bytes', 0) / 1e9:.1f} GB RAM)")
+
+def _versions(records: list[dict[str, Any]]) -> str:
+    seen: dict[str, str] = {}
+    for r in records:
+        for name, version in r.get("versions", {}).items():
+            if name in ("torch", "tensorflow", "keras", "mxnet", "cuda", "cudnn"):
+                seen.setdefault(name, version)
+    return ", ".join(f"{k} {v}" for k, v in seen.items()) or "none reported"
+
+def render_markdown(data: dict[str, Any]) -> str:
+    """The whole report.md text: the header, the Ohio State layout, the memory layers, one section per metric, the
+    study sections, how the sampler fared, the failed trials and the plots."""
+    lines = header_lines(data)
+    any_span = data["marks"]["util"] or data["marks"]["memory"]
+    lines += ["", "## The Ohio State layout", "", markdown_table(ohio_state_rows(data), data["batch_sizes"]), ""]
+    lines += [SPAN_NOTE, ""] if any_span else []
+    lines += ["## Memory, layer by layer", "", MEMORY_NOTE[data["backend"]], "",
+              markdown_table(memory_rows(data), data["batch_sizes"]), ""]
+    for metric in data["metrics"]:
+        lines += metric_section(data, metric)
+    lines += study_sections(data)
+    lines += measurement_notes(data)
+    lines += closing_lines(data)
+    return "\n".join(lines)
+
+
+def header_lines(data: dict[str, Any]) -> list[str]:
+    """What was run, where and how: device, versions, dataset, optimizer, threads, sampling, statuses, units."""
+    run, records, spec = data["run"], data["records"], data["run"]["spec"]
+    statuses = pd.Series([r["status"] for r in records]).value_counts().to_dict() if records else {}
+    threads = spec.get("cpu_threads") or next((r.get("threads") for r in records if r.get("threads")), None)
+    opt = spec["optimizer"]
+    sampled = ("NVML (nvidia-ml-py)" if data["backend"] == "nvml" else "psutil (no GPU: the worker's CPU and memory)")
+    interval = spec["sampler"]["interval_s"]
+    lines = [
+        f"# {spec['name']}: {len(records)} of {len(run.get('planned_trials', []))} trials",
+        "",
+        f"- Run: `{Path(run.get('run_dir', '')).name or run.get('started')}` started {run.get('started')}, "
+        f"finished {run.get('finished') or 'not finished'}",
+        f"- Device: {_device_line(run)}",
+        f"- Frameworks: {_versions(records)}; harness {run.get('harness_version')} "
+        f"(git {run.get('environment', {}).get('git', {}).get('commit', 'unknown')[:12]})",
+        f"- Dataset: {spec['dataset']['name']}; {spec['epochs']} epochs of floor(N / batch size) full batches; "
+        f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); evaluation after each epoch, not timed",
+        f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
+        + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
+        + f", weight decay {opt['weight_decay']}); precision fp32 (TF32 off on GPUs); seed {spec['seed']}",
+        f"- CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"
+        + f"; device synchronized every {spec['timing']['sync_every']} step(s), at both edges of each timed window",
+        f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
+        "- Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
+        "",
+        "Units: MB = 10^6 bytes; times in seconds unless marked ms; throughput in samples per second.",
+        "Each cell is the median over repeats that ended ok; otherwise the trial's status.",
+    ]
+    if data["backend"] == "nvml":
+        lines.append("GPU use % is NVML's utilization.gpu: the percentage of time, over the driver's sample period "
+                     "(1/6 s to 1 s), during which at least one kernel was running. It is not SM occupancy: one tiny "
+                     "kernel at a time reads as 100%. Achieved GFLOP/s says how much of the GPU did work.")
+    else:
+        lines.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
+                     "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")
+    return lines
+
+
+def metric_section(data: dict[str, Any], metric: Metric) -> list[str]:
+    """One metric's section: its meaning, its table, and for metrics with repeats the pairs within the noise."""
+    rows = [(title(fw), metric_row(data, metric, fw, metric.digits)) for fw in data["frameworks"]]
+    unit = f" ({metric.unit})" if metric.unit else ""
+    lines = [f"## {metric.title}{unit}", "", metric.meaning + ".", "", markdown_table(rows, data["batch_sizes"]), ""]
+    lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
+    if metric.ci and data["cis"][metric.key]:
+        pairs = noise_pairs(data, metric)
+        lines += ["Cells show the median [95% bootstrap interval of the median] over the repeats (no interval where "
+                  "every repeat gave the same value). "
+                  + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
+                     else "No compared pair's intervals overlap."), ""]
+    return lines
+
+
+def closing_lines(data: dict[str, Any]) -> list[str]:
+    """The trials that did not end ok, with their reasons, and the links to the plots."""
+    records = data["records"]
+    lines: list[str] = []
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
+        lines += [f"| {r['id']} | {r['status']} | {str(r.get('reason', '')).replace('|', '/')[:300]} |"
+                  for r in failed]
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{m.title}](plots/{m.key}.png)" for m in data["metrics"]] + [""]
+    lines += ["Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): "
+              + ", ".join(f"[{r['id']}](plots/trials/{r['id']}.png)" for r in records if r["status"] == "ok"), ""]
+    return lines
+
+
+def measurement_notes(data: dict[str, Any]) -> list[str]:
+    """The "How the sampler fared" section: metrics the sampler could not read (and why), why NVML was not used,
+    backend notes and errors, which energy method each trial's figure came from and how many windows were too short
+    for it, and clocks-event (throttle) reasons seen during the timed windows. Empty when there is nothing to say."""
+    unavailable: dict[str, set[str]] = {}
+    notes: dict[str, list[str]] = {}
+    methods: dict[str, list[str]] = {}
+    short: list[str] = []
+    throttled: list[str] = []
+    for r in data["records"]:
+        info = r.get("sampler") or {}
+        for metric, why in (info.get("unavailable") or {}).items():
+            unavailable.setdefault(metric, set()).add(str(why))
+        for note in [info.get("note"), *(info.get("notes") or []), *(info.get("errors") or [])]:
+            if note:
+                notes.setdefault(str(note), []).append(r["id"])
+        energy = info.get("energy") or {}
+        if r["status"] == "ok" and data["backend"] == "nvml":
+            methods.setdefault(energy.get("method") or "none", []).append(r["id"])
+            if energy.get("short_windows"):
+                short.append(f"{r['id']} ({energy['short_windows']} of {energy.get('windows')} windows "
+                             f"< {energy.get('short_window_s')} s)")
+        shares = (info.get("throttle") or {}).get("share") or {}
+        active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
+        if active:
+            throttled.append(f"{r['id']}: {', '.join(active)}")
+    lines: list[str] = []
+    if unavailable:
+        lines += ["Not measured (the device or driver does not provide it):", ""]
+        lines += [f"- {metric}: {'; '.join(sorted(why))}" for metric, why in sorted(unavailable.items())]
+        lines.append("")
+    if notes:
+        lines += ["Sampler notes:", ""]
+        lines += [f"- {note} ({len(ids)} trial{'s' if len(ids) > 1 else ''})" for note, ids in notes.items()]
+        lines.append("")
+    if methods:
+        names = {"counter": "NVML's total-energy counter (nvmlDeviceGetTotalEnergyConsumption)",
+                 "power_integral": "power integrated over time (nvmlDeviceGetPowerUsage; no energy counter)",
+                 "none": "no energy figure (neither counter nor power readings)"}
+        lines += ["Energy came from: " + "; ".join(f"{names.get(m, m)}: {len(ids)} trials"
+                                                   for m, ids in methods.items()) + ".", ""]
+    if short:
+        lines += ["Energy of windows shorter than the readings' refresh is approximate (the counter or power reading "
+                  "lags the window edges): " + "; ".join(short[:20]) + ("; ..." if len(short) > 20 else "") + ".", ""]
+    if throttled:
+        lines += ["Clock throttling seen in the timed windows (share of samples; see nvmlClocksEventReasons): "
+                  + "; ".join(throttled[:20]) + ".", ""]
+    return (["## How the sampler fared", ""] + lines) if lines else []
+
+def study_sections(data: dict[str, Any]) -> list[str]:
+    """Sections for the batch-size studies a spec turns on: learning-rate scaling and gradient accumulation, time to
+    a target accuracy, and powers of two against their neighbours."""
+    return scaling_section(data) + time_to_target_section(data) + powers_of_two_section(data)
+
+
+def _per_cell(data: dict[str, Any], read: Any, digits: int) -> list[tuple[str, list[str]]]:
+    """Rows of any per-trial value in the table layout (median over ok repeats)."""
+    metric = Metric("x", "x", "", read, digits, "")
+    table = metric_table(data["records"], metric, data["frameworks"], data["batch_sizes"])
+    return [(title(fw), [format_cell(v, digits) for v in table.loc[fw]]) for fw in data["frameworks"]]
+
+
+def scaling_section(data: dict[str, Any]) -> list[str]:
+    """Effective batch size and learning rate used, when the spec accumulates gradients or scales the rate."""
+    spec, sizes = data["run"]["spec"], data["batch_sizes"]
+    if spec.get("accumulation_steps", 1) <= 1 and spec.get("learning_rate_scaling", "none") == "none":
+        return []
+    return ["## Learning rate and effective batch size", "",
+            f"Learning-rate scaling: {spec.get('learning_rate_scaling', 'none')} relative to batch size "
+            f"{spec.get('base_batch_size')}; gradient accumulation: {spec.get('accumulation_steps', 1)} "
+            "micro-batches of the batch size per optimizer step (effective batch size = steps x batch size). "
+            "Batchnorm normalises each micro-batch on its own, so with batchnorm accumulation is not the same "
+            "as one large batch.", "",
+            "Effective batch size:", "",
+            markdown_table(_per_cell(data, scaled(1.0, "metrics", "effective_batch_size"), 0), sizes), "",
+            "Learning rate used:", "",
+            markdown_table(_per_cell(data, lambda r: r.get("learning_rate"), 5), sizes), ""]
+
+
+def time_to_target_section(data: dict[str, Any]) -> list[str]:
+    """Epochs and training seconds to the spec's target accuracy, and the batch size that got there first."""
+    target = data["run"]["spec"].get("target_accuracy")
+    if not target:
+        return []
+    records, sizes = data["records"], data["batch_sizes"]
+    epochs = _per_cell(data, scaled(1.0, "metrics", "time_to_target", "epochs"), 0)
+    seconds = _per_cell(data, scaled(1.0, "metrics", "time_to_target", "training_seconds"), 2)
+    seconds_metric = Metric("t", "t", "", scaled(1.0, "metrics", "time_to_target", "training_seconds"), 2, "")
+    firsts = []
+    for fw in data["frameworks"]:
+        reached = [(float(np.median(values)), bs) for bs in sizes
+                   if (values := cell_values(records, seconds_metric, fw, bs))]
+        if reached:
+            best_seconds, best_size = min(reached)
+            firsts.append(f"{title(fw)}: batch size {best_size} ({best_seconds:.2f} s)")
+        else:
+            firsts.append(f"{title(fw)}: not reached")
+    return [f"## Time to {100 * target:g}% test accuracy", "",
+            "Training seconds (timed windows only, warm-up and evaluation excluded) and epochs until the test "
+            "accuracy after an epoch first reached the target; empty where it was never reached.", "",
+            "Epochs:", "", markdown_table(epochs, sizes), "", "Training seconds:", "",
+            markdown_table(seconds, sizes), "", "First to reach it: " + "; ".join(firsts) + ".", ""]
+
+
+def powers_of_two_section(data: dict[str, Any]) -> list[str]:
+    """Throughput of n - 1 and n + 1 against each power of two n the run has a neighbour of (seed 000)."""
+    records, sizes = data["records"], data["batch_sizes"]
+    powers = [n for n in sizes if n & (n - 1) == 0 and (n - 1 in sizes or n + 1 in sizes)]
+    if not powers:
+        return []
+    lines = ["## Powers of two against their neighbours", "",
+             "Throughput of n - 1 and n + 1 relative to the power of two n. With repeats, 'no measurable "
+             "difference' means the 95% intervals of the medians overlap.", "",
+             "| framework | n | neighbour | change % | verdict |", "| --- | ---: | ---: | ---: | --- |"]
+    metric = next(m for m in data["metrics"] if m.key == "throughput")
+    cis = data["cis"].get("throughput", {})
+    for fw in data["frameworks"]:
+        for n in powers:
+            base = cell_values(records, metric, fw, n)
+            for other in (n - 1, n + 1):
+                values = cell_values(records, metric, fw, other)
+                if other not in sizes or not base or not values:
+                    continue
+                change = (np.median(values) - np.median(base)) / np.median(base) * 100
+                overlap = overlaps(cis.get((fw, n)), cis.get((fw, other)))
+                verdict = ("single runs: no interval" if overlap is None else
+                           "no measurable difference" if overlap else
+                           "faster" if change > 0 else "slower")
+                lines.append(f"| {title(fw)} | {n} | {other} | {change:+.1f} | {verdict} |")
+    lines.append("")
+    return lines
+
+
+def write(run_dir: str | Path) -> Path:
+    """Writes ``report.md`` and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into
+    the run directory and returns the report's path."""
+    run_dir = Path(run_dir)
+    data = build(run_dir)
+    data["run"]["run_dir"] = str(run_dir)
+    plot(data, run_dir / "plots")
+    for record in data["records"]:
+        if record["status"] == "ok":
+            plot_trial(run_dir, record["id"], run_dir / "plots" / "trials" / f"{record['id']}.png")
+    path = run_dir / "report.md"
+    path.write_text(render_markdown(data), encoding="utf-8")
+    return path

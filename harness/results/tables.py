@@ -1,0 +1,178 @@
+"""A run as tables in the Ohio State layout: one row per framework (and variant), one column per batch size, each
+cell the median over the repeats that ended ``ok`` (with its 95% bootstrap interval where there are repeats), or the
+status where none did. ``build`` reads a run directory into everything the report, the terminal summary and the
+comparisons show."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness.results.metrics import MB, Metric, metrics_for, read_path, row_key, scaled, title
+from harness.results.stats import median_ci, overlaps
+from harness.results.store import read_run, read_trials
+
+
+def cell_values(records: list[dict[str, Any]], metric: Metric, framework: str, batch_size: int) -> list[float]:
+    """The metric's finite values over the repeats of one cell that ended ok."""
+    return [v for r in records if row_key(r) == framework and r["batch_size"] == batch_size
+            and r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
+
+def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
+                 batch_sizes: list[int]) -> pd.DataFrame:
+    """Rows: frameworks; columns: batch sizes; cells: the median over ok repeats (float), or the status (str)."""
+    table = pd.DataFrame(index=frameworks, columns=batch_sizes, dtype=object)
+    for fw in frameworks:
+        for bs in batch_sizes:
+            ok = cell_values(records, metric, fw, bs)
+            mine = [r for r in records if row_key(r) == fw and r["batch_size"] == bs]
+            if ok:
+                table.loc[fw, bs] = float(np.median(ok))
+            elif mine:
+                statuses = sorted({r["status"] for r in mine})
+                table.loc[fw, bs] = "/".join(statuses) if statuses != ["ok"] else "n/a"
+            else:
+                table.loc[fw, bs] = ""
+    return table
+
+def ci_map(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
+           batch_sizes: list[int]) -> dict[tuple[str, int], tuple[float, float]]:
+    """95% bootstrap intervals of the median for the cells with two or more ok repeats."""
+    out = {}
+    for fw in frameworks:
+        for bs in batch_sizes:
+            interval = median_ci(cell_values(records, metric, fw, bs))
+            if interval is not None:
+                out[(fw, bs)] = interval
+    return out
+
+def noise_pairs(data: dict[str, Any], metric: Metric) -> list[str]:
+    """Pairs of cells whose 95% intervals overlap: the frameworks at one batch size, and neighbouring batch sizes of
+    one framework. Their difference is within the noise of this run."""
+    cis = data["cis"][metric.key]
+    pairs = []
+    fws, sizes = data["frameworks"], data["batch_sizes"]
+    for bs in sizes:
+        for i, a in enumerate(fws):
+            for b in fws[i + 1:]:
+                if overlaps(cis.get((a, bs)), cis.get((b, bs))):
+                    pairs.append(f"{title(a)} vs {title(b)} at batch size {bs}")
+    for fw in fws:
+        for x, y in zip(sizes, sizes[1:]):
+            if overlaps(cis.get((fw, x)), cis.get((fw, y))):
+                pairs.append(f"{title(fw)}: batch size {x} vs {y}")
+    return pairs
+
+def span_cells(records: list[dict[str, Any]], metric: Metric) -> set[tuple[str, int]]:
+    """(framework, batch size) cells whose sampler statistics came from the whole measured span instead of the timed
+    windows (windows shorter than the sampling interval; see harness.measure.sampler.phase_stats)."""
+    if metric.sampler_metric is None:
+        return set()
+    return {(row_key(r), r["batch_size"]) for r in records if r["status"] == "ok"
+            and read_path(r, "sampler", "stats", metric.sampler_metric, "scope") == "span"}
+
+SPAN_NOTE = ("\\* sampled over the whole measured span, evaluation pauses included: the timed windows were shorter than "
+             "the sampling interval.")
+
+def format_cell(value: Any, digits: int, mark: bool = False) -> str:
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}" + ("*" if mark else "")
+    return str(value)
+
+def metric_row(data: dict[str, Any], metric: Metric, framework: str, digits: int) -> list[str]:
+    marks, cis = data["marks"][metric.key], data["cis"].get(metric.key, {})
+    cells = []
+    for bs, value in data["tables"][metric.key].loc[framework].items():
+        text = format_cell(value, digits, (framework, bs) in marks)
+        if (framework, bs) in cis and cis[(framework, bs)][0] != cis[(framework, bs)][1]:
+            low, high = cis[(framework, bs)]
+            text += f" [{low:,.{digits}f}, {high:,.{digits}f}]"
+        cells.append(text)
+    return cells
+
+def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], corner: str = "batch size") -> str:
+    """A Markdown table with the Ohio State layout: a header row of batch sizes, then one labelled row each."""
+    header = f"| {corner} | " + " | ".join(str(b) for b in batch_sizes) + " |"
+    rule = "| --- | " + " | ".join("---:" for _ in batch_sizes) + " |"
+    body = [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return "\n".join([header, rule, *body])
+
+def build(run_dir: str | Path) -> dict[str, Any]:
+    """Reads a run and computes what the report shows: the run info, the records, the metrics and their tables."""
+    run = read_run(run_dir)
+    records = read_trials(run_dir)
+    spec = run["spec"]
+    # Rows: frameworks in the spec's order, each with its variants in the order they ran.
+    keys = list(dict.fromkeys(row_key(r) for r in records))
+    frameworks = sorted(keys, key=lambda k: (spec["frameworks"].index(k.split(" (")[0])
+                                             if k.split(" (")[0] in spec["frameworks"] else 99, keys.index(k)))
+    frameworks = frameworks or spec["frameworks"]
+    batch_sizes = [b for b in spec["batch_sizes"] if any(r["batch_size"] == b for r in records)] or spec["batch_sizes"]
+    backend = next((r["sampler"].get("backend") for r in records if r.get("sampler", {}).get("backend")), "host")
+    metrics = metrics_for(backend)
+    tables = {m.key: metric_table(records, m, frameworks, batch_sizes) for m in metrics}
+    marks = {m.key: span_cells(records, m) for m in metrics}
+    cis = {m.key: ci_map(records, m, frameworks, batch_sizes) for m in metrics if m.ci}
+    return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes,
+            "backend": backend, "metrics": metrics, "tables": tables, "marks": marks, "cis": cis}
+
+def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The combined table of the thesis: per framework a use % row and a memory row, then the accuracy rows."""
+    metrics = {m.key: m for m in data["metrics"]}
+    epochs = data["run"]["spec"]["epochs"]
+    util, memory = metrics["util"], metrics["memory"]
+    util_label = "GPU use %" if data["backend"] == "nvml" else "CPU use %"
+    memory_label = "GPU memory MB" if data["backend"] == "nvml" else "RSS MB"
+    rows = []
+    for fw in data["frameworks"]:
+        for metric, label in ((util, util_label), (memory, memory_label)):
+            rows.append((f"{title(fw)} {label}", metric_row(data, metric, fw, 2)))
+    for fw in data["frameworks"]:
+        rows.append((f"{title(fw)} accuracy after {epochs} epochs %", metric_row(data, metrics["accuracy"], fw, 2)))
+    return rows
+
+MEMORY_NOTE = {
+    "nvml": "Three layers, peaks over the timed windows, MB = 10^6 bytes: NVML's device memory used (every process on "
+            "the GPU), NVML's memory of the worker process (what its allocator reserved plus the CUDA context), and "
+            "the framework allocator's own peak of live tensors (PyTorch max_memory_allocated, and "
+            "max_memory_reserved; TensorFlow get_memory_info peak; MXNet exposes no peak). Every layer includes the "
+            "dataset, which the harness keeps on the device (data MB row).",
+    "host": "On the CPU there is one layer: the resident memory (RSS) of the worker process tree, peak over the timed "
+            "windows, MB = 10^6 bytes; it includes the interpreter, the framework libraries and the dataset "
+            "(data MB row). PyTorch, TensorFlow and MXNet keep no allocator statistics for CPU memory.",
+}
+
+def memory_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """Per framework, one row per memory layer the run has (see MEMORY_NOTE), plus the dataset's bytes."""
+    if data["backend"] == "nvml":
+        layers = [("NVML device MB", ("sampler", "stats", "device_memory_used_bytes", "max")),
+                  ("NVML process MB", ("sampler", "stats", "process_memory_bytes", "max")),
+                  ("allocator peak MB", ("metrics", "memory", "allocator_peak_bytes")),
+                  ("allocator reserved peak MB", ("metrics", "memory", "allocator_reserved_peak_bytes"))]
+    else:
+        layers = [("RSS MB", ("sampler", "stats", "rss_bytes", "max"))]
+    layers.append(("data MB", ("metrics", "data_bytes")))
+    rows = []
+    for fw in data["frameworks"]:
+        for label, path in layers:
+            metric = Metric(label, label, "MB", scaled(1 / MB, *path), 1, "")
+            table = metric_table(data["records"], metric, [fw], data["batch_sizes"])
+            rows.append((f"{title(fw)} {label}", [format_cell(v, 1) for v in table.loc[fw]]))
+    return rows
+
+def summary_rows(data: dict[str, Any]) -> list[list[str]]:
+    """Rows for the terminal summary: framework, batch size, status, throughput, s/epoch, use %, memory, accuracy."""
+    metrics = {m.key: m for m in data["metrics"]}
+    keys = ("throughput", "seconds_per_epoch", "util", "memory", "accuracy")
+    rows = []
+    for fw in data["frameworks"]:
+        for bs in data["batch_sizes"]:
+            cells = [format_cell(data["tables"][k].loc[fw, bs], metrics[k].digits, (fw, bs) in data["marks"][k])
+                     for k in keys]
+            statuses = sorted({r["status"] for r in data["records"] if row_key(r) == fw and r["batch_size"] == bs})
+            rows.append([title(fw), str(bs), "/".join(statuses)] + cells)
+    return rows

@@ -1,0 +1,53 @@
+"""The ``max-batch`` command: checks its arguments, runs the search with its run directory written as it goes, prints
+the probe table. Its parser is in ``harness.cli``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from harness import plan as planning
+from harness.measure.machine import resolve_device
+from harness.spec import SpecError
+from harness.studies.max_batch.output import RunWriter, mb, table
+from harness.studies.max_batch.search import Probe, find_max_batch
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 with the result printed, 1 when the search stopped on a non-OOM failure, 2 for a bad spec or arguments
+    (one line on standard error)."""
+    try:
+        spec = planning.load(args.spec)
+        if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
+            raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
+        planning.check_framework_name(args.framework, args.spec)
+        if args.device is not None:
+            planning.checked_spec({**spec.model_dump(mode="json"), "device": args.device}, args.spec)
+    except SpecError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    device = args.device or resolve_device(spec.device)
+    settings = {"memory_limit_mb": args.memory_limit_mb, "margin": args.margin, "tolerance": args.tolerance,
+                "initial_sizes": args.initial_sizes, "max_batch": args.max_batch, "timeout_s": args.timeout}
+    writer = RunWriter(args.out, spec, args.framework, device, args.spec, settings)
+
+    def on_probe(probe: Probe, outcome: Any) -> None:
+        writer.probe(probe, outcome)
+        peak = f", peak {mb(probe.peak_bytes)} MB" if probe.peak_bytes is not None else ""
+        detail = f": {probe.reason[:120]}" if probe.reason else ""
+        print(f"probe {probe.index + 1}: batch {probe.batch_size} {probe.status}{detail}{peak} "
+              f"({probe.seconds:.1f} s, {probe.purpose})", file=sys.stderr, flush=True)
+
+    try:
+        result = find_max_batch(spec, args.framework, device, memory_limit_mb=args.memory_limit_mb,
+                                margin=args.margin, tolerance=args.tolerance, initial_sizes=args.initial_sizes,
+                                max_batch=args.max_batch, timeout_s=args.timeout, spec_file=args.spec,
+                                on_probe=on_probe)
+    except ValueError as err:
+        print(f"{args.spec}: {err}", file=sys.stderr)
+        return 2
+    run_dir = writer.finish(result)
+    print(table(result))
+    print(f"\nwritten to {run_dir}")
+    return 1 if result.status == "stopped" else 0

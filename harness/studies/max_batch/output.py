@@ -1,0 +1,120 @@
+"""What a max-batch search leaves: the probe table printed on the terminal, ``max_batch.md``, and the run directory
+``<out>/<UTC time>-<spec name>-max-batch-<framework>/`` (``run.json`` with the settings, the environment and the
+result; ``probes.jsonl``, one line per probe appended as it finishes; ``events/<probe>.jsonl``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from harness import __version__
+from harness.measure import machine
+from harness.results.store import append_line, create_run_dir, write_json, write_lines
+from harness.spec import Spec
+from harness.studies.max_batch.search import PROBE_EPOCHS, MaxBatchResult, Probe
+
+
+def mb(value: float | None) -> str:
+    """Bytes as MB (10^6 bytes) with one decimal, "-" for None."""
+    return "-" if value is None else f"{value / 1e6:,.1f}"
+
+
+def table(result: MaxBatchResult) -> str:
+    """The probes as a short plain-text table, in the order they ran, then the result lines."""
+    rows = [("#", "batch", "status", "peak MB", "model MB", "seconds", "purpose / reason")]
+    for p in result.probes:
+        model = mb(result.model.predict_peak(p.batch_size)) if result.model is not None else "-"
+        note = p.purpose if p.status == "ok" else f"{p.purpose}: {p.reason}"[:70]
+        rows.append((str(p.index + 1), str(p.batch_size), p.status, mb(p.peak_bytes), model, f"{p.seconds:.1f}",
+                     note))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i in (0, 1, 3, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             .rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.extend(summary_lines(result))
+    return "\n".join(lines)
+
+
+def summary_lines(result: MaxBatchResult) -> list[str]:
+    out = [f"{result.framework} on {result.device}: {result.status}: {result.reason}",
+           f"cap: {mb(result.cap_bytes)} MB ({result.cap_source})"]
+    if result.model is not None:
+        m = result.model
+        out.append(f"memory model: {mb(m.fixed_bytes)} MB + {m.per_sample_bytes / 1e3:,.1f} kB x batch "
+                   f"(r^2 {m.r2:.3f}, {m.points} probes); predicted limit: {result.predicted_limit} from the "
+                   f"first probes, {result.final_predicted_limit} from all")
+    else:
+        out.append("memory model: not enough successful probes with a peak to fit")
+    out.append(f"largest batch that fits: {result.limit if result.limit is not None else '-'}"
+               + (f" (smallest that failed: {result.smallest_oom})" if result.smallest_oom is not None else ""))
+    out.append(f"recommended (margin {result.margin:g}): "
+               f"{result.recommended if result.recommended is not None else '-'}")
+    out.extend(f"note: {n}" for n in result.notes)
+    return out
+
+
+def markdown(result: MaxBatchResult, spec: Spec) -> str:
+    """max_batch.md: the result, the probes and how they were made."""
+    lines = [f"# Largest batch: {spec.name}, {result.framework} on {result.device}", ""]
+    lines += [f"- {line}" for line in summary_lines(result)]
+    lines += ["", "## Probes", "", "| # | batch | status | peak MB | model MB | seconds | purpose | reason |",
+              "| ---: | ---: | --- | ---: | ---: | ---: | --- | --- |"]
+    for p in result.probes:
+        model = mb(result.model.predict_peak(p.batch_size)) if result.model is not None else "-"
+        reason = p.reason.replace("|", "\\|")[:160]
+        lines.append(f"| {p.index + 1} | {p.batch_size} | {p.status} | {mb(p.peak_bytes)} | {model} | "
+                     f"{p.seconds:.1f} | {p.purpose} | {reason} |")
+    sources = sorted({p.peak_source for p in result.probes if p.peak_source})
+    lines += ["", "## Method", "",
+              f"Each probe is one worker process: {PROBE_EPOCHS} optimizer steps (one per epoch, no warm-up) and an "
+              "evaluation at the batch size, on synthetic images of the spec's shape and classes "
+              f"({spec.accumulation_steps} x B training and B test images, "
+              f"{result.probe_data_bytes_per_sample:,} bytes per batch sample, inside the cap). "
+              "OOM is the worker's status `oom` (the framework's own out-of-memory error); any other failure stops "
+              "the search. The memory model is a least-squares line through the peaks of the successful probes; "
+              f"peak sources: {', '.join(sources) or 'none'}. "
+              "On the CPU the cap and the peaks count from the worker's memory once the framework is imported "
+              "(see harness/execution/limits.py).", ""]
+    return "\n".join(lines)
+
+class RunWriter:
+    """The run directory of one search (see the module docstring), written as the search goes: run.json at once,
+    each probe appended (flushed and fsynced) to probes.jsonl as it finishes, the result and max_batch.md at the end."""
+
+    def __init__(self, out_root: str | Path, spec: Spec, framework: str, device: str,
+                 spec_path: str | Path | None = None, settings: dict[str, Any] | None = None):
+        self.spec = spec
+        self.run_dir = create_run_dir(out_root, f"{spec.name}-max-batch-{framework}")
+        self.info: dict[str, Any] = {
+            "kind": "max-batch", "harness_version": __version__, "spec_file": str(spec_path) if spec_path else None,
+            "spec": spec.model_dump(mode="json"), "framework": framework, "device": device,
+            "settings": settings or {}, "environment": machine.collect(), "started": _now(), "finished": None,
+            "result": None}
+        write_json(self.run_dir / "run.json", self.info)
+
+    def probe(self, probe: Probe, outcome: Any | None = None) -> None:
+        append_line(self.run_dir / "probes.jsonl", asdict(probe))
+        if outcome is not None:
+            write_lines(self.run_dir / "events" / f"probe{probe.index + 1}-bs{probe.batch_size}.jsonl",
+                        outcome.events)
+
+    def finish(self, result: MaxBatchResult) -> Path:
+        self.info.update({"finished": _now(), "result": result.to_dict()})
+        write_json(self.run_dir / "run.json", self.info)
+        (self.run_dir / "max_batch.md").write_text(markdown(result, self.spec), encoding="utf-8")
+        return self.run_dir
+
+
+def write_run(result: MaxBatchResult, spec: Spec, out_root: str | Path, spec_path: str | Path | None = None) -> Path:
+    """Writes the run directory of a finished search at once (probes without their events) and returns it."""
+    writer = RunWriter(out_root, spec, result.framework, result.device, spec_path)
+    for probe in result.probes:
+        writer.probe(probe)
+    return writer.finish(result)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
