@@ -1,4 +1,4 @@
-"""Command line: ``python -m harness run|report|compare|history|max-batch|env`` (also installed as ``harness``).
+"""Command line: ``python -m harness run|report|compare|history|max-batch|env|envs`` (also installed as ``harness``).
 
 The parsers of every subcommand and the dispatch to the studies and results that do the work; nothing is computed
 here. Imports are made inside the commands so that ``--help`` and a bad argument answer at once.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,36 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--out", default=None, help="PNG path (default: next to the history file)")
     sub.add_parser("env", help="print what a run would record about this machine (JSON)")
     _max_batch_parser(sub)
+    envs = sub.add_parser("envs", help="framework environments: one virtualenv per framework under envs/")
+    envs_sub = envs.add_subparsers(dest="envs_command", required=True)
+    create = envs_sub.add_parser("create", help="create (or keep, when up to date) envs/<framework> from "
+                                                "requirements/<framework>-cpu.txt or -gpu.txt")
+    create.add_argument("frameworks", nargs="*", help="default: pytorch tensorflow mxnet")
+    create.add_argument("--gpu", action="store_true", help="use requirements/<framework>-gpu.txt (CUDA builds)")
+    create.add_argument("--dir", default=None, help="where the environments go (default: envs/ beside the harness)")
     return parser
+
+
+def _envs_create(args: argparse.Namespace) -> int:
+    from harness.execution import environments
+    from harness.spec import ROOT
+
+    envs_dir = Path(args.dir) if args.dir else ROOT / "envs"
+    lines = []
+    for framework in args.frameworks or environments.default_frameworks():
+        try:
+            python, made = environments.create(framework, envs_dir, gpu=args.gpu)
+        except ValueError as err:
+            print(f"harness envs create: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        except subprocess.CalledProcessError as err:
+            print(f"harness envs create: {framework}: `{' '.join(map(str, err.cmd))}` failed with status "
+                  f"{err.returncode}", file=sys.stderr)
+            return 1
+        print(f"{framework}: {python} ({'created' if made else 'up to date'})", file=sys.stderr)
+        lines.append(environments.spec_entry(framework, python))
+    print("frameworks:\n" + "\n".join(lines))
+    return 0
 
 
 def _sizes(text: str) -> list[int]:
@@ -240,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             from harness.studies.max_batch import command
 
             return command.run(args)
+        if args.command == "envs":
+            return _envs_create(args)
         if args.command == "env":
             from harness.measure import machine
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from harness import spec as spec_module
 from harness.neutral import datasets, models
-from harness.spec import Cifar10Data, OptimizerSpec, Spec, SpecError
+from harness.spec import Cifar10Data, FrameworkEntry, OptimizerSpec, Spec, SpecError
 
 
 def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Spec:
@@ -36,8 +36,8 @@ def checked_spec(data: Any, file: str | os.PathLike[str]) -> Spec:
 
 def check(spec: Spec, file: str | os.PathLike[str]) -> None:
     """The checks that need the adapters, the dataset files and the model. Raises SpecError naming ``file``."""
-    for i, name in enumerate(spec.frameworks):
-        check_framework_name(name, file, f"frameworks.{i}")
+    for i, entry in enumerate(spec.entries):
+        check_framework_name(entry.name, file, f"frameworks.{i}")
     base = Path(file).parent
     if isinstance(spec.dataset, Cifar10Data):
         try:
@@ -49,6 +49,14 @@ def check(spec: Spec, file: str | os.PathLike[str]) -> None:
         models.analyze(spec.model, image_shape, classes)
     except models.ModelError as err:
         raise SpecError(file, f"model.layers.{err.layer}", str(err)) from None
+
+
+def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
+    """The spec's framework entry whose label is ``framework``, else the first whose name is, else a plain entry of
+    that name (the harness's own interpreter)."""
+    entries = spec.entries
+    return (next((e for e in entries if e.row == framework), None)
+            or next((e for e in entries if e.name == framework), None) or FrameworkEntry(name=framework))
 
 
 def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "frameworks") -> None:
@@ -63,9 +71,12 @@ def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "
 
 @dataclass(frozen=True)
 class Trial:
-    """One framework, one batch size, one repeat: one worker process.
+    """One framework entry, one batch size, one repeat: one worker process.
 
-    id: stable and unique within a run, ``"<framework>-bs<batch size>-r<repeat>"``. device: "cpu" or "cuda:N"
+    id: stable and unique within a run, ``"<label>-bs<batch size>-r<repeat>"`` (the label as a slug, see
+    ``harness.spec.FrameworkEntry``; the framework's name when the entry has no label). framework: the adapter's
+    name; label: the row it belongs to. python, command: how the worker's interpreter is started (see
+    FrameworkEntry; both None for the harness's own interpreter). device: "cpu" or "cuda:N"
     (``auto`` already resolved). threads: intra-op CPU threads for the framework (inter-op is 1), the same for every
     framework. batch_size: the micro-batch of one forward/backward pass; accumulation_steps micro-batches make one
     optimizer step of effective_batch_size samples. learning_rate: what the optimizer uses, after the spec's scaling
@@ -90,6 +101,14 @@ class Trial:
     variant: str = ""
     optimizer: dict[str, Any] | None = None
     augmentation: bool = False
+    label: str = ""
+    python: str | None = None
+    command: tuple[str, ...] | None = None
+
+    @property
+    def row(self) -> str:
+        """The report row: the label, else the framework's name."""
+        return self.label or self.framework
 
     def payload(self, spec: Spec) -> dict[str, Any]:
         """What the worker reads on standard input: the trial and the whole spec, as JSON-ready data."""
@@ -152,7 +171,8 @@ def plan(spec: Spec, device: str) -> list[Trial]:
     repeat uses the spec's seed: the same weights and batches; repeats measure timing noise, not seed variance.
     """
     return [
-        Trial(id=f"{framework}-bs{batch}-r{repeat}" + (f"-v{index}" if label else ""), framework=framework,
+        Trial(id=f"{entry.slug}-bs{batch}-r{repeat}" + (f"-v{index}" if label else ""), framework=entry.name,
+              label=entry.row, python=entry.python, command=tuple(entry.command) if entry.command else None,
               batch_size=batch, repeat=repeat, variant=label, augmentation=augmentation,
               optimizer=None if not label else optimizer.model_dump(mode="json"),
               device=device, threads=spec.cpu_threads or available_cpus(), seed=spec.seed, epochs=spec.epochs,
@@ -164,5 +184,5 @@ def plan(spec: Spec, device: str) -> list[Trial]:
         for repeat in range(spec.repeats)
         for index, (label, optimizer, augmentation) in enumerate(variants(spec))
         for batch in spec.batch_sizes
-        for framework in spec.frameworks
+        for entry in spec.entries
     ]

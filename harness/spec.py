@@ -12,13 +12,18 @@ the dataset files or the adapter registry are in ``harness.plan`` (``plan.load``
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
+# The folder that holds the harness package (the repository root in a checkout): ``{root}`` in a framework entry.
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class SpecError(Exception):
@@ -142,6 +147,54 @@ class ModelSpec(_Strict):
             if layer.type == "softmax":
                 raise ValueError(f"softmax is allowed only as the last layer (found at index {i})")
         return layers
+
+
+class FrameworkEntry(_Strict):
+    """One row of a comparison: a framework (its adapter's name) and the Python its workers run in.
+
+    A spec's ``frameworks`` list holds names (``pytorch``: the harness's own interpreter) or such mappings, e.g.
+    ``{name: pytorch, label: "PyTorch 2.15", python: envs/pytorch/bin/python}`` or ``{name: mxnet, command: [docker,
+    run, --rm, -i, --pid=host, -v, "{root}:{root}", nvcr.io/nvidia/mxnet:23.09-py3, python]}``.
+
+    label: the row's name in reports, compare and history (default: ``name``); labels are unique within a spec.
+    python: the interpreter (a path; a relative one is taken relative to the spec file's folder). command: an argv
+    prefix that starts a Python (``taskset -c 2-7 {python}``, ``docker run -i ... python``, ``srun ... python``);
+    the worker's arguments follow it. In ``python`` and ``command``, ``{root}`` is the folder that holds the harness
+    (the worker imports the harness from there, so a container must see it at the same path) and, in ``command``,
+    ``{python}`` is ``python`` (default: the harness's own interpreter). ``harness.spec.load`` substitutes them.
+    """
+
+    name: str = Field(min_length=1)
+    label: str | None = Field(default=None, min_length=1, max_length=80)
+    python: str | None = Field(default=None, min_length=1)
+    command: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _python_through_command(self) -> "FrameworkEntry":
+        if self.python and self.command and not any("{python}" in part for part in self.command):
+            raise ValueError("with both python and command, command must start the python through {python}")
+        return self
+
+    @property
+    def row(self) -> str:
+        """The label, or the name when there is none."""
+        return self.label or self.name
+
+    @property
+    def slug(self) -> str:
+        """The label as it appears in trial ids and file names: lower case, runs of other characters as '-'."""
+        return re.sub(r"[^a-z0-9.]+", "-", self.row.lower()).strip("-.") or "framework"
+
+    def argv(self) -> list[str]:
+        """The argv prefix that starts this entry's Python (placeholders substituted)."""
+        python = self.python or sys.executable
+        if self.command:
+            return [part.replace("{python}", python).replace("{root}", str(ROOT)) for part in self.command]
+        return [python]
+
+
+FrameworkItem = Annotated[Union[Annotated[str, Tag("name")], Annotated[FrameworkEntry, Tag("entry")]],
+                          Discriminator(lambda v: "name" if isinstance(v, str) else "entry")]
 
 
 class DigitsData(_Strict):
@@ -270,7 +323,7 @@ class Spec(_Strict):
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    frameworks: list[str] = Field(min_length=1)
+    frameworks: list[FrameworkItem] = Field(min_length=1)
     model: ModelSpec
     dataset: Dataset
     batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
@@ -304,10 +357,24 @@ class Spec(_Strict):
 
     @field_validator("frameworks")
     @classmethod
-    def _unique_frameworks(cls, frameworks: list[str]) -> list[str]:
-        if len(set(frameworks)) != len(frameworks):
-            raise ValueError("a framework is listed twice")
+    def _unique_labels(cls, frameworks: list[FrameworkItem]) -> list[FrameworkItem]:
+        rows: dict[str, int] = {}
+        slugs: dict[str, int] = {}
+        for i, item in enumerate(frameworks):
+            entry = as_entry(item)
+            if entry.row in rows:
+                what = "a framework is listed twice" if isinstance(item, str) else f"label {entry.row!r} is used twice"
+                raise ValueError(f"{what} (entries {rows[entry.row]} and {i}); give each entry its own label")
+            if entry.slug in slugs:
+                raise ValueError(f"the labels of entries {slugs[entry.slug]} and {i} give the same trial id "
+                                 f"{entry.slug!r}; make them differ in letters or digits")
+            rows[entry.row], slugs[entry.slug] = i, i
         return frameworks
+
+    @property
+    def entries(self) -> list[FrameworkEntry]:
+        """The frameworks as entries (a plain name is an entry with that name and no interpreter of its own)."""
+        return [as_entry(item) for item in self.frameworks]
 
     @field_validator("batch_sizes")
     @classmethod
@@ -327,9 +394,47 @@ class Spec(_Strict):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N', not {device!r}")
 
 
+def as_entry(item: FrameworkItem) -> FrameworkEntry:
+    """A ``frameworks`` item as an entry."""
+    return FrameworkEntry(name=item) if isinstance(item, str) else item
+
+
+def _resolve_entries(spec: Spec, base_dir: Path) -> Spec:
+    """Substitutes ``{root}`` and ``{python}`` and makes relative interpreter paths absolute (relative to
+    ``base_dir``, the spec file's folder)."""
+    items: list[FrameworkItem] = []
+    for item in spec.frameworks:
+        if isinstance(item, str):
+            items.append(item)
+            continue
+        python = item.python.replace("{root}", str(ROOT)) if item.python else None
+        if python and ("/" in python or os.sep in python) and not Path(python).is_absolute():
+            python = str((base_dir / python).absolute())
+        command = None
+        if item.command:
+            command = [part.replace("{root}", str(ROOT)).replace("{python}", python or sys.executable)
+                       for part in item.command]
+        items.append(item.model_copy(update={"python": python, "command": command}))
+    return spec.model_copy(update={"frameworks": items})
+
+
+def select_frameworks(items: list[Any], wanted: list[str]) -> list[Any]:
+    """The CLI's ``--frameworks``: each wanted word picks the file's entries with that label, else those with that
+    name, else stands for itself (a plain framework name)."""
+    out: list[Any] = []
+    for word in wanted:
+        rows = [i for i in items if isinstance(i, dict) and i.get("label") == word]
+        rows = rows or [i for i in items if i == word or (isinstance(i, dict) and i.get("name") == word)]
+        out += rows or [word]
+    return out
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     # pydantic puts the discriminator's tag in the location of a tagged union member ("conv2d"); it is kept, since
-    # it names which layer kind was being read.
+    # it names which layer kind was being read, except for a framework entry's ("name" or "entry"), which says
+    # nothing the index does not.
+    if len(loc) > 2 and loc[0] == "frameworks" and loc[2] in ("name", "entry"):
+        loc = loc[:2] + loc[3:]
     return ".".join(str(part) for part in loc)
 
 
@@ -369,8 +474,11 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise SpecError(file, "", f"invalid YAML{where}: {getattr(err, 'problem', None) or err}") from None
     if isinstance(data, dict) and overrides:
+        overrides = dict(overrides)
+        if overrides.get("frameworks") and isinstance(data.get("frameworks"), list):
+            overrides["frameworks"] = select_frameworks(data["frameworks"], overrides["frameworks"])
         data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
-    spec = validate(data, file)
+    spec = _resolve_entries(validate(data, file), file.parent)
     if isinstance(spec.dataset, Cifar10Data) and spec.dataset.path and not spec.dataset.path.is_absolute():
         dataset = spec.dataset.model_copy(update={"path": (file.parent / spec.dataset.path).resolve()})
         spec = spec.model_copy(update={"dataset": dataset})

@@ -32,6 +32,10 @@ class FaultAdapter(Adapter):
     def versions(self):
         return {"numpy": np.__version__}
 
+    def settings(self):
+        # What a command prefix did to the worker: a variable it set, and the variables the payload carried.
+        return {"test_mark": os.environ.get("HARNESS_TEST_MARK"), "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+
     def prepare(self, device, threads, seed):
         self.rng = np.random.default_rng(seed)
 

@@ -11,9 +11,11 @@ import time
 
 import pytest
 
-from harness.execution.launcher import classify, worker_env
+from harness.execution.launcher import classify, run_worker, worker_env
 from harness.plan import checked_spec as validate
+from harness.plan import plan
 from harness.results import report, store
+from harness.spec import SpecError
 from harness.studies.sweep import run_spec
 from tests.conftest import base_spec
 
@@ -66,11 +68,23 @@ def test_batch_larger_than_the_dataset_is_a_clear_error(fault_adapter, tmp_path)
     assert record["reason"] == "batch size 4096 exceeds the 1438 training samples"
 
 
-def test_missing_framework_is_an_error_not_a_crash(monkeypatch, tmp_path):
+def test_missing_framework_is_one_line_before_anything_runs(monkeypatch, tmp_path):
+    """The probe of the entry's interpreter finds it (harness.execution.environments); nothing is written."""
     monkeypatch.setenv("HARNESS_ADAPTERS", "ghost=no_such_module:Ghost")
     spec = validate(base_spec(frameworks=["ghost"]), tmp_path / "s.yaml")
-    record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
-    assert record["status"] == "error" and record["reason"].startswith("ghost is not installed here")
+    with pytest.raises(SpecError, match=r"^s\.yaml: frameworks\.0: ghost is not installed in .*No module named"):
+        run_spec(spec, tmp_path / "r", "s.yaml")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_framework_missing_in_the_worker_is_an_error_not_a_crash(fault_adapter, monkeypatch, tmp_path):
+    """Should the environment change between the probe and a trial, the worker reports it as the trial's error."""
+    spec = validate(base_spec(frameworks=[fault_adapter]), tmp_path / "s.yaml")
+    trial = plan(spec, "cpu")[0]
+    payload = trial.payload(spec)
+    monkeypatch.setenv("HARNESS_ADAPTERS", "fault=no_such_module:Ghost")
+    outcome = run_worker(payload, 60, None, "cpu", 1)
+    assert outcome.status == "error" and outcome.reason.startswith("fault is not installed here")
 
 
 def test_classify_without_events():
@@ -127,8 +141,6 @@ def test_after_an_oom_larger_batch_sizes_are_skipped_unless_asked(fault_adapter,
 
 
 def test_learning_rate_scaling_and_accumulation_reach_the_trial(tmp_path):
-    from harness.plan import plan
-
     spec = validate(base_spec(batch_sizes=[16, 64], accumulation_steps=2, learning_rate_scaling="sqrt",
                               base_batch_size=32, optimizer={"name": "sgd", "learning_rate": 0.1}), tmp_path / "s.yaml")
     trials = plan(spec, "cpu")

@@ -1,8 +1,11 @@
 """Runs one trial in a fresh worker process, samples it, and classifies how it ended.
 
 Each trial gets its own interpreter (no allocator state or compiled-graph cache leaks between trials) in its own
-process group (a timeout kills the worker and anything it started). The worker's events arrive over a dedicated
-pipe; its stdout and stderr go to a log whose tail is kept for error reports, since frameworks print freely.
+process group (a timeout kills the worker and anything it started). The interpreter is the trial's framework entry's
+(``harness.spec.FrameworkEntry``: the harness's own python, another venv's, or a command prefix such as ``taskset``
+or ``docker run -i``), started as ``harness.execution.bootstrap`` describes: the payload goes in on standard input,
+which stays open while the worker runs (the worker dies when it closes), events come back as marked lines on standard
+output, and everything the framework prints goes to standard error, a log whose tail is kept for error reports.
 
 Statuses: ``ok`` (a result was reported and the worker exited 0); ``oom`` (the framework raised its out-of-memory
 error); ``error`` (any other exception, or an exit without a result); ``timeout`` (no exit within the trial's
@@ -17,17 +20,18 @@ import os
 import selectors
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import psutil
 
+from harness.execution.bootstrap import BOOTSTRAP, EVENT_PREFIX
 from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.sampler import Sampler, make_backend, phase_stats, windows_from_events
+from harness.spec import ROOT, FrameworkEntry
 
 STATUSES = ("ok", "oom", "error", "timeout", "crashed", "skipped")  # skipped: decided by the runner, see after_oom
 LOG_TAIL_BYTES = 4000
@@ -54,27 +58,45 @@ class Outcome:
 
 def worker_env(threads: int | None, base: dict[str, str] | None = None,
                allocator: dict[str, Any] | None = None) -> dict[str, str]:
-    """The worker's environment: the caller's, plus thread counts for every framework's runtime (read at import,
-    so they must be set before the worker starts), the allocator variables a spec sets (PYTORCH_CUDA_ALLOC_CONF,
-    MXNET_GPU_MEM_POOL_TYPE) and CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match NVML's."""
+    """The worker's environment: the caller's (``base``, default os.environ) with ``worker_settings`` applied."""
     env = dict(os.environ if base is None else base)
+    env.update(worker_settings(threads, env, allocator))
+    return env
+
+
+def worker_settings(threads: int | None, base: dict[str, str] | None = None,
+                    allocator: dict[str, Any] | None = None) -> dict[str, str]:
+    """The variables the harness sets for a worker: thread counts for every framework's runtime (read at import, so
+    the bootstrap sets them before any framework is imported), the allocator variables a spec sets
+    (PYTORCH_CUDA_ALLOC_CONF, MXNET_GPU_MEM_POOL_TYPE), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match
+    NVML's (unless ``base`` sets another order), and the extra adapters of HARNESS_ADAPTERS. They travel in the
+    payload too, since a container does not inherit the launcher's environment."""
+    base = dict(os.environ if base is None else base)
+    env: dict[str, str] = {}
     allocator = allocator or {}
     if allocator.get("pytorch_cuda_alloc_conf"):
         env["PYTORCH_CUDA_ALLOC_CONF"] = allocator["pytorch_cuda_alloc_conf"]
     if allocator.get("mxnet_gpu_mem_pool_type"):
         env["MXNET_GPU_MEM_POOL_TYPE"] = allocator["mxnet_gpu_mem_pool_type"]
-    env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["CUDA_DEVICE_ORDER"] = base.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    env["TF_CPP_MIN_LOG_LEVEL"] = base.get("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONUNBUFFERED"] = "1"
+    if base.get("HARNESS_ADAPTERS"):
+        env["HARNESS_ADAPTERS"] = base["HARNESS_ADAPTERS"]
     if threads is not None:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
             env[name] = str(threads)
         env["TF_NUM_INTEROP_THREADS"] = "1"
         env["MXNET_CPU_WORKER_NTHREADS"] = "1"
-    # The worker imports the harness from where this process found it, whatever the current directory.
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def worker_argv(trial: dict[str, Any]) -> list[str]:
+    """The worker's command line: the trial's interpreter or command prefix, then ``-c BOOTSTRAP ROOT`` (see
+    harness.execution.bootstrap)."""
+    entry = FrameworkEntry(name=trial["framework"], python=trial.get("python"),
+                           command=list(trial["command"]) if trial.get("command") else None)
+    return [*entry.argv(), "-c", BOOTSTRAP, str(ROOT)]
 
 
 def _tail(log: Any) -> str:
@@ -151,44 +173,41 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float | No
     status, reason = classify(returncode, run.events, run.timed_out, timeout_s, tail)
     if sampler is None:
         return Outcome(status, reason, run.events, [], returncode, tail, wall, {"backend": None, "interval_s": None})
+    note = "; ".join(filter(None, [note, *run.notes])) or None
     return Outcome(status, reason, run.events, list(sampler.samples), returncode, tail, wall,
                    sampler_info(sampler, note, run.events))
 
 
 class _WorkerRun:
-    """One worker process from its start to its end: the events pipe, the sampler's attachment and pokes, the
+    """One worker process from its start to its end: its standard streams, the sampler's attachment and pokes, the
     deadline and the kill of its process group."""
 
     def __init__(self, payload: dict[str, Any], threads: int | None, log: Any, sampler: Sampler | None,
                  on_event: Callable[[dict[str, Any]], None] | None):
-        self.sampler, self.on_event = sampler, on_event
+        self.sampler, self.on_event, self.log = sampler, on_event, log
         self.events: list[dict[str, Any]] = []
+        self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
-        self.read_fd, write_fd = os.pipe()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "harness.execution.worker", "--events-fd", str(write_fd)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                env=worker_env(threads, allocator=payload.get("spec", {}).get("allocator")), start_new_session=True)
-        except BaseException:
-            os.close(self.read_fd)
-            raise
-        finally:
-            os.close(write_fd)
+        allocator = payload.get("spec", {}).get("allocator")
+        payload = {**payload, "env": worker_settings(threads, allocator=allocator)}
+        self.proc = subprocess.Popen(worker_argv(payload["trial"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log, env=worker_env(threads, allocator=allocator), start_new_session=True)
         if sampler is not None:
             sampler.start(self.proc.pid)
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
-            self.proc.stdin.write(json.dumps(payload).encode())
-            self.proc.stdin.close()
+            # One line; standard input stays open until the worker has ended (see harness.execution.bootstrap).
+            self.proc.stdin.write(json.dumps(payload).encode() + b"\n")
+            self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the worker died at once; its exit status tells why
+        self.read_fd = self.proc.stdout.fileno()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.read_fd, selectors.EVENT_READ)
 
     def pump(self, deadline: float) -> None:
-        """Reads events until the worker closes the pipe, or sets ``timed_out`` at the deadline."""
+        """Reads events until the worker closes its standard output, or sets ``timed_out`` at the deadline."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -206,18 +225,50 @@ class _WorkerRun:
                 return
 
     def _handle(self, line: bytes) -> None:
+        prefix = EVENT_PREFIX.encode()
+        if not line.startswith(prefix):
+            if line.strip():  # a wrapper's own output on standard output: kept in the log, not parsed
+                self.log.write(line + b"\n")
+            return
         try:
-            event = json.loads(line)
+            event = json.loads(line[len(prefix):])
         except json.JSONDecodeError:
+            self.log.write(line + b"\n")
             return
         self.events.append(event)
+        if event.get("event") == "start" and self.sampler is not None:
+            self._follow(event.get("pid"))
         if self.sampler is not None and event.get("event") == "phase" and event.get("name") == "train":
             self.sampler.poke(event.get("edge", ""))
         if self.on_event is not None:
             self.on_event(event)
 
+    def _follow(self, pid: Any) -> None:
+        """Points the sampler at the worker's own process when a command prefix started it outside the process tree
+        of what the launcher started (a container run with ``--pid=host``); says so when it cannot be found on this
+        machine (another PID namespace: per-process figures then describe the prefix's process only)."""
+        if not isinstance(pid, int) or pid == self.proc.pid:
+            return
+        try:
+            if pid in {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}:
+                return
+        except psutil.Error:
+            pass  # the prefix's process is gone already (it handed the worker on and exited)
+        try:
+            if "harness.execution.bootstrap" in " ".join(psutil.Process(pid).cmdline()):
+                assert self.sampler is not None
+                self.sampler.backend.attach(pid)
+                self.notes.append(f"the worker (pid {pid}) runs outside the launched command's process tree; "
+                                  "sampled by its pid")
+                return
+        except psutil.Error:
+            pass
+        self.notes.append(f"the worker reported pid {pid}, which is not a process of this machine's PID namespace (a "
+                          "container without --pid=host?): per-process CPU, memory and NVML process memory describe "
+                          "the command prefix's processes, not the worker")
+
     def wait(self, deadline: float) -> None:
-        """Waits for the exit (the deadline plus KILL_GRACE_S once the pipe is closed); kills the group past it."""
+        """Waits for the exit (the deadline plus KILL_GRACE_S once its output is closed); kills the group past it."""
         if not self.timed_out:
             try:
                 self.proc.wait(timeout=max(0.0, deadline - time.monotonic()) + KILL_GRACE_S)
@@ -230,7 +281,6 @@ class _WorkerRun:
     def close(self) -> None:
         """Stops the sampler and makes sure nothing of the worker outlives it."""
         self.selector.close()
-        os.close(self.read_fd)
         # A backend call stuck past the join timeout keeps its NVML handle: closing NVML under it could crash.
         if self.sampler is not None and self.sampler.stop():
             self.sampler.backend.close()
@@ -239,6 +289,12 @@ class _WorkerRun:
             self.proc.wait()
         # Whatever the worker started must not outlive it (a framework's helper processes).
         _kill_group(self.proc)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
 
 
 def classify(returncode: int | None, events: list[dict[str, Any]], timed_out: bool, timeout_s: float,

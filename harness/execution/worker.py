@@ -1,9 +1,10 @@
 """The worker process: one trial, one fresh interpreter, one framework.
 
-Run as ``python -m harness.execution.worker --events-fd N`` with the trial (JSON, see ``harness.plan.Trial.payload``) on
-standard input. It imports the trial's adapter, builds the model from the canonical weights, loads the dataset to the
-device once, runs the shared training loop below and writes events, one JSON object per line, to file descriptor N.
-The framework's own stdout and stderr go wherever the launcher sent them (a log whose tail is kept for errors).
+Started by ``harness.execution.bootstrap`` (see there for how it reaches any interpreter through any command prefix)
+with the trial's payload (JSON, see ``harness.plan.Trial.payload``). It imports the trial's adapter, builds the model
+from the canonical weights, loads the dataset to the device once, runs the shared training loop below and writes
+events, one ``EVENT_PREFIX`` + JSON line each, to the original standard output. The framework's own output goes to
+standard error (a log whose tail the launcher keeps for errors).
 
 Every event carries ``t``, a ``time.monotonic()`` stamp (CLOCK_MONOTONIC on Linux: the same clock in every process of
 the machine, so the launcher's sampler can place its samples in the worker's phases).
@@ -18,17 +19,17 @@ follows each epoch, outside the timed windows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import numpy as np
 
+from harness.execution.bootstrap import EVENT_PREFIX
 from harness.neutral.datasets import augment, epoch_order
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -39,18 +40,28 @@ class TrialError(Exception):
 
 
 class Events:
-    """Writes events to the launcher's pipe, one JSON line each, flushed at once."""
+    """Writes events to the launcher, one ``EVENT_PREFIX`` + JSON line each, flushed at once; keeps them in ``log``.
+    ``out``: a text stream, or None to keep them only in ``log``."""
 
-    def __init__(self, fd: int | None):
-        self._out = os.fdopen(fd, "w", buffering=1, encoding="utf-8") if fd is not None else None
+    def __init__(self, out: TextIO | None):
+        self._out = out
         self.log: list[dict[str, Any]] = []
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "t": time.monotonic(), **fields}
         self.log.append(record)
         if self._out is not None:
-            self._out.write(json.dumps(record, default=_jsonable) + "\n")
+            self._out.write(EVENT_PREFIX + json.dumps(record, default=_jsonable) + "\n")
+            self._out.flush()
         return record
+
+
+def _affinity() -> list[int] | None:
+    """The CPUs this process may run on (its affinity mask), or None where the platform does not tell."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
 
 
 def _jsonable(value: Any) -> Any:
@@ -215,7 +226,8 @@ def run(payload: dict[str, Any], events: Events) -> int:
 
         trial = payload["trial"]
         spec = Spec.model_validate(payload["spec"])
-        events.emit("start", pid=os.getpid(), framework=trial["framework"], batch_size=trial["batch_size"])
+        events.emit("start", pid=os.getpid(), framework=trial["framework"], batch_size=trial["batch_size"],
+                    python=sys.executable, affinity=_affinity())
         try:
             adapter = adapters.get(trial["framework"])()
         except ImportError as err:
@@ -259,16 +271,3 @@ def run(payload: dict[str, Any], events: Events) -> int:
         events.emit("error", kind="oom" if oom else "error", reason=reason[:500],
                     traceback="".join(traceback.format_exception(exc))[-4000:])
         return EXIT_FAILED
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.execution.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--events-fd", type=int, required=True, help="file descriptor for the JSON-lines events")
-    args = parser.parse_args(argv)
-    payload = json.loads(sys.stdin.read())
-    events = Events(args.events_fd)
-    return run(payload, events)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,9 +25,11 @@ class Metric:
 
 
 def row_key(record: dict[str, Any]) -> str:
-    """The row a trial belongs to: its framework, plus its variant in parentheses when the spec has variants."""
+    """The row a trial belongs to: its framework entry's label (the framework's name in runs without labels), plus
+    its variant in parentheses when the spec has variants."""
     variant = record.get("variant") or ""
-    return f"{record['framework']} ({variant})" if variant else record["framework"]
+    row = record.get("label") or record["framework"]
+    return f"{row} ({variant})" if variant else row
 
 def title(key: str) -> str:
     framework, _, variant = key.partition(" (")
@@ -123,3 +125,9 @@ def metrics_for(backend: str) -> list[Metric]:
                    "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes", "rss_bytes"),
         ]
     return device[:3] + common + device[3:]
+
+
+def spec_rows(spec: dict[str, Any]) -> list[str]:
+    """The row labels of a run's spec (as in run.json), in the spec's order: a framework entry's label, else its
+    name."""
+    return [item if isinstance(item, str) else (item.get("label") or item["name"]) for item in spec["frameworks"]]

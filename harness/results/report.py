@@ -55,7 +55,7 @@ def _versions(records: list[dict[str, Any]]) -> str:
 def render_markdown(data: dict[str, Any]) -> str:
     """The whole report.md text: the header, the Ohio State layout, the memory layers, one section per metric, the
     study sections, how the sampler fared, the failed trials and the plots."""
-    lines = header_lines(data)
+    lines = header_lines(data) + environment_lines(data)
     any_span = data["marks"]["util"] or data["marks"]["memory"]
     lines += ["", "## The Ohio State layout", "", markdown_table(ohio_state_rows(data), data["batch_sizes"]), ""]
     lines += [SPAN_NOTE, ""] if any_span else []
@@ -105,6 +105,22 @@ def header_lines(data: dict[str, Any]) -> list[str]:
     else:
         lines.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
                      "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")
+    return lines
+
+
+def environment_lines(data: dict[str, Any]) -> list[str]:
+    """Which interpreter each row ran in, with its Python, numpy and framework versions (run.json's ``frameworks``,
+    from the probe before the first trial; runs made before the probe existed have none)."""
+    entries = data["run"].get("frameworks") or []
+    if not entries:
+        return []
+    lines = ["", "## Frameworks and their environments", "",
+             "| row | framework | versions | Python | numpy | interpreter or command |", "| --- | --- | --- | --- | --- | --- |"]
+    for entry in entries:
+        versions = ", ".join(f"{k} {v}" for k, v in (entry.get("versions") or {}).items() if not k.endswith("_build"))
+        where = " ".join(entry["command"]) if entry.get("command") else (entry.get("executable") or "")
+        lines.append(f"| {title(entry['label'])} | {entry['name']} | {versions} | {entry.get('python', '')} | "
+                     f"{entry.get('numpy', '')} | `{where}` |")
     return lines
 
 

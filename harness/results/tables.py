@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from harness.results.metrics import MB, Metric, metrics_for, read_path, row_key, scaled, title
+from harness.results.metrics import MB, Metric, metrics_for, read_path, row_key, scaled, spec_rows, title
 from harness.results.stats import median_ci, overlaps
 from harness.results.store import read_run, read_trials
 
@@ -108,9 +108,10 @@ def build(run_dir: str | Path) -> dict[str, Any]:
     spec = run["spec"]
     # Rows: frameworks in the spec's order, each with its variants in the order they ran.
     keys = list(dict.fromkeys(row_key(r) for r in records))
-    frameworks = sorted(keys, key=lambda k: (spec["frameworks"].index(k.split(" (")[0])
-                                             if k.split(" (")[0] in spec["frameworks"] else 99, keys.index(k)))
-    frameworks = frameworks or spec["frameworks"]
+    rows = spec_rows(spec)
+    frameworks = sorted(keys, key=lambda k: (rows.index(k.split(" (")[0]) if k.split(" (")[0] in rows else 99,
+                                             keys.index(k)))
+    frameworks = frameworks or rows
     batch_sizes = [b for b in spec["batch_sizes"] if any(r["batch_size"] == b for r in records)] or spec["batch_sizes"]
     backend = next((r["sampler"].get("backend") for r in records if r.get("sampler", {}).get("backend")), "host")
     metrics = metrics_for(backend)

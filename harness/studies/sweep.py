@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harness import __version__
+from harness.execution.environments import probe_entries
 from harness.execution.launcher import Outcome, run_worker
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
@@ -30,6 +31,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
     record: dict[str, Any] = {
         "id": trial.id,
         "framework": trial.framework,
+        "label": trial.row,
         "batch_size": trial.batch_size,
         "repeat": trial.repeat,
         "variant": trial.variant,
@@ -59,7 +61,8 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
 
 def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
     """The record of a trial not run because a smaller batch size of the same framework ran out of memory."""
-    return {"id": trial.id, "framework": trial.framework, "batch_size": trial.batch_size, "repeat": trial.repeat,
+    return {"id": trial.id, "framework": trial.framework, "label": trial.row, "batch_size": trial.batch_size,
+            "repeat": trial.repeat,
             "variant": trial.variant, "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
             "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {}, "sampler": {},
             "versions": {}, "settings": {}, "finished": _now(),
@@ -115,7 +118,7 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     for index, trial in enumerate(trials):
         if on_start is not None:
             on_start(trial, index, len(trials))
-        key = (trial.framework, trial.repeat, trial.variant)
+        key = (trial.row, trial.repeat, trial.variant)
         limit = oom_at.get(key)
         if spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
             record = skipped_record(trial, limit)
@@ -138,7 +141,10 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
 
 
 def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> tuple[Path, dict[str, Any], set[str]]:
-    """A new run directory and its run.json contents (the machine, the resolved device, the planned trials)."""
+    """A new run directory and its run.json contents (the machine, each framework entry's environment as its probe
+    reported it, the resolved device, the planned trials). Raises SpecError, with nothing written, when an entry's
+    interpreter fails its probe."""
+    frameworks = probe_entries(spec, spec_path or "spec")
     env = machine.collect()
     device = resolve_device(spec.device, env["gpu"])
     run_dir = create_run_dir(out_root, spec.name)
@@ -148,6 +154,7 @@ def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> t
         "spec": spec.model_dump(mode="json"),
         "device": device,
         "environment": env,
+        "frameworks": frameworks,
         "planned_trials": [t.id for t in plan(spec, device)],
         "started": _now(),
         "finished": None,
@@ -163,17 +170,19 @@ def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None) -> tuple[Pa
     if differences:
         raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
                                                  f"started with in {', '.join(differences[:8])}")
+    frameworks = probe_entries(spec, spec_path or "spec")
     drop_torn_tail(run_dir / "trials.jsonl")
+    run_info.setdefault("frameworks", frameworks)
     run_info.setdefault("resumed", []).append(_now())
     run_info["finished"] = None
     return run_dir, run_info, {r["id"] for r in read_trials(run_dir)}
 
 
 def _oom_sizes(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], int]:
-    """The smallest batch size that ran out of memory per (framework, repeat, variant), from finished trials."""
+    """The smallest batch size that ran out of memory per (row label, repeat, variant), from finished trials."""
     oom_at: dict[tuple[str, int, str], int] = {}
     for finished in records:
         if finished["status"] == "oom":
-            key = (finished["framework"], finished["repeat"], finished.get("variant", ""))
+            key = (finished.get("label") or finished["framework"], finished["repeat"], finished.get("variant", ""))
             oom_at[key] = min(oom_at.get(key, finished["batch_size"]), finished["batch_size"])
     return oom_at

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from harness import plan as planning
+from harness.execution import environments
 from harness.measure.machine import resolve_device
 from harness.spec import SpecError
 from harness.studies.max_batch.output import RunWriter, mb, table
@@ -21,7 +22,11 @@ def run(args: argparse.Namespace) -> int:
         spec = planning.load(args.spec)
         if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
             raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
-        planning.check_framework_name(args.framework, args.spec)
+        entry = planning.entry_for(spec, args.framework)
+        planning.check_framework_name(entry.name, args.spec)
+        environments.probe_entries(planning.checked_spec({**spec.model_dump(mode="json"),
+                                                          "frameworks": [entry.model_dump(exclude_none=True)]},
+                                                         args.spec), args.spec)
         if args.device is not None:
             planning.checked_spec({**spec.model_dump(mode="json"), "device": args.device}, args.spec)
     except SpecError as err:

@@ -65,7 +65,7 @@ import numpy as np
 from harness.execution.launcher import run_worker
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets
-from harness.plan import checked_spec, plan
+from harness.plan import checked_spec, entry_for, plan
 from harness.spec import Spec
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
 
@@ -145,13 +145,15 @@ class _Stop(Exception):
 def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
                spec_file: str | Path = "<max-batch probe>") -> Spec:
     """The spec one probe runs (see the module docstring): synthetic data of the spec's image shape and classes,
-    accumulation_steps x ``batch_size`` training and ``batch_size`` test samples, 3 epochs of one step, no warm-up."""
+    accumulation_steps x ``batch_size`` training and ``batch_size`` test samples, 3 epochs of one step, no warm-up;
+    ``framework`` (a label or name, see ``harness.plan.entry_for``) in its entry's interpreter."""
     shape, classes = datasets.describe(spec.dataset)
+    entry = entry_for(spec, framework)
     data = spec.model_dump(mode="json")
     data.update({
         "dataset": {"name": "synthetic", "shape": list(shape), "classes": classes,
                     "size": batch_size * spec.accumulation_steps, "test_size": batch_size},
-        "frameworks": [framework], "batch_sizes": [batch_size], "epochs": PROBE_EPOCHS, "warmup_steps": 0,
+        "frameworks": [entry.model_dump(mode="json", exclude_none=True)], "batch_sizes": [batch_size], "epochs": PROBE_EPOCHS, "warmup_steps": 0,
         "repeats": 1, "variants": None,
         "target_accuracy": None, "memory_limit_mb": memory_limit_mb, "device": device,
     })

@@ -1,0 +1,83 @@
+"""How a worker starts in any interpreter, through any command prefix (a venv's python, ``taskset``, ``env``,
+``docker run -i``, ``apptainer exec``, ``srun``): nothing but standard input, standard output and standard error
+cross the prefix, so nothing else is relied on.
+
+The launcher runs ``PREFIX -c BOOTSTRAP ROOT``: ``BOOTSTRAP`` puts ROOT (the folder that holds the harness) first on
+``sys.path`` and calls ``main``, so the harness need not be installed in that interpreter. ``main``:
+
+1. keeps the real standard output for events and points file descriptor 1 at standard error, so whatever the
+   framework prints (from Python or from C) goes to the log, never into the event stream; each event is one line
+   ``EVENT_PREFIX + JSON`` and any other line on standard output (a wrapper's own chatter) is logged, not parsed;
+2. reads the payload, one JSON line, from standard input, and sets the environment variables it carries (thread
+   counts, allocator settings, HARNESS_ADAPTERS) before numpy or any framework is imported: a container started by
+   ``docker run`` does not inherit the launcher's environment;
+3. watches standard input, which the launcher keeps open: end of file means the launcher is gone (killed, or its
+   machine's job cancelled), and the worker then kills its process group at once instead of training on;
+4. runs the trial (``harness.execution.worker.run``).
+
+This module imports only the standard library: it runs before the payload's environment is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any, TextIO
+
+EVENT_PREFIX = "@harness-event "
+PROBE_PREFIX = "@harness-probe "
+BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv[1]); "
+             "from harness.execution.bootstrap import main; sys.exit(main())")
+EXIT_ORPHANED = 70  # the launcher went away (standard input closed) before the trial ended
+
+
+def take_stdout() -> TextIO:
+    """A line-buffered text stream on the process's original standard output; fd 1 (and so ``sys.stdout`` and any C
+    library's printf) now writes to standard error."""
+    events = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    return events
+
+
+def watch_stdin(on_eof: Any = None) -> threading.Thread:
+    """A daemon thread that reads standard input to its end; then ``on_eof()`` (default: kill this process group,
+    or this process where it leads no group)."""
+
+    def orphaned() -> None:
+        try:
+            if os.getpgid(0) == os.getpid():
+                os.killpg(0, signal.SIGKILL)
+        finally:
+            os._exit(EXIT_ORPHANED)
+
+    def watch() -> None:
+        # The raw descriptor, not sys.stdin: a daemon thread blocked inside a buffered reader aborts the
+        # interpreter's shutdown ("could not acquire lock ... at interpreter shutdown").
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        (on_eof or orphaned)()
+
+    thread = threading.Thread(target=watch, name="harness-stdin-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def main() -> int:
+    """The worker's entry point (see the module docstring). Returns its exit status."""
+    events = take_stdout()
+    line = sys.stdin.readline()
+    if not line.strip():
+        print("harness worker: no payload on standard input", file=sys.stderr)
+        return 2
+    payload = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in (payload.get("env") or {}).items()})
+    watch_stdin()
+    from harness.execution.worker import Events, run
+
+    return run(payload, Events(events))

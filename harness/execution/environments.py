@@ -1,0 +1,186 @@
+"""Framework environments: the probe that checks, once per run, that each framework entry's interpreter starts and
+has what its worker needs, and ``create`` (``harness envs create``), which makes one virtual environment per
+framework under ``envs/``.
+
+A worker needs, in its interpreter, only numpy (1.26 or 2.x), pydantic, PyYAML and its framework: the harness itself
+is imported from the folder that holds it (see ``harness.execution.bootstrap``), never installed there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness.execution.bootstrap import PROBE_PREFIX
+from harness.spec import BUILTIN_FRAMEWORKS, ROOT, FrameworkEntry, Spec, SpecError
+
+PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing TensorFlow alone takes seconds
+LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"}  # module -> distribution
+DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}}  # what loading a dataset needs in the worker
+
+# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS [MODULE...]`` (the registry travels as an
+# argument: a container does not inherit the environment). Standard library first, then the light dependencies, then
+# the adapter (which imports the framework, as a trial would). One marked JSON line on standard output.
+PROBE = r"""
+import importlib.metadata as md, importlib.util, json, os, platform, sys, traceback
+root, name, registry, needed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+sys.path.insert(0, root)
+if registry:
+    os.environ["HARNESS_ADAPTERS"] = registry
+out = {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
+       "missing": [m for m in ("numpy", "pydantic", "yaml", *needed) if importlib.util.find_spec(m) is None]}
+out["packages"] = sorted({f"{d.metadata['Name']}=={d.version}" for d in md.distributions() if d.metadata["Name"]},
+                         key=str.lower)
+if not out["missing"]:
+    import numpy
+    out["numpy"] = numpy.__version__
+    try:
+        import adapters
+        out["versions"] = adapters.get(name)().versions()
+    except BaseException as exc:
+        out["framework_error"] = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+        out["framework_missing"] = isinstance(exc, ImportError)
+        out["traceback"] = traceback.format_exc()[-2000:]
+sys.stdout.write(PREFIX + json.dumps(out) + "\n")
+"""
+
+
+def _probe_code() -> str:
+    return PROBE.replace("PREFIX", repr(PROBE_PREFIX))
+
+
+_CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
+          timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """Starts ``entry``'s interpreter once and returns what it reports: ``python`` (version), ``executable``,
+    ``numpy``, ``versions`` (the adapter's: framework, CUDA, cuDNN where built in), ``packages`` (every installed
+    distribution as ``name==version``, the environment's ``pip freeze``), and ``argv`` (the prefix). Results are
+    kept for the life of this process (one probe per entry and run). needed: further modules the trial needs
+    there (module -> distribution, e.g. scikit-learn for the digits dataset).
+
+    Raises ValueError with a one-line reason when the prefix cannot start, exits without a report, lacks numpy,
+    pydantic, PyYAML or a needed module, or cannot import the framework."""
+    argv = entry.argv()
+    needed = needed or {}
+    key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), tuple(sorted(needed)))
+    if key in _CACHE:
+        return _CACHE[key]
+    shown = " ".join(argv)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    try:
+        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], *needed],
+                              stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
+    except FileNotFoundError as err:
+        raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
+    except PermissionError as err:
+        raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"`{shown}` did not answer the probe within {timeout_s:g} s") from None
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(PROBE_PREFIX)), None)
+    if line is None:
+        last = next((x.strip() for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
+        raise ValueError(f"`{shown}` exited with status {proc.returncode} without reporting" +
+                         (f": {last[:300]}" if last else ""))
+    info = json.loads(line[len(PROBE_PREFIX):])
+    where = info.get("executable") or shown
+    light = [LIGHT_DEPENDENCIES[m] for m in info["missing"] if m in LIGHT_DEPENDENCIES]
+    if light:
+        raise ValueError(f"{where} (Python {info['python']}) lacks {', '.join(light)}: a worker needs numpy, pydantic "
+                         f"and PyYAML in its interpreter (pip install numpy pydantic PyYAML there)")
+    if info["missing"]:
+        names = ", ".join(needed[m] for m in info["missing"])
+        raise ValueError(f"{where} lacks {names}, which the spec's dataset needs in the worker (pip install {names} "
+                         "there)")
+    if info.get("framework_error"):
+        what = "is not installed in" if info.get("framework_missing") else "cannot be imported in"
+        raise ValueError(f"{entry.name} {what} {where} ({info['framework_error']})")
+    info["argv"] = argv
+    _CACHE[key] = info
+    return info
+
+
+def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Probes every framework entry of ``spec``; returns what run.json records per entry (label, name, python or
+    command, and the probe's report). Raises SpecError ``FILE: frameworks.N: reason`` for the first that fails."""
+    out = []
+    for i, entry in enumerate(spec.entries):
+        if entry.python and not entry.command and ("/" in entry.python) and not Path(entry.python).exists():
+            hint = ""
+            if Path(entry.python).parent.parent.parent == ROOT / "envs":
+                hint = f"; create it with `harness envs create {Path(entry.python).parent.parent.name}` (or make envs)"
+            raise SpecError(file, f"frameworks.{i}", f"no interpreter at {entry.python}{hint}")
+        try:
+            info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name))
+        except ValueError as err:
+            raise SpecError(file, f"frameworks.{i}", str(err)) from None
+        out.append({"label": entry.row, "name": entry.name, "python": entry.python, "command": entry.command,
+                    **{k: v for k, v in info.items() if k != "traceback"}})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- envs create
+
+def requirements_file(framework: str, gpu: bool = False) -> Path:
+    """``requirements/<framework>-cpu.txt`` or ``-gpu.txt`` in the harness's folder."""
+    return ROOT / "requirements" / f"{framework}-{'gpu' if gpu else 'cpu'}.txt"
+
+
+def _stamp(requirements: Path) -> str:
+    """What an environment was made from: the requirements file (and the files it includes) and the Python."""
+    digest = hashlib.sha256(sys.version.encode())
+    for path in (requirements, requirements.parent / "worker.txt"):
+        if path.exists():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def create(framework: str, envs_dir: Path, gpu: bool = False, log: Any = None) -> tuple[Path, bool]:
+    """Makes (or keeps, when it was made from the same requirements and Python) ``envs_dir/<framework>``: a virtual
+    environment with the framework's requirements (uv where it is installed, else venv and pip). Returns (its
+    python, whether it was made now). Raises ValueError for a framework without a requirements file and
+    subprocess.CalledProcessError when an install fails."""
+    requirements = requirements_file(framework, gpu)
+    if not requirements.exists():
+        known = sorted({p.name.rsplit("-", 1)[0] for p in requirements.parent.glob("*-cpu.txt")})
+        raise ValueError(f"no {requirements.relative_to(ROOT)}; environments can be made for {', '.join(known)}")
+    target = envs_dir / framework
+    python = target / "bin" / "python"
+    stamp = target / ".harness-stamp"
+    if python.exists() and stamp.exists() and stamp.read_text().strip() == _stamp(requirements):
+        return python, False
+    if target.exists():
+        shutil.rmtree(target)
+    uv = shutil.which("uv")
+    out = log or sys.stderr
+    if uv:
+        subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(target)], check=True, stdout=out)
+        subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), "-r", str(requirements)],
+                       check=True, stdout=out)
+    else:
+        subprocess.run([sys.executable, "-m", "venv", str(target)], check=True, stdout=out)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r",
+                        str(requirements)], check=True, stdout=out)
+    stamp.write_text(_stamp(requirements) + "\n")
+    return python, True
+
+
+def spec_entry(framework: str, python: Path) -> str:
+    """The spec line that runs ``framework`` in the environment at ``python``."""
+    try:
+        shown = "{root}/" + str(python.relative_to(ROOT))
+    except ValueError:
+        shown = str(python)
+    return f'  - {{name: {framework}, python: "{shown}"}}'
+
+
+def default_frameworks() -> list[str]:
+    return list(BUILTIN_FRAMEWORKS)
