@@ -19,6 +19,7 @@ BUILTIN: dict[str, str] = {
     "pytorch": "adapters.pytorch:PyTorchAdapter",
     "tensorflow": "adapters.tensorflow:TensorFlowAdapter",
     "mxnet": "adapters.mxnet:MXNetAdapter",
+    "jax": "adapters.jax:JaxAdapter",
 }
 
 

@@ -21,7 +21,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
+BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 # The folder that holds the harness package (the repository root in a checkout): ``{root}`` in a framework entry.
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,7 @@ class FrameworkEntry(_Strict):
 
     def argv(self) -> list[str]:
         """The argv prefix that starts this entry's Python (placeholders substituted)."""
-        python = self.python or sys.executable
+        python = (self.python or sys.executable).replace("{root}", str(ROOT))
         if self.command:
             return [part.replace("{python}", python).replace("{root}", str(ROOT)) for part in self.command]
         return [python]

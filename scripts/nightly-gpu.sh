@@ -3,8 +3,9 @@
 # and exit non-zero on a regression (or when the machine is not what the job expects).
 #
 # Settings (environment variables):
-#   PYTHON     the interpreter of the environment that has the frameworks (default .venv/bin/python)
-#   SPEC       the spec to run (default specs/cnn.yaml)
+#   PYTHON     the harness's own interpreter (default .venv/bin/python); the frameworks run in the environments the
+#              spec's entries name (specs/cnn.yaml: envs/<framework>, made by `harness envs create --gpu`)
+#   SPEC       the spec to run (default specs/cnn.yaml; FRAMEWORKS, e.g. pytorch,jax, limits it to those entries)
 #   RESULTS    where runs, history.jsonl and the last-good pointer live; keep it outside the checkout so that it
 #              survives between jobs (default results/nightly)
 #   THRESHOLD  percent change that counts as a regression (default 5)
@@ -33,7 +34,8 @@ fi
 echo "== run $SPEC"
 log="$RESULTS/run-latest.log"
 set +e
-"$PYTHON" -m harness run "$SPEC" --out "$RESULTS" --history "$RESULTS/history.jsonl" --no-progress 2>&1 | tee "$log"
+"$PYTHON" -m harness run "$SPEC" ${FRAMEWORKS:+--frameworks "$FRAMEWORKS"} --out "$RESULTS" \
+  --history "$RESULTS/history.jsonl" --no-progress 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 [ "$status" -eq 0 ] || exit "$status"

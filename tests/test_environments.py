@@ -29,7 +29,7 @@ ENVS = ROOT / "envs"
 @pytest.fixture(scope="session")
 def envs():
     """{framework: its envs/ python}, made when missing (kept when up to date: see environments.create)."""
-    return {fw: str(environments.create(fw, ENVS)[0]) for fw in ("pytorch", "tensorflow", "mxnet")}
+    return {fw: str(environments.create(fw, ENVS)[0]) for fw in ("pytorch", "tensorflow", "mxnet", "jax")}
 
 
 def cli(*args, cwd, env=None):
@@ -38,7 +38,7 @@ def cli(*args, cwd, env=None):
 
 
 def test_each_framework_in_its_own_environment_trains_the_same_model(envs, tmp_path):
-    """PyTorch and TensorFlow on numpy 2, MXNet on numpy 1.26, each in its own venv: the same losses as ever."""
+    """PyTorch, TensorFlow and JAX on numpy 2, MXNet on numpy 1.26, each in its own venv: the same losses."""
     spec = checked_spec(base_spec(frameworks=[{"name": fw, "python": envs[fw]} for fw in envs], epochs=2),
                         tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "r")
@@ -46,9 +46,10 @@ def test_each_framework_in_its_own_environment_trains_the_same_model(envs, tmp_p
     assert all(r["status"] == "ok" for r in records.values()), {k: r["reason"] for k, r in records.items()}
     run = store.read_run(run_dir)
     entries = {e["name"]: e for e in run["frameworks"]}
-    assert entries["pytorch"]["numpy"].startswith("2.") and entries["tensorflow"]["numpy"].startswith("2.")
+    assert all(entries[fw]["numpy"].startswith("2.") for fw in ("pytorch", "tensorflow", "jax"))
     assert entries["mxnet"]["numpy"].startswith("1.26.")
     assert entries["pytorch"]["versions"]["torch"] == "2.13.0" and entries["mxnet"]["versions"]["mxnet"] == "1.9.1"
+    assert entries["jax"]["versions"]["jax"] == "0.10.2"
     assert {e["executable"] for e in entries.values()} == set(envs.values())
     assert any(p.startswith("numpy==2.") for p in entries["pytorch"]["packages"])  # the environment's pip freeze
     assert not any(p.lower().startswith("torch==") for p in entries["mxnet"]["packages"])

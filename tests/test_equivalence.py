@@ -30,20 +30,23 @@ from adapters.mxnet import MXNetAdapter
 from adapters.pytorch import PyTorchAdapter
 from adapters.tensorflow import TensorFlowAdapter
 from harness.neutral import models
-from harness.spec import ModelSpec, OptimizerSpec
+from harness.spec import OptimizerSpec
 from tests.adapters import kit
+from tests.adapters.scenarios import (  # noqa: F401
+    ADAM,
+    BATCH,
+    NORM_MODELS,
+    OPTIMIZERS,
+    SGD,
+    _images,
+    _model,
+    _random_state,
+    _weights,
+    _without_dropout,
+)
 
 FRAMEWORKS = {"pytorch": PyTorchAdapter, "tensorflow": TensorFlowAdapter, "mxnet": MXNetAdapter}
 PAIRS = list(itertools.combinations(FRAMEWORKS, 2))
-
-SGD = OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9, weight_decay=1e-3)
-# epsilon 1e-4: large enough that Keras's/MXNet's placement (added to sqrt(v) before the bias correction) instead of
-# PyTorch's (after it) shows at once. Checked by undoing the epsilon rescaling of the MXNet adapter, then of the
-# TensorFlow one: the parameters are 1.4e-3 off after the first step, 140 x PARAM_ATOL, and the loss curve 11 %.
-ADAM = OptimizerSpec(name="adam", learning_rate=2e-3, epsilon=1e-4, weight_decay=1e-3)
-OPTIMIZERS = {"sgd-momentum-wd": SGD, "adam-wd-eps1e-4": ADAM}
-
-BATCH = 32
 
 # Parameters after 1 and 10 steps: |a - b| <= PARAM_ATOL + PARAM_RTOL * |b| for every element of every parameter,
 # every pair of frameworks. Observed maximum |a - b| (torch 2.13, TF 2.21, MXNet 1.9.1 on x86-64, 2 threads): SGD
@@ -51,24 +54,6 @@ BATCH = 32
 # than 100 * PARAM_ATOL in these steps (asserted). Breaking an adapter fails them: a wrong Adam epsilon placement
 # (above), or no weight decay in MXNet (4e-5 off after the first SGD step).
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5
-
-
-def _images(data, kind: str) -> np.ndarray:
-    if kind == "digits":
-        return data.x_test
-    # Uniform noise: every pixel non-zero, unlike the digits' blank borders, so every kernel tap sees data everywhere.
-    return np.random.default_rng(7).random((64, *data.x_test.shape[1:]), dtype=np.float32)
-
-
-def _weights(info, kind: str) -> dict[str, np.ndarray]:
-    weights = models.initial_weights(info, 0)
-    if kind == "random-biases":
-        # The canonical biases are all zero, which would leave the bias adds (and a bias applied to the wrong
-        # axis) untested.
-        rng = np.random.default_rng(11)
-        weights = {name: (rng.normal(0.0, 0.1, value.shape).astype(np.float32) if name.endswith(".bias") else value)
-                   for name, value in weights.items()}
-    return weights
 
 
 @pytest.mark.parametrize("weights_kind", ["initial", "random-biases"])
@@ -194,53 +179,6 @@ def test_gradient_accumulation_equals_one_large_batch(framework):
 
 
 # --- Batchnorm, average pooling, global average pooling, dropout ----------------------------------------------------
-
-def _model(*layers: dict) -> ModelSpec:
-    return ModelSpec.model_validate({"layers": list(layers)})
-
-
-_CONV = {"type": "conv2d", "kernel_size": 3, "kernel_init": "he_uniform"}
-NORM_MODELS = {
-    # Batchnorm over conv channels with the defaults and with another momentum and epsilon, max and average pooling,
-    # and a batchnorm over the flat features of a flatten: in TensorFlow, which flattens (H, W, C), those features
-    # are permuted like the next dense layer's rows. Then dropout.
-    "flatten": _model(
-        {**_CONV, "filters": 8, "padding": "same"}, {"type": "batchnorm"}, {"type": "relu"},
-        {"type": "maxpool2d", "pool_size": 2},
-        {**_CONV, "filters": 16, "padding": "same"}, {"type": "batchnorm", "momentum": 0.2, "epsilon": 1e-3},
-        {"type": "relu"}, {"type": "avgpool2d", "pool_size": 2},
-        {"type": "flatten"}, {"type": "batchnorm", "momentum": 0.3},
-        {"type": "dense", "units": 32, "activation": "relu", "kernel_init": "he_uniform"},
-        {"type": "dropout", "rate": 0.5}, {"type": "dense", "units": 10}),
-    # Overlapping average pooling (stride 1), a global average pool and a batchnorm over its (C,) output.
-    "global-avgpool": _model(
-        {**_CONV, "filters": 8}, {"type": "batchnorm"}, {"type": "relu"},
-        {"type": "avgpool2d", "pool_size": 2, "stride": 1},
-        {**_CONV, "filters": 16, "padding": "same"}, {"type": "relu"}, {"type": "dropout", "rate": 0.25},
-        {"type": "global_avgpool2d"}, {"type": "batchnorm"}, {"type": "dense", "units": 10}),
-}
-
-
-def _without_dropout(model: ModelSpec) -> ModelSpec:
-    return _model(*[layer.model_dump() for layer in model.layers if layer.type != "dropout"])
-
-
-def _random_state(info) -> dict[str, np.ndarray]:
-    """Weights and buffers in which nothing is at its default: random biases, gamma near 1, beta near 0, running
-    means and variances away from 0 and 1 (so that a statistic applied to the wrong channel, a running variance read
-    as a standard deviation or a swapped mean and variance all change the logits)."""
-    rng = np.random.default_rng(5)
-    state = {**models.initial_weights(info, 0), **models.initial_buffers(info)}
-    for layer in info.layers:
-        i = layer.index
-        if layer.kind == "batchnorm":
-            state[f"{i}.weight"] = rng.uniform(0.5, 1.5, layer.params["weight"]).astype(np.float32)
-            state[f"{i}.running_mean"] = rng.normal(0.0, 0.5, layer.buffers["running_mean"]).astype(np.float32)
-            state[f"{i}.running_var"] = rng.uniform(0.3, 3.0, layer.buffers["running_var"]).astype(np.float32)
-        if layer.params:
-            state[f"{i}.bias"] = rng.normal(0.0, 0.2, layer.params["bias"]).astype(np.float32)
-    return state
-
 
 @pytest.mark.parametrize("model", list(NORM_MODELS))
 def test_batchnorm_and_pooling_agree_in_inference_mode(model):

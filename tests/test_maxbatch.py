@@ -1,5 +1,5 @@
 """The largest-batch finder: real frameworks under a real memory cap (no fakes), the memory model, and the ways a
-search ends. The three framework searches run at the same time (each probe is a separate worker process; memory,
+search ends. The four framework searches (JAX in its own environment, envs/jax) run at the same time (each probe is a separate worker process; memory,
 not speed, is measured), which keeps this file near 2 minutes on 2 cores."""
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ CNN = [
 ]
 # Caps (MB) that put each framework's limit at roughly 100-300 samples of this CNN (measured: PyTorch ~110 MB +
 # 0.76 MB/sample, MXNet ~105 MB + 1.7 MB/sample of process memory; TensorFlow's BFC tensor cap ~25 MB + 0.5 MB/sample).
-CAPS = {"pytorch": 250, "mxnet": 250, "tensorflow": 150}
+# JAX (XLA's CPU client) ~260 MB, most of it compilation, + ~0.6 MB/sample (VmData, like PyTorch and MXNet): at a
+# smaller cap the compiler's memory swamps the per-sample part and no line fits.
+CAPS = {"pytorch": 250, "mxnet": 250, "tensorflow": 150, "jax": 600}
+ENTRIES = {"jax": {"name": "jax", "python": "{root}/envs/jax/bin/python"}}
 
 
 def cnn_spec(tmp_path, framework, **changes):
-    data = base_spec(**{"frameworks": [framework], "model": {"layers": CNN}, "device": "cpu", "cpu_threads": 1,
+    data = base_spec(**{"frameworks": [ENTRIES.get(framework, framework)], "model": {"layers": CNN}, "device": "cpu", "cpu_threads": 1,
                         "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10}, "timeout_s": 120,
                         **changes})
     return validate(data, tmp_path / "s.yaml")
@@ -48,7 +51,7 @@ def searches(tmp_path_factory):
         spec = cnn_spec(tmp, framework, memory_limit_mb=CAPS[framework])
         return find_max_batch(spec, framework, initial_sizes=(16, 64), tolerance=0.1)
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:  # at most three at a time on two cores
         futures = {fw: pool.submit(search, fw) for fw in CAPS}
         return {fw: f.result() for fw, f in futures.items()}
 
@@ -70,8 +73,12 @@ def test_finds_the_limit_under_a_real_cap(searches, framework):
     # every OOM is the framework's own error under the cap, never a crash
     oom = result.probed(above[0])
     own_error = {"pytorch": "DefaultCPUAllocator: can't allocate memory", "tensorflow": "ResourceExhaustedError",
-                 "mxnet": "MXNetError: Failed to allocate CPU Memory"}[framework]
-    assert own_error in oom.reason, oom.reason
+                 "mxnet": "MXNetError: Failed to allocate CPU Memory", "jax": "RESOURCE_EXHAUSTED"}[framework]
+    # Near the limit XLA's CPU runtime may instead abort (std::bad_alloc) or fail a kernel ("INTERNAL: YNNPACK
+    # operation failed"); the control run without the cap then shows that the cap caused it (see
+    # harness.studies.max_batch.search), and only then is it counted as out of memory.
+    proven = framework == "jax" and "the same probe without the cap ran ok, so the cap caused it" in oom.reason
+    assert own_error in oom.reason or proven, oom.reason
     assert all(p.status in ("ok", "oom") for p in result.probes)
     assert all(p.peak_bytes is not None and p.peak_bytes > 0 for p in result.probes if p.status == "ok")
 

@@ -21,7 +21,7 @@ def error_of(write_spec, data):
 
 def test_shipped_specs_are_valid(tmp_path, monkeypatch):
     quick = spec_module.load(ROOT / "specs" / "quick.yaml")
-    assert [e.name for e in quick.entries] == ["pytorch", "tensorflow", "mxnet"]
+    assert [e.name for e in quick.entries] == ["pytorch", "tensorflow", "mxnet", "jax"]
     assert quick.batch_sizes == [4, 8, 16, 32, 64, 128, 256, 512, 1024]
     # cnn.yaml needs the CIFAR-10 archive: with one in the cache folder it validates.
     (tmp_path / "cifar-10-python.tar.gz").write_bytes(b"placeholder")

@@ -1,0 +1,425 @@
+"""JAX adapter: the canonical layers as ``jax.lax`` ops over a parameter dict, optax optimizers, one jit-compiled
+train step per (batch size, micro-batches), data resident on the device, NHWC.
+
+Layouts are TensorFlow's (both compute NHWC): conv kernels HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels
+(in, out), and the first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
+``harness.neutral.models.chw_to_hwc_permutation`` (a batchnorm over those flat features has its parameters and running
+statistics permuted the same way); the data is never permuted. ``get_weights`` / ``get_buffers`` invert this.
+
+Why no flax: the model is a handful of ``lax`` ops over canonical parameters, which is exactly what a framework-neutral
+model needs; flax's ``BatchNorm`` updates the running variance with the biased batch variance, so it would need the
+correction the MXNet adapter makes, and its module tree would add a naming layer to convert through.
+
+The optimizer is optax's, with PyTorch's semantics (``harness.spec.OptimizerSpec``): weight decay is
+``optax.add_decayed_weights`` before the optimizer (an L2 term added to the gradient, as in torch.optim), SGD is
+``optax.sgd`` (``trace``: v <- momentum * v + g, then -lr * v, PyTorch's form), Adam is ``optax.adam`` with
+``eps_root=0`` (m_hat / (sqrt(v_hat) + eps): epsilon where PyTorch puts it; https://optax.readthedocs.io/en/latest/
+api/optimizers.html#optax.adam). Batchnorm: batch statistics in training, the running mean and the UNBIASED running
+variance updated with the canonical momentum. Dropout masks come from JAX's own RNG (``jax.random``, a key per step
+folded with the layer index): each framework's own draws, as documented for the others.
+
+The train step gathers the batch from the resident dataset by indices on the device (the dataset is an argument of
+the jitted function, not a constant, so ``set_train_images`` swaps it without a retrace) and donates the training
+state (``donate_argnums``; https://docs.jax.dev/en/latest/faq.html#buffer-donation). ``sync`` is
+``block_until_ready`` on the last loss (https://docs.jax.dev/en/latest/async_dispatch.html).
+
+Memory: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set before JAX is imported (otherwise JAX maps 75 % of GPU memory
+at its first use, the trap TensorFlow's memory growth avoids; https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
+and a ``memory_limit_bytes`` option on a GPU becomes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` before the backend starts.
+The allocator peak is ``Device.memory_stats()["peak_bytes_in_use"]`` where the backend has statistics (GPUs; the CPU
+has none): JAX cannot reset it, so it is the peak since the worker started, compilation and warm-up included.
+fp32 means fp32: the default matmul and convolution precision is set to "highest" (on GPUs JAX's default uses TF32).
+CPU threads: XLA's CPU client has no intra-op thread count; with one thread asked for (OMP_NUM_THREADS=1, which the
+launcher sets before this module is imported), Eigen's thread pool is turned off through XLA_FLAGS.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+from typing import Any, Callable
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the import, see the module docstring
+if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
+
+Params = dict[str, jax.Array]
+Layer = Callable[[Params, Params, jax.Array, bool, jax.Array], tuple[jax.Array, Params]]
+
+
+def _cache_size(jitted: Any) -> int | None:
+    """How many times a jitted function was compiled (its cache's size), where JAX tells."""
+    size = getattr(jitted, "_cache_size", None)
+    return int(size()) if callable(size) else None
+
+
+def _oom_types() -> tuple[type, ...]:
+    found = [getattr(jax.errors, "JaxRuntimeError", None)]
+    try:
+        from jax._src.lib import _jax as _lib  # where XlaRuntimeError lives in recent jaxlib
+        found.append(getattr(_lib, "XlaRuntimeError", None))
+    except ImportError:  # pragma: no cover - older jaxlib
+        pass
+    return tuple(t for t in found if isinstance(t, type))
+
+
+class JaxAdapter(Adapter):
+    name = "jax"
+
+    def __init__(self) -> None:
+        self.device: Any = None
+        self._gpu = False
+        self._last_loss: jax.Array | None = None
+        self._layers: list[Layer] = []
+        self._perms: dict[str, np.ndarray] = {}  # canonical name -> the permutation applied to its first axis
+        self._transforms: dict[str, str] = {}  # canonical name -> "conv" | "dense" (layout changes get_weights undoes)
+        self._steps: dict[tuple[int, int], Any] = {}
+        self._memory: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------------------ setup
+
+    def versions(self) -> dict[str, str]:
+        out = {"jax": jax.__version__, "optax": optax.__version__}
+        for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin"):
+            try:
+                out[dist.replace("-", "_")] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return out
+
+    def prepare(self, device: str, threads: int | None, seed: int) -> None:
+        jax.config.update("jax_default_matmul_precision", "highest")
+        if device.startswith("cuda"):
+            self._apply_memory_limit()
+            try:
+                devices = jax.devices("gpu")
+            except RuntimeError as err:
+                raise DeviceUnavailable(f"JAX {jax.__version__} sees no GPU ({err})") from None
+            index = int(device.partition(":")[2] or 0)
+            if index >= len(devices):
+                raise DeviceUnavailable(f"JAX sees {len(devices)} GPU(s); {device} is not one")
+            self.device, self._gpu = devices[index], True
+        else:
+            self.device = jax.devices("cpu")[0]
+        self._threads = threads
+        self._seed = seed
+
+    def _apply_memory_limit(self) -> None:
+        """``options["memory_limit_bytes"]`` on a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION = limit / the device's memory
+        (NVML's, else nvidia-smi's), set before JAX's GPU backend starts; XLA's allocator then fails past it with
+        RESOURCE_EXHAUSTED. Written from the documentation; no GPU was available to run it."""
+        limit = (self.options or {}).get("memory_limit_bytes")
+        if not limit:
+            return
+        total = _gpu_total_memory()
+        if total:
+            fraction = min(float(limit) / total, 1.0)
+            os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.4f}"
+            self._memory = {"memory_limit_bytes": int(limit), "memory_fraction": fraction,
+                            "device_total_memory_bytes": total}
+        else:
+            self._memory = {"memory_limit_bytes": int(limit), "memory_limit_skipped": "device memory unknown"}
+
+    def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
+        """The canonical weights in JAX's layouts (see the module docstring), batchnorm's running statistics from
+        ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``, and the optimizer."""
+        buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
+        self._layers, self._perms, self._transforms, self._steps = [], {}, {}, {}
+        self._last_loss = None
+        params: dict[str, np.ndarray] = {}
+        stats: dict[str, np.ndarray] = {}
+        flatten_from: tuple[int, int, int] | None = None
+        for layer in info.layers:
+            flatten_from = self._add_layer(layer, weights, buffers, params, stats, flatten_from)
+        self.params = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in params.items()}, self.device)
+        self.stats = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}, self.device)
+        self.tx = _optimizer(optimizer)
+        self.opt_state = jax.device_put(self.tx.init(self.params), self.device)
+        # Every leaf of the state on the device, committed, as the step's outputs are: an uncommitted leaf (a key made
+        # off the device) would make the second call compile the step again, inside the timed loop.
+        self._key = jax.device_put(jax.random.PRNGKey(self._seed), self.device)
+        self._eval = jax.jit(self._eval_batch)
+        self._logits = jax.jit(lambda p, s, x: self._forward(p, s, x, False, self._key)[0])
+
+    def _add_layer(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
+                   params: dict[str, np.ndarray], stats: dict[str, np.ndarray],
+                   flatten_from: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        """Adds one layer's parameters (JAX layout) and forward function; returns the (C, H, W) shape the next dense
+        layer's input was flattened from, or None."""
+        spec, i = layer.spec, layer.index
+        w, b = f"{i}.weight", f"{i}.bias"
+        if layer.kind == "conv2d":
+            params[w], params[b] = np.asarray(weights[w]).transpose(2, 3, 1, 0), np.asarray(weights[b])  # OIHW->HWIO
+            self._transforms[w] = "conv"
+            self._layers.append(_conv(w, b, spec.padding.upper(), spec.activation == "relu"))
+        elif layer.kind == "dense":
+            weight = np.asarray(weights[w])
+            if flatten_from is not None:
+                perm = chw_to_hwc_permutation(flatten_from)
+                weight, self._perms[w] = weight[:, perm], perm
+                flatten_from = None
+            params[w], params[b] = np.ascontiguousarray(weight.T), np.asarray(weights[b])  # (out, in) -> (in, out)
+            self._transforms[w] = "dense"
+            self._layers.append(_dense(w, b, spec.activation == "relu"))
+        elif layer.kind == "batchnorm":
+            perm = chw_to_hwc_permutation(flatten_from) if len(layer.input_shape) == 1 and flatten_from else None
+            names = (w, b, f"{i}.running_mean", f"{i}.running_var")
+            for name in names:
+                source = weights if name in (w, b) else buffers
+                value = np.asarray(source[name])
+                (params if name in (w, b) else stats)[name] = value if perm is None else value[perm]
+                if perm is not None:
+                    self._perms[name] = perm
+            self._layers.append(_batchnorm(*names, spec.momentum, spec.epsilon, flat=len(layer.input_shape) == 1))
+        elif layer.kind in ("maxpool2d", "avgpool2d"):
+            self._layers.append(_pool(layer.kind, spec.pool_size, spec.stride or spec.pool_size))
+        elif layer.kind == "global_avgpool2d":
+            self._layers.append(lambda p, s, x, train, key: (jnp.mean(x, axis=(1, 2)), {}))  # channel order
+        elif layer.kind == "dropout":
+            self._layers.append(_dropout(spec.rate, i))
+        elif layer.kind == "flatten":
+            if len(layer.input_shape) == 3:
+                flatten_from = tuple(layer.input_shape)
+            self._layers.append(lambda p, s, x, train, key: (x.reshape(x.shape[0], -1), {}))  # (H, W, C) order
+        elif layer.kind == "relu":
+            self._layers.append(lambda p, s, x, train, key: (jax.nn.relu(x), {}))
+        # softmax: folded into the cross-entropy loss
+        return flatten_from
+
+    # ---------------------------------------------------------------------------------------------------- compute
+
+    def _forward(self, params: Params, stats: Params, x: jax.Array, train: bool, key: jax.Array
+                 ) -> tuple[jax.Array, Params]:
+        """Logits and the updated running statistics (only in training)."""
+        updated: Params = {}
+        for fn in self._layers:
+            x, new = fn(params, stats, x, train, key)
+            updated.update(new)
+        return x, {**stats, **updated}
+
+    def _loss(self, params: Params, stats: Params, x: jax.Array, y: jax.Array, key: jax.Array
+              ) -> tuple[jax.Array, Params]:
+        logits, stats = self._forward(params, stats, x, True, key)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), stats
+
+    def _step(self, micro_batches: int, state: tuple[Any, ...], x_all: jax.Array, y_all: jax.Array,
+              indices: jax.Array) -> tuple[tuple[Any, ...], jax.Array]:
+        """One optimizer step (jitted with the state donated). With k micro-batches, each runs forward and backward
+        on its own (running statistics updated after each, as k forward passes in training mode would), the
+        gradients and losses averaged over the k before the one update."""
+        params, opt_state, stats, key = state
+        key, step_key = jax.random.split(key)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        grads, loss = None, jnp.zeros((), jnp.float32)
+        for part, part_key in zip(jnp.split(indices, micro_batches), jax.random.split(step_key, micro_batches)):
+            (part_loss, stats), part_grads = grad_fn(params, stats, x_all[part], y_all[part], part_key)
+            grads = part_grads if grads is None else jax.tree_util.tree_map(jnp.add, grads, part_grads)
+            loss = loss + part_loss
+        if micro_batches > 1:
+            grads = jax.tree_util.tree_map(lambda g: g / micro_batches, grads)
+            loss = loss / micro_batches
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, stats, key), loss
+
+    def _eval_batch(self, params: Params, stats: Params, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits, _ = self._forward(params, stats, x, False, self._key)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
+        return loss, jnp.sum(jnp.argmax(logits, axis=1) == y)
+
+    # --------------------------------------------------------------------------------------------------- contract
+
+    def load(self, data: Any) -> None:
+        self.x_train = jax.device_put(jnp.asarray(data.x_train, jnp.float32), self.device)
+        self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self.device)
+        self.x_test = jax.device_put(jnp.asarray(data.x_test, jnp.float32), self.device)
+        self.y_test = jax.device_put(jnp.asarray(data.y_test, jnp.int32), self.device)
+
+    def set_train_images(self, images: np.ndarray) -> None:
+        """A new device array of the same shape and dtype (JAX arrays are immutable; the old one is freed): the train
+        step takes the dataset as an argument, so nothing is retraced."""
+        if images.shape != self.x_train.shape:
+            raise ValueError(f"images of shape {images.shape}, not {self.x_train.shape}")
+        self.x_train = jax.device_put(jnp.asarray(images, jnp.float32), self.device)
+
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+        micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
+        key = (len(indices), micro_batches)
+        if key not in self._steps:
+            # The state is donated on a GPU; XLA's CPU client cannot reuse donated buffers (it would warn each time).
+            self._steps[key] = jax.jit(functools.partial(self._step, micro_batches),
+                                       donate_argnums=(0,) if self._gpu else ())
+        idx = jax.device_put(jnp.asarray(indices, jnp.int32), self.device)
+        state = (self.params, self.opt_state, self.stats, self._key)
+        (self.params, self.opt_state, self.stats, self._key), self._last_loss = self._steps[key](
+            state, self.x_train, self.y_train, idx)
+
+    def sync(self) -> float:
+        if self._last_loss is None:
+            for leaf in jax.tree_util.tree_leaves(self.params):
+                leaf.block_until_ready()
+            return float("nan")
+        return float(self._last_loss.block_until_ready())
+
+    def evaluate(self, batch_size: int) -> tuple[float, float]:
+        n = int(self.x_test.shape[0])
+        total = jnp.zeros((), jnp.float32)
+        correct = jnp.zeros((), jnp.int32)
+        for start in range(0, n, batch_size):
+            loss, right = self._eval(self.params, self.stats, self.x_test[start:start + batch_size],
+                                     self.y_test[start:start + batch_size])
+            total, correct = total + loss, correct + right
+        return float(total) / n, float(correct) / n
+
+    def predict(self, images: np.ndarray) -> np.ndarray:
+        x = jax.device_put(jnp.asarray(images, jnp.float32), self.device)
+        return np.asarray(self._logits(self.params, self.stats, x), dtype=np.float32)
+
+    def _canonical(self, name: str, value: Any) -> np.ndarray:
+        array = np.array(value, dtype=np.float32)
+        kind = self._transforms.get(name)
+        if kind == "conv":
+            array = array.transpose(3, 2, 0, 1)  # HWIO -> OIHW
+        elif kind == "dense":
+            array = array.T  # (in, out) -> (out, in)
+        if name in self._perms:
+            inverse = np.argsort(self._perms[name])
+            array = array[:, inverse] if kind == "dense" else array[inverse]
+        return np.ascontiguousarray(array)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        return {name: self._canonical(name, value) for name, value in self.params.items()}
+
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        return {name: self._canonical(name, value) for name, value in self.stats.items()}
+
+    def reset_memory_stats(self) -> None:
+        """JAX cannot reset its allocator's peak: ``memory_stats`` reports the peak since the worker started."""
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = self.device.memory_stats() if self.device is not None else None
+        if not stats or "peak_bytes_in_use" not in stats:
+            return {}  # the CPU backend keeps no allocator statistics
+        return {"allocator_peak_bytes": int(stats["peak_bytes_in_use"])}
+
+    def settings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "platform": getattr(self.device, "platform", None),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            "matmul_precision": "highest",
+            "donated_state": self._gpu,
+            # How often each train step was compiled: 1 each, or a retrace happened (and cost a timed step).
+            "train_step_compilations": {f"{b}x{k}": _cache_size(f) for (b, k), f in self._steps.items()},
+            "allocator_peak": "since the worker started (JAX cannot reset it)",
+            "intra_op_threads": 1 if "xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "") else
+            "XLA's default (every core; it has no intra-op thread count)",
+        }
+        if self._gpu:
+            out["XLA_PYTHON_CLIENT_MEM_FRACTION"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+            out["memory_limit_bytes"] = None
+            out.update(self._memory)
+        return out
+
+    def is_oom(self, exc: BaseException) -> bool:
+        # XLA reports an allocation failure as a runtime error with the RESOURCE_EXHAUSTED status.
+        types = _oom_types()
+        return bool(types) and isinstance(exc, types) and "RESOURCE_EXHAUSTED" in str(exc)
+
+
+# -------------------------------------------------------------------------------------------------------- layers
+
+def _conv(w: str, b: str, padding: str, relu: bool) -> Layer:
+    def conv(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        y = lax.conv_general_dilated(x, p[w], (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     precision=lax.Precision.HIGHEST) + p[b]
+        return (jax.nn.relu(y) if relu else y), {}
+    return conv
+
+
+def _dense(w: str, b: str, relu: bool) -> Layer:
+    def dense(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        y = jnp.dot(x, p[w], precision=lax.Precision.HIGHEST) + p[b]
+        return (jax.nn.relu(y) if relu else y), {}
+    return dense
+
+
+def _pool(kind: str, size: int, stride: int) -> Layer:
+    def pool(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        window, strides = (1, size, size, 1), (1, stride, stride, 1)
+        if kind == "maxpool2d":
+            return lax.reduce_window(x, -jnp.inf, lax.max, window, strides, "VALID"), {}
+        return lax.reduce_window(x, 0.0, lax.add, window, strides, "VALID") / (size * size), {}  # whole windows
+    return pool
+
+
+def _batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: float, flat: bool) -> Layer:
+    """The canonical batchnorm (harness.spec.BatchNorm) over the last axis (channels of NHWC, or flat features)."""
+    axes = (0,) if flat else (0, 1, 2)
+
+    def norm(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        if not train:
+            return (x - s[mean]) / jnp.sqrt(s[var] + epsilon) * p[w] + p[b], {}
+        batch_mean = jnp.mean(x, axis=axes)
+        batch_var = jnp.mean(jnp.square(x - batch_mean), axis=axes)  # biased: what normalises
+        n = x.size // x.shape[-1]
+        new = {mean: (1 - momentum) * s[mean] + momentum * lax.stop_gradient(batch_mean),
+               var: (1 - momentum) * s[var] + momentum * lax.stop_gradient(batch_var) * n / max(n - 1, 1)}
+        return (x - batch_mean) / jnp.sqrt(batch_var + epsilon) * p[w] + p[b], new
+    return norm
+
+
+def _dropout(rate: float, index: int) -> Layer:
+    def dropout(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        if not train or rate == 0:
+            return x, {}
+        keep = jax.random.bernoulli(jax.random.fold_in(key, index), 1.0 - rate, x.shape)
+        return jnp.where(keep, x / (1.0 - rate), 0.0), {}
+    return dropout
+
+
+def _optimizer(optimizer: Any) -> optax.GradientTransformation:
+    """optax with PyTorch's semantics (see the module docstring)."""
+    if optimizer.name == "sgd":
+        main = optax.sgd(optimizer.learning_rate, momentum=optimizer.momentum or None)
+    else:
+        main = optax.adam(optimizer.learning_rate, b1=optimizer.beta1, b2=optimizer.beta2, eps=optimizer.epsilon,
+                          eps_root=0.0)
+    if optimizer.weight_decay:
+        return optax.chain(optax.add_decayed_weights(optimizer.weight_decay), main)
+    return main
+
+
+def _gpu_total_memory() -> int | None:
+    """The first visible GPU's memory in bytes, from NVML (nvidia-ml-py) or nvidia-smi; None when neither tells."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = (pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith(("GPU-", "MIG-"))
+                      else pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0)))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no bindings, no driver: try nvidia-smi
+        pass
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i",
+                              visible or "0"], capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.strip().splitlines()[0]) * 2**20)  # MiB
+    except Exception:  # noqa: BLE001
+        return None

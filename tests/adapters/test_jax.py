@@ -1,0 +1,115 @@
+"""JAX: its adapter suite in its own environment, and the same training as PyTorch, step by step.
+
+JAX needs numpy >= 2 and MXNet numpy < 2, so JAX cannot join the development environment: its suite
+(tests/adapters/jax_suite.py) runs under envs/jax's interpreter, and the equivalence runs the shared scenarios
+(tests/adapters/scenarios.py) there and compares them with PyTorch's, run here. The tolerances are those of
+tests/test_equivalence.py for the other three frameworks."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from adapters.pytorch import PyTorchAdapter
+from harness.execution import environments
+from harness.spec import ROOT
+from tests.adapters import scenarios
+
+SUITE_TESTS = 10  # the tests in jax_suite.py: all must pass, none may be skipped
+
+
+@pytest.fixture(scope="module")
+def jax_python() -> str:
+    """envs/jax (made when missing), with pytest for its suite."""
+    python = str(environments.create("jax", ROOT / "envs")[0])
+    if subprocess.run([python, "-c", "import pytest"], capture_output=True).returncode != 0:
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "pytest>=8"], check=True)
+    return python
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+
+
+def test_the_jax_adapter_suite_passes_in_its_own_environment(jax_python):
+    proc = subprocess.run([jax_python, "-m", "pytest", "tests/adapters/jax_suite.py", "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(rf"\b{SUITE_TESTS} passed\b", summary) and not re.search(r"skipped|failed|error", summary), tail
+
+
+@pytest.fixture(scope="module")
+def runs(jax_python, tmp_path_factory):
+    """{"jax": ..., "pytorch": ...}: scenarios.run of each (JAX in envs/jax, PyTorch here)."""
+    path = tmp_path_factory.mktemp("jax") / "jax.npz"
+    proc = subprocess.run([jax_python, "-m", "tests.adapters.scenarios", "jax", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(path) as loaded:
+        jax_out = dict(loaded)
+    return {"jax": jax_out, "pytorch": scenarios.run(PyTorchAdapter)}
+
+
+def _group(out: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {k: v for k, v in out.items() if k.startswith(prefix + "|")}
+
+
+def test_the_same_scenarios_ran(runs):
+    assert sorted(runs["jax"]) == sorted(runs["pytorch"])
+    assert len(runs["jax"]) > 100
+
+
+def test_same_input_gives_same_logits(runs):
+    """Tolerance |a - b| <= 1e-5 + 1e-4 * |b|, as between the other frameworks."""
+    for key in (k for k in runs["pytorch"] if k.startswith("logits-") or k.startswith("norm-inference-")):
+        if key.endswith("|predict|"):
+            np.testing.assert_allclose(runs["jax"][key], runs["pytorch"][key], rtol=1e-4, atol=1e-5, err_msg=key)
+        else:  # evaluate: (loss, accuracy)
+            np.testing.assert_allclose(runs["jax"][key], runs["pytorch"][key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("scenario", [f"ten-{name}" for name in scenarios.OPTIMIZERS] +
+                         [f"norm-ten-{name}" for name in scenarios.NORM_MODELS])
+@pytest.mark.parametrize("step", [1, 10])
+def test_parameters_agree_after_steps(runs, scenario, step):
+    """SGD with momentum and weight decay, Adam with weight decay and a large epsilon (optax's placement of epsilon
+    must be PyTorch's), and the batchnorm models (running statistics included): every array after 1 and 10 steps
+    within 1e-5 + 1e-5 * |b| of PyTorch's, the losses of those steps within 1e-5 relative; every array moved."""
+    jax_state, torch_state = _group(runs["jax"], scenario), _group(runs["pytorch"], scenario)
+    np.testing.assert_allclose(jax_state[f"{scenario}|losses|"], torch_state[f"{scenario}|losses|"], rtol=1e-5)
+    names = [k.split("|")[2] for k in torch_state if k.split("|")[1] == str(step)]
+    assert names
+    for name in names:
+        start, after = torch_state[f"{scenario}|0|{name}"], torch_state[f"{scenario}|{step}|{name}"]
+        if step == 10 and not name.endswith(".bias"):
+            assert np.abs(after - start).max() > 1e-4, f"{name} did not move"
+        np.testing.assert_allclose(jax_state[f"{scenario}|{step}|{name}"], after, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{scenario} {name} after {step} step(s)")
+
+
+@pytest.mark.parametrize("name", list(scenarios.OPTIMIZERS))
+def test_loss_curves_of_a_real_run_agree(runs, name):
+    """Two epochs of batch 32 (88 steps): every step's loss within 5e-3 relative and the final test loss too, the
+    accuracy within one test image, as between the other frameworks."""
+    key = f"curve-{name}|losses|"
+    assert len(runs["pytorch"][key]) == 88
+    np.testing.assert_allclose(runs["jax"][key], runs["pytorch"][key], rtol=5e-3, atol=0)
+    (loss_j, acc_j), (loss_t, acc_t) = runs["jax"][f"curve-{name}|evaluate|"], runs["pytorch"][f"curve-{name}|evaluate|"]
+    assert loss_j == pytest.approx(loss_t, rel=5e-3) and abs(acc_j - acc_t) <= 1.5 / 359
+
+
+def test_gradient_accumulation_equals_one_large_batch_in_jax(runs):
+    """Four micro-batches of 8 = one batch of 32, in JAX, over 3 steps (and both equal PyTorch's)."""
+    one, four = _group(runs["jax"], "accumulation-1"), _group(runs["jax"], "accumulation-4")
+    np.testing.assert_allclose(four["accumulation-4|losses|"], one["accumulation-1|losses|"], rtol=1e-5)
+    for key, value in one.items():
+        if key.split("|")[1] == "3":
+            np.testing.assert_allclose(four[key.replace("accumulation-1", "accumulation-4")], value, rtol=1e-5,
+                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(value, runs["pytorch"][key], rtol=1e-5, atol=1e-5, err_msg=key)
