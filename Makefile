@@ -13,7 +13,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
-	$(PY) -m pip install --quiet -e '.[test,gpu]'
+	# The pins of requirements/cpu.txt as constraints: the harness itself allows numpy 2, but MXNet in this
+	# environment needs numpy < 2, and the newest releases of some dependencies would pull numpy 2 in.
+	$(PY) -m pip install --quiet -e '.[test,gpu]' -c requirements/cpu.txt
 	touch $@
 
 install: $(VENV)/.installed

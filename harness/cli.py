@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from harness import plan
     from harness.results import report
-    from harness.studies.sweep import run_spec
+    from harness.studies.sweep import raise_on_signals, run_spec
 
     overrides = {"frameworks": args.frameworks, "batch_sizes": args.batch_sizes, "epochs": args.epochs}
     spec = plan.load(args.spec, overrides)
@@ -194,6 +194,7 @@ def _run(args: argparse.Namespace) -> int:
         detail = f"{throughput:,.0f} samples/s" if throughput else record["reason"]
         progress.console.print(f"{trial.id}: {record['status']} ({detail}) in {record['wall_seconds']:.1f} s")
 
+    raise_on_signals()  # SIGTERM, SIGHUP: the run is marked interrupted, its report written (see main)
     with progress:
         run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
                            resume=args.resume)
@@ -283,7 +284,30 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:  # --resume of a directory that is not a run
         print(f"harness {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted: finished trials are in the run directory's trials.jsonl", file=sys.stderr)
-        return 130
+    except BaseException as exc:
+        from harness.studies.sweep import Interrupted
+
+        if not isinstance(exc, (KeyboardInterrupt, Interrupted)):
+            raise
+        return _interrupted(exc)
     return EXIT_USAGE
+
+
+def _interrupted(exc: BaseException) -> int:
+    """Ctrl-C, SIGTERM or SIGHUP during a run: the worker is already gone and run.json says what finished; write the
+    report of what finished and exit 128 + the signal's number (130, 143, 129)."""
+    import signal
+
+    from harness.results import report
+
+    signum = getattr(exc, "signum", signal.SIGINT)
+    run_dir = getattr(exc, "run_dir", None)
+    where = ""
+    if run_dir is not None:
+        try:
+            where = f"; report of the finished trials: {report.write(run_dir)}"
+        except Exception as err:  # noqa: BLE001 - the interruption is the news, a report failure only a detail
+            where = f"; the report of the finished trials failed ({type(err).__name__}: {err})"
+        where += f"; continue with --resume {run_dir}"
+    print(f"interrupted by {signal.Signals(signum).name}: finished trials are in trials.jsonl{where}", file=sys.stderr)
+    return 128 + int(signum)

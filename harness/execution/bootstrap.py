@@ -12,7 +12,8 @@ The launcher runs ``PREFIX -c BOOTSTRAP ROOT``: ``BOOTSTRAP`` puts ROOT (the fol
    counts, allocator settings, HARNESS_ADAPTERS) before numpy or any framework is imported: a container started by
    ``docker run`` does not inherit the launcher's environment;
 3. watches standard input, which the launcher keeps open: end of file means the launcher is gone (killed, or its
-   machine's job cancelled), and the worker then kills its process group at once instead of training on;
+   machine's job cancelled), and the worker then kills its process group at once instead of training on (on Linux
+   the kernel also kills it when its parent dies: PR_SET_PDEATHSIG);
 4. runs the trial (``harness.execution.worker.run``).
 
 This module imports only the standard library: it runs before the payload's environment is set.
@@ -68,6 +69,26 @@ def watch_stdin(on_eof: Any = None) -> threading.Thread:
     return thread
 
 
+def die_with_parent(parent: int) -> bool:
+    """Linux: SIGKILL this process when the thread that started it dies (prctl PR_SET_PDEATHSIG; man 2 prctl), when
+    ``parent`` (the launcher's pid) is this process's parent; behind a prefix that stays (a wrapper script), in a
+    container or behind a remote shell, only the standard-input watch (``watch_stdin``) reaches back to the launcher.
+    True when it was set."""
+    if os.getppid() != parent:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(EXIT_ORPHANED)
+    return True
+
+
 def main() -> int:
     """The worker's entry point (see the module docstring). Returns its exit status."""
     events = take_stdout()
@@ -77,6 +98,7 @@ def main() -> int:
         return 2
     payload = json.loads(line)
     os.environ.update({str(k): str(v) for k, v in (payload.get("env") or {}).items()})
+    die_with_parent(int(payload.get("launcher_pid") or -1))
     watch_stdin()
     from harness.execution.worker import Events, run
 

@@ -190,7 +190,7 @@ class _WorkerRun:
         self.timed_out = False
         self._buffer = b""
         allocator = payload.get("spec", {}).get("allocator")
-        payload = {**payload, "env": worker_settings(threads, allocator=allocator)}
+        payload = {**payload, "env": worker_settings(threads, allocator=allocator), "launcher_pid": os.getpid()}
         self.proc = subprocess.Popen(worker_argv(payload["trial"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, env=worker_env(threads, allocator=allocator), start_new_session=True)
         if sampler is not None:

@@ -94,6 +94,9 @@ def header_lines(data: dict[str, Any]) -> list[str]:
         + f"; device synchronized every {spec['timing']['sync_every']} step(s), at both edges of each timed window",
         f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
         "- Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
+        *([f"- Interrupted by {run['interrupted']['by']} at {run['interrupted']['at']}: "
+           f"{len(run['interrupted']['not_run'])} planned trial(s) not run; `harness run SPEC --resume RUN_DIR` "
+           "continues it"] if run.get("interrupted") else []),
         "",
         "Units: MB = 10^6 bytes; times in seconds unless marked ms; throughput in samples per second.",
         "Each cell is the median over repeats that ended ok; otherwise the trial's status.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -105,6 +106,10 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     status and reason and the sweep goes on. ``on_start(trial, index, total)``, ``on_end(trial, record)`` and
     ``on_event(worker event)`` report progress.
 
+    A run stopped on the way (Ctrl-C, SIGTERM or SIGHUP through ``raise_on_signals``, or an error of the harness) is
+    marked in run.json (``interrupted``: why, when, the trials finished and not run) and the exception goes on, with
+    ``run_dir`` set on it; the worker of the trial in progress is killed on the way out.
+
     ``resume``: an interrupted run directory to finish instead of starting a new one. Trials already in its
     trials.jsonl (whatever their status) are not run again; a torn last line (a crash mid-write) is removed and that
     trial runs again. Raises SpecError when ``spec`` differs from the spec the run started with, naming the fields.
@@ -114,6 +119,53 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     device = run_info["device"]
     trials = [t for t in plan(spec, device) if t.id not in done]
     write_json(run_dir / "run.json", run_info)
+    try:
+        _run_trials(spec, run_dir, device, trials, on_start, on_end, on_event)
+    except BaseException as exc:  # KeyboardInterrupt, Interrupted (SIGTERM, SIGHUP) or a bug: say so in run.json
+        mark_interrupted(run_dir, exc)
+        exc.run_dir = run_dir  # type: ignore[attr-defined]
+        raise
+    run_info = read_run(run_dir)
+    run_info["finished"] = _now()
+    write_json(run_dir / "run.json", run_info)
+    return run_dir
+
+
+class Interrupted(BaseException):
+    """The orchestrator received SIGTERM or SIGHUP (a cancelled job, a closed terminal). Like KeyboardInterrupt it is
+    not an Exception, so nothing on the way catches it by accident; the worker is killed on the way out."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def raise_on_signals(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> None:
+    """Makes SIGTERM and SIGHUP raise ``Interrupted`` in the main thread (call it from the main thread)."""
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    for signum in signums:
+        signal.signal(signum, handler)
+
+
+def mark_interrupted(run_dir: Path, exc: BaseException) -> None:
+    """Records in run.json why the run stopped before its end, which trials finished and which did not run; a later
+    ``--resume`` moves this into ``interruptions`` and continues."""
+    run_info = read_run(run_dir)
+    finished = [r["id"] for r in read_trials(run_dir)]
+    why = (exc.args[0] if isinstance(exc, Interrupted) else "SIGINT (Ctrl-C)" if isinstance(exc, KeyboardInterrupt)
+           else f"{type(exc).__name__}: {exc}"[:300])
+    run_info["interrupted"] = {"by": why, "at": _now(), "finished": finished,
+                               "not_run": [t for t in run_info.get("planned_trials", []) if t not in set(finished)]}
+    write_json(run_dir / "run.json", run_info)
+
+
+def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
+                on_start: Callable[[Trial, int, int], None] | None,
+                on_end: Callable[[Trial, dict[str, Any]], None] | None,
+                on_event: Callable[[dict[str, Any]], None] | None) -> None:
+    """Runs ``trials`` in order, each record on disk before the next starts (see run_spec)."""
     oom_at = _oom_sizes(read_trials(run_dir))
     for index, trial in enumerate(trials):
         if on_start is not None:
@@ -134,10 +186,6 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
                 oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
         if on_end is not None:
             on_end(trial, record)
-    run_info = read_run(run_dir)
-    run_info["finished"] = _now()
-    write_json(run_dir / "run.json", run_info)
-    return run_dir
 
 
 def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> tuple[Path, dict[str, Any], set[str]]:
@@ -173,6 +221,8 @@ def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None) -> tuple[Pa
     frameworks = probe_entries(spec, spec_path or "spec")
     drop_torn_tail(run_dir / "trials.jsonl")
     run_info.setdefault("frameworks", frameworks)
+    if run_info.get("interrupted"):
+        run_info.setdefault("interruptions", []).append(run_info.pop("interrupted"))
     run_info.setdefault("resumed", []).append(_now())
     run_info["finished"] = None
     return run_dir, run_info, {r["id"] for r in read_trials(run_dir)}
