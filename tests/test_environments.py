@@ -50,6 +50,8 @@ def test_each_framework_in_its_own_environment_trains_the_same_model(envs, tmp_p
     assert {e["executable"] for e in entries.values()} == set(envs.values())
     assert any(p.startswith("numpy==2.") for p in entries["pytorch"]["packages"])  # the environment's pip freeze
     assert not any(p.lower().startswith("torch==") for p in entries["mxnet"]["packages"])
+    assert not any(p.startswith("harness==") for e in entries.values() for p in e["packages"])  # not installed there
+    assert entries["mxnet"]["python"] == envs["mxnet"] and entries["mxnet"]["python_version"].startswith("3.")
     losses = [r["metrics"]["final_train_loss"] for r in records.values()]
     assert max(losses) - min(losses) < 1e-3 * max(losses), losses
     accuracies = [r["metrics"]["test_accuracy"] for r in records.values()]

@@ -30,13 +30,17 @@ DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}}  # what loading a
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, os, platform, sys, traceback
 root, name, registry, needed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+# What is installed in this interpreter: its own paths, not the current directory or the harness's folder (whose
+# egg-info an editable install leaves there).
+own = [p for p in sys.path if p and os.path.abspath(p) not in (os.getcwd(), os.path.abspath(root))]
+packages = sorted({f"{d.metadata['Name']}=={d.version}" for d in md.distributions(path=own) if d.metadata["Name"]},
+                  key=str.lower)
 sys.path.insert(0, root)
 if registry:
     os.environ["HARNESS_ADAPTERS"] = registry
 out = {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
-       "missing": [m for m in ("numpy", "pydantic", "yaml", *needed) if importlib.util.find_spec(m) is None]}
-out["packages"] = sorted({f"{d.metadata['Name']}=={d.version}" for d in md.distributions() if d.metadata["Name"]},
-                         key=str.lower)
+       "missing": [m for m in ("numpy", "pydantic", "yaml", *needed) if importlib.util.find_spec(m) is None],
+       "packages": packages}
 if not out["missing"]:
     import numpy
     out["numpy"] = numpy.__version__
@@ -109,8 +113,8 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
 
 
 def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Probes every framework entry of ``spec``; returns what run.json records per entry (label, name, python or
-    command, and the probe's report). Raises SpecError ``FILE: frameworks.N: reason`` for the first that fails."""
+    """Probes every framework entry of ``spec``; returns what run.json records per entry: label, name, python and
+    command as given, and the probe's report (python_version, executable, platform, numpy, versions, packages, argv). Raises SpecError ``FILE: frameworks.N: reason`` for the first that fails."""
     out = []
     for i, entry in enumerate(spec.entries):
         if entry.python and not entry.command and ("/" in entry.python) and not Path(entry.python).exists():
@@ -123,7 +127,8 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, An
         except ValueError as err:
             raise SpecError(file, f"frameworks.{i}", str(err)) from None
         out.append({"label": entry.row, "name": entry.name, "python": entry.python, "command": entry.command,
-                    **{k: v for k, v in info.items() if k != "traceback"}})
+                    "python_version": info["python"],
+                    **{k: v for k, v in info.items() if k not in ("traceback", "python", "missing")}})
     return out
 
 

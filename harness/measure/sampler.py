@@ -4,15 +4,9 @@ The sampler is a thread in the launcher's process, never in the worker (no GIL c
 Every ``interval_s`` it asks its backend for one sample, a dict of metric -> number stamped with ``time.monotonic()``
 (the clock the worker stamps its phase events with; CLOCK_MONOTONIC is system-wide on Linux). Backends:
 
-- ``NvmlBackend`` (``harness.measure.nvml``; nvidia-ml-py, NVML reference: https://docs.nvidia.com/deploy/nvml-api/):
-  ``gpu_util_percent`` and ``mem_util_percent`` (nvmlDeviceGetUtilizationRates: the percent of time over the driver's
-  last sample period, between 1/6 s and 1 s depending on the product, during which one or more kernels ran / device
-  memory was read or written; NOT the fraction of SMs in use), ``device_memory_used_bytes`` (nvmlDeviceGetMemoryInfo,
-  the v2 struct where bindings and driver have it), ``process_memory_bytes`` (the worker process tree's memory from
-  nvmlDeviceGetComputeRunningProcesses; None where NVML does not report it), ``power_w`` (nvmlDeviceGetPowerUsage),
-  ``energy_mj`` (nvmlDeviceGetTotalEnergyConsumption), ``sm_clock_mhz`` (nvmlDeviceGetClockInfo NVML_CLOCK_SM),
-  ``temperature_c`` (nvmlDeviceGetTemperature NVML_TEMPERATURE_GPU) and ``throttle_reasons`` (the
-  nvmlClocksEventReasons bitmask). Power, energy, clocks and temperature describe the whole board, every process on it.
+- ``NvmlBackend`` (``harness.measure.nvml``; nvidia-ml-py, https://docs.nvidia.com/deploy/nvml-api/): GPU
+  utilization, device and per-process memory, power, energy, SM clock, temperature and throttle reasons; see there
+  for what each metric is and how a missing one degrades.
 - ``HostBackend`` (``harness.measure.host``; psutil), where there is no GPU: the worker process tree's CPU % (100 = one
   core busy) and resident memory (bytes).
 

@@ -122,7 +122,7 @@ def environment_lines(data: dict[str, Any]) -> list[str]:
     for entry in entries:
         versions = ", ".join(f"{k} {v}" for k, v in (entry.get("versions") or {}).items() if not k.endswith("_build"))
         where = " ".join(entry["command"]) if entry.get("command") else (entry.get("executable") or "")
-        lines.append(f"| {title(entry['label'])} | {entry['name']} | {versions} | {entry.get('python', '')} | "
+        lines.append(f"| {title(entry['label'])} | {entry['name']} | {versions} | {entry.get('python_version', '')} | "
                      f"{entry.get('numpy', '')} | `{where}` |")
     return lines
 

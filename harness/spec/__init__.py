@@ -12,189 +12,44 @@ the dataset files or the adapter registry are in ``harness.plan`` (``plan.load``
 from __future__ import annotations
 
 import os
-import re
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
-# The folder that holds the harness package (the repository root in a checkout): ``{root}`` in a framework entry.
-ROOT = Path(__file__).resolve().parent.parent
+from harness.spec.base import SpecError, _Strict
+from harness.spec.frameworks import (
+    BUILTIN_FRAMEWORKS,
+    ROOT,
+    FrameworkEntry,
+    FrameworkItem,
+    as_entry,
+    resolve_entries,
+    select_frameworks,
+)
+from harness.spec.layers import (
+    Activation,
+    AvgPool2D,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool2D,
+    Initializer,
+    Layer,
+    MaxPool2D,
+    ModelSpec,
+    ReLU,
+    Softmax,
+)
 
-
-class SpecError(Exception):
-    """A spec that cannot be run. ``str(err)`` is one line: ``FILE: field.path: what is wrong``."""
-
-    def __init__(self, file: str | os.PathLike[str], field: str, message: str):
-        self.file = str(file)
-        self.field = field
-        self.message = message
-        where = f"{self.file}: {field}: " if field else f"{self.file}: "
-        super().__init__(where + message)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-Initializer = Literal["he_uniform", "he_normal", "glorot_uniform", "glorot_normal", "zeros"]
-Activation = Literal["relu", "none"]
-
-
-class Conv2D(_Strict):
-    """2-D convolution, stride 1. Weights in the canonical layout OIHW."""
-
-    type: Literal["conv2d"]
-    filters: int = Field(gt=0)
-    kernel_size: int = Field(gt=0)
-    padding: Literal["same", "valid"] = "valid"
-    activation: Activation = "none"
-    kernel_init: Initializer = "glorot_uniform"
-    bias_init: Initializer = "zeros"
-
-
-class MaxPool2D(_Strict):
-    """Max pooling with a square window; stride defaults to the window size; no padding."""
-
-    type: Literal["maxpool2d"]
-    pool_size: int = Field(default=2, gt=0)
-    stride: int | None = Field(default=None, gt=0)
-
-
-class AvgPool2D(_Strict):
-    """Average pooling with a square window; stride defaults to the window size; no padding (every window is whole,
-    so every average is over pool_size^2 values)."""
-
-    type: Literal["avgpool2d"]
-    pool_size: int = Field(default=2, gt=0)
-    stride: int | None = Field(default=None, gt=0)
-
-
-class GlobalAvgPool2D(_Strict):
-    """The mean over the height and width of each channel: (C, H, W) -> (C,)."""
-
-    type: Literal["global_avgpool2d"]
-
-
-class BatchNorm(_Strict):
-    """Batch normalisation over the channels of a (C, H, W) input (statistics over batch, height and width) or over
-    the features of a flat (F,) input (statistics over the batch), with a learned scale (gamma, "weight", initially 1)
-    and shift (beta, "bias", initially 0).
-
-    Training mode normalises with the batch's mean and biased variance and updates the running statistics, which
-    start at mean 0 and variance 1, as running <- (1 - momentum) * running + momentum * batch statistic, with the
-    UNBIASED batch variance (n / (n - 1) x the biased one, n the values per channel in the batch): PyTorch's
-    convention, in which momentum is the weight of the new batch (Keras and MXNet call 1 - momentum their momentum).
-    Inference mode normalises with the running statistics. The normalisation is (x - mean) / sqrt(var + epsilon).
-    """
-
-    type: Literal["batchnorm"]
-    momentum: float = Field(default=0.1, gt=0, le=1)
-    epsilon: float = Field(default=1e-5, gt=0)
-
-
-class Dropout(_Strict):
-    """Inverted dropout: in training mode each value is zeroed with probability ``rate`` and the others are scaled by
-    1 / (1 - rate); in inference mode the identity. The masks are each framework's own random draws."""
-
-    type: Literal["dropout"]
-    rate: float = Field(ge=0, lt=1)
-
-
-class Flatten(_Strict):
-    """Flattens (C, H, W) in channel-first order, whatever layout a framework computes in."""
-
-    type: Literal["flatten"]
-
-
-class Dense(_Strict):
-    """Fully connected layer. Weights in the canonical layout (out, in)."""
-
-    type: Literal["dense"]
-    units: int = Field(gt=0)
-    activation: Activation = "none"
-    kernel_init: Initializer = "glorot_uniform"
-    bias_init: Initializer = "zeros"
-
-
-class ReLU(_Strict):
-    type: Literal["relu"]
-
-
-class Softmax(_Strict):
-    """Allowed only as the last layer; it is folded into the softmax cross-entropy loss on the logits."""
-
-    type: Literal["softmax"]
-
-
-Layer = Annotated[Union[Conv2D, MaxPool2D, AvgPool2D, GlobalAvgPool2D, BatchNorm, Dropout, Flatten, Dense, ReLU,
-                         Softmax], Field(discriminator="type")]
-
-
-class ModelSpec(_Strict):
-    """A framework-neutral model: a layer list applied to NHWC images; its output is the class logits."""
-
-    layers: list[Layer] = Field(min_length=1)
-
-    @field_validator("layers")
-    @classmethod
-    def _softmax_last(cls, layers: list[Any]) -> list[Any]:
-        for i, layer in enumerate(layers[:-1]):
-            if layer.type == "softmax":
-                raise ValueError(f"softmax is allowed only as the last layer (found at index {i})")
-        return layers
-
-
-class FrameworkEntry(_Strict):
-    """One row of a comparison: a framework (its adapter's name) and the Python its workers run in.
-
-    A spec's ``frameworks`` list holds names (``pytorch``: the harness's own interpreter) or such mappings, e.g.
-    ``{name: pytorch, label: "PyTorch 2.15", python: envs/pytorch/bin/python}`` or ``{name: mxnet, command: [docker,
-    run, --rm, -i, --pid=host, -v, "{root}:{root}", nvcr.io/nvidia/mxnet:23.09-py3, python]}``.
-
-    label: the row's name in reports, compare and history (default: ``name``); labels are unique within a spec.
-    python: the interpreter (a path; a relative one is taken relative to the spec file's folder). command: an argv
-    prefix that starts a Python (``taskset -c 2-7 {python}``, ``docker run -i ... python``, ``srun ... python``);
-    the worker's arguments follow it. In ``python`` and ``command``, ``{root}`` is the folder that holds the harness
-    (the worker imports the harness from there, so a container must see it at the same path) and, in ``command``,
-    ``{python}`` is ``python`` (default: the harness's own interpreter). ``harness.spec.load`` substitutes them.
-    """
-
-    name: str = Field(min_length=1)
-    label: str | None = Field(default=None, min_length=1, max_length=80)
-    python: str | None = Field(default=None, min_length=1)
-    command: list[str] | None = Field(default=None, min_length=1)
-
-    @model_validator(mode="after")
-    def _python_through_command(self) -> "FrameworkEntry":
-        if self.python and self.command and not any("{python}" in part for part in self.command):
-            raise ValueError("with both python and command, command must start the python through {python}")
-        return self
-
-    @property
-    def row(self) -> str:
-        """The label, or the name when there is none."""
-        return self.label or self.name
-
-    @property
-    def slug(self) -> str:
-        """The label as it appears in trial ids and file names: lower case, runs of other characters as '-'."""
-        return re.sub(r"[^a-z0-9.]+", "-", self.row.lower()).strip("-.") or "framework"
-
-    def argv(self) -> list[str]:
-        """The argv prefix that starts this entry's Python (placeholders substituted)."""
-        python = (self.python or sys.executable).replace("{root}", str(ROOT))
-        if self.command:
-            return [part.replace("{python}", python).replace("{root}", str(ROOT)) for part in self.command]
-        return [python]
-
-
-FrameworkItem = Annotated[Union[Annotated[str, Tag("name")], Annotated[FrameworkEntry, Tag("entry")]],
-                          Discriminator(lambda v: "name" if isinstance(v, str) else "entry")]
+__all__ = ["Activation", "AllocatorSpec", "AvgPool2D", "BUILTIN_FRAMEWORKS", "BatchNorm", "Cifar10Data", "Conv2D",
+           "Dataset", "Dense", "DigitsData", "Dropout", "Flatten", "FrameworkEntry", "FrameworkItem",
+           "GlobalAvgPool2D", "Initializer", "Layer", "MaxPool2D", "ModelSpec", "OptimizerSpec", "ROOT", "ReLU",
+           "SamplerSpec", "Softmax", "Spec", "SpecError", "SyntheticData", "TimingSpec", "VariantsSpec", "as_entry",
+           "load", "select_frameworks", "validate"]
 
 
 class DigitsData(_Strict):
@@ -394,41 +249,6 @@ class Spec(_Strict):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N', not {device!r}")
 
 
-def as_entry(item: FrameworkItem) -> FrameworkEntry:
-    """A ``frameworks`` item as an entry."""
-    return FrameworkEntry(name=item) if isinstance(item, str) else item
-
-
-def _resolve_entries(spec: Spec, base_dir: Path) -> Spec:
-    """Substitutes ``{root}`` and ``{python}`` and makes relative interpreter paths absolute (relative to
-    ``base_dir``, the spec file's folder)."""
-    items: list[FrameworkItem] = []
-    for item in spec.frameworks:
-        if isinstance(item, str):
-            items.append(item)
-            continue
-        python = item.python.replace("{root}", str(ROOT)) if item.python else None
-        if python and ("/" in python or os.sep in python) and not Path(python).is_absolute():
-            python = str((base_dir / python).absolute())
-        command = None
-        if item.command:
-            command = [part.replace("{root}", str(ROOT)).replace("{python}", python or sys.executable)
-                       for part in item.command]
-        items.append(item.model_copy(update={"python": python, "command": command}))
-    return spec.model_copy(update={"frameworks": items})
-
-
-def select_frameworks(items: list[Any], wanted: list[str]) -> list[Any]:
-    """The CLI's ``--frameworks``: each wanted word picks the file's entries with that label, else those with that
-    name, else stands for itself (a plain framework name)."""
-    out: list[Any] = []
-    for word in wanted:
-        rows = [i for i in items if isinstance(i, dict) and i.get("label") == word]
-        rows = rows or [i for i in items if i == word or (isinstance(i, dict) and i.get("name") == word)]
-        out += rows or [word]
-    return out
-
-
 def _field_path(loc: tuple[Any, ...]) -> str:
     # pydantic puts the discriminator's tag in the location of a tagged union member ("conv2d"); it is kept, since
     # it names which layer kind was being read, except for a framework entry's ("name" or "entry"), which says
@@ -478,7 +298,8 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
         if overrides.get("frameworks") and isinstance(data.get("frameworks"), list):
             overrides["frameworks"] = select_frameworks(data["frameworks"], overrides["frameworks"])
         data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
-    spec = _resolve_entries(validate(data, file), file.parent)
+    spec = validate(data, file)
+    spec = spec.model_copy(update={"frameworks": resolve_entries(spec.frameworks, file.parent)})
     if isinstance(spec.dataset, Cifar10Data) and spec.dataset.path and not spec.dataset.path.is_absolute():
         dataset = spec.dataset.model_copy(update={"path": (file.parent / spec.dataset.path).resolve()})
         spec = spec.model_copy(update={"dataset": dataset})

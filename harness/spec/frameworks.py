@@ -1,0 +1,101 @@
+"""A spec's framework entries: a framework's name, or a mapping that says which Python its workers run in.
+Imports only ``harness.spec.base``."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from harness.spec.base import _Strict
+
+BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
+# The folder that holds the harness package (the repository root in a checkout): ``{root}`` in a framework entry.
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+class FrameworkEntry(_Strict):
+    """One row of a comparison: a framework (its adapter's name) and the Python its workers run in.
+
+    A spec's ``frameworks`` list holds names (``pytorch``: the harness's own interpreter) or such mappings, e.g.
+    ``{name: pytorch, label: "PyTorch 2.15", python: envs/pytorch/bin/python}`` or ``{name: mxnet, command: [docker,
+    run, --rm, -i, --pid=host, -v, "{root}:{root}", nvcr.io/nvidia/mxnet:23.09-py3, python]}``.
+
+    label: the row's name in reports, compare and history (default: ``name``); labels are unique within a spec.
+    python: the interpreter (a path; a relative one is taken relative to the spec file's folder). command: an argv
+    prefix that starts a Python (``taskset -c 2-7 {python}``, ``docker run -i ... python``, ``srun ... python``);
+    the worker's arguments follow it. In ``python`` and ``command``, ``{root}`` is the folder that holds the harness
+    (the worker imports the harness from there, so a container must see it at the same path) and, in ``command``,
+    ``{python}`` is ``python`` (default: the harness's own interpreter). ``harness.spec.load`` substitutes them.
+    """
+
+    name: str = Field(min_length=1)
+    label: str | None = Field(default=None, min_length=1, max_length=80)
+    python: str | None = Field(default=None, min_length=1)
+    command: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _python_through_command(self) -> "FrameworkEntry":
+        if self.python and self.command and not any("{python}" in part for part in self.command):
+            raise ValueError("with both python and command, command must start the python through {python}")
+        return self
+
+    @property
+    def row(self) -> str:
+        """The label, or the name when there is none."""
+        return self.label or self.name
+
+    @property
+    def slug(self) -> str:
+        """The label as it appears in trial ids and file names: lower case, runs of other characters as '-'."""
+        return re.sub(r"[^a-z0-9.]+", "-", self.row.lower()).strip("-.") or "framework"
+
+    def argv(self) -> list[str]:
+        """The argv prefix that starts this entry's Python (placeholders substituted)."""
+        python = (self.python or sys.executable).replace("{root}", str(ROOT))
+        if self.command:
+            return [part.replace("{python}", python).replace("{root}", str(ROOT)) for part in self.command]
+        return [python]
+
+
+FrameworkItem = Annotated[Union[Annotated[str, Tag("name")], Annotated[FrameworkEntry, Tag("entry")]],
+                          Discriminator(lambda v: "name" if isinstance(v, str) else "entry")]
+
+
+def as_entry(item: FrameworkItem) -> FrameworkEntry:
+    """A ``frameworks`` item as an entry."""
+    return FrameworkEntry(name=item) if isinstance(item, str) else item
+
+
+def select_frameworks(items: list[Any], wanted: list[str]) -> list[Any]:
+    """The CLI's ``--frameworks``: each wanted word picks the file's entries with that label, else those with that
+    name, else stands for itself (a plain framework name)."""
+    out: list[Any] = []
+    for word in wanted:
+        rows = [i for i in items if isinstance(i, dict) and i.get("label") == word]
+        rows = rows or [i for i in items if i == word or (isinstance(i, dict) and i.get("name") == word)]
+        out += rows or [word]
+    return out
+
+
+def resolve_entries(items: list[FrameworkItem], base_dir: Path) -> list[FrameworkItem]:
+    """Substitutes ``{root}`` and ``{python}`` and makes relative interpreter paths absolute (relative to
+    ``base_dir``, the spec file's folder)."""
+    out: list[FrameworkItem] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        python = item.python.replace("{root}", str(ROOT)) if item.python else None
+        if python and ("/" in python or os.sep in python) and not Path(python).is_absolute():
+            python = str((base_dir / python).absolute())
+        command = None
+        if item.command:
+            command = [part.replace("{root}", str(ROOT)).replace("{python}", python or sys.executable)
+                       for part in item.command]
+        out.append(item.model_copy(update={"python": python, "command": command}))
+    return out
