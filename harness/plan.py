@@ -168,20 +168,23 @@ def plan(spec: Spec, device: str) -> list[Trial]:
 
     Repeats are the outer loop and, within one batch size, the frameworks alternate, so slow drift of the machine
     (heat, other load) spreads over every framework instead of masquerading as a difference between them. Every
-    repeat uses the spec's seed: the same weights and batches; repeats measure timing noise, not seed variance.
+    repeat uses the same seed: the same weights and batches; repeats measure timing noise. Seed variance comes from
+    ``seeds``: each seed its own trials (ids end in ``-s<seed>``), within each repeat.
     """
     return [
-        Trial(id=f"{entry.slug}-bs{batch}-r{repeat}" + (f"-v{index}" if label else ""), framework=entry.name,
+        Trial(id=f"{entry.slug}-bs{batch}-r{repeat}" + (f"-s{seed}" if spec.seeds else "") +
+              (f"-v{index}" if label else ""), framework=entry.name,
               label=entry.row, python=entry.python, command=tuple(entry.command) if entry.command else None,
               batch_size=batch, repeat=repeat, variant=label, augmentation=augmentation,
               optimizer=None if not label else optimizer.model_dump(mode="json"),
-              device=device, threads=spec.cpu_threads or available_cpus(), seed=spec.seed, epochs=spec.epochs,
+              device=device, threads=spec.cpu_threads or available_cpus(), seed=seed, epochs=spec.epochs,
               warmup_steps=spec.warmup_steps, sync_every=spec.timing.sync_every,
               learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, optimizer),
               accumulation_steps=spec.accumulation_steps, effective_batch_size=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy)
         for repeat in range(spec.repeats)
+        for seed in (spec.seeds or [spec.seed])
         for index, (label, optimizer, augmentation) in enumerate(variants(spec))
         for batch in spec.batch_sizes
         for entry in spec.entries

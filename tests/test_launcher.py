@@ -161,3 +161,15 @@ def test_time_to_target_accuracy(fault_adapter, tmp_path):
     unreachable = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], target_accuracy=1.0),
                            tmp_path / "s.yaml")
     assert store.read_trials(run_spec(unreachable, tmp_path / "u"))[0]["metrics"]["time_to_target"] is None
+
+
+def test_each_seed_trains_from_its_own_weights_and_batches(fault_adapter, tmp_path):
+    """seeds: [1, 2]: one trial per seed, each recording its seed; the batch order (the fault adapter's weights
+    start at zero) and so the final loss follow the seed, while the same seed gives the same loss again."""
+    spec = validate(base_spec(frameworks=[fault_adapter], seeds=[1, 2], repeats=2, epochs=1), tmp_path / "s.yaml")
+    records = store.read_trials(run_spec(spec, tmp_path / "r"))
+    assert [(r["id"], r["seed"]) for r in records] == [("fault-bs32-r0-s1", 1), ("fault-bs32-r0-s2", 2),
+                                                       ("fault-bs32-r1-s1", 1), ("fault-bs32-r1-s2", 2)]
+    loss = {(r["repeat"], r["seed"]): r["metrics"]["final_train_loss"] for r in records}
+    assert loss[(0, 1)] == loss[(1, 1)] and loss[(0, 2)] == loss[(1, 2)]
+    assert loss[(0, 1)] != loss[(0, 2)]

@@ -162,3 +162,42 @@ def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
     quiet = [record("pytorch", 8)]  # host backend, nothing unusual: no section at all
     (tmp_path / "q").mkdir()
     assert "How the sampler fared" not in report.write(make_run(tmp_path / "q", quiet, batch_sizes=(8,))).read_text()
+
+
+def test_seeds_give_the_mean_and_a_t_interval_for_accuracy_and_repeats_the_median_for_timing(tmp_path):
+    """With several seeds, accuracy and loss cells are the mean over seeds (of each seed's median over its repeats)
+    with a Student-t interval; throughput stays the median over every repeat with a bootstrap interval; the report
+    says which spread is which."""
+    from scipy import stats
+
+    accuracy = {0: 0.90, 1: 0.94, 2: 0.95}
+    records = [record("pytorch", 8, repeat, seed=seed, throughput=100.0 + repeat + seed, accuracy=accuracy[seed],
+                      id=f"pytorch-bs8-r{repeat}-s{seed}") for repeat in range(2) for seed in accuracy]
+    run_dir = make_run(tmp_path, records, frameworks=("pytorch",), batch_sizes=(8,))
+    data = report.build(run_dir)
+    acc = next(m for m in data["metrics"] if m.key == "accuracy")
+    values = np.array(list(accuracy.values())) * 100
+    assert data["tables"]["accuracy"].loc["pytorch", 8] == pytest.approx(values.mean())
+    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    low, high = data["cis"]["accuracy"][("pytorch", 8)]
+    assert (low, high) == pytest.approx((values.mean() - half, values.mean() + half))
+    thr = next(m for m in data["metrics"] if m.key == "throughput")
+    assert data["tables"]["throughput"].loc["pytorch", 8] == np.median(tables.cell_values(records, thr, "pytorch", 8))
+    assert tables.seed_values(records, acc, "pytorch", 8) == pytest.approx(list(values))
+    text = report.write(run_dir).read_text()
+    assert "Cells show the mean over 3 seeds [95% t-interval of that mean]" in text
+    assert "timing noise of the same training" in text
+
+
+def test_seeds_plan_one_trial_per_seed_with_its_own_seed(tmp_path):
+    from harness.plan import checked_spec, plan
+    from tests.conftest import base_spec
+
+    spec = checked_spec(base_spec(seeds=[3, 7], repeats=2, batch_sizes=[16]), tmp_path / "s.yaml")
+    trials = plan(spec, "cpu")
+    assert [(t.id, t.seed) for t in trials] == [("pytorch-bs16-r0-s3", 3), ("pytorch-bs16-r0-s7", 7),
+                                                ("pytorch-bs16-r1-s3", 3), ("pytorch-bs16-r1-s7", 7)]
+    from harness.spec import SpecError
+
+    with pytest.raises(SpecError, match="seeds: a seed is listed twice"):
+        checked_spec(base_spec(seeds=[1, 1]), tmp_path / "s.yaml")

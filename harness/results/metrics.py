@@ -21,7 +21,8 @@ class Metric:
     digits: int
     meaning: str
     sampler_metric: str | None = None  # the sampler metric it reads, whose statistics carry a scope
-    ci: bool = False  # show the 95% bootstrap interval of the median over repeats
+    ci: bool = False  # show the 95% interval: of the median over repeats, or of the mean over seeds (over_seeds)
+    over_seeds: bool = False  # with several seeds: the mean over seeds of each seed's median over its repeats
 
 
 def row_key(record: dict[str, Any]) -> str:
@@ -81,9 +82,9 @@ def metrics_for(backend: str) -> list[Metric]:
         Metric("step_p90_ms", "Step time (p90)", "ms", scaled(1e3, "metrics", "step_time_p90_s"), 3,
                "90th percentile of the same per-step times"),
         Metric("accuracy", "Test accuracy after the last epoch", "%", scaled(100.0, "metrics", "test_accuracy"),
-               2, "share of the test set classified correctly after the last epoch", ci=True),
+               2, "share of the test set classified correctly after the last epoch", ci=True, over_seeds=True),
         Metric("train_loss", "Training loss (last epoch)", "", scaled(1.0, "metrics", "final_train_loss"), 4,
-               "mean of the losses read at each sync during the last epoch"),
+               "mean of the losses read at each sync during the last epoch", ci=True, over_seeds=True),
         Metric("gflops", "Achieved training compute", "GFLOP/s", scaled(1e-9, "metrics", "achieved_flops"), 2,
                "throughput x training FLOPs per sample (3 x forward; 2 FLOPs per multiply-accumulate)"),
     ]

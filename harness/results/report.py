@@ -89,7 +89,9 @@ def header_lines(data: dict[str, Any]) -> list[str]:
         f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); evaluation after each epoch, not timed",
         f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
         + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
-        + f", weight decay {opt['weight_decay']}); precision fp32 (TF32 off on GPUs); seed {spec['seed']}",
+        + f", weight decay {opt['weight_decay']}); precision fp32 (TF32 off on GPUs); "
+        + (f"seeds {', '.join(map(str, spec['seeds']))} (each its own trials; accuracy and loss are means over them)"
+           if spec.get("seeds") else f"seed {spec['seed']}"),
         f"- CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"
         + f"; device synchronized every {spec['timing']['sync_every']} step(s), at both edges of each timed window",
         f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
@@ -135,8 +137,12 @@ def metric_section(data: dict[str, Any], metric: Metric) -> list[str]:
     lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
     if metric.ci and data["cis"][metric.key]:
         pairs = noise_pairs(data, metric)
-        lines += ["Cells show the median [95% bootstrap interval of the median] over the repeats (no interval where "
-                  "every repeat gave the same value). "
+        spread = (f"Cells show the mean over {len(data['seeds'])} seeds [95% t-interval of that mean] of each seed's "
+                  "median over its repeats: the spread between trainings from other seeds (initial weights, batch "
+                  "order, dropout). " if metric.over_seeds and len(data.get("seeds", [])) > 1 else
+                  "Cells show the median [95% bootstrap interval of the median] over the repeats (no interval where "
+                  "every repeat gave the same value): timing noise of the same training. ")
+        lines += [spread
                   + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
                      else "No compared pair's intervals overlap."), ""]
     return lines

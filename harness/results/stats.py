@@ -1,4 +1,5 @@
-"""Statistics over repeats: medians and bootstrap confidence intervals (scipy.stats.bootstrap)."""
+"""Statistics over repeats (medians and bootstrap confidence intervals, scipy.stats.bootstrap) and over seeds (means
+and Student-t intervals, scipy.stats.t)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def median_ci(values: Sequence[float], confidence: float = CONFIDENCE, resamples
     result = scipy_stats.bootstrap((data,), np.median, confidence_level=confidence, n_resamples=resamples,
                                    method="percentile", random_state=np.random.default_rng(seed))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
+def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """The Student-t confidence interval of the mean of ``values`` (scipy.stats.t), or None for fewer than two
+    values; for the spread over seeds, whose values are independent draws of the same training."""
+    data = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    if data.size < 2:
+        return None
+    if np.all(data == data[0]):  # no spread: a zero-width interval (scipy's would be nan)
+        return float(data[0]), float(data[0])
+    low, high = scipy_stats.t.interval(confidence, data.size - 1, loc=data.mean(), scale=scipy_stats.sem(data))
+    return float(low), float(high)
 
 
 def overlaps(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool | None:

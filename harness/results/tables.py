@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from harness.results.metrics import MB, Metric, metrics_for, read_path, row_key, scaled, spec_rows, title
-from harness.results.stats import median_ci, overlaps
+from harness.results.stats import mean_ci, median_ci, overlaps
 from harness.results.store import read_run, read_trials
 
 
@@ -22,16 +22,33 @@ def cell_values(records: list[dict[str, Any]], metric: Metric, framework: str, b
     return [v for r in records if row_key(r) == framework and r["batch_size"] == batch_size
             and r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
 
+def seed_values(records: list[dict[str, Any]], metric: Metric, framework: str, batch_size: int) -> list[float]:
+    """Per seed of one cell (in seed order), the median of the metric over that seed's ok repeats."""
+    by_seed: dict[int, list[float]] = {}
+    for r in records:
+        if row_key(r) == framework and r["batch_size"] == batch_size and r["status"] == "ok":
+            value = metric.read(r)
+            if value is not None and math.isfinite(value):
+                by_seed.setdefault(int(r.get("seed", 0)), []).append(value)
+    return [float(np.median(by_seed[s])) for s in sorted(by_seed)]
+
+
+def _over_seeds(records: list[dict[str, Any]], metric: Metric) -> bool:
+    return metric.over_seeds and len({r.get("seed", 0) for r in records}) > 1
+
+
 def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
                  batch_sizes: list[int]) -> pd.DataFrame:
-    """Rows: frameworks; columns: batch sizes; cells: the median over ok repeats (float), or the status (str)."""
+    """Rows: frameworks; columns: batch sizes; cells: the median over ok repeats (float), or for a metric over seeds
+    in a run with several seeds the mean over seeds of each seed's median, or the status (str)."""
     table = pd.DataFrame(index=frameworks, columns=batch_sizes, dtype=object)
+    seeds = _over_seeds(records, metric)
     for fw in frameworks:
         for bs in batch_sizes:
             ok = cell_values(records, metric, fw, bs)
             mine = [r for r in records if row_key(r) == fw and r["batch_size"] == bs]
             if ok:
-                table.loc[fw, bs] = float(np.median(ok))
+                table.loc[fw, bs] = float(np.mean(seed_values(records, metric, fw, bs)) if seeds else np.median(ok))
             elif mine:
                 statuses = sorted({r["status"] for r in mine})
                 table.loc[fw, bs] = "/".join(statuses) if statuses != ["ok"] else "n/a"
@@ -41,11 +58,14 @@ def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list
 
 def ci_map(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
            batch_sizes: list[int]) -> dict[tuple[str, int], tuple[float, float]]:
-    """95% bootstrap intervals of the median for the cells with two or more ok repeats."""
+    """95% intervals for the cells with two or more values: of the mean over seeds (t) for a metric over seeds in a
+    run with several seeds, else of the median over ok repeats (bootstrap)."""
     out = {}
+    seeds = _over_seeds(records, metric)
     for fw in frameworks:
         for bs in batch_sizes:
-            interval = median_ci(cell_values(records, metric, fw, bs))
+            interval = (mean_ci(seed_values(records, metric, fw, bs)) if seeds else
+                        median_ci(cell_values(records, metric, fw, bs)))
             if interval is not None:
                 out[(fw, bs)] = interval
     return out
@@ -118,7 +138,8 @@ def build(run_dir: str | Path) -> dict[str, Any]:
     tables = {m.key: metric_table(records, m, frameworks, batch_sizes) for m in metrics}
     marks = {m.key: span_cells(records, m) for m in metrics}
     cis = {m.key: ci_map(records, m, frameworks, batch_sizes) for m in metrics if m.ci}
-    return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes,
+    seeds = sorted({int(r.get("seed", 0)) for r in records})
+    return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes, "seeds": seeds,
             "backend": backend, "metrics": metrics, "tables": tables, "marks": marks, "cis": cis}
 
 def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:

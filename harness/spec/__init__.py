@@ -172,6 +172,10 @@ class Spec(_Strict):
     target_accuracy: time and epochs to reach this test accuracy (fraction) are reported per trial.
     augmentation: random crop and flip of the training images, drawn by the harness from (seed, epoch) and loaded
     to the device before each epoch (outside the timed windows), identical for every framework.
+    seeds: several seeds instead of ``seed``, each its own trials (initial weights, batch order, augmentation and
+    dropout all follow the seed): accuracy and loss are then reported as the mean over the seeds with a 95 %
+    t-interval, the spread that the small-vs-large-batch question needs; ``repeats`` (the same seed again) measure
+    timing noise.
     after_oom: after an OOM at batch size b, larger batch sizes of that framework (same repeat and variant) are
     recorded as skipped (``skip``, the default) or run anyway (``try``).
     """
@@ -186,6 +190,7 @@ class Spec(_Strict):
     warmup_steps: int = Field(default=5, ge=0)
     optimizer: OptimizerSpec = OptimizerSpec()
     seed: int = Field(default=0, ge=0)
+    seeds: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     device: str = "auto"
     cpu_threads: int | None = Field(default=None, ge=1)
     repeats: int = Field(default=1, ge=1)
@@ -230,6 +235,13 @@ class Spec(_Strict):
     def entries(self) -> list[FrameworkEntry]:
         """The frameworks as entries (a plain name is an entry with that name and no interpreter of its own)."""
         return [as_entry(item) for item in self.frameworks]
+
+    @field_validator("seeds")
+    @classmethod
+    def _unique_seeds(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None and len(set(seeds)) != len(seeds):
+            raise ValueError("a seed is listed twice")
+        return seeds
 
     @field_validator("batch_sizes")
     @classmethod

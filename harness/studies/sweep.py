@@ -35,6 +35,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         "label": trial.row,
         "batch_size": trial.batch_size,
         "repeat": trial.repeat,
+        "seed": trial.seed,
         "variant": trial.variant,
         "device": trial.device,
         "threads": trial.threads,
@@ -63,7 +64,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
 def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
     """The record of a trial not run because a smaller batch size of the same framework ran out of memory."""
     return {"id": trial.id, "framework": trial.framework, "label": trial.row, "batch_size": trial.batch_size,
-            "repeat": trial.repeat,
+            "repeat": trial.repeat, "seed": trial.seed,
             "variant": trial.variant, "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
             "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {}, "sampler": {},
             "versions": {}, "settings": {}, "finished": _now(),
