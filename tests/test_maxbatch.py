@@ -1,6 +1,6 @@
 """The largest-batch finder: real frameworks under a real memory cap (no fakes), the memory model, and the ways a
-search ends. The four framework searches (JAX in its own environment, envs/jax) run at the same time (each probe is a separate worker process; memory,
-not speed, is measured), which keeps this file near 2 minutes on 2 cores."""
+search ends. The four framework searches (JAX in its own environment, envs/jax) run three at a time (each probe is
+a separate worker process; memory, not speed, is measured), which keeps this file near 2 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ ENTRIES = {"jax": {"name": "jax", "python": "{root}/envs/jax/bin/python"}}
 
 
 def cnn_spec(tmp_path, framework, **changes):
-    data = base_spec(**{"frameworks": [ENTRIES.get(framework, framework)], "model": {"layers": CNN}, "device": "cpu", "cpu_threads": 1,
-                        "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10}, "timeout_s": 120,
-                        **changes})
+    data = base_spec(**{"frameworks": [ENTRIES.get(framework, framework)], "model": {"layers": CNN}, "device": "cpu",
+                        "cpu_threads": 1, "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10},
+                        "timeout_s": 120, **changes})
     return validate(data, tmp_path / "s.yaml")
 
 

@@ -18,14 +18,8 @@ from harness.measure import host as host_module
 from harness.measure.energy import COUNTER_UPDATE_S, POWER_AVERAGING_S, energy_over_windows, throttle_summary
 from harness.measure.host import HostBackend
 from harness.measure.nvml import NvmlBackend, nvml_visible_index
-from harness.measure.sampler import (
-    DEFAULT_INTERVAL_S,
-    MIN_EDGE_GAP_S,
-    Sampler,
-    interval_warning,
-    make_backend,
-    phase_stats,
-)
+from harness.measure.sampler import (DEFAULT_INTERVAL_S, MIN_EDGE_GAP_S, Sampler, interval_warning, make_backend,
+                                     phase_stats)
 
 BUSY = "import time\nx = bytearray(80_000_000)\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 

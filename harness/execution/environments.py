@@ -114,7 +114,8 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
 
 def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Probes every framework entry of ``spec``; returns what run.json records per entry: label, name, python and
-    command as given, and the probe's report (python_version, executable, platform, numpy, versions, packages, argv). Raises SpecError ``FILE: frameworks.N: reason`` for the first that fails."""
+    command as given, and the probe's report (python_version, executable, platform, numpy, versions, packages,
+    argv). Raises SpecError ``FILE: frameworks.N: reason`` for the first that fails."""
     out = []
     for i, entry in enumerate(spec.entries):
         if entry.python and not entry.command and ("/" in entry.python) and not Path(entry.python).exists():

@@ -99,7 +99,8 @@ class Sampler:
     sample at a window's end covers exactly the time since the sample at its start, however short the window. A poke
     that arrives less than ``min_edge_gap_s`` after the previous edge sample is dropped (counted in
     ``dropped_pokes``); a dropped "end" poke is deferred instead, to ``min_edge_gap_s`` after the previous edge
-    sample, so every window still gets a sample at or after its end: windows of a few milliseconds (tiny epochs) would otherwise make the sampler call its backend
+    sample, so every window still gets a sample at or after its end: windows of a few milliseconds (tiny epochs)
+    would otherwise make the sampler call its backend
     hundreds of times a second and take CPU from the worker it measures (benchmarks/sampler_overhead.py measured a
     23 % slowdown). The samples before and after then stand for that edge, so a window's end sample may also cover
     the pause before it.

@@ -33,19 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.spec import (
-    AvgPool2D,
-    BatchNorm,
-    Conv2D,
-    Dense,
-    Dropout,
-    Flatten,
-    GlobalAvgPool2D,
-    MaxPool2D,
-    ModelSpec,
-    ReLU,
-    Softmax,
-)
+from harness.spec import (AvgPool2D, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool2D, MaxPool2D, ModelSpec,
+                          ReLU, Softmax)
 
 
 class ModelError(ValueError):

@@ -18,19 +18,8 @@ import pandas as pd
 from harness.results.metrics import Metric, scaled, title
 from harness.results.plots import plot, plot_trial
 from harness.results.stats import overlaps
-from harness.results.tables import (
-    MEMORY_NOTE,
-    SPAN_NOTE,
-    build,
-    cell_values,
-    format_cell,
-    markdown_table,
-    memory_rows,
-    metric_row,
-    metric_table,
-    noise_pairs,
-    ohio_state_rows,
-)
+from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, format_cell, markdown_table,
+                                    memory_rows, metric_row, metric_table, noise_pairs, ohio_state_rows)
 
 __all__ = ["build", "render_markdown", "write"]
 

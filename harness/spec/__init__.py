@@ -19,31 +19,10 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from harness.spec.base import SpecError, _Strict
-from harness.spec.frameworks import (
-    BUILTIN_FRAMEWORKS,
-    ROOT,
-    FrameworkEntry,
-    FrameworkItem,
-    as_entry,
-    resolve_entries,
-    select_frameworks,
-)
-from harness.spec.layers import (
-    Activation,
-    AvgPool2D,
-    BatchNorm,
-    Conv2D,
-    Dense,
-    Dropout,
-    Flatten,
-    GlobalAvgPool2D,
-    Initializer,
-    Layer,
-    MaxPool2D,
-    ModelSpec,
-    ReLU,
-    Softmax,
-)
+from harness.spec.frameworks import (BUILTIN_FRAMEWORKS, ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries,
+                                     select_frameworks)
+from harness.spec.layers import (Activation, AvgPool2D, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool2D,
+                                 Initializer, Layer, MaxPool2D, ModelSpec, ReLU, Softmax)
 
 __all__ = ["Activation", "AllocatorSpec", "AvgPool2D", "BUILTIN_FRAMEWORKS", "BatchNorm", "Cifar10Data", "Conv2D",
            "Dataset", "Dense", "DigitsData", "Dropout", "Flatten", "FrameworkEntry", "FrameworkItem",

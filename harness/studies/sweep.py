@@ -13,15 +13,8 @@ from harness.execution.launcher import Outcome, run_worker
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
 from harness.plan import Trial, plan
-from harness.results.store import (
-    append_trial,
-    create_run_dir,
-    drop_torn_tail,
-    read_run,
-    read_trials,
-    write_json,
-    write_lines,
-)
+from harness.results.store import (append_trial, create_run_dir, drop_torn_tail, read_run, read_trials, write_json,
+                                   write_lines)
 from harness.spec import Spec, SpecError
 
 

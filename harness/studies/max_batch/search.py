@@ -5,7 +5,8 @@ memory cap: three full optimizer steps and an evaluation at that batch size. The
 fits, ``oom`` (the framework's own out-of-memory error, see ``harness.execution.limits`` on the CPU, or Python's own
 ``MemoryError``, which the worker reports as oom: an allocation outside the framework's allocator failing under the
 cap, numpy or a module PyTorch imports lazily when the cap is below its runtime's needs) does not; so does a worker
-that ran out of memory even for its error report (it exits "without reporting why" with MemoryError last in its log). On the CPU, a probe that ends
+that ran out of memory even for its error report (it exits "without reporting why" with MemoryError last in its
+log). On the CPU, a probe that ends
 ``error`` or ``crashed`` under the cap (MXNet's engine can abort with SIGABRT when a thread's stack or a buffer cannot
 be allocated) runs once more without the cap: if that control run is ok, the cap caused the failure and it counts as
 out of memory (the reason says so). Any other ending (``error``, ``crashed``, ``timeout``) stops the search with its
@@ -153,7 +154,8 @@ def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: flo
     data.update({
         "dataset": {"name": "synthetic", "shape": list(shape), "classes": classes,
                     "size": batch_size * spec.accumulation_steps, "test_size": batch_size},
-        "frameworks": [entry.model_dump(mode="json", exclude_none=True)], "batch_sizes": [batch_size], "epochs": PROBE_EPOCHS, "warmup_steps": 0,
+        "frameworks": [entry.model_dump(mode="json", exclude_none=True)], "batch_sizes": [batch_size],
+        "epochs": PROBE_EPOCHS, "warmup_steps": 0,
         "repeats": 1, "variants": None,
         "target_accuracy": None, "memory_limit_mb": memory_limit_mb, "device": device,
     })
