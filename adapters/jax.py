@@ -112,7 +112,6 @@ class JaxAdapter(Adapter):
             self.device, self._gpu = devices[index], True
         else:
             self.device = jax.devices("cpu")[0]
-        self._threads = threads
         self._seed = seed
 
     def _apply_memory_limit(self) -> None:
@@ -150,7 +149,7 @@ class JaxAdapter(Adapter):
         # off the device) would make the second call compile the step again, inside the timed loop.
         self._key = jax.device_put(jax.random.PRNGKey(self._seed), self.device)
         self._eval = jax.jit(self._eval_batch)
-        self._logits = jax.jit(lambda p, s, x: self._forward(p, s, x, False, self._key)[0])
+        self._logits = jax.jit(self._infer)
 
     def _add_layer(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
                    params: dict[str, np.ndarray], stats: dict[str, np.ndarray],
@@ -232,8 +231,12 @@ class JaxAdapter(Adapter):
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, stats, key), loss
 
+    def _infer(self, params: Params, stats: Params, x: jax.Array) -> jax.Array:
+        """Logits in inference mode (running statistics, no dropout: the key is not drawn from)."""
+        return self._forward(params, stats, x, False, self._key)[0]
+
     def _eval_batch(self, params: Params, stats: Params, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits, _ = self._forward(params, stats, x, False, self._key)
+        logits = self._infer(params, stats, x)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
         return loss, jnp.sum(jnp.argmax(logits, axis=1) == y)
 

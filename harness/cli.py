@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     envs_sub = envs.add_subparsers(dest="envs_command", required=True)
     create = envs_sub.add_parser("create", help="create (or keep, when up to date) envs/<framework> from "
                                                 "requirements/<framework>-cpu.txt or -gpu.txt")
-    create.add_argument("frameworks", nargs="*", help="default: pytorch tensorflow mxnet")
+    create.add_argument("frameworks", nargs="*", help="default: every built-in framework")
     create.add_argument("--gpu", action="store_true", help="use requirements/<framework>-gpu.txt (CUDA builds)")
     create.add_argument("--dir", default=None, help="where the environments go (default: envs/ beside the harness)")
     return parser

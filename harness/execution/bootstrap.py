@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, TextIO
+from typing import TextIO
 
 EVENT_PREFIX = "@harness-event "
 PROBE_PREFIX = "@harness-probe "
@@ -43,9 +43,9 @@ def take_stdout() -> TextIO:
     return events
 
 
-def watch_stdin(on_eof: Any = None) -> threading.Thread:
-    """A daemon thread that reads standard input to its end; then ``on_eof()`` (default: kill this process group,
-    or this process where it leads no group)."""
+def watch_stdin() -> threading.Thread:
+    """A daemon thread that reads standard input to its end, then kills this process group (or this process where
+    it leads no group)."""
 
     def orphaned() -> None:
         try:
@@ -62,7 +62,7 @@ def watch_stdin(on_eof: Any = None) -> threading.Thread:
                 pass
         except OSError:
             pass
-        (on_eof or orphaned)()
+        orphaned()
 
     thread = threading.Thread(target=watch, name="harness-stdin-watch", daemon=True)
     thread.start()

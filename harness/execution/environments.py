@@ -24,12 +24,13 @@ PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing Tensor
 LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"}  # module -> distribution
 DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}}  # what loading a dataset needs in the worker
 
-# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS [MODULE...]`` (the registry travels as an
-# argument: a container does not inherit the environment). Standard library first, then the light dependencies, then
+# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS MODULE...`` (the modules it must find: the
+# light dependencies and what the dataset needs; the registry travels as an argument: a container does not inherit
+# the environment). Standard library first, then the light dependencies, then
 # the adapter (which imports the framework, as a trial would). One marked JSON line on standard output.
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, os, platform, sys, traceback
-root, name, registry, needed = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+root, name, registry, modules = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 # What is installed in this interpreter: its own paths, not the current directory or the harness's folder (whose
 # egg-info an editable install leaves there).
 own = [p for p in sys.path if p and os.path.abspath(p) not in (os.getcwd(), os.path.abspath(root))]
@@ -38,9 +39,8 @@ packages = sorted({f"{d.metadata['Name']}=={d.version}" for d in md.distribution
 sys.path.insert(0, root)
 if registry:
     os.environ["HARNESS_ADAPTERS"] = registry
-out = {"python": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
-       "missing": [m for m in ("numpy", "pydantic", "yaml", *needed) if importlib.util.find_spec(m) is None],
-       "packages": packages}
+out = {"python_version": platform.python_version(), "executable": sys.executable, "platform": platform.platform(),
+       "missing": [m for m in modules if importlib.util.find_spec(m) is None], "packages": packages}
 if not out["missing"]:
     import numpy
     out["numpy"] = numpy.__version__
@@ -64,7 +64,7 @@ _CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
           timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
-    """Starts ``entry``'s interpreter once and returns what it reports: ``python`` (version), ``executable``,
+    """Starts ``entry``'s interpreter once and returns what it reports: ``python_version``, ``executable``,
     ``numpy``, ``versions`` (the adapter's: framework, CUDA, cuDNN where built in), ``packages`` (every installed
     distribution as ``name==version``, the environment's ``pip freeze``), and ``argv`` (the prefix). Results are
     kept for the life of this process (one probe per entry and run). needed: further modules the trial needs
@@ -80,12 +80,10 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     shown = " ".join(argv)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     try:
-        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], *needed],
-                              stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
-    except FileNotFoundError as err:
-        raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
-    except PermissionError as err:
+        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], *LIGHT_DEPENDENCIES,
+                               *needed], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+                              env=env)
+    except (FileNotFoundError, PermissionError) as err:
         raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
     except subprocess.TimeoutExpired:
         raise ValueError(f"`{shown}` did not answer the probe within {timeout_s:g} s") from None
@@ -98,8 +96,8 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     where = info.get("executable") or shown
     light = [LIGHT_DEPENDENCIES[m] for m in info["missing"] if m in LIGHT_DEPENDENCIES]
     if light:
-        raise ValueError(f"{where} (Python {info['python']}) lacks {', '.join(light)}: a worker needs numpy, pydantic "
-                         f"and PyYAML in its interpreter (pip install numpy pydantic PyYAML there)")
+        raise ValueError(f"{where} (Python {info['python_version']}) lacks {', '.join(light)}: a worker needs numpy, "
+                         "pydantic and PyYAML in its interpreter (pip install numpy pydantic PyYAML there)")
     if info["missing"]:
         names = ", ".join(needed[m] for m in info["missing"])
         raise ValueError(f"{where} lacks {names}, which the spec's dataset needs in the worker (pip install {names} "
@@ -128,8 +126,7 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, An
         except ValueError as err:
             raise SpecError(file, f"frameworks.{i}", str(err)) from None
         out.append({"label": entry.row, "name": entry.name, "python": entry.python, "command": entry.command,
-                    "python_version": info["python"],
-                    **{k: v for k, v in info.items() if k not in ("traceback", "python", "missing")}})
+                    **{k: v for k, v in info.items() if k not in ("traceback", "missing")}})
     return out
 
 

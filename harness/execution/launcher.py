@@ -189,10 +189,10 @@ class _WorkerRun:
         self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
-        allocator = payload.get("spec", {}).get("allocator")
-        payload = {**payload, "env": worker_settings(threads, allocator=allocator), "launcher_pid": os.getpid()}
+        settings = worker_settings(threads, allocator=payload.get("spec", {}).get("allocator"))
+        payload = {**payload, "env": settings, "launcher_pid": os.getpid()}
         self.proc = subprocess.Popen(worker_argv(payload["trial"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=log, env=worker_env(threads, allocator=allocator), start_new_session=True)
+                                     stderr=log, env={**os.environ, **settings}, start_new_session=True)
         if sampler is not None:
             sampler.start(self.proc.pid)
         assert self.proc.stdin is not None and self.proc.stdout is not None

@@ -41,8 +41,8 @@ mechanism and the numbers it set. It also resets the kernel's peak-RSS counter (
 ``/proc/self/clear_refs``) and, given ``emit``, reports a ``memory_peak`` event when the worker exits (an ``atexit``
 handler; after an OOM too): the peak of what the cap counts, measured from the same baseline (``peak_estimate``:
 TensorFlow's BFC peak, exact; for the process limit an estimate of the VmData peak, which the kernel does not keep,
-from the peak RSS and the VmData at exit). ``harness.studies.max_batch`` fits its memory model to that number. A hard crash
-(SIGKILL, SIGSEGV) reports no peak.
+from the peak RSS and the VmData at exit). ``harness.studies.max_batch`` fits its memory model to that number. A
+hard crash (SIGKILL, SIGSEGV) reports no peak.
 
 Caveat, measured: a cap below what a framework needs for its own runtime (here PyTorch ~110 MB and MXNet ~100 MB of
 VmData after import, mostly 8 MB thread stacks and modules PyTorch imports lazily when the optimizer is built) fails

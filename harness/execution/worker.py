@@ -9,8 +9,9 @@ standard error (a log whose tail the launcher keeps for errors).
 Every event carries ``t``, a ``time.monotonic()`` stamp (CLOCK_MONOTONIC on Linux: the same clock in every process of
 the machine, so the launcher's sampler can place its samples in the worker's phases).
 
-The loop: each epoch is floor(N / batch size) full batches in the order ``harness.neutral.datasets.epoch_order`` gives (the
-remainder is dropped, so no smaller last batch changes shapes and triggers a retrace or re-allocation inside a timed
+The loop: each epoch is floor(N / batch size) full batches in the order ``harness.neutral.datasets.epoch_order``
+gives (the remainder is dropped, so no smaller last batch changes shapes and triggers a retrace or re-allocation
+inside a timed
 window). The first ``warmup_steps`` optimizer steps of the run are warm-up: they train like any other step (every
 framework takes exactly the same optimizer steps) but are not timed. After warm-up, the steps of each epoch are timed
 in windows of ``timing.sync_every`` steps with a device sync at both edges of every window. Evaluation on the test set

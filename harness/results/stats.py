@@ -11,12 +11,16 @@ from scipy import stats as scipy_stats
 CONFIDENCE = 0.95
 
 
+def _finite(values: Sequence[float]) -> np.ndarray:
+    return np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+
+
 def median_ci(values: Sequence[float], confidence: float = CONFIDENCE, resamples: int = 2000,
               seed: int = 0) -> tuple[float, float] | None:
     """The percentile-bootstrap confidence interval of the median of ``values`` (scipy.stats.bootstrap), or None
     for fewer than two values or values that are all equal (a zero-width interval says nothing about noise, so it is
     returned as (v, v)). Deterministic for a given seed."""
-    data = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    data = _finite(values)
     if data.size < 2:
         return None
     if np.all(data == data[0]):
@@ -29,7 +33,7 @@ def median_ci(values: Sequence[float], confidence: float = CONFIDENCE, resamples
 def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
     """The Student-t confidence interval of the mean of ``values`` (scipy.stats.t), or None for fewer than two
     values; for the spread over seeds, whose values are independent draws of the same training."""
-    data = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    data = _finite(values)
     if data.size < 2:
         return None
     if np.all(data == data[0]):  # no spread: a zero-width interval (scipy's would be nan)

@@ -22,15 +22,12 @@ def cell_values(records: list[dict[str, Any]], metric: Metric, framework: str, b
     return [v for r in records if row_key(r) == framework and r["batch_size"] == batch_size
             and r["status"] == "ok" and (v := metric.read(r)) is not None and math.isfinite(v)]
 
+
 def seed_values(records: list[dict[str, Any]], metric: Metric, framework: str, batch_size: int) -> list[float]:
     """Per seed of one cell (in seed order), the median of the metric over that seed's ok repeats."""
-    by_seed: dict[int, list[float]] = {}
-    for r in records:
-        if row_key(r) == framework and r["batch_size"] == batch_size and r["status"] == "ok":
-            value = metric.read(r)
-            if value is not None and math.isfinite(value):
-                by_seed.setdefault(int(r.get("seed", 0)), []).append(value)
-    return [float(np.median(by_seed[s])) for s in sorted(by_seed)]
+    return [float(np.median(values)) for seed in sorted({int(r.get("seed", 0)) for r in records})
+            if (values := cell_values([r for r in records if int(r.get("seed", 0)) == seed], metric, framework,
+                                      batch_size))]
 
 
 def _over_seeds(records: list[dict[str, Any]], metric: Metric) -> bool:
@@ -55,6 +52,7 @@ def metric_table(records: list[dict[str, Any]], metric: Metric, frameworks: list
             else:
                 table.loc[fw, bs] = ""
     return table
+
 
 def ci_map(records: list[dict[str, Any]], metric: Metric, frameworks: list[str],
            batch_sizes: list[int]) -> dict[tuple[str, int], tuple[float, float]]:
@@ -95,8 +93,8 @@ def span_cells(records: list[dict[str, Any]], metric: Metric) -> set[tuple[str, 
     return {(row_key(r), r["batch_size"]) for r in records if r["status"] == "ok"
             and read_path(r, "sampler", "stats", metric.sampler_metric, "scope") == "span"}
 
-SPAN_NOTE = ("\\* sampled over the whole measured span, evaluation pauses included: the timed windows were shorter than "
-             "the sampling interval.")
+SPAN_NOTE = ("\\* sampled over the whole measured span, evaluation pauses included: the timed windows were shorter "
+             "than the sampling interval.")
 
 def format_cell(value: Any, digits: int, mark: bool = False) -> str:
     if isinstance(value, float):

@@ -18,6 +18,11 @@ BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+def slug(text: str) -> str:
+    """``text`` as it appears in trial ids and file names: lower case, runs of other characters as '-'."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.") or "framework"
+
+
 class FrameworkEntry(_Strict):
     """One row of a comparison: a framework (its adapter's name) and the Python its workers run in.
 
@@ -51,8 +56,8 @@ class FrameworkEntry(_Strict):
 
     @property
     def slug(self) -> str:
-        """The label as it appears in trial ids and file names: lower case, runs of other characters as '-'."""
-        return re.sub(r"[^a-z0-9.]+", "-", self.row.lower()).strip("-.") or "framework"
+        """The label as it appears in trial ids and file names (see ``slug``)."""
+        return slug(self.row)
 
     def argv(self) -> list[str]:
         """The argv prefix that starts this entry's Python (placeholders substituted)."""
@@ -93,9 +98,6 @@ def resolve_entries(items: list[FrameworkItem], base_dir: Path) -> list[Framewor
         python = item.python.replace("{root}", str(ROOT)) if item.python else None
         if python and ("/" in python or os.sep in python) and not Path(python).is_absolute():
             python = str((base_dir / python).absolute())
-        command = None
-        if item.command:
-            command = [part.replace("{root}", str(ROOT)).replace("{python}", python or sys.executable)
-                       for part in item.command]
-        out.append(item.model_copy(update={"python": python, "command": command}))
+        resolved = item.model_copy(update={"python": python})
+        out.append(resolved.model_copy(update={"command": resolved.argv() if item.command else None}))
     return out

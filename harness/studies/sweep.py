@@ -23,16 +23,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
     result = outcome.result() or {}
     ready = next((e for e in outcome.events if e.get("event") == "ready"), {})
     record: dict[str, Any] = {
-        "id": trial.id,
-        "framework": trial.framework,
-        "label": trial.row,
-        "batch_size": trial.batch_size,
-        "repeat": trial.repeat,
-        "seed": trial.seed,
-        "variant": trial.variant,
-        "device": trial.device,
-        "threads": trial.threads,
-        "learning_rate": trial.learning_rate,
+        **_identity(trial),
         "accumulation_steps": trial.accumulation_steps,
         "effective_batch_size": trial.effective_batch_size,
         "status": outcome.status,
@@ -43,7 +34,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         "sampler": outcome.sampler,
         "versions": result.get("versions") or ready.get("versions", {}),
         "settings": result.get("settings") or ready.get("settings", {}),
-        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished": _now(),
     }
     add_mfu(record)
     if outcome.status != "ok":
@@ -56,12 +47,16 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
 
 def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
     """The record of a trial not run because a smaller batch size of the same framework ran out of memory."""
-    return {"id": trial.id, "framework": trial.framework, "label": trial.row, "batch_size": trial.batch_size,
-            "repeat": trial.repeat, "seed": trial.seed,
-            "variant": trial.variant, "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
-            "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {}, "sampler": {},
-            "versions": {}, "settings": {}, "finished": _now(),
+    return {**_identity(trial), "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {},
+            "sampler": {}, "versions": {}, "settings": {}, "finished": _now(),
             "reason": f"not run: batch size {oom_batch_size} already ran out of memory (after_oom: skip)"}
+
+
+def _identity(trial: Trial) -> dict[str, Any]:
+    """The fields that say which trial a record is, in every record whether it ran or not."""
+    return {"id": trial.id, "framework": trial.framework, "label": trial.row, "batch_size": trial.batch_size,
+            "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant, "device": trial.device,
+            "threads": trial.threads, "learning_rate": trial.learning_rate}
 
 
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
@@ -148,10 +143,11 @@ def mark_interrupted(run_dir: Path, exc: BaseException) -> None:
     ``--resume`` moves this into ``interruptions`` and continues."""
     run_info = read_run(run_dir)
     finished = [r["id"] for r in read_trials(run_dir)]
+    done = set(finished)
     why = (exc.args[0] if isinstance(exc, Interrupted) else "SIGINT (Ctrl-C)" if isinstance(exc, KeyboardInterrupt)
            else f"{type(exc).__name__}: {exc}"[:300])
     run_info["interrupted"] = {"by": why, "at": _now(), "finished": finished,
-                               "not_run": [t for t in run_info.get("planned_trials", []) if t not in set(finished)]}
+                               "not_run": [t for t in run_info.get("planned_trials", []) if t not in done]}
     write_json(run_dir / "run.json", run_info)
 
 

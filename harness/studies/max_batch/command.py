@@ -24,11 +24,10 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
         entry = planning.entry_for(spec, args.framework)
         planning.check_framework_name(entry.name, args.spec)
-        environments.probe_entries(planning.checked_spec({**spec.model_dump(mode="json"),
-                                                          "frameworks": [entry.model_dump(exclude_none=True)]},
-                                                         args.spec), args.spec)
-        if args.device is not None:
-            planning.checked_spec({**spec.model_dump(mode="json"), "device": args.device}, args.spec)
+        # One check of what the search runs: this entry alone, on the device asked for; then its interpreter's probe.
+        searched = {**spec.model_dump(mode="json"), "frameworks": [entry.model_dump(exclude_none=True)],
+                    **({"device": args.device} if args.device is not None else {})}
+        environments.probe_entries(planning.checked_spec(searched, args.spec), args.spec)
     except SpecError as err:
         print(str(err), file=sys.stderr)
         return 2

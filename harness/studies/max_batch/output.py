@@ -4,7 +4,6 @@ result; ``probes.jsonl``, one line per probe appended as it finishes; ``events/<
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +13,7 @@ from harness import __version__
 from harness.measure import machine
 from harness.results.store import append_line, create_run_dir, write_json, write_lines
 from harness.spec import Spec
+from harness.spec.frameworks import slug
 from harness.studies.max_batch.search import PROBE_EPOCHS, MaxBatchResult, Probe
 
 
@@ -88,8 +88,7 @@ class RunWriter:
     def __init__(self, out_root: str | Path, spec: Spec, framework: str, device: str,
                  spec_path: str | Path | None = None, settings: dict[str, Any] | None = None):
         self.spec = spec
-        slug = re.sub(r"[^a-z0-9.]+", "-", framework.lower()).strip("-.")
-        self.run_dir = create_run_dir(out_root, f"{spec.name}-max-batch-{slug}")
+        self.run_dir = create_run_dir(out_root, f"{spec.name}-max-batch-{slug(framework)}")
         self.info: dict[str, Any] = {
             "kind": "max-batch", "harness_version": __version__, "spec_file": str(spec_path) if spec_path else None,
             "spec": spec.model_dump(mode="json"), "framework": framework, "device": device,
