@@ -92,7 +92,7 @@ class Trial:
     seed: int
     epochs: int
     warmup_steps: int
-    sync_every: int
+    timing: dict[str, Any]
     learning_rate: float
     accumulation_steps: int = 1
     effective_batch_size: int = 0
@@ -178,7 +178,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               batch_size=batch, repeat=repeat, variant=label, augmentation=augmentation,
               optimizer=None if not label else optimizer.model_dump(mode="json"),
               device=device, threads=spec.cpu_threads or available_cpus(), seed=seed, epochs=spec.epochs,
-              warmup_steps=spec.warmup_steps, sync_every=spec.timing.sync_every,
+              warmup_steps=spec.warmup_steps, timing=spec.timing.model_dump(mode="json"),
               learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, optimizer),
               accumulation_steps=spec.accumulation_steps, effective_batch_size=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),

@@ -37,7 +37,7 @@ def make_run(tmp_path, records, frameworks=("pytorch", "mxnet"), batch_sizes=(8,
     spec = {"name": "t", "frameworks": list(frameworks), "batch_sizes": list(batch_sizes), "epochs": epochs,
             "warmup_steps": 5, "seed": 0, "cpu_threads": 1, "dataset": {"name": "digits"},
             "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9, "weight_decay": 0.0},
-            "sampler": {"interval_s": 0.1}, "timing": {"sync_every": 1}}
+            "sampler": {"interval_s": 0.1}, "timing": {"window": "auto"}}
     device = "cuda:0" if records and records[0]["device"].startswith("cuda") else "cpu"
     store.write_json(run_dir / "run.json", {"spec": spec, "device": device, "planned_trials": [r["id"] for r in records],
                                               "environment": {}, "started": "now", "finished": "later"})

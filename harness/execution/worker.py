@@ -14,8 +14,11 @@ gives (the remainder is dropped, so no smaller last batch changes shapes and tri
 inside a timed
 window). The first ``warmup_steps`` optimizer steps of the run are warm-up: they train like any other step (every
 framework takes exactly the same optimizer steps) but are not timed. After warm-up, the steps of each epoch are timed
-in windows of ``timing.sync_every`` steps with a device sync at both edges of every window. Evaluation on the test set
-follows each epoch, outside the timed windows.
+in windows with a device sync at both edges of every window and none inside (``harness.spec.TimingSpec``): by default
+(``window: auto``) windows of about ``window_seconds`` and at least ``min_window_steps`` steps, sized by the step time
+of the window before (of the warm-up for the first), never crossing an epoch's end, and a remainder shorter than
+``min_window_steps`` joins the window before it; ``window: step`` syncs after every step (latency mode); an integer
+k gives windows of k steps. Evaluation on the test set follows each epoch, outside the timed windows.
 """
 
 from __future__ import annotations
@@ -75,9 +78,11 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
     """The shared training loop (see the module docstring). Returns the trial's training metrics.
 
     adapter: a prepared, built and loaded Adapter. data: harness.neutral.datasets.Data. trial: the payload's trial
-    fields (batch_size, epochs, warmup_steps, seed, sync_every; accumulation_steps, augmentation, target_accuracy
-    optional). emit: Events.emit. Times are in seconds (perf_counter); throughput is in samples per second. Raises
-    TrialError when the batch size exceeds the training set or warm-up leaves no step to measure.
+    fields (batch_size, epochs, warmup_steps, seed, timing; accumulation_steps, augmentation, target_accuracy
+    optional; max_steps_per_epoch, optional, cuts every epoch to its first steps: ``harness max-batch --with-dataset``
+    probes with the whole dataset resident but no whole epoch). emit: Events.emit. Times are in seconds
+    (perf_counter); throughput is in samples per second. Raises TrialError when the batch size exceeds the training
+    set or warm-up leaves no step to measure.
     """
     return _Loop(adapter, data, trial, emit).run()
 
@@ -91,11 +96,13 @@ class _Loop:
         self.accumulation = trial.get("accumulation_steps", 1)
         self.batch = self.micro * self.accumulation  # samples per optimizer step
         self.epochs, self.warmup = trial["epochs"], trial["warmup_steps"]
-        self.sync_every, self.seed = trial["sync_every"], trial["seed"]
+        self.timing, self.seed = trial["timing"], trial["seed"]
         self.augmentation = bool(trial.get("augmentation"))
         self.target = trial.get("target_accuracy")
         self.n = len(data.y_train)
         self.steps_per_epoch = self.n // self.batch
+        if trial.get("max_steps_per_epoch"):  # a max-batch probe holding the whole dataset: its first steps only
+            self.steps_per_epoch = min(self.steps_per_epoch, trial["max_steps_per_epoch"])
         if self.steps_per_epoch == 0:
             what = (f"batch size {self.micro}" if self.accumulation == 1 else
                     f"effective batch size {self.batch} ({self.accumulation} x {self.micro})")
@@ -104,6 +111,7 @@ class _Loop:
             raise TrialError(f"warmup_steps {self.warmup} leaves none of the {self.steps_per_epoch * self.epochs} "
                              "steps to measure")
         self.step_seconds: list[float] = []  # per-step time of each window (window time / its steps)
+        self.step_estimate: float | None = None  # seconds per step, from the last synced period (auto windows)
         self.measured_seconds = 0.0
         self.measured_steps = 0
         self.epoch_records: list[dict[str, Any]] = []
@@ -146,28 +154,45 @@ class _Loop:
     def warm_up(self, epoch: int, order: np.ndarray, losses: list[float]) -> int:
         """The warm-up steps still left, at the start of this epoch; returns the position after them."""
         count = min(self.warmup - epoch * self.steps_per_epoch, self.steps_per_epoch)
+        self.adapter.sync()
+        start = time.perf_counter()
         for position in range(count):
             self.step(order, position)
         losses.append(self.adapter.sync())
+        if count:  # compilation included: an estimate on the high side, so the first window errs short
+            self.step_estimate = (time.perf_counter() - start) / count
         if epoch * self.steps_per_epoch + count == self.warmup:
             self.warm = True
             self.emit("phase", name="warmup", edge="end")
             self.adapter.reset_memory_stats()
         return count
 
+    def window_steps(self, left: int) -> int:
+        """The steps of the next timed window when ``left`` steps of the epoch remain (see the module docstring)."""
+        window = self.timing["window"]
+        if window == "step":
+            return 1
+        if window != "auto":
+            return min(int(window), left)
+        least = self.timing["min_window_steps"]
+        steps = least if not self.step_estimate else max(least, math.ceil(self.timing["window_seconds"]
+                                                                         / self.step_estimate))
+        return left if left - steps < least else steps
+
     def timed(self, epoch: int, order: np.ndarray, position: int, losses: list[float]) -> float:
-        """The rest of the epoch in timed windows of sync_every steps, synced at both edges; returns its seconds."""
+        """The rest of the epoch in timed windows, synced at both edges; returns its seconds."""
         self.adapter.sync()
         self.emit("phase", name="train", epoch=epoch, edge="start")
         start = previous = time.perf_counter()
         while position < self.steps_per_epoch:
-            count = min(self.sync_every, self.steps_per_epoch - position)
+            count = self.window_steps(self.steps_per_epoch - position)
             for _ in range(count):
                 self.step(order, position)
                 position += 1
             losses.append(self.adapter.sync())
             now = time.perf_counter()
-            self.step_seconds.append((now - previous) / count)
+            self.step_estimate = (now - previous) / count
+            self.step_seconds.append(self.step_estimate)
             self.measured_steps += count
             previous = now
         self.emit("phase", name="train", epoch=epoch, edge="end")
@@ -201,8 +226,11 @@ class _Loop:
             "measured_seconds": self.measured_seconds,
             "throughput": throughput,
             "seconds_per_epoch": self.steps_per_epoch * self.batch / throughput,
+            # over windows: each window's duration over its steps (per step in latency mode, window: step)
             "step_time_median_s": float(np.median(per_step)),
             "step_time_p90_s": float(np.percentile(per_step, 90)),
+            "timed_windows": len(self.step_seconds),
+            "timing_window": self.timing["window"],
             "final_train_loss": last["train_loss"],
             "test_loss": last["test_loss"],
             "test_accuracy": last["test_accuracy"],

@@ -58,6 +58,20 @@ def render_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def timing_mode(timing: dict[str, Any]) -> str:
+    """How the run's timed windows were synchronized, in words (``timing``: the spec's timing section as JSON; a
+    run written before windows existed has ``sync_every``)."""
+    window = timing.get("window", "step" if timing.get("sync_every", 1) == 1 else timing.get("sync_every"))
+    if window == "step":
+        return ("latency mode: the device synchronized after every step (step times are per step; throughput "
+                "includes a sync per step)")
+    if window == "auto":
+        return (f"timed windows of about {timing.get('window_seconds', 1.0):g} s and at least "
+                f"{timing.get('min_window_steps', 10)} steps (at most an epoch), the device synchronized only at "
+                "their edges; step times are window means")
+    return f"timed windows of {window} steps, the device synchronized only at their edges; step times are window means"
+
+
 def header_lines(data: dict[str, Any]) -> list[str]:
     """What was run, where and how: device, versions, dataset, optimizer, threads, sampling, statuses, units."""
     run, records, spec = data["run"], data["records"], data["run"]["spec"]
@@ -82,7 +96,7 @@ def header_lines(data: dict[str, Any]) -> list[str]:
         + (f"seeds {', '.join(map(str, spec['seeds']))} (each its own trials; accuracy and loss are means over them)"
            if spec.get("seeds") else f"seed {spec['seed']}"),
         f"- CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"
-        + f"; device synchronized every {spec['timing']['sync_every']} step(s), at both edges of each timed window",
+        + f"; {timing_mode(spec.get('timing', {}))}",
         f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
         "- Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
         *([f"- Interrupted by {run['interrupted']['by']} at {run['interrupted']['at']}: "

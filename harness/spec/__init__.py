@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from harness.spec.base import SpecError, _Strict
 from harness.spec.frameworks import (BUILTIN_FRAMEWORKS, ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries,
@@ -119,13 +119,32 @@ class AllocatorSpec(_Strict):
 
 
 class TimingSpec(_Strict):
-    """How the training loop is timed.
+    """How the training loop is timed. Every timed window is synchronized with the device at both edges (its
+    ``sync``: torch.cuda.synchronize, block_until_ready, ...) and at no step inside, so host dispatch and device
+    work overlap inside a window as in a plain training loop.
 
-    ``sync_every``: the device is synchronized after every this many steps; each such group of steps is one timed
-    window, and a window's step time is its duration over its steps. 1 times every step on its own.
+    ``window``: ``auto`` (the default): windows of about ``window_seconds`` of work and at least
+    ``min_window_steps`` steps, at most the rest of the epoch; the step time of the last window (or of the warm-up)
+    sizes the next. ``step``: latency mode, a sync after every step: exact per-step percentiles, at the cost of the
+    overlap (throughput then includes a sync per step). An integer k: fixed windows of k steps. Step-time
+    percentiles are over windows (each window's duration over its steps). ``sync_every: k`` (the former name) is
+    read as ``window: k``, and ``sync_every: 1`` as ``window: step``.
     """
 
-    sync_every: int = Field(default=1, ge=1)
+    window: Literal["auto", "step"] | PositiveInt = "auto"
+    window_seconds: float = Field(default=1.0, gt=0)
+    min_window_steps: int = Field(default=10, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_sync_every(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sync_every" in data:
+            if "window" in data:
+                raise ValueError("give window or sync_every (its former name), not both")
+            data = dict(data)
+            every = data.pop("sync_every")
+            data["window"] = "step" if every == 1 else every
+        return data
 
 
 class VariantsSpec(_Strict):

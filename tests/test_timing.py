@@ -1,0 +1,116 @@
+"""The shared loop's timed windows: where it synchronizes the device, how long its windows are, what it reports."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness.execution.worker import train
+from harness.results.report import timing_mode
+from harness.spec import SpecError, TimingSpec, load
+
+
+class RecordingAdapter:
+    """Just what the loop calls, recording the order of steps and syncs; a step takes ``step_s`` of wall time."""
+
+    def __init__(self, step_s: float = 0.0):
+        self.step_s, self.calls = step_s, []
+
+    def train_step(self, indices, micro_batches=1):
+        self.calls.append("step")
+        if self.step_s:
+            time.sleep(self.step_s)
+
+    def sync(self):
+        self.calls.append("sync")
+        return 0.5
+
+    def evaluate(self, batch_size):
+        self.calls.append("eval")
+        return 0.5, 0.9
+
+    def reset_memory_stats(self):
+        pass
+
+    def memory_stats(self):
+        return {}
+
+
+def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, warmup: int = 0, step_s: float = 0.0):
+    adapter = RecordingAdapter(step_s)
+    data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 1, 1, 1)))
+    trial = {"batch_size": batch, "epochs": epochs, "warmup_steps": warmup, "seed": 0,
+             "timing": TimingSpec.model_validate(timing).model_dump(mode="json")}
+    events = []
+    metrics = train(adapter, data, trial, lambda event, **fields: events.append((event, fields)))
+    return adapter.calls, metrics
+
+
+def _timed_windows(calls: list[str]) -> list[int]:
+    """Steps between consecutive syncs up to the last evaluation (warm-up steps are the first group when any)."""
+    last_eval = len(calls) - 1 - calls[::-1].index("eval")
+    timed = calls[:last_eval]
+    start = len(timed) - 1 - timed[::-1].index("sync")  # the sync closing the last window
+    windows, count = [], 0
+    for call in timed[:start + 1]:
+        if call == "step":
+            count += 1
+        elif count:
+            windows.append(count)
+            count = 0
+    return windows
+
+
+def test_latency_mode_syncs_after_every_step():
+    calls, metrics = _train({"window": "step"})
+    assert _timed_windows(calls) == [1] * 22
+    assert metrics["timed_windows"] == 22 and metrics["timing_window"] == "step"
+
+
+def test_fixed_windows_sync_only_at_their_edges():
+    calls, metrics = _train({"window": 5})
+    assert _timed_windows(calls) == [5, 5, 5, 5, 2]
+    assert metrics["timed_windows"] == 5 and metrics["measured_steps"] == 22
+
+
+def test_auto_windows_last_about_the_target_and_never_leave_a_short_remainder():
+    # 4 ms steps, a 0.05 s target: about 13 steps a window; at least 3; 60 steps an epoch.
+    calls, metrics = _train({"window": "auto", "window_seconds": 0.05, "min_window_steps": 3},
+                            samples=240, warmup=2, step_s=0.004)
+    warmup, *windows = _timed_windows(calls)
+    assert warmup == 2 and sum(windows) == 58 and metrics["timed_windows"] == len(windows)
+    assert all(w >= 3 for w in windows)
+    assert 2 <= len(windows) <= 8, windows  # not one sync a step, not one window for the epoch
+    # Each window's measured time is close to the target (sleep only ever overshoots).
+    assert 0.03 < np.median(np.asarray(windows) * 0.004) < 0.1
+
+
+def test_auto_windows_without_warmup_start_at_the_minimum_and_fill_a_short_epoch():
+    calls, _ = _train({"window": "auto", "window_seconds": 10.0, "min_window_steps": 4}, samples=88)
+    assert _timed_windows(calls) == [4, 18]  # first window: no estimate yet; then the rest of the epoch
+    calls, _ = _train({"window": "auto", "min_window_steps": 30}, samples=88)
+    assert _timed_windows(calls) == [22]  # an epoch shorter than the minimum is one window
+
+
+def test_former_sync_every_and_bad_windows(tmp_path):
+    assert TimingSpec.model_validate({"sync_every": 1}).window == "step"
+    assert TimingSpec.model_validate({"sync_every": 8}).window == 8
+    path = tmp_path / "bad.yaml"
+    for timing, field in (("{window: 0}", "timing.window"), ("{window: often}", "timing.window"),
+                          ("{window: 4, sync_every: 4}", "timing"), ("{window_seconds: 0}", "timing.window_seconds")):
+        path.write_text(f"name: t\nframeworks: [pytorch]\nmodel: {{layers: [{{type: flatten}}, {{type: dense, units: 10}}]}}\n"
+                        f"dataset: {{name: digits}}\nbatch_sizes: [8]\ntiming: {timing}\n")
+        with pytest.raises(SpecError) as err:
+            load(path)
+        assert field in str(err.value) and str(path) in str(err.value)
+
+
+def test_the_report_states_the_mode():
+    assert "after every step" in timing_mode({"window": "step"})
+    assert "after every step" in timing_mode({"sync_every": 1})  # a run written before windows
+    auto = timing_mode(TimingSpec().model_dump(mode="json"))
+    assert "about 1 s" in auto and "only at their edges" in auto
+    assert "windows of 16 steps" in timing_mode({"window": 16})
