@@ -112,13 +112,15 @@ def _fraction(text: str) -> float:
 
 
 def _max_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """``max-batch SPEC --framework NAME [--memory-limit-mb X] [--margin F] [--out DIR] ...``."""
+    """``max-batch SPEC --framework NAME [--memory-limit-mb X] [--margin F] [--with-dataset] [--out DIR] ...``."""
     tolerance = 0.05  # harness.studies.max_batch.search.DEFAULT_TOLERANCE, not imported to keep startup light
     parser = subparsers.add_parser(
         "max-batch", help="find the largest batch size that fits the memory cap (one worker per probe)",
         description="Probes batch sizes, each in its own worker, fits peak memory = fixed + per-sample x batch, "
-                    "predicts the limit from the cap and bisects to it. Exit 0 with the result, 1 when a probe "
-                    "failed otherwise than out of memory, 2 for a bad spec or arguments.")
+                    "predicts the limit from the cap and bisects to it. The answer is ok in two probes; a size "
+                    "seen both fitting and running out of memory is reported as 'fits sometimes', never as the "
+                    "answer. Exit 0 with the result, 1 when a probe failed otherwise than out of memory, 2 for a "
+                    "bad spec or arguments.")
     parser.add_argument("spec", help="a YAML spec, e.g. specs/max_batch.yaml")
     parser.add_argument("--framework", required=True, help="pytorch, tensorflow, mxnet (or a registered adapter)")
     parser.add_argument("--memory-limit-mb", type=float, help="the cap (MB = 10^6 bytes); default: the spec's "
@@ -129,6 +131,9 @@ def _max_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"stop when the bracket is within this fraction (default {tolerance})")
     parser.add_argument("--initial-sizes", type=_sizes, help="small sizes probed first (default 16,64,256)")
     parser.add_argument("--max-batch", type=int, help="the largest size to try")
+    parser.add_argument("--with-dataset", action="store_true",
+                        help="probe with the spec's real dataset resident, as in a run (default: synthetic data of "
+                             "the batch's size); sizes are then at most the training set's")
     parser.add_argument("--device", help="cpu or cuda:N (default: the spec's device)")
     parser.add_argument("--timeout", type=float, help="seconds per probe (default: the spec's timeout_s)")
     parser.add_argument("--out", default="results", help="folder that receives the run directory (default: results)")

@@ -12,7 +12,8 @@ from harness.execution import environments
 from harness.measure.machine import resolve_device
 from harness.spec import SpecError
 from harness.studies.max_batch.output import RunWriter, mb, table
-from harness.studies.max_batch.search import Probe, find_max_batch
+from harness.studies.max_batch.probe import Probe
+from harness.studies.max_batch.search import find_max_batch
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     device = args.device or resolve_device(spec.device)
     settings = {"memory_limit_mb": args.memory_limit_mb, "margin": args.margin, "tolerance": args.tolerance,
-                "initial_sizes": args.initial_sizes, "max_batch": args.max_batch, "timeout_s": args.timeout}
+                "initial_sizes": args.initial_sizes, "max_batch": args.max_batch, "timeout_s": args.timeout,
+                "with_dataset": args.with_dataset}
     writer = RunWriter(args.out, spec, args.framework, device, args.spec, settings)
 
     def on_probe(probe: Probe, outcome: Any) -> None:
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         result = find_max_batch(spec, args.framework, device, memory_limit_mb=args.memory_limit_mb,
                                 margin=args.margin, tolerance=args.tolerance, initial_sizes=args.initial_sizes,
                                 max_batch=args.max_batch, timeout_s=args.timeout, spec_file=args.spec,
-                                on_probe=on_probe)
+                                with_dataset=args.with_dataset, on_probe=on_probe)
     except ValueError as err:
         print(f"{args.spec}: {err}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from harness.measure import machine
 from harness.results.store import append_line, create_run_dir, write_json, write_lines
 from harness.spec import Spec
 from harness.spec.frameworks import slug
-from harness.studies.max_batch.search import PROBE_EPOCHS, MaxBatchResult, Probe
+from harness.studies.max_batch.probe import PROBE_EPOCHS, MaxBatchResult, Probe
 
 
 def mb(value: float | None) -> str:
@@ -40,8 +40,9 @@ def table(result: MaxBatchResult) -> str:
 
 
 def summary_lines(result: MaxBatchResult) -> list[str]:
+    """The result in a few lines: status, cap, probe data, memory model, the answer, the band, the notes."""
     out = [f"{result.framework} on {result.device}: {result.status}: {result.reason}",
-           f"cap: {mb(result.cap_bytes)} MB ({result.cap_source})"]
+           f"cap: {mb(result.cap_bytes)} MB ({result.cap_source})", f"probe data: {probe_data(result)}"]
     if result.model is not None:
         m = result.model
         out.append(f"memory model: {mb(m.fixed_bytes)} MB + {m.per_sample_bytes / 1e3:,.1f} kB x batch "
@@ -50,11 +51,25 @@ def summary_lines(result: MaxBatchResult) -> list[str]:
     else:
         out.append("memory model: not enough successful probes with a peak to fit")
     out.append(f"largest batch that fits: {result.limit if result.limit is not None else '-'}"
+               + (" (ok in both of its probes)" if result.limit is not None else "")
                + (f" (smallest that failed: {result.smallest_oom})" if result.smallest_oom is not None else ""))
+    band = result.fits_sometimes
+    out.append("fits sometimes: " + ("none seen" if band is None else
+                                     f"{band[0]}..{band[1]} (ok in some probes, out of memory in others: "
+                                     "never the answer)"))
     out.append(f"recommended (margin {result.margin:g}): "
                f"{result.recommended if result.recommended is not None else '-'}")
     out.extend(f"note: {n}" for n in result.notes)
     return out
+
+
+def probe_data(result: MaxBatchResult) -> str:
+    """What the probes held as data, in words (see harness.studies.max_batch.search)."""
+    if result.with_dataset:
+        return (f"the spec's dataset resident, as in a run (--with-dataset): {result.train_size} training images, "
+                f"{mb(result.dataset_bytes)} MB in all; batch sizes up to {result.max_batch}")
+    return (f"synthetic images of the dataset's shape sized to each batch, {result.probe_data_bytes_per_sample:,} "
+            "bytes per batch sample")
 
 
 def markdown(result: MaxBatchResult, spec: Spec) -> str:
@@ -69,17 +84,26 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
         lines.append(f"| {p.index + 1} | {p.batch_size} | {p.status} | {mb(p.peak_bytes)} | {model} | "
                      f"{p.seconds:.1f} | {p.purpose} | {reason} |")
     sources = sorted({p.peak_source for p in result.probes if p.peak_source})
+    if result.with_dataset:
+        data = (f"with the spec's dataset loaded whole, as in a run ({result.train_size} training images, "
+                f"{result.dataset_bytes:,} bytes, inside the cap; each epoch cut to its first step, the evaluation "
+                "over the whole test set), so no batch exceeds the training set")
+    else:
+        data = (f"on synthetic images of the spec's shape and classes ({spec.accumulation_steps} x B training and B "
+                f"test images, {result.probe_data_bytes_per_sample:,} bytes per batch sample, inside the cap)")
     lines += ["", "## Method", "",
               f"Each probe is one worker process: {PROBE_EPOCHS} optimizer steps (one per epoch, no warm-up) and an "
-              "evaluation at the batch size, on synthetic images of the spec's shape and classes "
-              f"({spec.accumulation_steps} x B training and B test images, "
-              f"{result.probe_data_bytes_per_sample:,} bytes per batch sample, inside the cap). "
+              f"evaluation at the batch size, {data}. "
               "OOM is the worker's status `oom` (the framework's own out-of-memory error); any other failure stops "
-              "the search. The memory model is a least-squares line through the peaks of the successful probes; "
+              "the search. The answer (and the recommendation) was ok in two probes, each in a fresh worker; a size "
+              "that was ok in one probe and out of memory in another fits only sometimes: it is reported in the "
+              "band, never as the answer, and the search went on below it. "
+              "The memory model is a least-squares line through the peaks of the successful probes; "
               f"peak sources: {', '.join(sources) or 'none'}. "
               "On the CPU the cap and the peaks count from the worker's memory once the framework is imported "
               "(see harness/execution/limits.py).", ""]
     return "\n".join(lines)
+
 
 class RunWriter:
     """The run directory of one search (see the module docstring), written as the search goes: run.json at once,

@@ -1,0 +1,177 @@
+"""One probe of the max-batch search (``harness.studies.max_batch.search`` says what a probe is and why): the spec
+it runs, how its memory peak and reason are read from the worker's outcome, the cap it runs under, and the records
+of probes and of the search's result."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.neutral import datasets
+from harness.plan import checked_spec, entry_for
+from harness.spec import Spec
+from harness.studies.max_batch.memory_model import MemoryModel
+
+CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
+PROBE_EPOCHS = 3  # one optimizer step per epoch: three steps, three evaluations
+STATUSES = ("found", "no_oom", "nothing_fits", "stopped")
+
+
+@dataclass
+class Probe:
+    """One worker at one batch size. peak_bytes: the fitted memory figure (see the module docstring), None when the
+    worker did not report it; seconds: the worker's wall time."""
+
+    index: int
+    batch_size: int
+    status: str
+    reason: str
+    peak_bytes: float | None
+    peak_source: str
+    seconds: float
+    purpose: str = ""
+    log_tail: str = ""
+
+
+@dataclass
+class MaxBatchResult:
+    """What the search found (see the module docstring for fits, fails and fits sometimes).
+
+    status: ``found`` (limit and smallest_oom bracket the limit within the tolerance), ``no_oom`` (max_batch fitted:
+    the cap was not reached), ``nothing_fits`` (even min_batch did not fit), ``stopped`` (a probe ended neither ok
+    nor oom; ``reason`` says how). limit: the largest size that fits, ok in both of its probes (None when nothing
+    fits); smallest_oom: the smallest size above it that ran out of memory at least once; recommended: the largest
+    size at or below limit x (1 - margin) that fits, ok in both of its probes. fits_sometimes: [smallest, largest]
+    batch size seen both fitting and running out of memory (never the limit nor the recommendation), None when
+    no size was. predicted_limit: the model's prediction from the probes before it was first probed;
+    final_predicted_limit: from every successful probe (model is that final fit). max_batch: the largest size the
+    search may probe. with_dataset: the probes held the spec's real dataset (dataset_bytes bytes, train_size
+    training images) instead of synthetic data (probe_data_bytes_per_sample bytes per batch sample). cap_bytes and
+    the peaks are bytes; for the CPU they count from the worker's baseline (see harness.execution.limits).
+    """
+
+    framework: str
+    device: str
+    status: str
+    reason: str
+    cap_bytes: float
+    cap_source: str
+    margin: float
+    tolerance: float
+    probes: list[Probe] = field(default_factory=list)
+    model: MemoryModel | None = None
+    predicted_limit: int | None = None
+    final_predicted_limit: int | None = None
+    limit: int | None = None
+    smallest_oom: int | None = None
+    recommended: int | None = None
+    fits_sometimes: list[int] | None = None
+    max_batch: int | None = None
+    with_dataset: bool = False
+    dataset_bytes: int | None = None
+    train_size: int | None = None
+    probe_data_bytes_per_sample: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["probes"] = [{k: v for k, v in asdict(p).items() if k != "log_tail"} for p in self.probes]
+        return out
+
+    def probed(self, batch_size: int) -> Probe | None:
+        """The first probe of ``batch_size``, None if it was not probed."""
+        return next((p for p in self.probes if p.batch_size == batch_size), None)
+
+    def statuses(self, batch_size: int) -> list[str]:
+        """The statuses of every probe of ``batch_size``, in the order they ran (empty if it was not probed)."""
+        return [p.status for p in self.probes if p.batch_size == batch_size]
+
+    def fits(self, batch_size: int) -> bool:
+        """True when ``batch_size`` was probed and every probe of it was ok."""
+        statuses = self.statuses(batch_size)
+        return bool(statuses) and all(s == "ok" for s in statuses)
+
+    def confirmed(self, batch_size: int) -> bool:
+        """True when ``batch_size`` fits and was ok in (at least) two probes: what the answer must be."""
+        return self.fits(batch_size) and len(self.statuses(batch_size)) >= 2
+
+    def sometimes(self) -> list[int]:
+        """The sizes seen both fitting and running out of memory, ascending."""
+        return sorted({p.batch_size for p in self.probes if {"ok", "oom"} <= set(self.statuses(p.batch_size))})
+
+
+def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
+               spec_file: str | Path = "<max-batch probe>", with_dataset: bool = False) -> Spec:
+    """The spec one probe runs (see the module docstring): 3 epochs, no warm-up, and synthetic data of the spec's
+    image shape and classes, accumulation_steps x ``batch_size`` training and ``batch_size`` test samples, or with
+    ``with_dataset`` the spec's own dataset (the caller then limits each epoch to one step, see ``_Search._run``);
+    ``framework`` (a label or name, see ``harness.plan.entry_for``) in its entry's interpreter. Raises SpecError."""
+    shape, classes = datasets.describe(spec.dataset)
+    entry = entry_for(spec, framework)
+    data = spec.model_dump(mode="json")
+    if not with_dataset:
+        data["dataset"] = {"name": "synthetic", "shape": list(shape), "classes": classes,
+                           "size": batch_size * spec.accumulation_steps, "test_size": batch_size}
+    data.update({
+        "frameworks": [entry.model_dump(mode="json", exclude_none=True)], "batch_sizes": [batch_size],
+        "epochs": PROBE_EPOCHS, "warmup_steps": 0,
+        "repeats": 1, "variants": None,
+        "target_accuracy": None, "memory_limit_mb": memory_limit_mb, "device": device,
+    })
+    return checked_spec(data, spec_file)
+
+
+def peak(outcome: Any, device: str) -> tuple[float | None, str]:
+    """The fitted memory figure of a probe (see the module docstring) and where it came from."""
+    if device == "cpu":
+        event = next((e for e in outcome.events if e.get("event") == "memory_peak"), None)
+        if event is not None and event.get("peak_bytes") is not None:
+            return float(event["peak_bytes"]), str(event.get("source", "memory_peak"))
+        stats = outcome.sampler.get("stats", {}).get("rss_bytes", {})
+        return (float(stats["max"]), "sampler rss_bytes max (absolute)") if stats.get("max") else (None, "none")
+    result = outcome.result() or {}
+    allocator = result.get("metrics", {}).get("memory", {}).get("allocator_peak_bytes")
+    if allocator:
+        return float(allocator), "allocator_peak_bytes"
+    stats = outcome.sampler.get("stats", {})
+    for metric in ("process_memory_bytes", "device_memory_used_bytes"):
+        if stats.get(metric, {}).get("max"):
+            return float(stats[metric]["max"]), f"sampler {metric} max"
+    return None, "none"
+
+
+def reason(outcome: Any) -> str:
+    """The worker's reason (the first line of the exception's message), completed from the error's traceback where
+    that line says little: MXNet's messages start with a traceback of their own (the last line is the error, e.g.
+    "MXNetError: Failed to allocate CPU Memory"), TensorFlow's with "Graph execution error" (the line "OOM when
+    allocating tensor with shape[...]" follows)."""
+    error = next((e for e in outcome.events if e.get("event") == "error"), {})
+    lines = [line.strip() for line in error.get("traceback", "").splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in outcome.reason and lines:
+        return lines[-1]
+    detail = next((line for line in lines if line.startswith("OOM when allocating")), None)
+    return f"{outcome.reason}: {detail[:300]}" if detail else outcome.reason
+
+
+def resolve_cap(device: str, memory_limit_mb: float | None) -> tuple[float, str]:
+    """(cap bytes, where it came from) for a device: memory_limit_mb when given, else the GPU's total memory (NVML)
+    or, on the CPU, the host's available memory less CPU_HEADROOM_BYTES. Raises ValueError when there is none."""
+    if memory_limit_mb is not None:
+        return memory_limit_mb * 1e6, f"memory_limit_mb {memory_limit_mb:g}"
+    if device == "cpu":
+        import psutil
+
+        available = psutil.virtual_memory().available
+        return float(max(available - CPU_HEADROOM_BYTES, 1)), "host available memory less 2 GiB (no memory_limit_mb)"
+    from harness.measure import machine
+    from harness.measure.nvml import nvml_visible_index
+
+    gpus = machine.gpus()
+    if not gpus.get("available"):
+        raise ValueError(f"no memory_limit_mb and NVML cannot tell {device}'s memory ({gpus.get('reason', '')})")
+    target = nvml_visible_index(device)
+    for gpu in gpus["devices"]:
+        if gpu["index"] == target or gpu["uuid"] == target:
+            return float(gpu["memory_total_bytes"]), f"{gpu['name']} total memory (NVML)"
+    raise ValueError(f"no memory_limit_mb and NVML lists no device for {device}")
