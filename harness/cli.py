@@ -52,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("new_run")
     compare.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
                          help="percent change that counts as a regression (default 5)")
+    compare.add_argument("--alpha", type=float, default=0.05, metavar="P",
+                         help="the chance of any false alarm allowed in one comparison of runs of the same code "
+                              "(default 0.05)")
+    compare.add_argument("--history", metavar="FILE",
+                         help="a history file (run --history): the run-to-run spread of its last runs of the spec on "
+                              "this device joins the noise")
+    compare.add_argument("--history-runs", type=int, default=10, metavar="N",
+                         help="how many of the newest history runs (default 10)")
     compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md)")
     history = sub.add_parser("history", help="plot the trend of a metric over the runs in a history file")
     history.add_argument("--file", default="results/history.jsonl", help="default: results/history.jsonl")
@@ -217,11 +225,14 @@ def _run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from harness.studies.compare import compare_runs, to_markdown
+    from harness.studies.compare import compare_runs, resolvable_lines, to_markdown
 
     try:
-        rows, summary = compare_runs(args.base_run, args.new_run, args.threshold)
-    except FileNotFoundError as err:
+        if not 0 < args.alpha < 1:
+            raise ValueError(f"--alpha must be between 0 and 1, not {args.alpha:g}")
+        rows, summary = compare_runs(args.base_run, args.new_run, args.threshold, alpha=args.alpha,
+                                     history_file=args.history, history_runs=args.history_runs)
+    except (FileNotFoundError, ValueError) as err:
         print(f"harness compare: {err}", file=sys.stderr)
         return EXIT_USAGE
     out = Path(args.out) if args.out else Path(args.new_run) / f"compare-{Path(args.base_run).name}.md"
@@ -237,6 +248,8 @@ def _compare(args: argparse.Namespace) -> int:
     _summary_console().print(table)
     for missing in summary["missing"]:
         print(f"missing or failed on one side: {missing}")
+    for line in resolvable_lines(summary):
+        print(line[2:])
     print(f"{summary['regressions']} regression(s); comparison: {out}")
     return 1 if summary["regressions"] else 0
 

@@ -44,7 +44,8 @@ run_dir=$(sed -n 's/^run directory: //p' "$log" | tail -n 1)
 echo "== compare"
 verdict=0
 if [ -f "$RESULTS/last-good" ] && [ -d "$(cat "$RESULTS/last-good")" ]; then
-  "$PYTHON" -m harness compare "$(cat "$RESULTS/last-good")" "$run_dir" --threshold "$THRESHOLD" || verdict=$?
+  "$PYTHON" -m harness compare "$(cat "$RESULTS/last-good")" "$run_dir" --threshold "$THRESHOLD" \
+    --history "$RESULTS/history.jsonl" || verdict=$?
 else
   echo "no last good run yet: this run becomes the baseline"
 fi

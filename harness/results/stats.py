@@ -1,5 +1,5 @@
-"""Statistics over repeats (medians and bootstrap confidence intervals, scipy.stats.bootstrap) and over seeds (means
-and Student-t intervals, scipy.stats.t)."""
+"""Statistics over repeats (medians and bootstrap confidence intervals, scipy.stats.bootstrap), over seeds (means
+and Student-t intervals, scipy.stats.t), and the noise of a metric on a machine (pooled spread of log values)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,41 @@ def overlaps(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bo
     if a is None or b is None:
         return None
     return a[0] <= b[1] and b[0] <= a[1]
+
+
+def log_spread(groups: Sequence[Sequence[float]]) -> tuple[float, int] | None:
+    """The pooled within-group standard deviation of log values, and its degrees of freedom: each group (a cell's
+    repeats, or a cell's medians over runs) is centred on its own mean, and the squared deviations of all groups
+    are summed over sum(n_i - 1). On the log scale a deviation is relative (0.05 is about 5 %), so cells of
+    different magnitudes pool. Groups of fewer than two positive finite values are left out; None when none is
+    left."""
+    squares, df = 0.0, 0
+    for group in groups:
+        data = _finite(group)
+        data = np.log(data[data > 0])
+        if data.size < 2:
+            continue
+        if np.any(data != data[0]):  # equal values have no spread (their mean may differ from them in the last bit)
+            squares += float(((data - data.mean()) ** 2).sum())
+        df += data.size - 1
+    return (float(np.sqrt(squares / df)), df) if df else None
+
+
+def moderated(own: tuple[float, int] | None, pooled: tuple[float, int], prior_df: int) -> tuple[float, int]:
+    """A cell's spread shrunk towards the pooled one, as a moderated t-statistic does (Smyth, "Linear models and
+    empirical Bayes methods for assessing differential expression", 2004): s^2 = (d0 s0^2 + d s^2) / (d0 + d) with
+    d0 = ``prior_df`` degrees of freedom given to the pooled spread s0; a noisy cell keeps most of its own spread, a
+    cell with few repeats borrows from the others. Returns (s, d0 + d)."""
+    s0, _ = pooled
+    if own is None:
+        return s0, prior_df
+    s, d = own
+    return float(np.sqrt((prior_df * s0 ** 2 + d * s ** 2) / (prior_df + d))), prior_df + d
+
+
+def pooled(spreads: Sequence[tuple[float, int] | None]) -> tuple[float, int] | None:
+    """Spreads (s, df) of several groups pooled into one: sqrt(sum(df s^2) / sum(df)), sum(df); None when no
+    group has a spread."""
+    known = [s for s in spreads if s is not None]
+    df = sum(d for _, d in known)
+    return (float(np.sqrt(sum(d * s ** 2 for s, d in known) / df)), df) if df else None

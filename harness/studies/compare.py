@@ -1,34 +1,58 @@
 """Compare two runs of the same study: per framework, batch size and metric, the change and whether it is a
-regression beyond the noise.
+regression beyond the noise of this machine.
 
-A cell's value is the median over its ok repeats (as in the report). A change is a **regression** when it goes the
-bad way (throughput or accuracy down, time or memory up) by more than the threshold (percent of the base value) and,
-where both runs have two or more ok repeats of the cell, the 95% bootstrap intervals of the two medians do not
-overlap. Without repeats the threshold alone decides, and the table says so. Cells present or ok on one side only are
-listed as such, never dropped.
+A cell's value is the median over its ok repeats (as in the report), and the change is new / base - 1. A change is a
+**regression** when it goes the bad way (throughput or accuracy down, memory up) by more than the threshold (percent)
+**and** beyond the noise:
+
+- Noise within runs: the spread of a cell's repeats around their mean on the log scale (a relative spread), pooled
+  over every cell of the metric in both runs (``harness.results.stats.log_spread``), then moderated per cell towards
+  the pooled value (``stats.moderated``, ``PRIOR_DF`` degrees of freedom): three repeats alone say little about
+  their cell's noise, dozens of cells together say a lot.
+- Noise between runs, with a history file: the spread of the cell's run medians over the last ``history_runs`` runs
+  of the same spec on the same device, pooled and moderated the same way. Repeats measure the noise inside one run;
+  the machine also drifts from one run to the next, and only a history sees that.
+- The standard error of the log change is the larger of sqrt(pi / 2) x s_within x sqrt(1 / n_base + 1 / n_new)
+  (sqrt(pi / 2): a median's standard error over a mean's, for normal noise) and sqrt(2) x s_between.
+- The change is beyond the noise when its log exceeds t(1 - alpha / m, df) standard errors, where m is the number of
+  (cell, metric) tests in the comparison that noise could fail (a standard error above zero; Bonferroni): where the noise model holds, the chance that a comparison of
+  two runs of the same code raises any false alarm is at most ``alpha`` (5 % by default), however many cells it has.
+
+Without repeats or a history there is no noise estimate and the threshold alone decides; the row says so. For each
+metric the summary states what the comparison could resolve: the smallest change it would call a regression in a
+cell with the runs' typical repeats, and about how many repeats a change of the threshold's size would need.
+``benchmarks/compare_false_alarms.py`` measures the false-alarm and detection rates this rule gives on a machine.
+Cells present or ok on one side only are listed as such, never dropped.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import stats as scipy_stats
 
 from harness.results import tables
-from harness.results.metrics import metrics_for, row_key
-from harness.results.stats import median_ci, overlaps
+from harness.results.metrics import Metric, metrics_for, row_key
+from harness.results.stats import log_spread, moderated, pooled
 from harness.results.store import read_run, read_trials
 
 # metric key in harness.results.report -> True when higher is better
 COMPARED = {"throughput": True, "accuracy": True, "memory": False, "allocator_peak": False}
 DEFAULT_THRESHOLD_PCT = 5.0
+DEFAULT_ALPHA = 0.05  # the chance of any false alarm in a comparison of two runs of the same code
+DEFAULT_HISTORY_RUNS = 10
+PRIOR_DF = 4  # degrees of freedom the pooled spread lends each cell's own (stats.moderated)
+MEDIAN_SE = math.sqrt(math.pi / 2)
 
 
 @dataclass
 class Row:
-    """One compared cell and metric. ``change_pct`` is (new - base) / base x 100."""
+    """One compared cell and metric. ``change_pct`` is (new - base) / base x 100; ``score`` the log change over its
+    standard error and ``needed`` the score a regression must exceed (None without a noise estimate)."""
 
     framework: str
     batch_size: int
@@ -38,6 +62,31 @@ class Row:
     change_pct: float | None
     noise: str
     verdict: str  # "regression", "improvement", "same", "base only", "new only", "failed in base", "failed in new"
+    score: float | None = None
+    needed: float | None = None
+
+
+@dataclass
+class _Test:
+    """What is known of one cell and metric before the verdicts: values, spreads, and the row to fill in."""
+
+    key: str
+    row: Row
+    n_base: int
+    n_new: int
+    within: tuple[float, int] | None  # (s, df) of log values, moderated
+    between: tuple[float, int] | None
+
+    def standard_error(self) -> float | None:
+        parts = []
+        if self.within is not None:
+            parts.append(MEDIAN_SE * self.within[0] * math.sqrt(1 / self.n_base + 1 / self.n_new))
+        if self.between is not None:
+            parts.append(math.sqrt(2) * self.between[0])
+        return max(parts) if parts else None
+
+    def df(self) -> int:
+        return max(part[1] for part in (self.within, self.between) if part is not None)
 
 
 def _cells(records: list[dict[str, Any]]) -> set[tuple[str, int]]:
@@ -49,20 +98,36 @@ def _status(records: list[dict[str, Any]], cell: tuple[str, int]) -> str:
     return "/".join(statuses)
 
 
-def compare_runs(base_dir: str | Path, new_dir: str | Path,
-                 threshold_pct: float = DEFAULT_THRESHOLD_PCT) -> tuple[list[Row], dict[str, Any]]:
-    """Rows for every cell of either run and every compared metric, and a summary (run names, devices, counts).
-    Raises FileNotFoundError when a directory is not a run."""
+def history_medians(history_file: str | Path | None, spec_name: str, device: str | None, exclude: set[str],
+                    last: int) -> list[dict[str, Any]]:
+    """The history rows (``harness.studies.history``) of ``spec_name`` on ``device``, the runs in ``exclude``
+    left out, the ``last`` newest; [] without a file."""
+    if history_file is None or not Path(history_file).exists():
+        return []
+    from harness.studies import history
+
+    rows = [r for r in history.read(history_file)
+            if r.get("spec") == spec_name and r.get("device") == device and r.get("run") not in exclude]
+    return rows[-last:] if last > 0 else []
+
+
+def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+                 alpha: float = DEFAULT_ALPHA, history_file: str | Path | None = None,
+                 history_runs: int = DEFAULT_HISTORY_RUNS) -> tuple[list[Row], dict[str, Any]]:
+    """Rows for every cell of either run and every compared metric, and a summary (run names, devices, counts, and
+    per metric what the comparison could resolve). Raises FileNotFoundError when a directory is not a run."""
     base_run, new_run = read_run(base_dir), read_run(new_dir)
     base, new = read_trials(base_dir), read_trials(new_dir)
     backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
     metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
+    past = [] if history_file is None else history_medians(
+        history_file, new_run.get("spec", {}).get("name"), _device(new_dir), {Path(new_dir).name}, history_runs)
     rows: list[Row] = []
+    tests: list[_Test] = []
     for cell in sorted(_cells(base) | _cells(new), key=lambda c: (c[0], c[1])):
         fw, bs = cell
         if cell not in _cells(new) or cell not in _cells(base):
-            side = "base only" if cell not in _cells(new) else "new only"
-            rows.append(Row(fw, bs, "-", None, None, None, "", side))
+            rows.append(Row(fw, bs, "-", None, None, None, "", "base only" if cell not in _cells(new) else "new only"))
             continue
         for key, metric in metrics.items():
             b_values = tables.cell_values(base, metric, fw, bs)
@@ -74,22 +139,16 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path,
                     rows.append(Row(fw, bs, metric.title, None, None, None, status, which))
                 continue
             b, n = float(np.median(b_values)), float(np.median(n_values))
-            change = (n - b) / b * 100 if b else None
-            b_ci, n_ci = median_ci(b_values), median_ci(n_values)
-            overlap = overlaps(b_ci, n_ci)
-            noise = ("threshold only (no repeats)" if overlap is None
-                     else "intervals overlap" if overlap else "intervals apart")
-            worse = change is not None and (change < -threshold_pct if COMPARED[key] else change > threshold_pct)
-            better = change is not None and (change > threshold_pct if COMPARED[key] else change < -threshold_pct)
-            if overlap:  # within the noise, whatever the size of the change
-                verdict = "same"
-            else:
-                verdict = "regression" if worse else "improvement" if better else "same"
-            rows.append(Row(fw, bs, metric.title, b, n, change, noise, verdict))
+            row = Row(fw, bs, metric.title, b, n, (n - b) / b * 100 if b else None, "", "same")
+            rows.append(row)
+            tests.append(_Test(key, row, len(b_values), len(n_values), log_spread([b_values, n_values]),
+                               _history_spread(past, key, fw, bs)))
+    resolvable = _judge(tests, metrics, threshold_pct, alpha)
     summary = {
-        "base": Path(base_dir).name, "new": Path(new_dir).name, "threshold_pct": threshold_pct,
+        "base": Path(base_dir).name, "new": Path(new_dir).name, "threshold_pct": threshold_pct, "alpha": alpha,
         "base_device": base_run.get("device"), "new_device": new_run.get("device"),
-        "regressions": sum(r.verdict == "regression" for r in rows),
+        "history_runs": len(past), "tests": _noisy(tests),
+        "regressions": sum(r.verdict == "regression" for r in rows), "resolvable": resolvable,
         "missing": [f"{r.framework} bs{r.batch_size}: {r.verdict}" for r in rows
                     if r.verdict in ("base only", "new only", "failed in base", "failed in new")],
     }
@@ -98,19 +157,107 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path,
     return rows, summary
 
 
+def _device(run_dir: str | Path) -> str | None:
+    from harness.studies import history
+
+    try:
+        return history.summary_row(run_dir)["device"]
+    except (KeyError, FileNotFoundError):
+        return None
+
+
+def _noisy(tests: list[_Test]) -> int:
+    """The tests that noise could fail: those with a standard error above zero (a metric that repeats exactly, such
+    as the accuracy of a deterministic training, cannot raise a false alarm through noise)."""
+    return sum(bool(t.standard_error()) for t in tests)
+
+
+def _history_spread(past: list[dict[str, Any]], key: str, framework: str, batch_size: int) -> tuple[float, int] | None:
+    values = [v for row in past if (v := row.get("cells", {}).get(f"{framework}/{batch_size}", {}).get(key))]
+    return log_spread([values])
+
+
+def _judge(tests: list[_Test], metrics: dict[str, Metric], threshold_pct: float,
+           alpha: float) -> dict[str, dict[str, Any]]:
+    """Moderates every test's spreads, sets each row's score and verdict, and returns what each metric could
+    resolve (see the module docstring)."""
+    resolvable: dict[str, dict[str, Any]] = {}
+    pooled_within = {key: pooled([t.within for t in tests if t.key == key]) for key in metrics}
+    pooled_between = {key: pooled([t.between for t in tests if t.key == key]) for key in metrics}
+    for t in tests:
+        if pooled_within[t.key] is not None:
+            t.within = moderated(t.within, pooled_within[t.key], PRIOR_DF)
+        if pooled_between[t.key] is not None:
+            t.between = moderated(t.between, pooled_between[t.key], PRIOR_DF)
+    count = max(1, _noisy(tests))
+    limit = math.log1p(threshold_pct / 100)
+    for t in tests:
+        row, higher_better = t.row, COMPARED[t.key]
+        se = t.standard_error()
+        worse = row.change_pct is not None and (row.change_pct < -threshold_pct if higher_better
+                                                else row.change_pct > threshold_pct)
+        better = row.change_pct is not None and (row.change_pct > threshold_pct if higher_better
+                                                 else row.change_pct < -threshold_pct)
+        if se is None or row.base is None or row.new is None or row.base <= 0 or row.new <= 0:
+            row.noise = "threshold only (no repeats)"
+            beyond = True
+        else:
+            row.needed = float(scipy_stats.t.ppf(1 - alpha / count, t.df()))
+            change = abs(math.log(row.new / row.base))
+            row.score = math.inf if se == 0 and change > 0 else 0.0 if se == 0 else change / se
+            beyond = row.score > row.needed
+            row.noise = (f"{row.score:.1f} se, needs {row.needed:.1f}" if math.isfinite(row.score)
+                         else "no spread in repeats")
+        row.verdict = ("regression" if worse and beyond else "improvement" if better and beyond else "same")
+    for key, metric in metrics.items():
+        mine = [t for t in tests if t.key == key and t.standard_error() is not None]
+        if not mine:
+            continue
+        n = int(np.median([min(t.n_base, t.n_new) for t in mine]))
+        needed = float(scipy_stats.t.ppf(1 - alpha / count, int(np.median([t.df() for t in mine]))))
+        se = float(np.median([t.standard_error() for t in mine]))
+        within, between = pooled_within[key], pooled_between[key]
+        resolvable[metric.title] = {
+            "pct": max(threshold_pct, math.expm1(needed * se) * 100), "repeats": n, "cells": len(mine),
+            "within_pct": None if within is None else math.expm1(within[0]) * 100,
+            "between_pct": None if between is None else math.expm1(between[0]) * 100,
+            "repeats_for_threshold": (None if within is None or within[0] == 0 else
+                                      math.ceil(2 * (needed * MEDIAN_SE * within[0] / limit) ** 2)),
+        }
+    return resolvable
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "" if value is None else f"{value:,.{digits}f}"
 
 
+def resolvable_lines(summary: dict[str, Any]) -> list[str]:
+    """One line per metric: what this comparison could tell apart from noise, and what it would take."""
+    lines = []
+    for title, r in summary.get("resolvable", {}).items():
+        spreads = [f"repeat-to-repeat spread {r['within_pct']:.1f} %" if r.get("within_pct") is not None else "",
+                   f"run-to-run spread {r['between_pct']:.1f} % over {summary['history_runs']} history runs"
+                   if r.get("between_pct") is not None else ""]
+        more = (f"; {summary['threshold_pct']:g} % would take about {r['repeats_for_threshold']} repeats"
+                if r.get("repeats_for_threshold") and r["pct"] > summary["threshold_pct"] else "")
+        lines.append(f"- {title}: changes under {r['pct']:.1f} % cannot be told apart from noise on this machine "
+                     f"with {r['repeats']} repeat(s) ({'; '.join(filter(None, spreads))}; {r['cells']} cells){more}")
+    return lines
+
+
 def to_markdown(rows: list[Row], summary: dict[str, Any]) -> str:
-    """The comparison as Markdown: a header with the verdict, then one table row per cell and metric."""
+    """The comparison as Markdown: a header with the verdict and what it could resolve, then one table row per
+    cell and metric."""
     lines = [f"# Compare {summary['base']} -> {summary['new']}", "",
-             f"- Regressions beyond {summary['threshold_pct']:g}% and the noise: {summary['regressions']}",
+             f"- Regressions beyond {summary['threshold_pct']:g}% and the noise: {summary['regressions']} "
+             f"({summary['tests']} tests, at most {summary['alpha'] * 100:g} % chance of any false alarm where the "
+             "noise model holds)",
              f"- Devices: {summary['base_device']} -> {summary['new_device']}"]
     if summary.get("warning"):
         lines.append(f"- Warning: {summary['warning']}")
     if summary["missing"]:
         lines.append(f"- Missing or failed on one side: {'; '.join(summary['missing'])}")
+    lines += resolvable_lines(summary)
     lines += ["", "| framework | batch size | metric | base | new | change % | noise | verdict |",
               "| --- | ---: | --- | ---: | ---: | ---: | --- | --- |"]
     for r in rows:

@@ -1,0 +1,147 @@
+"""Does ``harness compare`` cry wolf, and does it catch real slowdowns? False alarms from pairs of identical runs,
+detection rates from runs with a planted 10 % and 30 % slowdown, on this machine.
+
+Every run is the same small study: the quick spec's CNN on digits under PyTorch on the CPU (one thread), batch
+sizes 32 and 128, ``--repeats`` repeats (3 by default, as a nightly would run), 8 epochs (about a second of timed training each), through the harness's own
+sweep (one worker per trial). The runs are registered as the framework ``planted`` (``benchmarks/planted.py``: the
+PyTorch adapter, which in the slowed runs spins for 10 % or 30 % of each step's own duration, so they keep the real
+framework's noise). Each round makes four runs in a rotating order: two plain ones (A and B), one 10 % slower and one
+30 % slower, so that drift in the machine falls on every kind of run.
+
+Then every pair is compared with ``harness.studies.compare.compare_runs`` at the default threshold:
+
+- false alarms: a plain run against every other plain run (A_i vs B_j and A_i vs A_j, i != j: the same round or
+  hours apart, as a nightly against its last good run), an alarm being any regression in the comparison (the
+  nightly's exit 1);
+- detection: a plain run against every slowed run; "caught" means the throughput of both batch sizes was called a
+  regression, "any" that the comparison failed at all.
+
+The table gives each rate with its count and a 95 % Clopper-Pearson interval (scipy.stats.binomtest); pairs that
+share a run are not independent, so read the intervals as optimistic. The runs are kept in ``--runs`` so that the
+comparison can be re-evaluated (``--evaluate-only``) without running them again.
+
+    .venv/bin/python benchmarks/compare_false_alarms.py                  # 6 rounds: 24 runs, about 10 minutes
+    .venv/bin/python benchmarks/compare_false_alarms.py --rounds 10 --repeats 5
+    .venv/bin/python benchmarks/compare_false_alarms.py --evaluate-only --runs /tmp/compare-runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.planted import REGISTRATION  # noqa: E402
+from harness.plan import checked_spec  # noqa: E402
+from harness.studies.compare import DEFAULT_THRESHOLD_PCT, compare_runs  # noqa: E402
+from harness.studies.sweep import run_spec  # noqa: E402
+
+KINDS = {"A": 0.0, "B": 0.0, "slow10": 0.10, "slow30": 0.30}
+CNN = [{"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "activation": "relu",
+        "kernel_init": "he_uniform"},
+       {"type": "maxpool2d", "pool_size": 2}, {"type": "flatten"},
+       {"type": "dense", "units": 128, "activation": "relu", "kernel_init": "he_uniform"},
+       {"type": "dense", "units": 10}]
+
+
+def spec_for(repeats: int, batch_sizes: list[int]):
+    data = {"name": "compare-noise", "frameworks": ["planted"], "model": {"layers": CNN},
+            "dataset": {"name": "digits"}, "batch_sizes": batch_sizes, "epochs": 8, "warmup_steps": 2,
+            "repeats": repeats, "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9}, "seed": 0,
+            "device": "cpu", "cpu_threads": 1, "timeout_s": 300}
+    return checked_spec(data, "compare_false_alarms")
+
+
+def collect(runs: Path, rounds: int, repeats: int, batch_sizes: list[int]) -> None:
+    os.environ["HARNESS_ADAPTERS"] = REGISTRATION
+    os.environ["PYTHONPATH"] = str(ROOT)
+    spec = spec_for(repeats, batch_sizes)
+    kinds = list(KINDS)
+    index = {"rounds": []}
+    for r in range(rounds):
+        order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+        done = {}
+        for kind in order:
+            os.environ["HARNESS_PLANTED_SLOWDOWN"] = str(KINDS[kind])
+            started = time.monotonic()
+            run_dir = run_spec(spec, runs / f"round{r}-{kind}")
+            done[kind] = str(run_dir)
+            print(f"round {r + 1}/{rounds}: {kind} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        index["rounds"].append(done)
+        (runs / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def _interval(k: int, n: int) -> str:
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return "-"
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95)
+    return f"{100 * ci.low:.0f}-{100 * ci.high:.0f} %"
+
+
+def evaluate(runs: Path, threshold: float) -> list[dict]:
+    rounds = json.loads((runs / "index.json").read_text())["rounds"]
+    plain = [(i, k, d[k]) for i, d in enumerate(rounds) for k in ("A", "B")]
+    rows = []
+    pairs = [(a, b) for a, b in itertools.combinations(plain, 2)]
+    alarms = 0
+    for (_, _, a), (_, _, b) in pairs:
+        _, summary = compare_runs(a, b, threshold)
+        alarms += summary["regressions"] > 0
+    resolvable = compare_runs(plain[0][2], plain[1][2], threshold)[1].get("resolvable", {})
+    rows.append({"pairs": "plain vs plain (false alarms)", "n": len(pairs), "any": alarms, "caught": None,
+                 "resolvable": resolvable})
+    for kind in ("slow10", "slow30"):
+        slowed = [d[kind] for d in rounds]
+        caught = anything = 0
+        n = 0
+        for (_, _, a), b in itertools.product(plain, slowed):
+            result, summary = compare_runs(a, b, threshold)
+            flagged = {r.batch_size for r in result if r.metric == "Throughput" and r.verdict == "regression"}
+            caught += len(flagged) == len({r.batch_size for r in result})
+            anything += summary["regressions"] > 0
+            n += 1
+        rows.append({"pairs": f"plain vs {kind[4:]} % slower", "n": n, "any": anything, "caught": caught})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="/tmp/compare-runs", help="where the runs go (kept)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-sizes", default="32,128")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD_PCT)
+    parser.add_argument("--evaluate-only", action="store_true", help="compare the runs already in --runs")
+    args = parser.parse_args(argv)
+    runs = Path(args.runs)
+    if not args.evaluate_only:
+        runs.mkdir(parents=True, exist_ok=True)
+        collect(runs, args.rounds, args.repeats, [int(b) for b in args.batch_sizes.split(",")])
+    rows = evaluate(runs, args.threshold)
+    n_rounds = len(json.loads((runs / "index.json").read_text())["rounds"])
+    print(f"{n_rounds} rounds of 4 runs; threshold {args.threshold:g} %\n")
+    print("| pairs | n | compare failed (any regression) | 95 % interval | slowed throughput caught at every batch "
+          "size | 95 % interval |")
+    print("| --- | ---: | ---: | --- | ---: | --- |")
+    for row in rows:
+        caught = "" if row["caught"] is None else f"{row['caught']}/{row['n']}"
+        print(f"| {row['pairs']} | {row['n']} | {row['any']}/{row['n']} ({100 * row['any'] / row['n']:.0f} %) | "
+              f"{_interval(row['any'], row['n'])} | {caught} | "
+              f"{'' if row['caught'] is None else _interval(row['caught'], row['n'])} |")
+    if rows[0].get("resolvable"):
+        print("\nResolvable change (first plain pair):", json.dumps(rows[0]["resolvable"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The regression rule of ``harness compare`` on constructed runs with known noise: few false alarms between runs
+of the same distribution, large changes caught, changes inside the noise not, the run-to-run spread of a history
+joining the noise, and the statement of what a comparison can resolve."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness.results import store
+from harness.studies.compare import compare_runs, resolvable_lines, to_markdown
+from tests.test_report import record
+
+FRAMEWORKS, BATCH_SIZES = ("pytorch", "mxnet"), (8, 16, 32, 64)
+
+
+def make_run(path, throughput, repeats=3, accuracy=lambda fw, bs, r: 0.9):
+    """A run directory whose cell (fw, bs), repeat r has throughput(fw, bs, r)."""
+    path.mkdir(parents=True)
+    records = [record(fw, bs, r, throughput=throughput(fw, bs, r), accuracy=accuracy(fw, bs, r))
+               for r in range(repeats) for fw in FRAMEWORKS for bs in BATCH_SIZES]
+    spec = {"name": "t", "frameworks": list(FRAMEWORKS), "batch_sizes": list(BATCH_SIZES)}
+    store.write_json(path / "run.json", {"spec": spec, "device": "cpu", "environment": {},
+                                         "planned_trials": [r["id"] for r in records]})
+    for rec in records:
+        store.append_trial(path, rec)
+    return path
+
+
+def noisy(rng, spread=0.10, slower=None):
+    """Throughput 1000 x 2^(index of bs) with log-normal noise of ``spread``; ``slower``: {(fw, bs): factor}."""
+    def throughput(fw, bs, r):
+        factor = (slower or {}).get((fw, bs), 1.0)
+        return 1000.0 * bs / 8 * factor * math.exp(rng.normal(0, spread))
+    return throughput
+
+
+def regressions(rows):
+    return {(r.framework, r.batch_size, r.metric) for r in rows if r.verdict == "regression"}
+
+
+def test_runs_of_the_same_distribution_rarely_raise_an_alarm(tmp_path):
+    rng = np.random.default_rng(0)
+    alarms = 0
+    for i in range(30):
+        base = make_run(tmp_path / f"b{i}", noisy(rng))
+        new = make_run(tmp_path / f"n{i}", noisy(rng))
+        rows, summary = compare_runs(base, new)
+        alarms += summary["regressions"] > 0
+        assert summary["tests"] == 8  # 8 cells x throughput; accuracy and memory repeat exactly: no noise to test
+    assert alarms <= 3  # the rule allows 5 % for the whole comparison; 30 pairs
+
+
+def test_a_large_change_is_caught_and_one_inside_the_noise_is_not(tmp_path):
+    rng = np.random.default_rng(1)
+    base = make_run(tmp_path / "base", noisy(rng))
+    new = make_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5, ("mxnet", 32): 0.88}))
+    rows, summary = compare_runs(base, new)
+    assert regressions(rows) == {("pytorch", 16, "Throughput")}
+    row = next(r for r in rows if (r.framework, r.batch_size, r.metric) == ("mxnet", 32, "Throughput"))
+    assert row.verdict == "same" and row.score < row.needed  # more than the 5 % threshold, less than the noise
+    resolvable = summary["resolvable"]["Throughput"]
+    assert 12 < resolvable["pct"] < 60 and resolvable["repeats"] == 3 and resolvable["cells"] == 8
+    assert 7 < resolvable["within_pct"] < 14  # the planted 10 % noise, pooled over 16 groups of 3
+    assert resolvable["repeats_for_threshold"] > 3
+    text = to_markdown(rows, summary)
+    assert "Throughput: changes under" in text and "cannot be told apart from noise" in text
+    assert "| pytorch | 16 | Throughput |" in text and "**regression**" in text
+
+
+def test_quiet_cells_resolve_small_changes(tmp_path):
+    rng = np.random.default_rng(2)
+    base = make_run(tmp_path / "base", noisy(rng, spread=0.005))
+    new = make_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("mxnet", 8): 0.92}))
+    rows, summary = compare_runs(base, new)
+    assert regressions(rows) == {("mxnet", 8, "Throughput")}
+    assert summary["resolvable"]["Throughput"]["pct"] == 5.0  # the threshold, not the noise, is the limit
+
+
+def test_one_noisy_cell_keeps_most_of_its_own_spread(tmp_path):
+    rng = np.random.default_rng(3)
+
+    def throughput(fw, bs, r):  # every cell quiet but pytorch 8, which swings by 40 %
+        return 1000.0 * math.exp(rng.normal(0, 0.4 if (fw, bs) == ("pytorch", 8) else 0.01))
+    base = make_run(tmp_path / "base", throughput)
+    new = make_run(tmp_path / "new", lambda fw, bs, r: throughput(fw, bs, r) * (0.75 if (fw, bs) == ("pytorch", 8)
+                                                                                 else 1.0))
+    rows, _ = compare_runs(base, new)
+    assert ("pytorch", 8, "Throughput") not in regressions(rows)
+
+
+def test_the_run_to_run_spread_of_a_history_joins_the_noise(tmp_path):
+    rng = np.random.default_rng(4)
+    base = make_run(tmp_path / "base", noisy(rng, spread=0.005))
+    new = make_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("pytorch", 64): 0.8}))
+    assert regressions(compare_runs(base, new)[0]) == {("pytorch", 64, "Throughput")}
+    history_file = tmp_path / "history.jsonl"
+    for i in range(8):  # earlier runs whose medians swing by 25 % from run to run
+        cells = {f"{fw}/{bs}": {"throughput": 1000.0 * bs / 8 * math.exp(rng.normal(0, 0.25)), "status": "ok"}
+                 for fw in FRAMEWORKS for bs in BATCH_SIZES}
+        store.append_line(history_file, {"run": f"old{i}", "spec": "t", "device": None, "cells": cells})
+    store.append_line(history_file, {"run": "other", "spec": "another spec", "device": None, "cells": {}})
+    rows, summary = compare_runs(base, new, history_file=history_file)
+    assert regressions(rows) == set() and summary["history_runs"] == 8
+    between = summary["resolvable"]["Throughput"]["between_pct"]
+    assert 15 < between < 40
+    assert "run-to-run spread" in "\n".join(resolvable_lines(summary))
+    # history_runs: how many of the newest runs count
+    assert compare_runs(base, new, history_file=history_file, history_runs=0)[1]["history_runs"] == 0
+
+
+def test_without_repeats_the_threshold_decides_and_says_so(tmp_path):
+    base = make_run(tmp_path / "base", lambda fw, bs, r: 1000.0, repeats=1)
+    new = make_run(tmp_path / "new", lambda fw, bs, r: 900.0 if (fw, bs) == ("mxnet", 16) else 1000.0, repeats=1)
+    rows, summary = compare_runs(base, new)
+    assert regressions(rows) == {("mxnet", 16, "Throughput")}
+    assert {r.noise for r in rows if r.metric == "Throughput"} == {"threshold only (no repeats)"}
+    assert summary["tests"] == 0 and summary["resolvable"] == {}
+
+
+def test_an_accuracy_drop_with_identical_repeats_is_decided_by_the_threshold(tmp_path):
+    base = make_run(tmp_path / "base", lambda fw, bs, r: 1000.0 + r)
+    new = make_run(tmp_path / "new", lambda fw, bs, r: 1000.0 + r,
+                   accuracy=lambda fw, bs, r: 0.8 if (fw, bs) == ("pytorch", 8) else 0.9)
+    rows, _ = compare_runs(base, new)
+    assert regressions(rows) == {("pytorch", 8, "Test accuracy after the last epoch")}
+
+
+def test_cli_options(tmp_path):
+    rng = np.random.default_rng(5)
+    base = make_run(tmp_path / "base", noisy(rng))
+    new = make_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5}))
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "harness", "compare", str(base), str(new), *extra],
+                                        capture_output=True, text=True, timeout=120)
+    proc = run()
+    assert proc.returncode == 1 and "1 regression(s)" in proc.stdout
+    assert "Throughput: changes under" in proc.stdout
+    proc = run("--alpha", "1.5")
+    assert proc.returncode == 2 and proc.stderr.strip() == "harness compare: --alpha must be between 0 and 1, not 1.5"
+    markdown = (new / "compare-base.md").read_text()
+    assert "chance of any false alarm" in markdown
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.001])
+def test_a_smaller_alpha_needs_a_larger_score(tmp_path, alpha):
+    rng = np.random.default_rng(6)
+    base = make_run(tmp_path / "base", noisy(rng))
+    new = make_run(tmp_path / "new", noisy(rng))
+    rows, summary = compare_runs(base, new, alpha=alpha)
+    needed = {r.needed for r in rows if r.metric == "Throughput"}
+    assert len(needed) == 1
+    assert (needed.pop() > 3.5) == (alpha == 0.001)
+    json.dumps(summary)  # the summary is plain data
