@@ -334,7 +334,7 @@ class MXNetAdapter(Adapter):
             if before:
                 self._fix_running_variances(before, len(indices))
             self.trainer.step(len(indices))
-            self._last_loss = loss.mean()
+            self._last_loss = loss  # per sample; its mean is taken in sync, not queued as an operator every step
             return
         micro = micro_batch_size(len(indices), micro_batches)
         self._set_grad_req("add")
@@ -350,7 +350,7 @@ class MXNetAdapter(Adapter):
                 self._fix_running_variances(before, micro)
             sums.append(loss.sum())
         self.trainer.step(len(indices))  # the sum over all B samples, rescaled by 1 / B: the mean gradient
-        self._last_loss = nd.add_n(*sums) / len(indices)
+        self._last_loss = nd.add_n(*sums) / len(indices)  # shape (1,): its mean in sync is itself
 
     def _fix_running_variances(self, before: list[mx.nd.NDArray], batch: int) -> None:
         """Turns the running variance that a biased-variance kernel (MXNet's CPU BatchNorm; see
@@ -384,7 +384,7 @@ class MXNetAdapter(Adapter):
 
     def sync(self) -> float:
         nd.waitall()
-        return float("nan") if self._last_loss is None else float(self._last_loss.asscalar())
+        return float("nan") if self._last_loss is None else float(self._last_loss.mean().asscalar())
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Outside ``autograd.record`` Gluon runs in inference mode. Batches of ``batch_size`` and a smaller last one

@@ -1,0 +1,254 @@
+"""How close does the harness come to a hand-written loop? Per framework and batch size, the throughput of a real
+harness trial divided by that of the framework's idiomatic training loop, same model, data, batch size, optimizer,
+threads and warm-up, interleaved over several repeats (issue 12, item 3: the goal is a median ratio >= 0.97 for every
+framework at batch 64 and 512 on the CPU).
+
+What runs, for each repeat, framework and batch size, back to back (which one goes first alternates, so drift of the
+machine hits both):
+
+- the harness: one trial exactly as a user's run makes it. The spec (default ``specs/quick.yaml``: the CNN on digits,
+  one intra-op thread, each framework in its own ``envs/<framework>`` interpreter) with only the framework, the batch
+  size, the epochs and the device (cpu) overridden goes through ``harness.plan.load`` and ``harness.plan.plan``, and
+  the trial through ``harness.execution.launcher.run_worker``: a fresh worker process, the spec's sampler watching
+  it, the spec's timing (``timing``: whatever the harness does by default; ``--timing`` overrides it). Its
+  ``throughput`` metric is read: samples per second over the timed windows, warm-up excluded.
+- the loop: ``benchmarks/idiomatic_loops.py`` in the same interpreter, with the environment the launcher gives a
+  worker (thread variables: ``worker_settings``): the same model built natively from the same initial weights, the
+  data and every step's batch indices resident on the device, the spec's warm-up steps untimed, then every other step
+  timed with one sync at each edge. PyTorch eager; TensorFlow the faster of a ``tf.function`` step loop and Keras
+  ``fit`` (per repeat); MXNet hybridized Gluon with autograd and ``Trainer``; JAX a ``jax.jit`` update step with
+  optax. See that module's docstring.
+
+Both time the same steps (Keras ``fit`` also its warm-up's worth) of the same number of epochs, chosen per batch size
+so that a measurement covers at least ``--min-steps`` steps and ``--min-samples`` samples (about two seconds here;
+digits has 1438 training images: 22 steps per epoch at batch 64, 2 at batch 512), unless ``--epochs`` fixes it.
+
+    .venv/bin/python benchmarks/harness_vs_loop.py                  # all four, batch 64 and 512, 5 repeats
+    .venv/bin/python benchmarks/harness_vs_loop.py --frameworks tensorflow,mxnet --repeats 3 --out /tmp/hvl.json
+    .venv/bin/python benchmarks/harness_vs_loop.py --timing '{"window": "step"}'   # another timing than the spec's
+
+Reading it: ``ratio`` is harness / loop throughput within one repeat (paired); the table gives its median and
+min..max over repeats, the median throughputs of both, the loop variant that was fastest, the test accuracy of both
+(equal, or nearly, when both trained the same model on the same batches: a check of the comparison, not a result) and
+whether the goal holds (median ratio >= 0.97). A ratio below 1 is the harness's cost: its per-step work (the
+adapter's step, the shared loop, the syncs of its timed windows) and the sampler. The noise of a shared machine
+shows as a wide min..max; the load averages before and after are printed. Each (framework, batch size) costs about
+two worker starts (seconds each: importing the framework dominates) plus twice the timed training; the defaults
+take about 15 minutes on two CPU cores. Raw results (every run, its settings and versions) go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from harness import plan as plan_module  # noqa: E402
+from harness.execution.launcher import run_worker, worker_settings  # noqa: E402
+from harness.neutral import datasets  # noqa: E402
+from harness.plan import available_cpus  # noqa: E402
+from harness.spec import Spec  # noqa: E402
+
+FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
+GOAL = 0.97
+
+
+def load_spec(path: str, framework: str, batch_size: int, epochs: int, timing: dict[str, Any] | None) -> Spec:
+    """The spec file with only the framework, batch size, epochs, repeats (1) and device (cpu) overridden, and
+    ``timing`` where given; validated and checked as ``harness run`` does."""
+    overrides: dict[str, Any] = {"frameworks": [framework], "batch_sizes": [batch_size], "epochs": epochs,
+                                 "repeats": 1, "device": "cpu"}
+    if timing is not None:
+        overrides["timing"] = timing
+    return plan_module.load(path, overrides)
+
+
+def run_harness(spec: Spec, sampler: bool) -> dict[str, Any]:
+    """One real harness trial (plan -> run_worker, a fresh worker); its throughput and what goes with it."""
+    (trial,) = plan_module.plan(spec, "cpu")
+    interval = spec.sampler.interval_s if sampler else None
+    outcome = run_worker(trial.payload(spec), spec.timeout_s, interval, "cpu", trial.threads)
+    metrics = (outcome.result() or {}).get("metrics", {})
+    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),
+            "measured_steps": metrics.get("measured_steps"), "measured_seconds": metrics.get("measured_seconds"),
+            "step_time_median_s": metrics.get("step_time_median_s"), "test_accuracy": metrics.get("test_accuracy"),
+            "final_train_loss": metrics.get("final_train_loss"), "timed_windows": metrics.get("timed_windows"),
+            "timing_window": metrics.get("timing_window"), "wall_s": outcome.wall_seconds,
+            "threads": trial.threads, "timing": spec.timing.model_dump(mode="json"),
+            "trial": {k: v for k, v in trial.payload(spec)["trial"].items() if k not in ("python", "command")},
+            "sampler_interval_s": interval}
+
+
+def run_loop(spec: Spec, spec_path: str, framework: str, batch_size: int, epochs: int,
+             threads: int) -> dict[str, Any]:
+    """``benchmarks.idiomatic_loops`` in the framework entry's interpreter, with the worker's thread environment."""
+    entry = plan_module.entry_for(spec, framework)
+    argv = [*entry.argv(), "-m", "benchmarks.idiomatic_loops", "--framework", framework,
+            "--batch-size", str(batch_size), "--epochs", str(epochs), "--spec", spec_path,
+            "--warmup-steps", str(spec.warmup_steps), "--threads", str(threads), "--seed", str(spec.seed)]
+    env = {**os.environ, **worker_settings(threads, allocator=spec.allocator.model_dump(mode="json"))}
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=spec.timeout_s,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "reason": f"no exit within {spec.timeout_s:g} s", "throughput": None}
+    wall = time.monotonic() - started
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"status": "error", "reason": f"exit {proc.returncode}: {tail[:300]}", "throughput": None}
+    out = json.loads(lines[-1])
+    best = out["variants"][out["best"]]
+    return {"status": "ok", "reason": "", **out, "test_accuracy": best["test_accuracy"],
+            "timed_steps": best["timed_steps"], "wall_s": wall}
+
+
+def auto_epochs(n_train: int, batch_size: int, warmup: int, min_steps: int, min_samples: int) -> int:
+    """Epochs for at least ``min_steps`` timed steps and ``min_samples`` timed samples at ``batch_size``."""
+    steps_per_epoch = n_train // batch_size
+    if steps_per_epoch == 0:
+        raise SystemExit(f"batch size {batch_size} exceeds the {n_train} training samples")
+    steps = max(min_steps + warmup, math.ceil(min_samples / batch_size) + warmup)
+    return max(1, math.ceil(steps / steps_per_epoch))
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values)) if values else math.nan
+
+
+def summarize(runs: list[dict[str, Any]], cells: list[tuple[str, int]]) -> tuple[str, list[dict[str, Any]]]:
+    """The Markdown table and its rows (one per framework and batch size)."""
+    lines = [("| framework | batch | epochs | timed steps | harness samples/s | loop samples/s | loop (fastest) "
+              "| ratio harness/loop | min..max | repeats | test acc harness / loop | goal >= 0.97 |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | --- | --- |"]
+    rows = []
+    for framework, batch in cells:
+        cell = [r for r in runs if r["framework"] == framework and r["batch_size"] == batch]
+        ok = [r for r in cell if r["harness"]["status"] == "ok" and r["loop"]["status"] == "ok"]
+        ratios = [r["ratio"] for r in ok]
+        harness_tp = [r["harness"]["throughput"] for r in ok]
+        loop_tp = [r["loop"]["throughput"] for r in ok]
+        bests = [r["loop"]["best"] for r in ok]
+        fastest = ", ".join(f"{name} {bests.count(name)}/{len(bests)}" for name in sorted(set(bests))) or "n/a"
+        median = _median(ratios)
+        failed = [f"{side} {r[side]['status']}: {r[side]['reason'][:80]}" for r in cell for side in ("harness", "loop")
+                  if r[side]["status"] != "ok"]
+        goal = "n/a" if not ratios else ("yes" if median >= GOAL else "NO")
+        row = {"framework": framework, "batch_size": batch, "epochs": cell[0]["epochs"] if cell else None,
+               "ratio_median": median, "ratio_min": min(ratios) if ratios else None,
+               "ratio_max": max(ratios) if ratios else None, "repeats": len(ratios),
+               "harness_throughput_median": _median(harness_tp), "loop_throughput_median": _median(loop_tp),
+               "loop_fastest": fastest, "goal_met": None if not ratios else median >= GOAL, "failures": failed}
+        rows.append(row)
+        steps = ok[0]["harness"]["measured_steps"] if ok else "n/a"
+        acc = (f"{_median([r['harness']['test_accuracy'] for r in ok]):.4f} / "
+               f"{_median([r['loop']['test_accuracy'] for r in ok]):.4f}") if ok else "n/a"
+        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if ratios else "n/a"
+        lines.append(f"| {framework} | {batch} | {row['epochs']} | {steps} | {row['harness_throughput_median']:,.0f} "
+                     f"| {row['loop_throughput_median']:,.0f} | {fastest} | {median:.3f} | {spread} | {len(ratios)} "
+                     f"| {acc} | {goal} |")
+        for failure in failed:
+            lines.append(f"|  |  |  |  |  |  |  |  |  |  |  | failed: {failure} |")
+    return "\n".join(lines), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", default=str(ROOT / "specs" / "quick.yaml"),
+                        help="model, dataset, optimizer, threads, warm-up, timing, sampler and interpreters "
+                             "(default: specs/quick.yaml)")
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated (default: all four)")
+    parser.add_argument("--batch-sizes", default="64,512", help="default: 64,512")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default: 5)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of every measurement (default: per batch size, see --min-steps/--min-samples)")
+    parser.add_argument("--min-steps", type=int, default=100, help="timed steps at least (default: 100)")
+    parser.add_argument("--min-samples", type=int, default=60000,
+                        help="timed samples at least, about 2 s here (default: 60000)")
+    parser.add_argument("--timing", default=None,
+                        help="JSON that replaces the spec's timing block, e.g. '{\"window\": \"step\"}' "
+                             "(default: the spec's, i.e. what a user's run does)")
+    parser.add_argument("--no-sampler", action="store_true",
+                        help="run the harness trials without the sampler (default: the spec's sampler, as in a run)")
+    parser.add_argument("--out", default=None,
+                        help="raw results as JSON (default: results/harness_vs_loop-<UTC time>.json)")
+    args = parser.parse_args(argv)
+
+    frameworks = args.frameworks.split(",")
+    unknown = set(frameworks) - set(FRAMEWORKS)
+    if unknown:
+        parser.error(f"unknown framework(s): {', '.join(sorted(unknown))}")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    timing = json.loads(args.timing) if args.timing else None
+    base = load_spec(args.spec, frameworks[0], batches[0], 1, timing)
+    n_train = len(datasets.load(base.dataset, seed=base.seed).y_train)
+    epochs = {b: args.epochs or auto_epochs(n_train, b, base.warmup_steps, args.min_steps, args.min_samples)
+              for b in batches}
+    cells = list(itertools.product(frameworks, batches))
+    out_path = Path(args.out) if args.out else (
+        ROOT / "results" / f"harness_vs_loop-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json")
+    started = time.monotonic()
+    load_before = os.getloadavg()
+
+    def log(text: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    runs: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for index, (framework, batch) in enumerate(cells):
+            spec = load_spec(args.spec, framework, batch, epochs[batch], timing)
+            threads = spec.cpu_threads or available_cpus()
+            order = ("harness", "loop") if (repeat + index) % 2 == 0 else ("loop", "harness")
+            run: dict[str, Any] = {"repeat": repeat, "framework": framework, "batch_size": batch,
+                                   "epochs": epochs[batch], "order": list(order)}
+            for side in order:
+                run[side] = (run_harness(spec, not args.no_sampler) if side == "harness" else
+                             run_loop(spec, args.spec, framework, batch, epochs[batch], threads))
+            h, lp = run["harness"], run["loop"]
+            run["ratio"] = h["throughput"] / lp["throughput"] if h["status"] == lp["status"] == "ok" else None
+            runs.append(run)
+            detail = (f"ratio {run['ratio']:.3f} (harness {h['throughput']:,.0f}, loop {lp['throughput']:,.0f} "
+                      f"samples/s, {lp['best']})" if run["ratio"] is not None else
+                      f"harness {h['status']} {h['reason'][:100]}; loop {lp['status']} {lp['reason'][:100]}")
+            log(f"repeat {repeat + 1}/{args.repeats} {framework} bs {batch} ({order[0]} first): {detail}")
+
+    table, rows = summarize(runs, cells)
+    load_after = os.getloadavg()
+    timing_text = json.dumps(timing) if timing is not None else f"the spec's ({json.dumps(base.timing.model_dump())})"
+    print(f"Harness vs idiomatic loop: spec {args.spec}, device cpu, {base.cpu_threads or available_cpus()} intra-op "
+          f"thread(s), {available_cpus()} CPUs, timing {timing_text}, sampler "
+          f"{'off' if args.no_sampler else f'{base.sampler.interval_s:g} s'}, warm-up {base.warmup_steps} step(s), "
+          f"{args.repeats} repeats, {time.monotonic() - started:.0f} s in all")
+    print(f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
+          f"{', '.join(f'{x:.2f}' for x in load_after)}: other load on the machine shows up as noise")
+    print("ratio = harness throughput / loop throughput in the same repeat (below 1: the harness is slower); "
+          f"goal: median >= {GOAL}\n")
+    print(table)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({
+        "spec": args.spec, "frameworks": frameworks, "batch_sizes": batches, "repeats": args.repeats,
+        "epochs": {str(b): e for b, e in epochs.items()}, "timing_override": timing, "sampler": not args.no_sampler,
+        "cpus": available_cpus(), "load_before": load_before, "load_after": load_after, "goal": GOAL,
+        "summary": rows, "runs": runs}, indent=1, default=str))
+    print(f"\nraw results: {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
