@@ -4,22 +4,39 @@ Importing this package imports no framework: ``get(name)`` imports an adapter's 
 Extra adapters (used by the test suite for fault injection, or by a user's own framework) are registered through the
 environment variable ``HARNESS_ADAPTERS``: a comma-separated list of ``name=module:Class``. It is inherited by worker
 processes, so the same names resolve there.
+
+``BUILTIN_SUPPORT`` is what each built-in adapter builds (its class's ``SUPPORTED_LAYERS`` and ``SUPPORTED_TASKS``,
+kept here too so that a trial it cannot run is decided at plan time without importing the framework; a test reads
+the adapters' sources to check that the two agree). An adapter added through ``HARNESS_ADAPTERS`` is decided in its
+worker, before ``build``.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from typing import TYPE_CHECKING
 
-from adapters.base import Adapter, DeviceUnavailable
+from adapters.base import ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, support_gap
 
-__all__ = ["Adapter", "DeviceUnavailable", "available_names", "get", "BUILTIN"]
+if TYPE_CHECKING:
+    from harness.neutral.models import ModelInfo
+
+__all__ = ["Adapter", "BUILTIN", "BUILTIN_SUPPORT", "DeviceUnavailable", "available_names", "get", "unsupported"]
 
 BUILTIN: dict[str, str] = {
     "pytorch": "adapters.pytorch:PyTorchAdapter",
     "tensorflow": "adapters.tensorflow:TensorFlowAdapter",
     "mxnet": "adapters.mxnet:MXNetAdapter",
     "jax": "adapters.jax:JaxAdapter",
+}
+
+#: (SUPPORTED_LAYERS, SUPPORTED_TASKS) of each built-in adapter: update it with the adapter's class attributes.
+BUILTIN_SUPPORT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "pytorch": (ALL_LAYERS, ALL_TASKS),
+    "tensorflow": (BASIC_LAYERS, IMAGE_TASKS),
+    "mxnet": (BASIC_LAYERS, IMAGE_TASKS),
+    "jax": (BASIC_LAYERS, IMAGE_TASKS),
 }
 
 
@@ -51,3 +68,13 @@ def get(name: str) -> type[Adapter]:
     if not (isinstance(cls, type) and issubclass(cls, Adapter)):
         raise TypeError(f"{target} is not an Adapter subclass")
     return cls
+
+
+def unsupported(name: str, info: "ModelInfo") -> str | None:
+    """Why the adapter ``name`` cannot train ``info``, decided without importing its framework: the reason
+    (``adapters.base.support_gap``) for a built-in adapter that lacks something, else None (also for an adapter of
+    ``HARNESS_ADAPTERS`` that replaces a built-in name or is not one: its worker decides)."""
+    if name not in BUILTIN_SUPPORT or name in _extra():
+        return None
+    layers, tasks = BUILTIN_SUPPORT[name]
+    return support_gap(name, layers, tasks, info)

@@ -5,6 +5,12 @@ seed, allocator settings: before any framework op), ``build`` (the model from th
 dataset to the device, once), then ``train_step`` many times with ``sync`` at the edges of every timed window, and
 ``evaluate``. Timing is never done inside an adapter: the loop in ``harness.execution.worker`` times every framework with the
 same code.
+
+What an adapter builds is declared, not discovered by failing: ``SUPPORTED_LAYERS`` (layer kinds and layer options,
+the vocabulary of ``harness.neutral.models.requirements``) and ``SUPPORTED_TASKS``. A trial whose model needs
+anything else is ``unsupported``, with the reason ``unsupported`` gives, before training: at plan time from the
+registry's table for the built-in adapters (``adapters.BUILTIN_SUPPORT``, which must equal the classes'
+declarations), and in the worker before ``build`` for every adapter.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import abc
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+from harness.neutral.info import TASKS, describe_feature, requirements
 
 if TYPE_CHECKING:
     from harness.neutral.datasets import Data
@@ -29,6 +37,30 @@ def micro_batch_size(batch_size: int, micro_batches: int) -> int:
     return batch_size // micro_batches
 
 
+#: The layer kinds every adapter built before blocks existed (and options of none of them): conv2d with stride 1,
+#: "same" or "valid" padding and a bias, dense on flat inputs with relu or no activation, and the rest as they were.
+BASIC_LAYERS = frozenset({"conv2d", "maxpool2d", "avgpool2d", "global_avgpool2d", "batchnorm", "dropout", "flatten",
+                          "dense", "relu", "softmax"})
+#: Image classification only: NHWC float32 images in, one label per sample.
+IMAGE_TASKS = frozenset({"image_classification"})
+#: Every layer kind and layer option of the neutral model (``harness.neutral.info.requirements``'s vocabulary).
+ALL_LAYERS = BASIC_LAYERS | frozenset({
+    "residual", "layernorm", "gelu", "embedding", "attention", "sequence_pool", "conv2d.stride", "conv2d.padding",
+    "conv2d.no_bias", "dense.gelu", "dense.sequence", "attention.causal"})
+#: Every task: images, sequence classification and next-token prediction.
+ALL_TASKS = frozenset(TASKS)
+
+
+def support_gap(adapter: str, layers: frozenset[str], tasks: frozenset[str], info: "ModelInfo") -> str | None:
+    """None when ``layers`` and ``tasks`` cover every requirement of ``info`` (``harness.neutral.models
+    .requirements``); else one line naming the first one missing and where, e.g. "the pytorch adapter does not
+    support residual blocks (model.layers.1)"."""
+    for feature, where in requirements(info):
+        if feature not in (tasks if feature in TASKS else layers):
+            return f"the {adapter} adapter does not support {describe_feature(feature)} ({where})"
+    return None
+
+
 class DeviceUnavailable(RuntimeError):
     """The framework cannot use the requested device (a CPU-only build asked for cuda:N, an index out of range)."""
 
@@ -41,6 +73,20 @@ class Adapter(abc.ABC):
     #: None: the cap a GPU adapter applies through its framework's own limit; on the CPU the worker applies a process
     #: limit itself). Adapters read what applies to them and record it in ``settings``.
     options: dict[str, Any] = {}
+    #: Layer kinds ("conv2d", "residual", ...) and layer options ("conv2d.stride", "conv2d.padding",
+    #: "conv2d.no_bias", "dense.gelu", "dense.sequence", "attention.causal") this adapter builds. The default is
+    #: what every adapter built before blocks existed (an adapter written then declares nothing and keeps working).
+    SUPPORTED_LAYERS: ClassVar[frozenset[str]] = BASIC_LAYERS
+    #: Tasks (``harness.neutral.models.TASKS``: "image_classification", "sequence_classification", "next_token")
+    #: this adapter trains: what its ``load`` takes and which loss it computes.
+    SUPPORTED_TASKS: ClassVar[frozenset[str]] = IMAGE_TASKS
+
+    def unsupported(self, info: "ModelInfo") -> str | None:
+        """None when this adapter can build and train ``info``; else the reason (one line naming the first layer
+        kind, option or task it lacks and where). Default: from ``SUPPORTED_LAYERS`` and ``SUPPORTED_TASKS``
+        (``support_gap``). The worker calls it after ``prepare`` and before ``build``, so an adapter that lacks a
+        layer on one device only may override it and look at the device it prepared."""
+        return support_gap(self.name, self.SUPPORTED_LAYERS, self.SUPPORTED_TASKS, info)
 
     @abc.abstractmethod
     def versions(self) -> dict[str, str]:
@@ -55,13 +101,15 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def build(self, info: "ModelInfo", weights: dict[str, np.ndarray], optimizer: "OptimizerSpec") -> None:
         """Builds the model of ``info`` with exactly ``weights`` (canonical layout, see harness.neutral.models) and the
-        optimizer. The loss is the mean softmax cross-entropy of the logits. ``weights`` may also hold buffers
-        (batchnorm's ``"<i>.running_mean"`` / ``"<i>.running_var"``); a buffer it lacks starts at
+        optimizer. The loss is the mean softmax cross-entropy of the logits: over the samples, or for a ``next_token``
+        model (``info.task``; logits (B, L, vocab), labels (B, L)) over all B x L positions. ``weights`` may also hold
+        buffers (batchnorm's ``"<name>.running_mean"`` / ``"<name>.running_var"``); a buffer it lacks starts at
         ``harness.neutral.models.initial_buffers``'s value."""
 
     @abc.abstractmethod
     def load(self, data: "Data") -> None:
-        """Places the dataset on the device once (float32 images, int64 labels); train_step gathers from it."""
+        """Places the dataset on the device once (float32 NHWC images, or int64 (N, L) token ids; int64 labels, (N,)
+        or (N, L) for a next-token task); train_step gathers from it."""
 
     def set_train_images(self, images: np.ndarray) -> None:
         """Replaces the training images on the device in place with ``images`` (float32 NHWC, the shape ``load``
@@ -84,11 +132,13 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on the whole test set, in inference mode,
-        in batches of ``batch_size`` (the last one may be smaller). Returns only when the device is done."""
+        in batches of ``batch_size`` (the last one may be smaller); for a next-token model both are over every
+        position of every test sequence. Returns only when the device is done."""
 
     @abc.abstractmethod
     def predict(self, images: np.ndarray) -> np.ndarray:
-        """Logits, float32 (N, classes), for float32 NHWC ``images``; inference mode."""
+        """Logits, float32 (N, classes), for float32 NHWC ``images`` (or int64 (N, L) token ids: (N, classes), or
+        (N, L, vocab) for a next-token model); inference mode."""
 
     @abc.abstractmethod
     def get_weights(self) -> dict[str, np.ndarray]:

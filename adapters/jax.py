@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters.base import BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 Params = dict[str, jax.Array]
@@ -76,6 +76,8 @@ def _oom_types() -> tuple[type, ...]:
 
 class JaxAdapter(Adapter):
     name = "jax"
+    SUPPORTED_LAYERS = BASIC_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = IMAGE_TASKS
 
     def __init__(self) -> None:
         self.device: Any = None

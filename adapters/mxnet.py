@@ -36,7 +36,7 @@ with warnings.catch_warnings():
     from mxnet import autograd, gluon, nd
     from mxnet.gluon import nn
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, micro_batch_size
 from harness.neutral.models import initial_buffers
 
 # What libmxnet saw when it loaded (during the import above): its OpenMP thread count is derived from these once.
@@ -146,6 +146,8 @@ def _omp_threads() -> int:
 
 class MXNetAdapter(Adapter):
     name = "mxnet"
+    SUPPORTED_LAYERS = BASIC_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = IMAGE_TASKS
 
     def __init__(self) -> None:
         self.ctx = mx.cpu()

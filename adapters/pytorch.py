@@ -17,17 +17,78 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size
 from harness.neutral.models import initial_buffers
+
+
+def _activated(module: nn.Module, spec: Any) -> nn.Module:
+    """``module`` followed by its spec's activation (relu, gelu in its exact erf form, or none)."""
+    activation = getattr(spec, "activation", "none")
+    if activation == "none":
+        return module
+    return nn.Sequential(module, nn.ReLU() if activation == "relu" else nn.GELU())
+
+
+class _Residual(nn.Module):
+    """y = activation(body(x) + shortcut(x)); an empty shortcut is the identity."""
+
+    def __init__(self, body: nn.Sequential, shortcut: nn.Sequential, relu: bool):
+        super().__init__()
+        self.body, self.shortcut, self.relu = body, shortcut, relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x) + self.shortcut(x)
+        return F.relu(out) if self.relu else out
+
+
+class _Embedding(nn.Module):
+    """Token plus learned position embedding: (B, L) int64 ids -> (B, L, D)."""
+
+    def __init__(self, vocab: int, length: int, dim: int):
+        super().__init__()
+        self.token, self.position = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.token(ids) + self.position.weight[:ids.shape[1]]
+
+
+class _SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` as self-attention on (B, L, D), its weights in the canonical layout as they are
+    (in_proj_weight (3D, D): q, k, v rows; out_proj); causal with a boolean mask of the keys after each query
+    (https://pytorch.org/docs/stable/generated/torch.nn.MultiheadAttention.html)."""
+
+    def __init__(self, dim: int, heads: int, causal_length: int | None):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
+        mask = None if causal_length is None else torch.triu(
+            torch.ones(causal_length, causal_length, dtype=torch.bool), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x, need_weights=False, attn_mask=self.mask, is_causal=self.mask is not None)[0]
+
+
+class _SequencePool(nn.Module):
+    """(B, L, D) -> (B, D): the mean over positions, or the last position."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1) if self.mode == "mean" else x[:, -1]
 
 
 class PyTorchAdapter(Adapter):
     name = "pytorch"
+    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = ALL_TASKS
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self._last_loss: torch.Tensor | None = None
-        self._modules: dict[int, nn.Module] = {}
+        self._tensors: dict[str, tuple[nn.Module, str, bool]] = {}  # canonical name -> (module, attribute, trained)
+        self.tokens = self.next_token = False
         self._memory_limit: dict[str, Any] = {}  # what _apply_memory_limit applied, for settings()
 
     def versions(self) -> dict[str, str]:
@@ -75,50 +136,20 @@ class PyTorchAdapter(Adapter):
                               "device_total_memory_bytes": total}
 
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
-        """``nn.Sequential`` of the canonical layers (NCHW: weights copied in unchanged), in training mode except
-        inside ``evaluate`` and ``predict``. Batchnorm's running statistics start from ``weights``' buffers if it has
-        them, else from ``harness.neutral.models.initial_buffers``."""
+        """The canonical layers and blocks as torch modules (NCHW for images, (B, L, D) for sequences: weights
+        copied in unchanged), in training mode except inside ``evaluate`` and ``predict``. Batchnorm's running
+        statistics start from ``weights``' buffers if it has them, else from
+        ``harness.neutral.models.initial_buffers``. Every parameter and buffer is kept under its canonical name
+        (``self._params``, ``self._buffers``) for ``get_weights`` and ``get_buffers``."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
-        layers: list[nn.Module] = []
-        self._modules = {}
-        for layer in info.layers:
-            spec = layer.spec
-            module: nn.Module | None = None
-            if layer.kind == "conv2d":
-                module = nn.Conv2d(layer.input_shape[0], spec.filters, spec.kernel_size,
-                                   padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
-            elif layer.kind == "dense":
-                module = nn.Linear(layer.input_shape[0], spec.units)
-            elif layer.kind == "batchnorm":
-                # momentum is PyTorch's own convention (the weight of the new batch), running_var is updated with the
-                # unbiased batch variance: the canonical semantics, natively (harness.spec.BatchNorm).
-                norm = nn.BatchNorm2d if len(layer.input_shape) == 3 else nn.BatchNorm1d
-                module = norm(layer.input_shape[0], eps=spec.epsilon, momentum=spec.momentum)
-                with torch.no_grad():
-                    module.running_mean.copy_(torch.from_numpy(buffers[f"{layer.index}.running_mean"]))
-                    module.running_var.copy_(torch.from_numpy(buffers[f"{layer.index}.running_var"]))
-            elif layer.kind == "maxpool2d":
-                layers.append(nn.MaxPool2d(spec.pool_size, spec.stride or spec.pool_size))
-            elif layer.kind == "avgpool2d":
-                layers.append(nn.AvgPool2d(spec.pool_size, spec.stride or spec.pool_size))  # no padding
-            elif layer.kind == "global_avgpool2d":
-                layers.extend([nn.AdaptiveAvgPool2d(1), nn.Flatten()])  # (N, C, 1, 1) -> (N, C)
-            elif layer.kind == "dropout":
-                layers.append(nn.Dropout(spec.rate))
-            elif layer.kind == "flatten":
-                layers.append(nn.Flatten())  # NCHW flattens channel-first: the canonical order
-            elif layer.kind == "relu":
-                layers.append(nn.ReLU())
-            # softmax: folded into the cross-entropy loss
-            if module is not None:
-                with torch.no_grad():
-                    module.weight.copy_(torch.from_numpy(weights[f"{layer.index}.weight"]))
-                    module.bias.copy_(torch.from_numpy(weights[f"{layer.index}.bias"]))
-                self._modules[layer.index] = module
-                layers.append(module)
-                if getattr(spec, "activation", "none") == "relu":
-                    layers.append(nn.ReLU())
-        self.net = nn.Sequential(*layers).to(self.device).train()
+        self._tensors: dict[str, tuple[nn.Module, str, bool]] = {}
+        self.next_token = info.task == "next_token"
+        self.tokens = info.task != "image_classification"
+        self.net = nn.Sequential(*[self._layer(layer) for layer in info.layers])
+        with torch.no_grad():
+            for name, (_, _, trained) in self._tensors.items():
+                self._tensor(name).copy_(torch.from_numpy((weights if trained else buffers)[name]))
+        self.net = self.net.to(self.device).train()
         params = self.net.parameters()
         if optimizer.name == "sgd":
             self.opt: torch.optim.Optimizer = torch.optim.SGD(
@@ -127,16 +158,97 @@ class PyTorchAdapter(Adapter):
             self.opt = torch.optim.Adam(params, lr=optimizer.learning_rate, betas=(optimizer.beta1, optimizer.beta2),
                                         eps=optimizer.epsilon, weight_decay=optimizer.weight_decay)
 
-    def _to_device_images(self, images: np.ndarray) -> torch.Tensor:
+    def _keep(self, layer: Any, module: nn.Module, names: dict[str, str]) -> nn.Module:
+        """Registers ``module``'s tensors under their canonical names: ``names`` maps a canonical local name
+        (``weight``, ``in_proj.weight``, ...) to its attribute path in ``module`` (``weight``, ``mha.in_proj_weight``,
+        ...); parameters are the names in ``layer.params``, the rest buffers."""
+        for local, attribute in names.items():
+            self._tensors[f"{layer.name}.{local}"] = (module, attribute, local in layer.params)
+        return module
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """The parameter or buffer of canonical ``name`` (wherever ``.to(device)`` put it)."""
+        module, attribute, trained = self._tensors[name]
+        return module.get_parameter(attribute) if trained else module.get_buffer(attribute)
+
+    def _layer(self, layer: Any) -> nn.Module:
+        """One canonical layer or block as a module (``torch.nn``'s own layers; softmax folds into the loss)."""
+        spec, kind = layer.spec, layer.kind
+        if kind == "residual":
+            return _Residual(nn.Sequential(*[self._layer(child) for child in layer.body]),
+                             nn.Sequential(*[self._layer(child) for child in layer.shortcut]),
+                             spec.activation == "relu")
+        plain = {"weight": "weight", "bias": "bias"}
+        if kind == "conv2d":
+            padding = (spec.kernel_size // 2 if spec.padding == "same" else 0 if spec.padding == "valid"
+                       else spec.padding)  # an integer: that many zeros on every side, as PyTorch pads
+            conv = nn.Conv2d(layer.input_shape[0], spec.filters, spec.kernel_size, stride=spec.stride,
+                             padding=padding, bias=spec.use_bias)
+            return _activated(self._keep(layer, conv, {k: v for k, v in plain.items() if k in layer.params}), spec)
+        if kind == "dense":  # on (B, F), or per position on (B, L, D): nn.Linear acts on the last axis
+            return _activated(self._keep(layer, nn.Linear(layer.input_shape[-1], spec.units), plain), spec)
+        if kind == "batchnorm":
+            # momentum is PyTorch's own convention (the weight of the new batch), running_var is updated with the
+            # unbiased batch variance: the canonical semantics, natively (harness.spec.BatchNorm).
+            norm = nn.BatchNorm2d if len(layer.input_shape) == 3 else nn.BatchNorm1d
+            module = norm(layer.input_shape[0], eps=spec.epsilon, momentum=spec.momentum)
+            return self._keep(layer, module, {**plain, "running_mean": "running_mean", "running_var": "running_var"})
+        if kind == "layernorm":
+            return self._keep(layer, nn.LayerNorm(layer.input_shape[-1], eps=spec.epsilon), plain)
+        if kind == "embedding":
+            length, dim = layer.output_shape
+            return self._keep(layer, _Embedding(spec.vocab, length, dim),
+                              {"token.weight": "token.weight", "position.weight": "position.weight"})
+        if kind == "attention":
+            length, dim = layer.input_shape
+            module = _SelfAttention(dim, spec.heads, length if spec.causal else None)
+            return self._keep(layer, module, {"in_proj.weight": "mha.in_proj_weight", "in_proj.bias": "mha.in_proj_bias",
+                                              "out_proj.weight": "mha.out_proj.weight",
+                                              "out_proj.bias": "mha.out_proj.bias"})
+        if kind == "maxpool2d":
+            return nn.MaxPool2d(spec.pool_size, spec.stride or spec.pool_size)
+        if kind == "avgpool2d":
+            return nn.AvgPool2d(spec.pool_size, spec.stride or spec.pool_size)  # no padding
+        if kind == "global_avgpool2d":
+            return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())  # (N, C, 1, 1) -> (N, C)
+        if kind == "sequence_pool":
+            return _SequencePool(spec.mode)
+        if kind == "dropout":
+            return nn.Dropout(spec.rate)
+        if kind == "flatten":
+            return nn.Flatten()  # NCHW flattens channel-first: the canonical order
+        if kind == "relu":
+            return nn.ReLU()
+        if kind == "gelu":
+            return nn.GELU()  # the exact erf form (approximate="none")
+        if kind == "softmax":
+            return nn.Identity()  # folded into the cross-entropy loss
+        raise ValueError(f"the pytorch adapter cannot build {kind} layers")
+
+    def _to_device_inputs(self, inputs: np.ndarray) -> torch.Tensor:
+        """NHWC float32 images as NCHW, or (N, L) int64 token ids as they are, on the device."""
+        if self.tokens:
+            return torch.tensor(inputs, dtype=torch.int64, device=self.device)
         # torch.tensor always copies: from_numpy(...).to("cpu") would share the caller's array (for one channel the
         # NCHW transpose is already contiguous), and set_train_images would then write into the harness's dataset.
-        return torch.tensor(images.transpose(0, 3, 1, 2), dtype=torch.float32, device=self.device)
+        # Contiguous NCHW, PyTorch's default memory format: a copy of the transposed NHWC array would keep its
+        # channels-last strides, and then which convolution kernel runs (about 30 % apart on the CPU) would depend
+        # on how a batch is gathered (benchmarks/harness_vs_loop.py).
+        return torch.tensor(np.ascontiguousarray(inputs.transpose(0, 3, 1, 2)), dtype=torch.float32,
+                            device=self.device)
 
     def load(self, data: Any) -> None:
-        self.x_train = self._to_device_images(data.x_train)
+        self.x_train = self._to_device_inputs(data.x_train)
         self.y_train = torch.from_numpy(data.y_train).to(self.device)
-        self.x_test = self._to_device_images(data.x_test)
+        self.x_test = self._to_device_inputs(data.x_test)
         self.y_test = torch.from_numpy(data.y_test).to(self.device)
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Softmax cross-entropy: over the samples, or for a next-token model over every position (logits
+        (B, L, V) and labels (B, L) flattened to B x L rows)."""
+        if self.next_token:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+        return F.cross_entropy(logits, y, reduction=reduction)
 
     def set_train_images(self, images: np.ndarray) -> None:
         """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place."""
@@ -152,7 +264,7 @@ class PyTorchAdapter(Adapter):
         if micro_batches == 1:
             x = self.x_train.index_select(0, idx)
             y = self.y_train.index_select(0, idx)
-            loss = F.cross_entropy(self.net(x), y)
+            loss = self._loss(self.net(x), y)
             loss.backward()
             self.opt.step()
             self._last_loss = loss.detach()
@@ -160,7 +272,7 @@ class PyTorchAdapter(Adapter):
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         total = torch.zeros((), device=self.device)
         for part in idx.chunk(micro_batches):
-            loss = F.cross_entropy(self.net(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
+            loss = self._loss(self.net(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
             loss = loss / micro_batches
             loss.backward()
             total += loss.detach()
@@ -181,32 +293,26 @@ class PyTorchAdapter(Adapter):
         for start in range(0, n, batch_size):
             logits = self.net(self.x_test[start:start + batch_size])
             y = self.y_test[start:start + batch_size]
-            total_loss += F.cross_entropy(logits, y, reduction="sum").double()
-            correct += (logits.argmax(dim=1) == y).sum()
+            total_loss += self._loss(logits, y, reduction="sum").double()
+            correct += (logits.argmax(dim=-1) == y).sum()
         self.net.train()
-        return float(total_loss.item()) / n, float(correct.item()) / n
+        count = self.y_test.numel()  # samples, or every position of every sequence
+        return float(total_loss.item()) / count, float(correct.item()) / count
 
     @torch.no_grad()
     def predict(self, images: np.ndarray) -> np.ndarray:
         self.net.eval()
-        logits = self.net(self._to_device_images(images.astype(np.float32)))
+        logits = self.net(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
         self.net.train()
         return logits.cpu().numpy()
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for index, module in self._modules.items():
-            out[f"{index}.weight"] = module.weight.detach().cpu().numpy().copy()
-            out[f"{index}.bias"] = module.bias.detach().cpu().numpy().copy()
-        return out
+        return {name: self._tensor(name).detach().cpu().numpy().copy()
+                for name, (_, _, trained) in self._tensors.items() if trained}
 
     def get_buffers(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for index, module in self._modules.items():
-            if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                out[f"{index}.running_mean"] = module.running_mean.detach().cpu().numpy().copy()
-                out[f"{index}.running_var"] = module.running_var.detach().cpu().numpy().copy()
-        return out
+        return {name: self._tensor(name).detach().cpu().numpy().copy()
+                for name, (_, _, trained) in self._tensors.items() if not trained}
 
     def reset_memory_stats(self) -> None:
         if self.device.type == "cuda":

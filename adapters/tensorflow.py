@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silence
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters.base import BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 
@@ -55,6 +55,8 @@ def _default_threads() -> int:
 
 class TensorFlowAdapter(Adapter):
     name = "tensorflow"
+    SUPPORTED_LAYERS = BASIC_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = IMAGE_TASKS
 
     def __init__(self) -> None:
         self.device = "/CPU:0"

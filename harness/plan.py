@@ -2,9 +2,11 @@
 
 ``load`` and ``checked_spec`` are what the commands use: the field rules of ``harness.spec`` and then the checks that
 need the neutral model, the dataset files or the adapter registry (every framework named has an adapter; the model
-fits the dataset's images and classes; a CIFAR-10 tarball exists). Every failure is a ``SpecError``: one line naming
-the file and the field, which the CLI prints before exiting with status 2. Imports ``harness.neutral`` and
-``harness.spec``, and the adapter registry (which imports no framework).
+fits the dataset's images or tokens and its classes; a CIFAR-10 tarball exists; augmentation has images to augment).
+Every failure is a ``SpecError``: one line naming the file and the field (for the model, the layer's path, e.g.
+``model.layers.3.body``), which the CLI prints before exiting with status 2. ``unsupported_reason`` says, also before
+anything runs, which frameworks' adapters cannot build the model: their trials are recorded ``unsupported``. Imports
+``harness.neutral`` and ``harness.spec``, and the adapter registry (which imports no framework).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from harness import spec as spec_module
 from harness.neutral import datasets, models
-from harness.spec import Cifar10Data, FrameworkEntry, OptimizerSpec, Spec, SpecError
+from harness.spec import Cifar10Data, FrameworkEntry, OptimizerSpec, Spec, SpecError, SyntheticTokens
 
 
 def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Spec:
@@ -44,11 +46,29 @@ def check(spec: Spec, file: str | os.PathLike[str]) -> None:
             datasets.resolve_cifar10_path(spec.dataset, base_dir=base)
         except datasets.DatasetError as err:
             raise SpecError(file, "dataset.path", str(err)) from None
-    image_shape, classes = datasets.describe(spec.dataset)
     try:
-        models.analyze(spec.model, image_shape, classes)
+        model_info(spec)
     except models.ModelError as err:
-        raise SpecError(file, f"model.layers.{err.layer}", str(err)) from None
+        raise SpecError(file, "model.layers" + (f".{err.path}" if err.path is not None else ""), str(err)) from None
+    augmenting = spec.augmentation or any((spec.variants and spec.variants.augmentation) or [])
+    if augmenting and isinstance(spec.dataset, SyntheticTokens):
+        field = "augmentation" if spec.augmentation else "variants.augmentation"
+        raise SpecError(file, field, "augmentation (random crops and flips of images) needs an image dataset, not "
+                                     "token sequences")
+
+
+def model_info(spec: Spec) -> models.ModelInfo:
+    """The spec's model analysed for its dataset's input and classes. Raises models.ModelError."""
+    return models.analyze(spec.model, *datasets.describe_input(spec.dataset))
+
+
+def unsupported_reason(spec: Spec, framework: str) -> str | None:
+    """Why the adapter named ``framework`` cannot train the spec's model, decided now without importing the
+    framework (``adapters.unsupported``: built-in adapters only; None for the others, whose workers decide before
+    ``build``); None when it can. The spec must have passed ``check``."""
+    from adapters import unsupported  # the registry imports no framework
+
+    return unsupported(framework, model_info(spec))
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from harness.neutral import datasets
-from harness.spec import Cifar10Data, DigitsData, SyntheticData
+from harness.spec import Cifar10Data, DigitsData, SyntheticData, SyntheticTokens
 
 
 def test_digits_is_real_normalised_and_split_the_same_way_every_time():
@@ -94,3 +94,62 @@ def test_augment_is_a_seeded_crop_and_flip_of_each_image():
         assert len(matches) == 1, (i, matches)  # exactly one crop offset and flip explains each output
         flips += matches[0][2]
     assert 8 < flips < 32  # about half flipped
+
+
+def test_copy_tokens_are_a_half_and_its_copy_with_next_token_labels():
+    cfg = SyntheticTokens(name="synthetic_tokens", vocab=10, length=8, size=500, test_size=40, task="copy")
+    a, b, c = datasets.load(cfg, 1), datasets.load(cfg, 1), datasets.load(cfg, 2)
+    assert a.x_train.shape == (500, 8) and a.y_train.shape == (500, 8) and a.x_test.shape == (40, 8)
+    assert a.x_train.dtype == np.int64 and a.y_train.dtype == np.int64 and a.num_classes == 10
+    assert 0 <= a.x_train.min() and a.x_train.max() < 10
+    np.testing.assert_array_equal(a.x_train, b.x_train)
+    assert not np.array_equal(a.x_train, c.x_train)
+    np.testing.assert_array_equal(a.x_train[:, 4:], a.x_train[:, :4])  # the second half copies the first
+    np.testing.assert_array_equal(a.y_train[:, :-1], a.x_train[:, 1:])  # the label is the next token
+    np.testing.assert_array_equal(a.y_train[:, -1], a.x_train[:, 0])  # ... continuing the period at the end
+
+
+def test_copy_accuracy_ceiling_counted_from_the_data():
+    cfg = SyntheticTokens(name="synthetic_tokens", vocab=10, length=8, size=4000, test_size=4, task="copy")
+    data = datasets.load(cfg, 0)
+    x, y, half = data.x_train, data.y_train, 4
+    # A position is predictable when its label is a token the causal prefix x[:, :t + 1] already holds: x[t + 1 - H].
+    predictable = [t for t in range(8) if t + 1 - half >= 0 and np.array_equal(y[:, t], x[:, t + 1 - half])]
+    assert predictable == [3, 4, 5, 6, 7]  # H + 1 of them
+    # The others are uniform draws: the best guess (the commonest label) is right about 1 / vocab of the time.
+    for t in set(range(8)) - set(predictable):
+        assert np.bincount(y[:, t], minlength=10).max() / len(y) < 0.13
+    ceiling = (len(predictable) + (8 - len(predictable)) / cfg.vocab) / 8
+    assert datasets.accuracy_ceiling(cfg) == pytest.approx(ceiling) == pytest.approx(0.6625)
+
+
+def test_sorted_tokens_are_half_sorted_and_labelled_by_sortedness():
+    cfg = SyntheticTokens(name="synthetic_tokens", vocab=3, length=3, size=301, test_size=50, task="sorted")
+    a = datasets.load(cfg, 5)
+    assert a.y_train.shape == (301,) and a.num_classes == 2 and a.x_train.shape == (301, 3)
+    assert a.y_train.sum() == 150  # floor(301 / 2) sorted
+    is_sorted = np.all(np.diff(a.x_train, axis=1) >= 0, axis=1)
+    np.testing.assert_array_equal(a.y_train, is_sorted.astype(np.int64))  # none of the others is sorted by chance
+    np.testing.assert_array_equal(a.x_test, datasets.load(cfg, 5).x_test)
+    assert datasets.accuracy_ceiling(cfg) == 1.0
+
+
+def test_describing_token_data_without_loading_it():
+    copy = SyntheticTokens(name="synthetic_tokens", vocab=7, length=6)
+    feed, classes = datasets.describe_input(copy)
+    assert (feed.kind, feed.shape, feed.vocab, feed.per_position, classes) == ("tokens", (6,), 7, True, 7)
+    feed, classes = datasets.describe_input(SyntheticTokens(name="synthetic_tokens", task="sorted", length=5))
+    assert (feed.per_position, classes) == (False, 2)
+    assert datasets.describe_input(DigitsData(name="digits"))[0].model_shape == (1, 8, 8)
+    # bytes of one sample as loaded: ids and labels int64; pixels float32 and an int64 label
+    data = datasets.load(copy.model_copy(update={"size": 3}))
+    assert datasets.sample_bytes(copy) == (data.x_train.nbytes + data.y_train.nbytes) // 3 == 96
+    assert datasets.sample_bytes(SyntheticData(name="synthetic", shape=(4, 5, 3))) == 4 * 60 + 8
+
+
+def test_token_spec_rules():
+    with pytest.raises(ValueError, match="the copy task needs an even length"):
+        SyntheticTokens(name="synthetic_tokens", length=7)
+    with pytest.raises(ValueError):
+        SyntheticTokens(name="synthetic_tokens", vocab=1)
+    assert SyntheticTokens(name="synthetic_tokens", length=7, task="sorted").length == 7

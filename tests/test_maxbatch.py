@@ -328,6 +328,19 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     assert payloads[0]["spec"]["dataset"]["size"] == 16 and payloads[0]["spec"]["dataset"]["test_size"] == 16
 
 
+def test_search_logic_with_token_sequences(monkeypatch, tmp_path):
+    """A token spec's probes train on its own synthetic tokens (the same task), sized to the batch; the probe data's
+    bytes per sample are int64 ids and labels."""
+    tokens = {"name": "synthetic_tokens", "vocab": 12, "length": 6, "task": "copy"}
+    model = {"layers": [{"type": "embedding", "vocab": 12, "dim": 4}, {"type": "dense", "units": 12}]}
+    spec = validate(base_spec(memory_limit_mb=400, dataset=tokens, model=model), tmp_path / "s.yaml")
+    payloads = []
+    _simulate(monkeypatch, lambda b: True, payloads=payloads)
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=32)
+    assert payloads[0]["spec"]["dataset"] == {**tokens, "size": 16, "test_size": 16}
+    assert result.probe_data_bytes_per_sample == 2 * (6 * 8 + 6 * 8)  # (accumulation + 1) x (ids + labels)
+
+
 def test_cli(fault_adapter, write_spec, tmp_path, capsys):
     from harness import cli
 

@@ -28,6 +28,13 @@ def test_shipped_specs_are_valid(tmp_path, monkeypatch):
     monkeypatch.setenv("HARNESS_DATA", str(tmp_path))
     cnn = spec_module.load(ROOT / "specs" / "cnn.yaml")
     assert cnn.dataset.name == "cifar10" and cnn.epochs == 10
+    resnet18 = spec_module.load(ROOT / "specs" / "resnet18.yaml")
+    assert spec_module.model_info(resnet18).parameter_count == 11_173_962  # by hand in tests/test_blocks.py
+    small = spec_module.load(ROOT / "specs" / "resnet_small.yaml")
+    assert small.dataset.name == "synthetic" and spec_module.model_info(small).layers[5].shortcut
+    for name in ("transformer_small.yaml", "transformer.yaml"):
+        decoder = spec_module.load(ROOT / "specs" / name)
+        assert decoder.dataset.name == "synthetic_tokens" and spec_module.model_info(decoder).task == "next_token"
 
 
 @pytest.mark.parametrize("change, field, words", [
@@ -46,6 +53,20 @@ def test_shipped_specs_are_valid(tmp_path, monkeypatch):
      "model.layers.0.conv2d.filters", "greater than 0"),
     ({"model": {"layers": [{"type": "flatten"}, {"type": "dense", "units": 7}]}}, "model.layers.1", "10 classes"),
     ({"dataset": {"name": "imagenet"}}, "dataset", "digits"),
+    ({"model": {"layers": [{"type": "conv2d", "filters": 4, "kernel_size": 3, "stride": 2, "padding": "same"}]}},
+     "model.layers.0.conv2d", "give an integer padding instead, e.g. padding: 1"),
+    ({"model": {"layers": [{"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": -1}]}},
+     "model.layers.0.conv2d.padding", "a non-negative integer"),
+    ({"model": {"layers": [{"type": "residual", "body": [{"type": "residual", "body": [{"type": "relu"}]}]}]}},
+     "model.layers.0.residual.body.0", "does not match any of the expected tags"),
+    ({"model": {"layers": [{"type": "conv2d", "filters": 4, "kernel_size": 3}, {"type": "residual", "body": [
+        {"type": "conv2d", "filters": 8, "kernel_size": 3, "stride": 2, "padding": 1}], "shortcut": "identity"},
+        {"type": "flatten"}, {"type": "dense", "units": 10}]}},
+     "model.layers.1.body", "the body changes (4, 6, 6) to (8, 3, 3) and shortcut is identity"),
+    ({"dataset": {"name": "synthetic_tokens", "length": 9}}, "dataset.synthetic_tokens", "even length"),
+    ({"dataset": {"name": "synthetic_tokens", "vocab": 10, "length": 4}, "augmentation": True,
+      "model": {"layers": [{"type": "embedding", "vocab": 10, "dim": 4}, {"type": "dense", "units": 10}]}},
+     "augmentation", "needs an image dataset"),
 ])
 def test_invalid_field_is_one_line_naming_file_and_field(write_spec, change, field, words):
     path, message = error_of(write_spec, base_spec(**change))
@@ -102,3 +123,23 @@ def test_cli_override_error_names_the_spec_file(write_spec, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"{path}: frameworks: unknown framework 'theano'")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layers, dataset, field, words", [
+    ([{"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": 1},
+      {"type": "residual", "shortcut": "identity", "body": [
+          {"type": "conv2d", "filters": 8, "kernel_size": 3, "stride": 2, "padding": 1}, {"type": "batchnorm"}]},
+      {"type": "global_avgpool2d"}, {"type": "dense", "units": 10}], {"name": "digits"}, "model.layers.1.body",
+     "the body changes (4, 8, 8) to (8, 4, 4) and shortcut is identity"),
+    ([{"type": "embedding", "vocab": 16, "dim": 30},
+      {"type": "residual", "body": [{"type": "layernorm"}, {"type": "attention", "heads": 4, "causal": True}]},
+      {"type": "dense", "units": 16}], {"name": "synthetic_tokens", "vocab": 16, "length": 8},
+     "model.layers.1.body.1", "attention width 30 is not divisible by its 4 heads"),
+])
+def test_cli_malformed_block_is_one_line_naming_the_layer(write_spec, tmp_path, layers, dataset, field, words):
+    path = write_spec(base_spec(model={"layers": layers}, dataset=dataset))
+    proc = run_cli("run", str(path), "--out", str(tmp_path / "results"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"{path}: {field}: {words}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists()

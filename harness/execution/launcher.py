@@ -10,7 +10,9 @@ output, and everything the framework prints goes to standard error, a log whose 
 Statuses: ``ok`` (a result was reported and the worker exited 0); ``oom`` (the framework raised its out-of-memory
 error); ``error`` (any other exception, or an exit without a result); ``timeout`` (no exit within the trial's
 timeout: the process group is killed); ``crashed`` (killed by a signal without reporting, e.g. a segfault or the
-kernel's OOM killer, which sends SIGKILL).
+kernel's OOM killer, which sends SIGKILL); ``unsupported`` (the adapter cannot build the model: a layer kind, layer
+option or task it lacks, ``adapters.base.Adapter.unsupported``; decided in the worker before ``build``, or by the
+sweep before any worker starts, from ``harness.plan.unsupported_reason``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.sampler import Sampler, make_backend, phase_stats, windows_from_events
 from harness.spec import ROOT, FrameworkEntry
 
-STATUSES = ("ok", "oom", "error", "timeout", "crashed", "skipped")  # skipped: decided by the runner, see after_oom
+# skipped: decided by the runner, see after_oom; unsupported: by the worker or, for built-in adapters, the runner
+STATUSES = ("ok", "oom", "error", "timeout", "crashed", "skipped", "unsupported")
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 

@@ -43,6 +43,10 @@ class TrialError(Exception):
     """A trial that cannot run as specified (the reason is user-facing)."""
 
 
+class Unsupported(TrialError):
+    """The adapter cannot build this trial's model (``Adapter.unsupported``): the trial's status is ``unsupported``."""
+
+
 class Events:
     """Writes events to the launcher, one ``EVENT_PREFIX`` + JSON line each, flushed at once; keeps them in ``log``.
     ``out``: a text stream, or None to keep them only in ``log``."""
@@ -250,7 +254,7 @@ def run(payload: dict[str, Any], events: Events) -> int:
     adapter = None
     try:
         import adapters
-        from harness.neutral import datasets, models
+        from harness.neutral import datasets, memory, models
         from harness.spec import OptimizerSpec, Spec
 
         trial = payload["trial"]
@@ -268,8 +272,10 @@ def run(payload: dict[str, Any], events: Events) -> int:
         adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
                            "memory_limit_bytes": trial.get("memory_limit_bytes")}
         adapter.prepare(trial["device"], trial["threads"], trial["seed"])
+        info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
+        if (why := adapter.unsupported(info)) is not None:  # before the data is loaded and anything is built
+            raise Unsupported(why)
         data = datasets.load(spec.dataset, seed=trial["seed"])
-        info = models.analyze(spec.model, tuple(data.x_train.shape[1:]), data.num_classes)
         base_optimizer = OptimizerSpec.model_validate(trial["optimizer"]) if trial.get("optimizer") else spec.optimizer
         optimizer = base_optimizer.model_copy(update={"learning_rate": trial["learning_rate"]})
         adapter.build(info, models.initial_weights(info, trial["seed"]), optimizer)
@@ -277,7 +283,10 @@ def run(payload: dict[str, Any], events: Events) -> int:
         adapter.sync()
         events.emit("ready", versions=adapter.versions(), settings=adapter.settings())
         metrics = train(adapter, data, trial, events.emit)
+        predicted = memory.predict(info, trial["batch_size"], optimizer, trial.get("accumulation_steps", 1))
         metrics.update({
+            "memory_predicted": {part: getattr(predicted, part) for part in memory.PARTS} | {
+                "activations_per_sample": predicted.activations_per_sample, "total": predicted.total},
             "parameter_count": info.parameter_count,
             "train_flops_per_sample": info.train_flops_per_sample,
             "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,
@@ -297,6 +306,7 @@ def run(payload: dict[str, Any], events: Events) -> int:
         oom = oom or isinstance(exc, MemoryError)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = reason if isinstance(exc, TrialError) else f"{type(exc).__name__}: {reason}".rstrip(": ")
-        events.emit("error", kind="oom" if oom else "error", reason=reason[:500],
+        kind = "unsupported" if isinstance(exc, Unsupported) else "oom" if oom else "error"
+        events.emit("error", kind=kind, reason=reason[:500],
                     traceback="".join(traceback.format_exception(exc))[-4000:])
         return EXIT_FAILED

@@ -1,7 +1,8 @@
 """Datasets as numpy arrays, and the per-epoch batch order every framework shares.
 
 Images are float32 NHWC arrays scaled to [0, 1] (the same normalisation for every framework, done here once);
-labels are int64 class indices. Nothing is ever downloaded.
+token sequences are int64 (N, L) arrays of ids in [0, vocab); labels are int64 class indices, (N,), or (N, L) for a
+next-token task (one label per position). Nothing is ever downloaded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.spec import Cifar10Data, DigitsData, SyntheticData
+from harness.neutral.info import Input
+from harness.spec import Cifar10Data, DigitsData, SyntheticData, SyntheticTokens
 
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"  # the archive's published checksum (cs.toronto.edu/~kriz/cifar.html)
@@ -30,7 +32,8 @@ class DatasetError(Exception):
 class Data:
     """A loaded dataset.
 
-    x_train: float32 (N, H, W, C) in [0, 1]; y_train: int64 (N,); x_test, y_test likewise; num_classes: int.
+    x_train: float32 (N, H, W, C) in [0, 1], or int64 (N, L) token ids; y_train: int64 (N,), or (N, L) for a
+    next-token task; x_test, y_test likewise; num_classes: int (the vocabulary for a next-token task).
     """
 
     x_train: np.ndarray
@@ -45,22 +48,68 @@ class Data:
         return int(self.x_train.nbytes + self.y_train.nbytes + self.x_test.nbytes + self.y_test.nbytes)
 
 
-def describe(cfg: DigitsData | SyntheticData | Cifar10Data) -> tuple[tuple[int, int, int], int]:
-    """One image's (H, W, C) and the number of classes, without loading anything."""
+DatasetSpec = DigitsData | SyntheticData | SyntheticTokens | Cifar10Data
+
+
+def describe(cfg: DatasetSpec) -> tuple[tuple[int, ...], int]:
+    """One sample's shape and the number of classes, without loading anything: an image's (H, W, C), or a token
+    sequence's (L,) (see ``describe_input`` for what a model needs to know)."""
     if isinstance(cfg, DigitsData):
         return (8, 8, 1), 10
     if isinstance(cfg, SyntheticData):
         return tuple(cfg.shape), cfg.classes  # type: ignore[return-value]
+    if isinstance(cfg, SyntheticTokens):
+        return (cfg.length,), token_classes(cfg)
     return (32, 32, 3), 10
 
 
-def load(cfg: DigitsData | SyntheticData | Cifar10Data, seed: int = 0) -> Data:
+def describe_input(cfg: DatasetSpec) -> tuple[Input, int]:
+    """What a model is fed (``harness.neutral.models.Input``: images (H, W, C), or tokens (L,) with their vocabulary
+    and whether the labels are per position) and the number of classes, without loading anything."""
+    shape, classes = describe(cfg)
+    if isinstance(cfg, SyntheticTokens):
+        return Input.tokens(cfg.length, cfg.vocab, per_position=cfg.task == "copy"), classes
+    return Input.images(shape), classes
+
+
+def sample_bytes(cfg: DatasetSpec) -> int:
+    """Bytes of one training sample and its label(s) as ``load`` returns them: float32 pixels and an int64 label,
+    or int64 token ids and one int64 label (sorted) or one per position (copy)."""
+    shape, _ = describe(cfg)
+    if isinstance(cfg, SyntheticTokens):
+        return 8 * cfg.length + 8 * (cfg.length if cfg.task == "copy" else 1)
+    return 4 * int(np.prod(shape)) + 8
+
+
+def load(cfg: DatasetSpec, seed: int = 0) -> Data:
     """Loads the dataset a spec names. ``seed`` drives synthetic data only. Raises DatasetError."""
     if isinstance(cfg, DigitsData):
         return _digits(cfg)
     if isinstance(cfg, SyntheticData):
         return _synthetic(cfg, seed)
+    if isinstance(cfg, SyntheticTokens):
+        return _synthetic_tokens(cfg, seed)
     return _cifar10(cfg)
+
+
+def token_classes(cfg: SyntheticTokens) -> int:
+    """The classes of a token task: the vocabulary (copy: the label is a token), or 2 (sorted: no, yes)."""
+    return cfg.vocab if cfg.task == "copy" else 2
+
+
+def accuracy_ceiling(cfg: SyntheticTokens) -> float:
+    """The expected test accuracy of the best possible predictor of a token task (a fraction).
+
+    copy, length L = 2H: the sequence a_0..a_{H-1} a_0..a_{H-1} (then a_0, the label of the last position) is
+    periodic with period H, so the label at position t, the token at t + 1, is the input token at t + 1 - H once
+    t >= H - 1: H + 1 of the L positions are predictable from the prefix a causal model sees; the other H - 1 labels
+    are uniform draws, right by chance with probability 1 / vocab. The ceiling is (H + 1 + (H - 1) / vocab) / L,
+    e.g. 0.6625 for L = 8, vocab 10 (about 0.5 + 0.5 / vocab for long sequences). sorted: 1.0 (the label is a
+    function of the sequence)."""
+    if cfg.task == "sorted":
+        return 1.0
+    half = cfg.length // 2
+    return (half + 1 + (half - 1) / cfg.vocab) / cfg.length
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -120,6 +169,38 @@ def _synthetic(cfg: SyntheticData, seed: int) -> Data:
     x_train, y_train = draw(cfg.size)
     x_test, y_test = draw(cfg.test_size)
     return Data(x_train, y_train, x_test, y_test, cfg.classes)
+
+
+def _synthetic_tokens(cfg: SyntheticTokens, seed: int) -> Data:
+    """Token sequences drawn from (seed, the task), training and test sets from one generator (disjoint draws).
+
+    copy: each sequence is length / 2 uniform tokens followed by their copy; x = the sequence, y[:, t] = the next
+    token (x[:, t + 1], and for the last position the first token, continuing the period), int64 (N, L).
+    sorted: uniform tokens; floor(N / 2) sequences, at random positions, sorted ascending (non-decreasing) and
+    labelled 1; the others redrawn until they are not sorted and labelled 0; y int64 (N,)."""
+    rng = np.random.default_rng([seed, 0x70C, 0 if cfg.task == "copy" else 1])
+
+    def copy(n: int) -> tuple[np.ndarray, np.ndarray]:
+        half = rng.integers(0, cfg.vocab, size=(n, cfg.length // 2), dtype=np.int64)
+        x = np.concatenate([half, half], axis=1)
+        return x, np.concatenate([x[:, 1:], x[:, :1]], axis=1)
+
+    def is_sorted(x: np.ndarray) -> np.ndarray:
+        return np.all(x[:, 1:] >= x[:, :-1], axis=1)
+
+    def sorted_task(n: int) -> tuple[np.ndarray, np.ndarray]:
+        x = rng.integers(0, cfg.vocab, size=(n, cfg.length), dtype=np.int64)
+        y = np.zeros(n, dtype=np.int64)
+        y[rng.permutation(n)[: n // 2]] = 1
+        x[y == 1] = np.sort(x[y == 1], axis=1)
+        while np.any(redraw := (y == 0) & is_sorted(x)):
+            x[redraw] = rng.integers(0, cfg.vocab, size=(int(redraw.sum()), cfg.length), dtype=np.int64)
+        return x, y
+
+    draw = copy if cfg.task == "copy" else sorted_task
+    x_train, y_train = draw(cfg.size)
+    x_test, y_test = draw(cfg.test_size)
+    return Data(x_train, y_train, x_test, y_test, token_classes(cfg))
 
 
 def resolve_cifar10_path(cfg: Cifar10Data, base_dir: Path | None = None) -> Path:

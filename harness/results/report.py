@@ -3,8 +3,8 @@ studies the spec turned on, how the sampler fared) and ``plots/*.png``.
 
 Every table has one row per framework and one column per batch size, like the tables of the Ohio State thesis quoted
 in seed 002, so the two can be put side by side. A cell is the median over the repeats that ended ``ok``; a cell
-with no ``ok`` repeat shows the status instead (``oom``, ``error``, ``timeout``, ``crashed``). The tables are
-``harness.results.tables``'s; this module writes the text around them.
+with no ``ok`` repeat shows the status instead (``oom``, ``error``, ``timeout``, ``crashed``, ``skipped``,
+``unsupported``). The tables are ``harness.results.tables``'s; this module writes the text around them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import Metric, scaled, title
 from harness.results.plots import plot, plot_trial
 from harness.results.stats import overlaps
@@ -50,6 +51,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += [SPAN_NOTE, ""] if any_span else []
     lines += ["## Memory, layer by layer", "", MEMORY_NOTE[data["backend"]], "",
               markdown_table(memory_rows(data), data["batch_sizes"]), ""]
+    lines += memory_breakdown_section(data)
     for metric in data["metrics"]:
         lines += metric_section(data, metric)
     lines += study_sections(data)

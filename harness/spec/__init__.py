@@ -21,14 +21,16 @@ from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_
 from harness.spec.base import SpecError, _Strict
 from harness.spec.frameworks import (BUILTIN_FRAMEWORKS, ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries,
                                      select_frameworks)
-from harness.spec.layers import (Activation, AvgPool2D, BatchNorm, Conv2D, Dense, Dropout, Flatten, GlobalAvgPool2D,
-                                 Initializer, Layer, MaxPool2D, ModelSpec, ReLU, Softmax)
+from harness.spec.layers import (GELU, Activation, Attention, AvgPool2D, BatchNorm, Conv2D, Dense, DenseActivation,
+                                 Dropout, Embedding, Flatten, GlobalAvgPool2D, Initializer, Layer, LayerNorm, MaxPool2D,
+                                 ModelSpec, PlainLayer, ReLU, Residual, SequencePool, Softmax)
 
-__all__ = ["Activation", "AllocatorSpec", "AvgPool2D", "BUILTIN_FRAMEWORKS", "BatchNorm", "Cifar10Data", "Conv2D",
-           "Dataset", "Dense", "DigitsData", "Dropout", "Flatten", "FrameworkEntry", "FrameworkItem",
-           "GlobalAvgPool2D", "Initializer", "Layer", "MaxPool2D", "ModelSpec", "OptimizerSpec", "ROOT", "ReLU",
-           "SamplerSpec", "Softmax", "Spec", "SpecError", "SyntheticData", "TimingSpec", "VariantsSpec", "as_entry",
-           "load", "select_frameworks", "validate"]
+__all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BUILTIN_FRAMEWORKS", "BatchNorm", "Cifar10Data",
+           "Conv2D", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding", "Flatten",
+           "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "Initializer", "Layer", "LayerNorm",
+           "MaxPool2D", "ModelSpec", "OptimizerSpec", "PlainLayer", "ROOT", "ReLU", "Residual", "SamplerSpec",
+           "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens", "TimingSpec",
+           "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
 
 
 class DigitsData(_Strict):
@@ -55,6 +57,29 @@ class SyntheticData(_Strict):
         return shape
 
 
+class SyntheticTokens(_Strict):
+    """Token sequences with a learnable structure, drawn from the trial seed (``harness.neutral.datasets``).
+
+    ``vocab`` token ids 0..vocab-1, sequences of ``length`` tokens, ``size`` training and ``test_size`` test
+    sequences. ``task``: ``copy``, a next-token task (a random first half of length / 2 tokens, then its copy; the
+    label at each position is the next token; ``length`` must be even), or ``sorted``, sequence classification
+    (label 1 when the sequence is sorted ascending; half of the sequences are).
+    """
+
+    name: Literal["synthetic_tokens"]
+    vocab: int = Field(default=16, ge=2)
+    length: int = Field(default=16, ge=2)
+    size: int = Field(default=2048, gt=0)
+    test_size: int = Field(default=256, gt=0)
+    task: Literal["copy", "sorted"] = "copy"
+
+    @model_validator(mode="after")
+    def _copy_needs_an_even_length(self) -> "SyntheticTokens":
+        if self.task == "copy" and self.length % 2:
+            raise ValueError(f"the copy task needs an even length (a half and its copy), not {self.length}")
+        return self
+
+
 class Cifar10Data(_Strict):
     """CIFAR-10 from the standard python tarball ``cifar-10-python.tar.gz`` (md5-verified), never downloaded.
 
@@ -69,7 +94,7 @@ class Cifar10Data(_Strict):
     limit_test: int | None = Field(default=None, gt=0)
 
 
-Dataset = Annotated[Union[DigitsData, SyntheticData, Cifar10Data], Field(discriminator="name")]
+Dataset = Annotated[Union[DigitsData, SyntheticData, SyntheticTokens, Cifar10Data], Field(discriminator="name")]
 
 
 class OptimizerSpec(_Strict):

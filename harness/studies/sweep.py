@@ -12,7 +12,7 @@ from harness.execution.environments import probe_entries
 from harness.execution.launcher import Outcome, run_worker
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
-from harness.plan import Trial, plan
+from harness.plan import Trial, plan, unsupported_reason
 from harness.results.store import (append_trial, create_run_dir, drop_torn_tail, read_run, read_trials, write_json,
                                    write_lines)
 from harness.spec import Spec, SpecError
@@ -50,6 +50,13 @@ def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
     return {**_identity(trial), "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {},
             "sampler": {}, "versions": {}, "settings": {}, "finished": _now(),
             "reason": f"not run: batch size {oom_batch_size} already ran out of memory (after_oom: skip)"}
+
+
+def unsupported_record(trial: Trial, reason: str) -> dict[str, Any]:
+    """The record of a trial not run because its adapter cannot build the model (``harness.plan.unsupported_reason``:
+    decided before any worker starts; a worker decides the same for adapters the registry has no table for)."""
+    return {**_identity(trial), "status": "unsupported", "wall_seconds": 0.0, "returncode": None, "metrics": {},
+            "sampler": {}, "versions": {}, "settings": {}, "finished": _now(), "reason": f"not run: {reason}"}
 
 
 def _identity(trial: Trial) -> dict[str, Any]:
@@ -155,14 +162,19 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
                 on_start: Callable[[Trial, int, int], None] | None,
                 on_end: Callable[[Trial, dict[str, Any]], None] | None,
                 on_event: Callable[[dict[str, Any]], None] | None) -> None:
-    """Runs ``trials`` in order, each record on disk before the next starts (see run_spec)."""
+    """Runs ``trials`` in order, each record on disk before the next starts (see run_spec). A trial whose built-in
+    adapter cannot build the model is recorded ``unsupported`` without a worker (``unsupported_record``)."""
     oom_at = _oom_sizes(read_trials(run_dir))
+    unsupported = {name: unsupported_reason(spec, name) for name in {trial.framework for trial in trials}}
     for index, trial in enumerate(trials):
         if on_start is not None:
             on_start(trial, index, len(trials))
         key = (trial.row, trial.repeat, trial.variant)
         limit = oom_at.get(key)
-        if spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
+        if (reason := unsupported[trial.framework]) is not None:
+            record = unsupported_record(trial, reason)
+            append_trial(run_dir, record)
+        elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
             record = skipped_record(trial, limit)
             append_trial(run_dir, record)
         else:

@@ -80,8 +80,6 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from harness.execution.launcher import run_worker
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets
@@ -158,12 +156,11 @@ class _Search:
         self.cap_bytes, cap_source = resolve_cap(device, limit_mb)
         # The worker caps exactly this (on the CPU always: without a cap, an OOM would be the kernel's OOM killer).
         self.applied_mb = limit_mb if limit_mb is not None else (self.cap_bytes / 1e6 if device == "cpu" else None)
-        shape, _ = datasets.describe(spec.dataset)
         self.result = MaxBatchResult(
             framework=framework, device=device, status="stopped", reason="", cap_bytes=self.cap_bytes,
             cap_source=cap_source, margin=margin, tolerance=tolerance, with_dataset=with_dataset,
-            probe_data_bytes_per_sample=0 if with_dataset else (spec.accumulation_steps + 1) * (
-                int(np.prod(shape)) * 4 + 8))
+            probe_data_bytes_per_sample=0 if with_dataset else (spec.accumulation_steps + 1) * datasets.sample_bytes(
+                spec.dataset))
         self.bound = f"batch size {max_batch} (max_batch)"  # what the upper bound is, for the no_oom reason
         if with_dataset:
             self._dataset_bound()
