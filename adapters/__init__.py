@@ -36,7 +36,7 @@ BUILTIN_SUPPORT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "pytorch": (ALL_LAYERS, ALL_TASKS),
     "tensorflow": (BASIC_LAYERS, IMAGE_TASKS),
     "mxnet": (BASIC_LAYERS, IMAGE_TASKS),
-    "jax": (BASIC_LAYERS, IMAGE_TASKS),
+    "jax": (ALL_LAYERS, ALL_TASKS),
 }
 
 

@@ -5,6 +5,10 @@ Layouts are TensorFlow's (both compute NHWC): conv kernels HWIO (``weight.transp
 (in, out), and the first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
 ``harness.neutral.models.chw_to_hwc_permutation`` (a batchnorm over those flat features has its parameters and running
 statistics permuted the same way); the data is never permuted. ``get_weights`` / ``get_buffers`` invert this.
+Layernorm, embedding and attention keep the canonical layouts as they are (attention: ``jax.nn.dot_product_attention``
+between the canonical fused in-projection and the output projection). Residual blocks compose their body and
+shortcut; the layers themselves are in ``adapters.jax_layers``. Token models take int32 ids (B, L); a next-token
+model's loss is the mean cross-entropy over every position.
 
 Why no flax: the model is a handful of ``lax`` ops over canonical parameters, which is exactly what a framework-neutral
 model needs; flax's ``BatchNorm`` updates the running variance with the biased batch variance, so it would need the
@@ -38,7 +42,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the import, see the module docstring
 if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
@@ -49,13 +53,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax import lax  # noqa: E402
 
-from adapters.base import BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters import jax_layers as L  # noqa: E402
+from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
-Params = dict[str, jax.Array]
-Layer = Callable[[Params, Params, jax.Array, bool, jax.Array], tuple[jax.Array, Params]]
+Params = L.Params
 
 
 def _cache_size(jitted: Any) -> int | None:
@@ -76,14 +79,16 @@ def _oom_types() -> tuple[type, ...]:
 
 class JaxAdapter(Adapter):
     name = "jax"
-    SUPPORTED_LAYERS = BASIC_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = IMAGE_TASKS
+    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = ALL_TASKS
 
     def __init__(self) -> None:
         self.device: Any = None
         self._gpu = False
         self._last_loss: jax.Array | None = None
-        self._layers: list[Layer] = []
+        self._layers: list[L.Layer] = []
+        self._dropouts = 0
+        self.tokens = self.next_token = False
         self._perms: dict[str, np.ndarray] = {}  # canonical name -> the permutation applied to its first axis
         self._transforms: dict[str, str] = {}  # canonical name -> "conv" | "dense" (layout changes get_weights undoes)
         self._steps: dict[tuple[int, int], Any] = {}
@@ -141,8 +146,11 @@ class JaxAdapter(Adapter):
         params: dict[str, np.ndarray] = {}
         stats: dict[str, np.ndarray] = {}
         flatten_from: tuple[int, int, int] | None = None
+        self._dropouts = 0
+        self.next_token, self.tokens = info.task == "next_token", info.task != "image_classification"
         for layer in info.layers:
-            flatten_from = self._add_layer(layer, weights, buffers, params, stats, flatten_from)
+            fn, flatten_from = self._add_layer(layer, weights, buffers, params, stats, flatten_from)
+            self._layers.append(fn)
         self.params = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in params.items()}, self.device)
         self.stats = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}, self.device)
         self.tx = _optimizer(optimizer)
@@ -155,48 +163,63 @@ class JaxAdapter(Adapter):
 
     def _add_layer(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
                    params: dict[str, np.ndarray], stats: dict[str, np.ndarray],
-                   flatten_from: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
-        """Adds one layer's parameters (JAX layout) and forward function; returns the (C, H, W) shape the next dense
-        layer's input was flattened from, or None."""
-        spec, i = layer.spec, layer.index
-        w, b = f"{i}.weight", f"{i}.bias"
-        if layer.kind == "conv2d":
-            params[w], params[b] = np.asarray(weights[w]).transpose(2, 3, 1, 0), np.asarray(weights[b])  # OIHW->HWIO
+                   flatten_from: tuple[int, int, int] | None) -> tuple[L.Layer, tuple[int, int, int] | None]:
+        """One layer's or block's parameters (JAX layout, under canonical names) and forward function; also the
+        (C, H, W) shape the next dense layer's input was flattened from, or None."""
+        spec, kind, name = layer.spec, layer.kind, layer.name
+        w, b = f"{name}.weight", f"{name}.bias"
+        if kind == "residual":
+            body = [self._add_layer(child, weights, buffers, params, stats, None)[0] for child in layer.body]
+            shortcut = [self._add_layer(child, weights, buffers, params, stats, None)[0] for child in layer.shortcut]
+            return L.residual(body, shortcut, spec.activation), None
+        if kind == "conv2d":
+            params[w] = np.asarray(weights[w]).transpose(2, 3, 1, 0)  # OIHW -> HWIO
             self._transforms[w] = "conv"
-            self._layers.append(_conv(w, b, spec.padding.upper(), spec.activation == "relu"))
-        elif layer.kind == "dense":
+            if spec.use_bias:
+                params[b] = np.asarray(weights[b])
+            return L.conv(w, b if spec.use_bias else None, spec.stride, spec.padding, spec.activation), flatten_from
+        if kind == "dense":
             weight = np.asarray(weights[w])
             if flatten_from is not None:
                 perm = chw_to_hwc_permutation(flatten_from)
                 weight, self._perms[w] = weight[:, perm], perm
-                flatten_from = None
             params[w], params[b] = np.ascontiguousarray(weight.T), np.asarray(weights[b])  # (out, in) -> (in, out)
             self._transforms[w] = "dense"
-            self._layers.append(_dense(w, b, spec.activation == "relu"))
-        elif layer.kind == "batchnorm":
+            return L.dense(w, b, spec.activation), None
+        if kind == "batchnorm":
             perm = chw_to_hwc_permutation(flatten_from) if len(layer.input_shape) == 1 and flatten_from else None
-            names = (w, b, f"{i}.running_mean", f"{i}.running_var")
-            for name in names:
-                source = weights if name in (w, b) else buffers
-                value = np.asarray(source[name])
-                (params if name in (w, b) else stats)[name] = value if perm is None else value[perm]
+            names = (w, b, f"{name}.running_mean", f"{name}.running_var")
+            for item in names:
+                value = np.asarray((weights if item in (w, b) else buffers)[item])
+                (params if item in (w, b) else stats)[item] = value if perm is None else value[perm]
                 if perm is not None:
-                    self._perms[name] = perm
-            self._layers.append(_batchnorm(*names, spec.momentum, spec.epsilon, flat=len(layer.input_shape) == 1))
-        elif layer.kind in ("maxpool2d", "avgpool2d"):
-            self._layers.append(_pool(layer.kind, spec.pool_size, spec.stride or spec.pool_size))
-        elif layer.kind == "global_avgpool2d":
-            self._layers.append(lambda p, s, x, train, key: (jnp.mean(x, axis=(1, 2)), {}))  # channel order
-        elif layer.kind == "dropout":
-            self._layers.append(_dropout(spec.rate, i))
-        elif layer.kind == "flatten":
-            if len(layer.input_shape) == 3:
-                flatten_from = tuple(layer.input_shape)
-            self._layers.append(lambda p, s, x, train, key: (x.reshape(x.shape[0], -1), {}))  # (H, W, C) order
-        elif layer.kind == "relu":
-            self._layers.append(lambda p, s, x, train, key: (jax.nn.relu(x), {}))
-        # softmax: folded into the cross-entropy loss
-        return flatten_from
+                    self._perms[item] = perm
+            return L.batchnorm(*names, spec.momentum, spec.epsilon, flat=len(layer.input_shape) == 1), flatten_from
+        if kind in ("layernorm", "embedding", "attention"):
+            for local in layer.params:  # canonical layouts as they are: only matmuls with .T, no conversion
+                params[f"{name}.{local}"] = np.asarray(weights[f"{name}.{local}"])
+            if kind == "layernorm":
+                return L.layernorm(w, b, spec.epsilon), None
+            if kind == "embedding":
+                return L.embedding(f"{name}.token.weight", f"{name}.position.weight"), None
+            return L.attention(name, spec.heads, spec.causal), None
+        if kind in ("maxpool2d", "avgpool2d"):
+            return L.pool(kind, spec.pool_size, spec.stride or spec.pool_size), flatten_from
+        if kind == "global_avgpool2d":
+            return L.plain(lambda x: jnp.mean(x, axis=(1, 2))), None  # channel order
+        if kind == "sequence_pool":
+            return L.sequence_pool(spec.mode), None
+        if kind == "dropout":
+            self._dropouts += 1
+            return L.dropout(spec.rate, self._dropouts), flatten_from
+        if kind == "flatten":
+            shape = tuple(layer.input_shape) if len(layer.input_shape) == 3 else None
+            return L.plain(lambda x: x.reshape(x.shape[0], -1)), shape  # (H, W, C) order; sequences position-major
+        if kind == "relu":
+            return L.plain(jax.nn.relu), flatten_from
+        if kind == "gelu":
+            return L.plain(lambda x: jax.nn.gelu(x, approximate=False)), flatten_from
+        return L.plain(lambda x: x), flatten_from  # softmax: folded into the cross-entropy loss
 
     # ---------------------------------------------------------------------------------------------------- compute
 
@@ -212,6 +235,7 @@ class JaxAdapter(Adapter):
     def _loss(self, params: Params, stats: Params, x: jax.Array, y: jax.Array, key: jax.Array
               ) -> tuple[jax.Array, Params]:
         logits, stats = self._forward(params, stats, x, True, key)
+        # over the samples, or for a next-token model over every position of (B, L, V) logits and (B, L) labels
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), stats
 
     def _step(self, micro_batches: int, state: tuple[Any, ...], x_all: jax.Array, y_all: jax.Array,
@@ -240,14 +264,17 @@ class JaxAdapter(Adapter):
     def _eval_batch(self, params: Params, stats: Params, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
         logits = self._infer(params, stats, x)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).sum()
-        return loss, jnp.sum(jnp.argmax(logits, axis=1) == y)
+        return loss, jnp.sum(jnp.argmax(logits, axis=-1) == y)
 
     # --------------------------------------------------------------------------------------------------- contract
 
+    def _inputs(self, x: np.ndarray) -> jax.Array:
+        """Images as float32 NHWC, or token ids as int32, on the device."""
+        return jax.device_put(jnp.asarray(x, jnp.int32 if self.tokens else jnp.float32), self.device)
+
     def load(self, data: Any) -> None:
-        self.x_train = jax.device_put(jnp.asarray(data.x_train, jnp.float32), self.device)
+        self.x_train, self.x_test = self._inputs(data.x_train), self._inputs(data.x_test)
         self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self.device)
-        self.x_test = jax.device_put(jnp.asarray(data.x_test, jnp.float32), self.device)
         self.y_test = jax.device_put(jnp.asarray(data.y_test, jnp.int32), self.device)
 
     def set_train_images(self, images: np.ndarray) -> None:
@@ -287,11 +314,11 @@ class JaxAdapter(Adapter):
             loss, right = self._eval(self.params, self.stats, self.x_test[start:start + batch_size],
                                      self.y_test[start:start + batch_size])
             total, correct = total + loss, correct + right
-        return float(total) / n, float(correct) / n
+        count = int(self.y_test.size)  # samples, or every position of every sequence
+        return float(total) / count, float(correct) / count
 
     def predict(self, images: np.ndarray) -> np.ndarray:
-        x = jax.device_put(jnp.asarray(images, jnp.float32), self.device)
-        return np.asarray(self._logits(self.params, self.stats, x), dtype=np.float32)
+        return np.asarray(self._logits(self.params, self.stats, self._inputs(images)), dtype=np.float32)
 
     def _canonical(self, name: str, value: Any) -> np.ndarray:
         array = np.array(value, dtype=np.float32)
@@ -343,57 +370,6 @@ class JaxAdapter(Adapter):
         # XLA reports an allocation failure as a runtime error with the RESOURCE_EXHAUSTED status.
         types = _oom_types()
         return bool(types) and isinstance(exc, types) and "RESOURCE_EXHAUSTED" in str(exc)
-
-
-# -------------------------------------------------------------------------------------------------------- layers
-
-def _conv(w: str, b: str, padding: str, relu: bool) -> Layer:
-    def conv(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        y = lax.conv_general_dilated(x, p[w], (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                     precision=lax.Precision.HIGHEST) + p[b]
-        return (jax.nn.relu(y) if relu else y), {}
-    return conv
-
-
-def _dense(w: str, b: str, relu: bool) -> Layer:
-    def dense(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        y = jnp.dot(x, p[w], precision=lax.Precision.HIGHEST) + p[b]
-        return (jax.nn.relu(y) if relu else y), {}
-    return dense
-
-
-def _pool(kind: str, size: int, stride: int) -> Layer:
-    def pool(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        window, strides = (1, size, size, 1), (1, stride, stride, 1)
-        if kind == "maxpool2d":
-            return lax.reduce_window(x, -jnp.inf, lax.max, window, strides, "VALID"), {}
-        return lax.reduce_window(x, 0.0, lax.add, window, strides, "VALID") / (size * size), {}  # whole windows
-    return pool
-
-
-def _batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: float, flat: bool) -> Layer:
-    """The canonical batchnorm (harness.spec.BatchNorm) over the last axis (channels of NHWC, or flat features)."""
-    axes = (0,) if flat else (0, 1, 2)
-
-    def norm(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        if not train:
-            return (x - s[mean]) / jnp.sqrt(s[var] + epsilon) * p[w] + p[b], {}
-        batch_mean = jnp.mean(x, axis=axes)
-        batch_var = jnp.mean(jnp.square(x - batch_mean), axis=axes)  # biased: what normalises
-        n = x.size // x.shape[-1]
-        new = {mean: (1 - momentum) * s[mean] + momentum * lax.stop_gradient(batch_mean),
-               var: (1 - momentum) * s[var] + momentum * lax.stop_gradient(batch_var) * n / max(n - 1, 1)}
-        return (x - batch_mean) / jnp.sqrt(batch_var + epsilon) * p[w] + p[b], new
-    return norm
-
-
-def _dropout(rate: float, index: int) -> Layer:
-    def dropout(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        if not train or rate == 0:
-            return x, {}
-        keep = jax.random.bernoulli(jax.random.fold_in(key, index), 1.0 - rate, x.shape)
-        return jnp.where(keep, x / (1.0 - rate), 0.0), {}
-    return dropout
 
 
 def _optimizer(optimizer: Any) -> optax.GradientTransformation:

@@ -202,9 +202,9 @@ class PyTorchAdapter(Adapter):
         if kind == "attention":
             length, dim = layer.input_shape
             module = _SelfAttention(dim, spec.heads, length if spec.causal else None)
-            return self._keep(layer, module, {"in_proj.weight": "mha.in_proj_weight", "in_proj.bias": "mha.in_proj_bias",
-                                              "out_proj.weight": "mha.out_proj.weight",
-                                              "out_proj.bias": "mha.out_proj.bias"})
+            return self._keep(layer, module, {
+                "in_proj.weight": "mha.in_proj_weight", "in_proj.bias": "mha.in_proj_bias",
+                "out_proj.weight": "mha.out_proj.weight", "out_proj.bias": "mha.out_proj.bias"})
         if kind == "maxpool2d":
             return nn.MaxPool2d(spec.pool_size, spec.stride or spec.pool_size)
         if kind == "avgpool2d":

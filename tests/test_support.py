@@ -43,8 +43,9 @@ def test_the_registry_table_equals_what_each_adapter_declares():
     assert set(adapters.BUILTIN_SUPPORT) == set(adapters.BUILTIN)
     for name, target in adapters.BUILTIN.items():
         assert declared(target) == adapters.BUILTIN_SUPPORT[name], name
-    # PyTorch builds every layer and task; the others what existed before blocks, image classification only
-    assert adapters.BUILTIN_SUPPORT["pytorch"] == (base.ALL_LAYERS, base.ALL_TASKS)
+    # PyTorch and JAX build every layer and task; the others what existed before blocks, image classification only
+    everything = (base.ALL_LAYERS, base.ALL_TASKS)
+    assert adapters.BUILTIN_SUPPORT["pytorch"] == adapters.BUILTIN_SUPPORT["jax"] == everything
     assert adapters.BUILTIN_SUPPORT["mxnet"] == (base.BASIC_LAYERS, frozenset({"image_classification"}))
 
 
@@ -57,8 +58,8 @@ def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):
     strided = models.analyze(ModelSpec.model_validate({"layers": [
         {"type": "conv2d", "filters": 2, "kernel_size": 3, "stride": 2}, {"type": "flatten"},
         {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
-    assert adapters.unsupported("jax", strided) == "the jax adapter does not support conv2d with stride > 1 " \
-                                                   "(model.layers.0)"
+    assert adapters.unsupported("tensorflow", strided) == ("the tensorflow adapter does not support conv2d with "
+                                                           "stride > 1 (model.layers.0)")
     tokens = models.analyze(ModelSpec.model_validate({"layers": [
         {"type": "embedding", "vocab": 5, "dim": 4}, {"type": "sequence_pool"}, {"type": "dense", "units": 2}]}),
         models.Input.tokens(6, 5), 2)

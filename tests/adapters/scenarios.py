@@ -1,9 +1,10 @@
 """The scenarios the equivalence tests train every framework through, importable in any framework's environment
 (tests/test_equivalence.py runs PyTorch, TensorFlow and MXNet in one process; tests/adapters/test_jax.py runs JAX in
-its own environment through ``python -m tests.adapters.scenarios jax OUT.npz`` and compares with PyTorch).
+its own environment through ``python -m tests.adapters.scenarios jax OUT.npz [blocks]`` and compares with PyTorch).
 
 ``run(adapter_cls)`` trains and evaluates one framework through every scenario and returns flat arrays keyed
-``"<scenario>|<step or what>|<array name>"``.
+``"<scenario>|<step or what>|<array name>"``; ``run_blocks(adapter_cls)`` the same for the residual and transformer
+models, in the frameworks that build them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 
 import numpy as np
 
-from harness.neutral import models
-from harness.spec import ModelSpec, OptimizerSpec
+from harness.neutral import datasets, models
+from harness.spec import ModelSpec, OptimizerSpec, SyntheticData, SyntheticTokens
 from tests.adapters import kit
 
 SGD = OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9, weight_decay=1e-3)
@@ -128,8 +129,86 @@ def run(adapter_cls) -> dict[str, np.ndarray]:
     return out
 
 
+# The new layers (tests/adapters/test_pytorch_blocks.py's models, in every framework that builds them): a narrow ResNet
+# with a strided projection shortcut and batchnorm in training mode, and a two-layer causal decoder on the copy task.
+BLOCK_MODELS = {
+    "resnet": (_model(
+        {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": 1, "use_bias": False},
+        {"type": "batchnorm"}, {"type": "relu"},
+        {"type": "residual", "activation": "relu", "body": [
+            {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": 1, "use_bias": False},
+            {"type": "batchnorm"}]},
+        {"type": "residual", "activation": "relu", "body": [
+            {"type": "conv2d", "filters": 8, "kernel_size": 3, "stride": 2, "padding": 1, "use_bias": False},
+            {"type": "batchnorm"}, {"type": "relu"},
+            {"type": "conv2d", "filters": 8, "kernel_size": 3, "padding": 1, "use_bias": False},
+            {"type": "batchnorm"}]},
+        {"type": "global_avgpool2d"}, {"type": "dense", "units": 5}),
+        SyntheticData(name="synthetic", shape=[8, 8, 3], classes=5, size=256, test_size=64)),
+    "decoder": (_model(
+        {"type": "embedding", "vocab": 8, "dim": 16},
+        *[block for _ in range(2) for block in (
+            {"type": "residual", "body": [{"type": "layernorm"}, {"type": "attention", "heads": 2, "causal": True}]},
+            {"type": "residual", "body": [{"type": "layernorm"}, {"type": "dense", "units": 32, "activation": "gelu"},
+                                          {"type": "dense", "units": 16}]})],
+        {"type": "layernorm"}, {"type": "dense", "units": 8}),
+        SyntheticTokens(name="synthetic_tokens", vocab=8, length=8, size=256, test_size=64, task="copy")),
+}
+# Adam's epsilon 1e-4: attention's key bias has a zero gradient in exact arithmetic (the softmax over keys is
+# invariant to a shift that is the same for every key), so what the frameworks compute for it is rounding noise
+# (~1e-9), which Adam with epsilon 1e-8 would turn into full steps of +-learning rate, a different sign in each
+# framework (observed: 1.1.in_proj.bias, the k rows, off by 9e-5 after one step).
+BLOCK_OPTIMIZERS = {"sgd-momentum": OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9),
+                    "adam": OptimizerSpec(name="adam", learning_rate=2e-3, epsilon=1e-4)}
+
+
+def make_on(adapter_cls, model: ModelSpec, cfg, optimizer: OptimizerSpec = SGD,
+            weights: dict[str, np.ndarray] | None = None):
+    """A prepared (CPU, 2 threads, seed 0), built and loaded adapter on the dataset ``cfg`` (any dataset spec), with
+    ``weights`` (default: the canonical initial weights); returns (adapter, data, info)."""
+    data = datasets.load(cfg, seed=0)
+    info = models.analyze(model, *datasets.describe_input(cfg))
+    adapter = adapter_cls()
+    adapter.prepare("cpu", 2, 0)
+    adapter.build(info, models.initial_weights(info, 0) if weights is None else weights, optimizer)
+    adapter.load(data)
+    return adapter, data, info
+
+
+def perturbed(info) -> dict[str, np.ndarray]:
+    """Every parameter and buffer away from its trivial start (unit gamma, zero beta and biases, running statistics
+    0 and 1), so that no term of the forward pass hides."""
+    rng = np.random.default_rng(1)
+    out = {name: (w + rng.normal(0, 0.1, w.shape)).astype(np.float32)
+           for name, w in models.initial_weights(info, 0).items()}
+    for name, buffer in models.initial_buffers(info).items():
+        out[name] = (np.abs(buffer + rng.normal(0, 0.3, buffer.shape)) + 0.1).astype(np.float32)
+    return out
+
+
+def run_blocks(adapter_cls) -> dict[str, np.ndarray]:
+    """The block models through one framework: logits from perturbed weights and buffers, then 1 and 10 steps of
+    batch 16 with each optimizer from the canonical initial weights (batchnorm in training mode), keyed like
+    ``run``."""
+    out: dict[str, np.ndarray] = {}
+    for name, (model, cfg) in BLOCK_MODELS.items():
+        info = models.analyze(model, *datasets.describe_input(cfg))
+        adapter, data, _ = make_on(adapter_cls, model, cfg, weights=perturbed(info))
+        out[f"blocks-{name}-logits|predict|"] = adapter.predict(data.x_test)
+        out[f"blocks-{name}-logits|evaluate|"] = np.asarray(adapter.evaluate(32))
+        for opt_name, optimizer in BLOCK_OPTIMIZERS.items():
+            adapter, data, _ = make_on(adapter_cls, model, cfg, optimizer)
+            losses, kept = kit.train_on(adapter, kit.batches(len(data.y_train), 16, 10), keep=(0, 1, 10))
+            out[f"blocks-{name}-{opt_name}|losses|"] = np.asarray(losses, dtype=np.float64)
+            for step, state in kept.items():
+                for array, value in state.items():
+                    out[f"blocks-{name}-{opt_name}|{step}|{array}"] = np.asarray(value)
+    return out
+
+
 if __name__ == "__main__":
     import adapters
 
     framework, path = sys.argv[1], sys.argv[2]
-    np.savez(path, **run(adapters.get(framework)))
+    which = sys.argv[3] if len(sys.argv) > 3 else "layers"
+    np.savez(path, **(run_blocks if which == "blocks" else run)(adapters.get(framework)))

@@ -81,15 +81,22 @@ def test_parameters_agree_after_steps(runs, scenario, step):
     """SGD with momentum and weight decay, Adam with weight decay and a large epsilon (optax's placement of epsilon
     must be PyTorch's), and the batchnorm models (running statistics included): every array after 1 and 10 steps
     within 1e-5 + 1e-5 * |b| of PyTorch's, the losses of those steps within 1e-5 relative; every array moved."""
+    _assert_trained_alike(runs, scenario, step, rtol=1e-5, moved=lambda name: not name.endswith(".bias"),
+                          min_move=1e-4)
+
+
+def _assert_trained_alike(runs, scenario: str, step: int, rtol: float, moved, min_move: float) -> None:
+    """JAX's losses within 1e-5 relative of PyTorch's, and every array after ``step`` steps within 1e-5 + ``rtol``
+    x |b|; at step 10 every array ``moved(name)`` selects moved by more than ``min_move``."""
     jax_state, torch_state = _group(runs["jax"], scenario), _group(runs["pytorch"], scenario)
     np.testing.assert_allclose(jax_state[f"{scenario}|losses|"], torch_state[f"{scenario}|losses|"], rtol=1e-5)
     names = [k.split("|")[2] for k in torch_state if k.split("|")[1] == str(step)]
     assert names
     for name in names:
         start, after = torch_state[f"{scenario}|0|{name}"], torch_state[f"{scenario}|{step}|{name}"]
-        if step == 10 and not name.endswith(".bias"):
-            assert np.abs(after - start).max() > 1e-4, f"{name} did not move"
-        np.testing.assert_allclose(jax_state[f"{scenario}|{step}|{name}"], after, rtol=1e-5, atol=1e-5,
+        if step == 10 and moved(name):
+            assert np.abs(after - start).max() > min_move, f"{name} did not move"
+        np.testing.assert_allclose(jax_state[f"{scenario}|{step}|{name}"], after, rtol=rtol, atol=1e-5,
                                    err_msg=f"{scenario} {name} after {step} step(s)")
 
 
@@ -113,3 +120,40 @@ def test_gradient_accumulation_equals_one_large_batch_in_jax(runs):
             np.testing.assert_allclose(four[key.replace("accumulation-1", "accumulation-4")], value, rtol=1e-5,
                                        atol=1e-6, err_msg=key)
             np.testing.assert_allclose(value, runs["pytorch"][key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def block_runs(jax_python, tmp_path_factory):
+    """scenarios.run_blocks of JAX (in envs/jax) and of PyTorch (here)."""
+    path = tmp_path_factory.mktemp("jax-blocks") / "jax.npz"
+    proc = subprocess.run([jax_python, "-m", "tests.adapters.scenarios", "jax", str(path), "blocks"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(path) as loaded:
+        jax_out = dict(loaded)
+    return {"jax": jax_out, "pytorch": scenarios.run_blocks(PyTorchAdapter)}
+
+
+def test_the_residual_and_transformer_models_give_the_same_logits(block_runs):
+    """A narrow ResNet (strided projection shortcut, batchnorm on running statistics) and a causal decoder
+    (embedding, layernorm, attention, gelu, next-token logits (N, L, vocab)) from the same perturbed weights:
+    |a - b| <= 1e-5 + 1e-4 * |b|, the test loss and accuracy (over every position for the decoder) 1e-5 relative."""
+    assert sorted(block_runs["jax"]) == sorted(block_runs["pytorch"])
+    assert block_runs["pytorch"]["blocks-decoder-logits|predict|"].shape == (64, 8, 8)
+    for name in scenarios.BLOCK_MODELS:
+        key = f"blocks-{name}-logits|"
+        np.testing.assert_allclose(block_runs["jax"][key + "predict|"], block_runs["pytorch"][key + "predict|"],
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(block_runs["jax"][key + "evaluate|"], block_runs["pytorch"][key + "evaluate|"],
+                                   rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("scenario", [f"blocks-{m}-{o}" for m in scenarios.BLOCK_MODELS for o in
+                                      scenarios.BLOCK_OPTIMIZERS])
+@pytest.mark.parametrize("step", [1, 10])
+def test_the_residual_and_transformer_models_train_the_same(block_runs, scenario, step):
+    """1 and 10 steps of SGD with momentum and of Adam (batchnorm in training mode, its running statistics
+    included; the decoder's next-token loss over every position): every array within 1e-5 + 1e-4 * |b| of
+    PyTorch's, the losses within 1e-5 relative, every weight moved by step 10."""
+    _assert_trained_alike(block_runs, scenario, step, rtol=1e-4, moved=lambda name: name.endswith(".weight"),
+                          min_move=1e-5)

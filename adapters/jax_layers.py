@@ -1,0 +1,145 @@
+"""The JAX adapter's layers (``adapters.jax``): each canonical layer kind as a function
+``(params, stats, x, train, key) -> (y, updated stats)`` over ``jax.lax`` and ``jax.nn`` ops, NHWC for images and
+(B, L, D) for sequences, weights in the layouts ``adapters.jax`` converts them to. Imported by ``adapters.jax`` only
+(it is not an adapter of its own)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Params = dict[str, jax.Array]
+Layer = Callable[[Params, Params, jax.Array, bool, jax.Array], tuple[jax.Array, Params]]
+HIGHEST = lax.Precision.HIGHEST
+
+
+def activate(y: jax.Array, activation: str) -> jax.Array:
+    """relu, the exact (erf) gelu, or nothing."""
+    if activation == "relu":
+        return jax.nn.relu(y)
+    if activation == "gelu":
+        return jax.nn.gelu(y, approximate=False)
+    return y
+
+
+def conv(w: str, b: str | None, stride: int, padding: str | int, activation: str) -> Layer:
+    """``padding``: "same", "valid", or p zeros on every side (canonical integer padding)."""
+    pad = padding.upper() if isinstance(padding, str) else [(padding, padding), (padding, padding)]
+
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        y = lax.conv_general_dilated(x, p[w], (stride, stride), pad, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     precision=HIGHEST)
+        return activate(y if b is None else y + p[b], activation), {}
+    return layer
+
+
+def dense(w: str, b: str, activation: str) -> Layer:
+    """On (B, F), or per position on (B, L, D): the (in, out) kernel acts on the last axis."""
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        return activate(jnp.dot(x, p[w], precision=HIGHEST) + p[b], activation), {}
+    return layer
+
+
+def pool(kind: str, size: int, stride: int) -> Layer:
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        window, strides = (1, size, size, 1), (1, stride, stride, 1)
+        if kind == "maxpool2d":
+            return lax.reduce_window(x, -jnp.inf, lax.max, window, strides, "VALID"), {}
+        return lax.reduce_window(x, 0.0, lax.add, window, strides, "VALID") / (size * size), {}  # whole windows
+    return layer
+
+
+def batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: float, flat: bool) -> Layer:
+    """The canonical batchnorm (harness.spec.BatchNorm) over the last axis (channels of NHWC, or flat features)."""
+    axes = (0,) if flat else (0, 1, 2)
+
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        if not train:
+            return (x - s[mean]) / jnp.sqrt(s[var] + epsilon) * p[w] + p[b], {}
+        batch_mean = jnp.mean(x, axis=axes)
+        batch_var = jnp.mean(jnp.square(x - batch_mean), axis=axes)  # biased: what normalises
+        n = x.size // x.shape[-1]
+        new = {mean: (1 - momentum) * s[mean] + momentum * lax.stop_gradient(batch_mean),
+               var: (1 - momentum) * s[var] + momentum * lax.stop_gradient(batch_var) * n / max(n - 1, 1)}
+        return (x - batch_mean) / jnp.sqrt(batch_var + epsilon) * p[w] + p[b], new
+    return layer
+
+
+def layernorm(w: str, b: str, epsilon: float) -> Layer:
+    """Over the last axis with the biased variance (harness.spec.LayerNorm); JAX itself has no layer-norm layer."""
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        return (x - mean) * lax.rsqrt(var + epsilon) * p[w] + p[b], {}
+    return layer
+
+
+def embedding(token: str, position: str) -> Layer:
+    """(B, L) int ids -> (B, L, D): token[ids] + position[:L]."""
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        return jnp.take(p[token], x, axis=0) + p[position][:x.shape[1]], {}
+    return layer
+
+
+def attention(name: str, heads: int, causal: bool) -> Layer:
+    """Multi-head self-attention with the canonical (torch.nn.MultiheadAttention) weights as they are: the fused
+    in-projection (3D, D) split into q, k and v, then ``jax.nn.dot_product_attention`` (its default, the XLA
+    implementation: softmax(q k^T / sqrt(D / heads)) v per head; https://docs.jax.dev/en/latest/_autosummary/
+    jax.nn.dot_product_attention.html) with ``is_causal``, then the output projection."""
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        batch, length, dim = x.shape
+        qkv = jnp.dot(x, p[f"{name}.in_proj.weight"].T, precision=HIGHEST) + p[f"{name}.in_proj.bias"]
+        q, k, v = (part.reshape(batch, length, heads, dim // heads) for part in jnp.split(qkv, 3, axis=-1))
+        # its products follow jax_default_matmul_precision, which the adapter sets to "highest"
+        context = jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=1.0 / math.sqrt(dim // heads))
+        context = context.reshape(batch, length, dim)
+        return jnp.dot(context, p[f"{name}.out_proj.weight"].T, precision=HIGHEST) + p[f"{name}.out_proj.bias"], {}
+    return layer
+
+
+def sequence_pool(mode: str) -> Layer:
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        return (jnp.mean(x, axis=1) if mode == "mean" else x[:, -1]), {}
+    return layer
+
+
+def dropout(rate: float, index: int) -> Layer:
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        if not train or rate == 0:
+            return x, {}
+        keep = jax.random.bernoulli(jax.random.fold_in(key, index), 1.0 - rate, x.shape)
+        return jnp.where(keep, x / (1.0 - rate), 0.0), {}
+    return layer
+
+
+def sequence(layers: Sequence[Layer]) -> Layer:
+    """The layers one after the other, their updated statistics merged."""
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        updated: Params = {}
+        for fn in layers:
+            x, new = fn(p, s, x, train, key)
+            updated.update(new)
+        return x, updated
+    return layer
+
+
+def residual(body: Sequence[Layer], shortcut: Sequence[Layer], activation: str) -> Layer:
+    """activation(body(x) + shortcut(x)); an empty shortcut is the identity."""
+    run_body, run_shortcut = sequence(body), sequence(shortcut)
+
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        y, new = run_body(p, s, x, train, key)
+        skip, new_shortcut = run_shortcut(p, s, x, train, key) if shortcut else (x, {})
+        return activate(y + skip, activation), {**new, **new_shortcut}
+    return layer
+
+
+def plain(fn: Callable[[jax.Array], jax.Array]) -> Layer:
+    """A layer without parameters: ``fn(x)``."""
+    def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        return fn(x), {}
+    return layer
