@@ -1,18 +1,20 @@
 """Does ``harness compare`` cry wolf, and does it catch real slowdowns? False alarms from pairs of identical runs,
 detection rates from runs with a planted 10 % and 30 % slowdown, on this machine.
 
-Every run is the same small study: the quick spec's CNN on digits under PyTorch on the CPU (one thread), batch
-sizes 32 and 128, ``--repeats`` repeats (3 by default, as a nightly would run), 8 epochs (about a second of timed training each), through the harness's own
-sweep (one worker per trial). The runs are registered as the framework ``planted`` (``benchmarks/planted.py``: the
-PyTorch adapter, which in the slowed runs spins for 10 % or 30 % of each step's own duration, so they keep the real
-framework's noise). Each round makes four runs in a rotating order: two plain ones (A and B), one 10 % slower and one
-30 % slower, so that drift in the machine falls on every kind of run.
+Every run is the same small study: the quick spec's CNN on digits under PyTorch on the CPU (one thread), batch sizes
+32 and 128, ``--repeats`` repeats (3 by default, as a nightly would run), 8 epochs (about a second of timed training
+each), through the harness's own sweep (one worker per trial). The runs are registered as the framework ``planted``
+(``benchmarks/planted.py``: the PyTorch adapter, which in the slowed runs spins for 10 % or 30 % of each step's own
+duration, so they keep the real framework's noise). Each round makes four runs in a rotating order: two plain ones (A
+and B), one 10 % slower and one 30 % slower, so that drift in the machine falls on every kind of run.
 
 Then every pair is compared with ``harness.studies.compare.compare_runs`` at the default threshold:
 
 - false alarms: a plain run against every other plain run (A_i vs B_j and A_i vs A_j, i != j: the same round or
   hours apart, as a nightly against its last good run), an alarm being any regression in the comparison (the
   nightly's exit 1);
+- each twice: without a history (only the repeats inside the two runs measure the noise) and with a history of every
+  plain run (``--history``: the run-to-run spread of the cells' medians joins the noise, as in the nightly job);
 - detection: a plain run against every slowed run; "caught" means the throughput of both batch sizes was called a
   regression, "any" that the comparison failed at all.
 
@@ -88,29 +90,42 @@ def _interval(k: int, n: int) -> str:
     return f"{100 * ci.low:.0f}-{100 * ci.high:.0f} %"
 
 
-def evaluate(runs: Path, threshold: float) -> list[dict]:
+def history_of_plain_runs(runs: Path, plain: list[str]) -> Path:
+    """A history file (``harness.studies.history``) of every plain run, as a nightly's would hold its earlier
+    nights; ``compare_runs`` leaves the new run of a pair out of it."""
+    from harness.studies import history
+
+    path = runs / "history.jsonl"
+    path.unlink(missing_ok=True)
+    for run_dir in plain:
+        history.append(path, run_dir)
+    return path
+
+
+def evaluate(runs: Path, threshold: float, with_history: bool) -> list[dict]:
+    """False-alarm and detection counts over every pair (see the module docstring); ``with_history``: each
+    comparison also gets the run-to-run spread of the plain runs."""
     rounds = json.loads((runs / "index.json").read_text())["rounds"]
-    plain = [(i, k, d[k]) for i, d in enumerate(rounds) for k in ("A", "B")]
-    rows = []
-    pairs = [(a, b) for a, b in itertools.combinations(plain, 2)]
-    alarms = 0
-    for (_, _, a), (_, _, b) in pairs:
-        _, summary = compare_runs(a, b, threshold)
-        alarms += summary["regressions"] > 0
-    resolvable = compare_runs(plain[0][2], plain[1][2], threshold)[1].get("resolvable", {})
-    rows.append({"pairs": "plain vs plain (false alarms)", "n": len(pairs), "any": alarms, "caught": None,
-                 "resolvable": resolvable})
+    plain = [d[k] for d in rounds for k in ("A", "B")]
+    history_file = history_of_plain_runs(runs, plain) if with_history else None
+    label = " with history" if with_history else ""
+
+    def compare(a: str, b: str):
+        return compare_runs(a, b, threshold, history_file=history_file)
+
+    alarms = sum(compare(a, b)[1]["regressions"] > 0 for a, b in itertools.combinations(plain, 2))
+    n_pairs = len(plain) * (len(plain) - 1) // 2
+    rows = [{"pairs": f"plain vs plain{label} (false alarms)", "n": n_pairs, "any": alarms, "caught": None,
+             "resolvable": compare(plain[0], plain[1])[1].get("resolvable", {})}]
     for kind in ("slow10", "slow30"):
-        slowed = [d[kind] for d in rounds]
-        caught = anything = 0
-        n = 0
-        for (_, _, a), b in itertools.product(plain, slowed):
-            result, summary = compare_runs(a, b, threshold)
+        caught = anything = n = 0
+        for a, b in itertools.product(plain, [d[kind] for d in rounds]):
+            result, summary = compare(a, b)
             flagged = {r.batch_size for r in result if r.metric == "Throughput" and r.verdict == "regression"}
             caught += len(flagged) == len({r.batch_size for r in result})
             anything += summary["regressions"] > 0
             n += 1
-        rows.append({"pairs": f"plain vs {kind[4:]} % slower", "n": n, "any": anything, "caught": caught})
+        rows.append({"pairs": f"plain vs {kind[4:]} % slower{label}", "n": n, "any": anything, "caught": caught})
     return rows
 
 
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.evaluate_only:
         runs.mkdir(parents=True, exist_ok=True)
         collect(runs, args.rounds, args.repeats, [int(b) for b in args.batch_sizes.split(",")])
-    rows = evaluate(runs, args.threshold)
+    rows = evaluate(runs, args.threshold, with_history=False) + evaluate(runs, args.threshold, with_history=True)
     n_rounds = len(json.loads((runs / "index.json").read_text())["rounds"])
     print(f"{n_rounds} rounds of 4 runs; threshold {args.threshold:g} %\n")
     print("| pairs | n | compare failed (any regression) | 95 % interval | slowed throughput caught at every batch "
@@ -138,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['pairs']} | {row['n']} | {row['any']}/{row['n']} ({100 * row['any'] / row['n']:.0f} %) | "
               f"{_interval(row['any'], row['n'])} | {caught} | "
               f"{'' if row['caught'] is None else _interval(row['caught'], row['n'])} |")
-    if rows[0].get("resolvable"):
-        print("\nResolvable change (first plain pair):", json.dumps(rows[0]["resolvable"]))
+    for row in rows:
+        if row.get("resolvable", {}).get("Throughput"):
+            r = row["resolvable"]["Throughput"]
+            spreads = ", ".join(f"{k} {r[k]:.1f} %" for k in ("within_pct", "between_pct") if r.get(k) is not None)
+            print(f"\n{row['pairs']}: the first pair's comparison could resolve throughput changes of "
+                  f"{r['pct']:.0f} % or more ({spreads}; {r['repeats']} repeats)")
     return 0
 
 

@@ -4,9 +4,9 @@ holds the harness's throughput against.
 Each loop trains the spec's model (built natively, with the framework's own layers, from the same canonical initial
 weights as the harness: ``harness.neutral.models.initial_weights``) on the spec's dataset (``harness.neutral.datasets
 .load``), resident on the device, with the same batch size, optimizer (SGD with momentum), CPU threads, batch order
-(``harness.neutral.datasets.epoch_order`` of every epoch, the last partial batch dropped; Keras ``fit`` shuffles
-by itself) and warm-up steps as a harness trial, but none of the harness: no adapter, no shared loop, no per-step host-to-device copy of the indices.
-What every loop does:
+(``harness.neutral.datasets.epoch_order`` of every epoch, the last partial batch dropped; Keras ``fit`` shuffles by
+itself) and warm-up steps as a harness trial, but none of the harness: no adapter, no shared loop, no per-step
+host-to-device copy of the indices. What every loop does:
 
 - before the clock starts: the model, the data and the batch indices of every step (the epoch permutations cut into
   batches) are placed on the device, and the first ``warmup_steps`` optimizer steps run (tracing, compilation,
