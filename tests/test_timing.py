@@ -101,7 +101,8 @@ def test_former_sync_every_and_bad_windows(tmp_path):
     path = tmp_path / "bad.yaml"
     for timing, field in (("{window: 0}", "timing.window"), ("{window: often}", "timing.window"),
                           ("{window: 4, sync_every: 4}", "timing"), ("{window_seconds: 0}", "timing.window_seconds")):
-        path.write_text(f"name: t\nframeworks: [pytorch]\nmodel: {{layers: [{{type: flatten}}, {{type: dense, units: 10}}]}}\n"
+        path.write_text("name: t\nframeworks: [pytorch]\n"
+                        "model: {layers: [{type: flatten}, {type: dense, units: 10}]}\n"
                         f"dataset: {{name: digits}}\nbatch_sizes: [8]\ntiming: {timing}\n")
         with pytest.raises(SpecError) as err:
             load(path)

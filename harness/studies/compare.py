@@ -15,8 +15,9 @@ A cell's value is the median over its ok repeats (as in the report), and the cha
 - The standard error of the log change is the larger of sqrt(pi / 2) x s_within x sqrt(1 / n_base + 1 / n_new)
   (sqrt(pi / 2): a median's standard error over a mean's, for normal noise) and sqrt(2) x s_between.
 - The change is beyond the noise when its log exceeds t(1 - alpha / m, df) standard errors, where m is the number of
-  (cell, metric) tests in the comparison that noise could fail (a standard error above zero; Bonferroni): where the noise model holds, the chance that a comparison of
-  two runs of the same code raises any false alarm is at most ``alpha`` (5 % by default), however many cells it has.
+  (cell, metric) tests in the comparison that noise could fail (a standard error above zero; Bonferroni): where the
+  noise model holds, the chance that a comparison of two runs of the same code raises any false alarm is at most
+  ``alpha`` (5 % by default), however many cells it has.
 
 Without repeats or a history there is no noise estimate and the threshold alone decides; the row says so. For each
 metric the summary states what the comparison could resolve: the smallest change it would call a regression in a
@@ -39,6 +40,7 @@ from harness.results import tables
 from harness.results.metrics import Metric, metrics_for, row_key
 from harness.results.stats import log_spread, moderated, pooled
 from harness.results.store import read_run, read_trials
+from harness.studies import history
 
 # metric key in harness.results.report -> True when higher is better
 COMPARED = {"throughput": True, "accuracy": True, "memory": False, "allocator_peak": False}
@@ -104,8 +106,6 @@ def history_medians(history_file: str | Path | None, spec_name: str, device: str
     left out, the ``last`` newest; [] without a file."""
     if history_file is None or not Path(history_file).exists():
         return []
-    from harness.studies import history
-
     rows = [r for r in history.read(history_file)
             if r.get("spec") == spec_name and r.get("device") == device and r.get("run") not in exclude]
     return rows[-last:] if last > 0 else []
@@ -120,8 +120,8 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float
     base, new = read_trials(base_dir), read_trials(new_dir)
     backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
     metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
-    past = [] if history_file is None else history_medians(
-        history_file, new_run.get("spec", {}).get("name"), _device(new_dir), {Path(new_dir).name}, history_runs)
+    past = history_medians(history_file, new_run.get("spec", {}).get("name"), history.device_name(new_run),
+                           {Path(new_dir).name}, history_runs)
     rows: list[Row] = []
     tests: list[_Test] = []
     for cell in sorted(_cells(base) | _cells(new), key=lambda c: (c[0], c[1])):
@@ -155,15 +155,6 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float
     if base_run.get("spec", {}).get("name") != new_run.get("spec", {}).get("name"):
         summary["warning"] = "the runs come from different specs"
     return rows, summary
-
-
-def _device(run_dir: str | Path) -> str | None:
-    from harness.studies import history
-
-    try:
-        return history.summary_row(run_dir)["device"]
-    except (KeyError, FileNotFoundError):
-        return None
 
 
 def _noisy(tests: list[_Test]) -> int:

@@ -17,6 +17,13 @@ from harness.results.store import append_line, read_lines
 TRACKED = ("throughput", "seconds_per_epoch", "accuracy", "memory", "util")
 
 
+def device_name(run: dict[str, Any]) -> str | None:
+    """The device a run (its run.json) measured, by name: the GPU's NVML name on cuda, else the CPU's model."""
+    env = run.get("environment", {})
+    gpu_names = [d.get("name") for d in env.get("gpu", {}).get("devices", [])]
+    return gpu_names[0] if run.get("device", "cpu").startswith("cuda") and gpu_names else env.get("cpu")
+
+
 def summary_row(run_dir: str | Path) -> dict[str, Any]:
     """The history row of one run directory."""
     data = tables.build(run_dir)
@@ -34,13 +41,12 @@ def summary_row(run_dir: str | Path) -> dict[str, Any]:
                 cell[key] = value if isinstance(value, float) else None
             cells[f"{fw}/{bs}"] = cell
     env = run.get("environment", {})
-    gpu_names = [d.get("name") for d in env.get("gpu", {}).get("devices", [])]
     versions: dict[str, str] = {}
     for r in data["records"]:
         versions.update({k: v for k, v in r.get("versions", {}).items() if k in ("torch", "tensorflow", "mxnet")})
     return {"run": Path(run_dir).name, "spec": run["spec"]["name"], "started": run.get("started"),
             "commit": env.get("git", {}).get("commit"),
-            "device": gpu_names[0] if run.get("device", "cpu").startswith("cuda") and gpu_names else env.get("cpu"),
+            "device": device_name(run),
             "versions": versions, "backend": data["backend"], "cells": cells}
 
 

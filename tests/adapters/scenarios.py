@@ -9,6 +9,7 @@ models, in the frameworks that build them.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -92,16 +93,19 @@ def _random_state(info) -> dict[str, np.ndarray]:
     return state
 
 
+def _keep(out: dict[str, np.ndarray], prefix: str,
+          result: tuple[list[float], dict[int, dict[str, np.ndarray]]]) -> None:
+    """Stores ``kit.train_on``'s losses and kept states in ``out`` under ``"<prefix>|<step or losses>|<name>"``."""
+    out[f"{prefix}|losses|"] = np.asarray(result[0], dtype=np.float64)
+    for step, state in result[1].items():
+        for name, value in state.items():
+            out[f"{prefix}|{step}|{name}"] = np.asarray(value)
+
+
 def run(adapter_cls) -> dict[str, np.ndarray]:
     """Every scenario for one framework (see the module docstring)."""
     out: dict[str, np.ndarray] = {}
-
-    def keep(prefix: str, result: tuple[list[float], dict[int, dict[str, np.ndarray]]]) -> None:
-        out[f"{prefix}|losses|"] = np.asarray(result[0], dtype=np.float64)
-        for step, state in result[1].items():
-            for name, value in state.items():
-                out[f"{prefix}|{step}|{name}"] = np.asarray(value)
-
+    keep = functools.partial(_keep, out)
     data, info = kit.digits()
     for weights_kind in ("initial", "random-biases"):
         for images_kind in ("digits", "noise"):
@@ -198,11 +202,8 @@ def run_blocks(adapter_cls) -> dict[str, np.ndarray]:
         out[f"blocks-{name}-logits|evaluate|"] = np.asarray(adapter.evaluate(32))
         for opt_name, optimizer in BLOCK_OPTIMIZERS.items():
             adapter, data, _ = make_on(adapter_cls, model, cfg, optimizer)
-            losses, kept = kit.train_on(adapter, kit.batches(len(data.y_train), 16, 10), keep=(0, 1, 10))
-            out[f"blocks-{name}-{opt_name}|losses|"] = np.asarray(losses, dtype=np.float64)
-            for step, state in kept.items():
-                for array, value in state.items():
-                    out[f"blocks-{name}-{opt_name}|{step}|{array}"] = np.asarray(value)
+            _keep(out, f"blocks-{name}-{opt_name}",
+                  kit.train_on(adapter, kit.batches(len(data.y_train), 16, 10), keep=(0, 1, 10)))
     return out
 
 

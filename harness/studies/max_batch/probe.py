@@ -103,10 +103,11 @@ class MaxBatchResult:
 
 def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
                spec_file: str | Path = "<max-batch probe>", with_dataset: bool = False) -> Spec:
-    """The spec one probe runs (see the module docstring): 3 epochs, no warm-up, and synthetic data of the spec's
-    image shape and classes (for token sequences, the spec's own synthetic tokens), accumulation_steps x
-    ``batch_size`` training and ``batch_size`` test samples, or with ``with_dataset`` the spec's own dataset (the caller then limits each epoch to one step, see ``_Search._run``);
-    ``framework`` (a label or name, see ``harness.plan.entry_for``) in its entry's interpreter. Raises SpecError."""
+    """The spec one probe runs (see the module docstring): 3 epochs, no warm-up, and synthetic data of the spec's image
+    shape and classes (for token sequences, the spec's own synthetic tokens), accumulation_steps x ``batch_size``
+    training and ``batch_size`` test samples, or with ``with_dataset`` the spec's own dataset (the caller then
+    limits each epoch to one step, see ``_Search._run``); ``framework`` (a label or name, see
+    ``harness.plan.entry_for``) in its entry's interpreter. Raises SpecError."""
     shape, classes = datasets.describe(spec.dataset)
     entry = entry_for(spec, framework)
     data = spec.model_dump(mode="json")
