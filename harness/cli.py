@@ -137,7 +137,8 @@ def _max_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="fraction of the limit kept free in the recommendation (default 0)")
     parser.add_argument("--tolerance", type=_fraction, default=tolerance,
                         help=f"stop when the bracket is within this fraction (default {tolerance})")
-    parser.add_argument("--initial-sizes", type=_sizes, help="small sizes probed first (default 16,64,256)")
+    parser.add_argument("--initial-sizes", type=_sizes,
+                        help="small sizes probed first (default: 16, then the neutral memory model's guess)")
     parser.add_argument("--max-batch", type=int, help="the largest size to try")
     parser.add_argument("--with-dataset", action="store_true",
                         help="probe with the spec's real dataset resident, as in a run (default: synthetic data of "

@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from harness.neutral import datasets, memory
 from harness.plan import checked_spec as validate
+from harness.plan import model_info
 from harness.results import store
 from harness.studies import max_batch
 from harness.studies.max_batch import MemoryModel, find_max_batch, fit_memory_model, search
@@ -51,7 +53,7 @@ def searches(tmp_path_factory):
 
     def search(framework):
         spec = cnn_spec(tmp, framework, memory_limit_mb=CAPS[framework])
-        return find_max_batch(spec, framework, initial_sizes=(16, 64), tolerance=0.1)
+        return find_max_batch(spec, framework, tolerance=0.1)  # by default: 16, then the neutral model's guess
 
     with ThreadPoolExecutor(max_workers=3) as pool:  # at most three at a time on two cores
         futures = {fw: pool.submit(search, fw) for fw in CAPS}
@@ -73,6 +75,11 @@ def test_finds_the_limit_under_a_real_cap(searches, framework):
     assert result.recommended == limit  # no margin
     assert result.model is not None and result.model.per_sample_bytes > 0, table
     assert result.predicted_limit is not None and result.predicted_limit > 0
+    assert result.probes[0].batch_size == 16 and result.probes[1].purpose == "neutral-model guess", table
+    # The neutral model leaves the framework's own memory out, so its limit is above the measured one (measured:
+    # 3.5 x for PyTorch, 1.7 x for TensorFlow); XLA may keep fewer activations than it assumes, so not for JAX.
+    if framework != "jax":
+        assert result.neutral_limit > result.limit and result.model.per_sample_bytes > result.neutral.per_sample_bytes
     # every OOM is the framework's own error under the cap, never a crash
     oom = next(p for p in result.probes if p.batch_size == above[0] and p.status == "oom")
     own_error = {"pytorch": "DefaultCPUAllocator: can't allocate memory", "tensorflow": "ResourceExhaustedError",
@@ -217,6 +224,31 @@ def test_search_logic_probes_the_prediction_then_closes_the_bracket(monkeypatch,
     assert result.model.per_sample_bytes == pytest.approx(1e6)
 
 
+def test_search_logic_guesses_from_the_neutral_model_first(monkeypatch, tmp_path):
+    """By default one small size is probed, and the next probe is the neutral model's guess: its per-sample bytes
+    through that size's measured peak. A framework that keeps 1.3 x the neutral per-sample bytes (and 80 MB of its
+    own) makes the guess too high by that much; one probe there, then the fitted model, close the bracket. The result
+    states the neutral model's limit against the measured one."""
+    spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
+    probe_data = 2 * datasets.sample_bytes(spec.dataset)  # a training and a test image per batch sample
+    neutral = memory.predict(model_info(spec), 1, spec.optimizer).activations_per_sample + probe_data
+    true_slope = 1.3 * neutral
+    peak = lambda b: 80e6 + true_slope * b  # noqa: E731
+    sizes = _simulate(monkeypatch, lambda b: peak(b) <= 400e6, peak=peak)
+    result = find_max_batch(spec, "pytorch", device="cpu", tolerance=0.02)
+    truth = math.floor(320e6 / true_slope)
+    assert sizes[0] == 16 and result.probes[1].purpose == "neutral-model guess"
+    assert result.predicted_by.startswith("the neutral model") and result.predicted_limit == sizes[1]
+    # the guess: 16's peak plus the neutral slope up to the cap, 1.3 x too far above 16
+    assert sizes[1] == math.floor(16 + (400e6 - peak(16)) / neutral) and result.statuses(sizes[1]) == ["oom"]
+    assert result.status == "found" and truth - math.floor(0.02 * truth) <= result.limit <= truth
+    assert len(sizes) <= 6, max_batch.table(result)
+    assert result.neutral.per_sample_bytes == pytest.approx(neutral)
+    lines = "\n".join(max_batch.summary_lines(result))
+    assert f"its limit under the cap: {result.neutral_limit} against {result.limit} measured" in lines
+    assert "framework overhead: 1.30 x the neutral per-sample bytes" in lines, lines
+
+
 def test_search_logic_without_oom_and_with_non_monotonic_memory(monkeypatch, tmp_path):
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     _simulate(monkeypatch, lambda b: True)
@@ -266,9 +298,13 @@ def test_search_logic_nothing_fits_twice(monkeypatch, tmp_path):
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     _simulate(monkeypatch, _fits_first_time_only({1, 2}, 0))
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(2,))
-    # 2 fits, 4 and 3 do not, 2's confirmation fails; then 1 fits, and its confirmation fails
-    assert [(p.batch_size, p.status) for p in result.probes] == [(2, "ok"), (4, "oom"), (3, "oom"), (2, "oom"),
-                                                                  (1, "ok"), (1, "oom")]
+    # 2 fits; the neutral model's guess and every size below it down to 3 do not (geometric, then arithmetic
+    # halving); 2's confirmation fails; then 1 fits, and its confirmation fails
+    probes = [(p.batch_size, p.status) for p in result.probes]
+    assert probes[0] == (2, "ok") and probes[1] == (result.predicted_limit, "oom") and result.predicted_limit > 1000
+    assert all(status == "oom" for _, status in probes[1:-2])
+    assert probes[-4:] == [(3, "oom"), (2, "oom"), (1, "ok"), (1, "oom")]
+    assert len(probes) <= 12  # a guess 10^4 x too high costs a few probes, not a walk down
     assert result.status == "nothing_fits" and result.limit is None and result.fits_sometimes == [1, 2]
     assert result.smallest_oom == 1 and result.recommended is None
     assert result.reason.startswith("no batch size fits in every probe: even batch size 1 ran out of memory in 1")

@@ -46,10 +46,11 @@ def summary_lines(result: MaxBatchResult) -> list[str]:
     if result.model is not None:
         m = result.model
         out.append(f"memory model: {mb(m.fixed_bytes)} MB + {m.per_sample_bytes / 1e3:,.1f} kB x batch "
-                   f"(r^2 {m.r2:.3f}, {m.points} probes); predicted limit: {result.predicted_limit} from the "
-                   f"first probes, {result.final_predicted_limit} from all")
+                   f"(r^2 {m.r2:.3f}, {m.points} probes); predicted limit: {result.predicted_limit} first "
+                   f"({result.predicted_by or 'the first probes'}), {result.final_predicted_limit} from all probes")
     else:
         out.append("memory model: not enough successful probes with a peak to fit")
+    out.extend(neutral_lines(result))
     out.append(f"largest batch that fits: {result.limit if result.limit is not None else '-'}"
                + (" (ok in both of its probes)" if result.limit is not None else "")
                + (f" (smallest that failed: {result.smallest_oom})" if result.smallest_oom is not None else ""))
@@ -60,6 +61,27 @@ def summary_lines(result: MaxBatchResult) -> list[str]:
     out.append(f"recommended (margin {result.margin:g}): "
                f"{result.recommended if result.recommended is not None else '-'}")
     out.extend(f"note: {n}" for n in result.notes)
+    return out
+
+
+def neutral_lines(result: MaxBatchResult) -> list[str]:
+    """The neutral model's prediction (harness.neutral.memory) against what the probes measured: its limit against
+    the measured one, its per-sample bytes against the fitted slope, its fixed bytes against the fitted intercept."""
+    n = result.neutral
+    if n is None:
+        return []
+    out = [f"neutral model (parameters, gradients, optimizer state, buffers{', dataset' if result.with_dataset else ''}"
+           f" + saved activations and probe data per sample): {mb(n.fixed_bytes)} MB + "
+           f"{n.per_sample_bytes / 1e3:,.1f} kB x batch; its limit under the cap: "
+           f"{result.neutral_limit if result.neutral_limit is not None else '-'}"]
+    if result.neutral_limit and result.limit:
+        out[-1] += f" against {result.limit} measured ({result.neutral_limit / result.limit:.2f} x)"
+    m = result.model
+    if m is not None and n.per_sample_bytes > 0:
+        out.append(f"framework overhead: {m.per_sample_bytes / n.per_sample_bytes:.2f} x the neutral per-sample bytes "
+                   f"({(m.per_sample_bytes - n.per_sample_bytes) / 1e3:+,.1f} kB per sample: transient gradients, "
+                   f"workspaces, copies) and {(m.fixed_bytes - n.fixed_bytes) / 1e6:+,.1f} MB fixed (the framework's "
+                   "runtime and caches above the worker's baseline)")
     return out
 
 

@@ -44,8 +44,10 @@ class MaxBatchResult:
     fits); smallest_oom: the smallest size above it that ran out of memory at least once; recommended: the largest
     size at or below limit x (1 - margin) that fits, ok in both of its probes. fits_sometimes: [smallest, largest]
     batch size seen both fitting and running out of memory (never the limit nor the recommendation), None when
-    no size was. predicted_limit: the model's prediction from the probes before it was first probed;
-    final_predicted_limit: from every successful probe (model is that final fit). max_batch: the largest size the
+    no size was. predicted_limit: the first prediction the search probed toward (``predicted_by`` says whose);
+    final_predicted_limit: from every successful probe (model is that final fit). neutral: the neutral model's
+    memory line (``harness.neutral.memory``: fixed bytes and saved activations plus probe data per batch sample;
+    not fitted: r2 0, 0 points), neutral_limit its limit against the cap, measured by nothing. max_batch: the largest size the
     search may probe. with_dataset: the probes held the spec's real dataset (dataset_bytes bytes, train_size
     training images) instead of synthetic data (probe_data_bytes_per_sample bytes per batch sample). cap_bytes and
     the peaks are bytes; for the CPU they count from the worker's baseline (see harness.execution.limits).
@@ -62,6 +64,9 @@ class MaxBatchResult:
     probes: list[Probe] = field(default_factory=list)
     model: MemoryModel | None = None
     predicted_limit: int | None = None
+    predicted_by: str = ""
+    neutral: MemoryModel | None = None
+    neutral_limit: int | None = None
     final_predicted_limit: int | None = None
     limit: int | None = None
     smallest_oom: int | None = None

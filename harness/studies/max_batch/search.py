@@ -34,16 +34,23 @@ answer or the recommendation is probed a second time.
 
 The search:
 
-1. probe a few small sizes (``initial_sizes``, default 16, 64, 256; stopping at the first that runs out of memory);
+1. probe a few small sizes (``initial_sizes``, stopping at the first that runs out of memory; by default 16 alone,
+   whose peak anchors the neutral model's prediction, see below; 16, 64, 256 when there is none);
 2. fit the memory model ``peak_bytes = fixed + per_sample x B`` by least squares over the successful probes, and
-   predict the limit from the cap: floor((cap - fixed) / per_sample);
+   predict the limit from the cap: floor((cap - fixed) / per_sample). With one fitting size only, the first guess
+   is the **neutral model's**: its per-sample bytes (``harness.neutral.memory``: the activations saved for the
+   backward pass, plus the probe's data per batch sample) as the slope of a line through that size's measured peak,
+   so that everything the neutral model leaves out of the fixed part (the framework's runtime, its workspaces) is
+   measured, not guessed. It leaves out the per-sample transients too, so it errs high: a probe there that runs out
+   of memory closes the bracket from above;
 3. the bracket: ``lo``, the largest size that fits, and ``hi``, the smallest size above it that ran out of memory at
    least once (it fails or fits sometimes). While no size fits (the first initial size failed, or every size that
    fitted failed its confirmation), probe ``min_batch``; if that does not fit, nothing fits. While there is no
-   ``hi``, probe the prediction (at most MAX_JUMP times ``lo``; doubling while there is no prediction; once sizes
+   ``hi``, probe the prediction (a fitted one at most MAX_JUMP times ``lo``; doubling while there is none; once sizes
    above the prediction fit, steps of tolerance x ``lo``, doubling each time) until a size fails;
 4. narrow the bracket until the gap is at most ``tolerance`` x ``lo`` (at least 1): each probe is the model's
-   prediction refitted with every successful probe so far, where it falls inside the bracket, else the midpoint,
+   prediction refitted with every successful probe so far, where it falls inside the bracket, else the midpoint
+   (the geometric mean while ``hi`` > MAX_JUMP x ``lo``, so that a guess orders of magnitude off costs a few probes),
    kept one tolerance step away from both ends (so a probe next to an end closes the bracket whichever way it goes);
 5. confirm: once the bracket is closed (or ``lo`` is the upper bound, so the cap was not reached), probe ``lo`` again
    in a fresh worker. If it fits again, it is the answer (``limit``: ok in both of its probes; ``hi`` is
@@ -56,6 +63,11 @@ The search:
    memory is not always monotonic in the batch size, so it is verified, not assumed).
 
 The result never names a size that was not ok in two probes, nor one that also ran out of memory.
+
+The neutral model's own prediction of the limit (``neutral_limit``: its fixed part, parameters, gradients,
+optimizer state, buffers and a resident dataset, plus its per-sample bytes, against the cap) is reported beside the
+measured limit, and its per-sample bytes beside the fitted ones: the difference is what the framework adds per
+sample (transient gradients, workspaces, copies) and in all (its runtime).
 
 What the cap and the peak are:
 
@@ -83,13 +95,15 @@ from typing import Any, Callable, Sequence
 from harness.execution.launcher import run_worker
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets
-from harness.plan import plan
+from harness.neutral import memory
+from harness.plan import model_info, plan
 from harness.spec import Spec
-from harness.studies.max_batch.memory_model import fit_memory_model
+from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
 from harness.studies.max_batch.probe import MaxBatchResult, Probe, probe_spec, resolve_cap
 from harness.studies.max_batch.probe import peak as probe_peak, reason as probe_reason
 
-DEFAULT_INITIAL_SIZES = (16, 64, 256)
+DEFAULT_INITIAL_SIZES = (16, 64, 256)  # without a neutral prediction to anchor
+ANCHOR_SIZE = 16  # the one small size probed first when the neutral model gives the slope
 DEFAULT_TOLERANCE = 0.05
 MAX_JUMP = 8  # without an upper bound, a probe is at most this many times the largest fitting size
 DEFAULT_MAX_BATCH = 1 << 20
@@ -131,9 +145,10 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
     search = _Search(spec, framework, device, memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb,
                      margin, tolerance, min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
                      spec_file or "<max-batch probe>", with_dataset, on_probe)
+    if initial_sizes is None:
+        initial_sizes = (ANCHOR_SIZE,) if search.result.neutral is not None else DEFAULT_INITIAL_SIZES
     try:
-        search.initial(sorted({min(max(s, min_batch), search.max_batch)
-                               for s in (initial_sizes or DEFAULT_INITIAL_SIZES)}))
+        search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial_sizes}))
         if search.bracket():
             search.apply_margin()
     except _Stop as stop:
@@ -165,6 +180,19 @@ class _Search:
         if with_dataset:
             self._dataset_bound()
         self.result.max_batch = self.max_batch
+        self._neutral()
+
+    def _neutral(self) -> None:
+        """The neutral model's memory line (``harness.neutral.memory.predict``), per batch sample B: fixed = the
+        parameters, gradients, optimizer state, buffers and accumulator (and the resident dataset with
+        ``with_dataset``); per sample = the activations saved for the backward pass plus the probe's data per batch
+        sample. Its limit against the cap is ``neutral_limit``."""
+        spec, result = self.spec, self.result
+        predicted = memory.predict(model_info(spec), 1, spec.optimizer, spec.accumulation_steps)
+        fixed = predicted.fixed + (result.dataset_bytes or 0)
+        per_sample = predicted.activations_per_sample + result.probe_data_bytes_per_sample
+        result.neutral = MemoryModel(float(fixed), float(per_sample), 0.0, 0)
+        result.neutral_limit = result.neutral.predict_limit(self.cap_bytes)
 
     def _dataset_bound(self) -> None:
         """With the real dataset: its bytes and training images, and the upper bound they set. Raises ValueError."""
@@ -240,6 +268,18 @@ class _Search:
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
 
+    def anchored(self) -> int | None:
+        """The neutral model's guess of the limit through the measured peak of the largest size that fits (see
+        the module docstring, step 2); None without a neutral model or such a peak."""
+        neutral = self.result.neutral
+        peaks = [(p.batch_size, p.peak_bytes) for p in self.result.probes
+                 if p.status == "ok" and p.peak_bytes is not None and self.result.fits(p.batch_size)]
+        if neutral is None or not peaks or neutral.per_sample_bytes <= 0:
+            return None
+        size, peak = max(peaks)
+        return MemoryModel(peak - neutral.per_sample_bytes * size, neutral.per_sample_bytes, 0.0,
+                           1).predict_limit(self.cap_bytes)
+
     def refit(self) -> int | None:
         """Refits the memory model to every successful probe with a peak; returns its predicted limit."""
         points = [(p.batch_size, p.peak_bytes) for p in self.result.probes
@@ -277,9 +317,13 @@ class _Search:
         climb = 0  # consecutive steps up past the prediction
         while True:
             lo, hi = self.bounds()
-            prediction = self.refit()
+            prediction, fitted = self.refit(), True
+            if prediction is None:
+                prediction, fitted = self.anchored(), False
             if result.predicted_limit is None:
                 result.predicted_limit = prediction
+                result.predicted_by = ("the memory model fitted to the first probes" if fitted else
+                                       "the neutral model's per-sample bytes through the first probe's peak")
             if lo is None:  # nothing fits (yet): the smallest size decides
                 if self.result.probed(self.min_batch) is None:
                     self.probe(self.min_batch, "smallest")
@@ -296,9 +340,9 @@ class _Search:
                                  f"{self.bound} fitted in both of its probes: the cap was not reached")
                 return True
             if hi is None:
-                size, purpose, climb = self._upward(lo, prediction, climb)
+                size, purpose, climb = self._upward(lo, prediction, climb, fitted)
             else:
-                size, purpose = self._inside(lo, hi, prediction)
+                size, purpose = self._inside(lo, hi, prediction, fitted)
             self.probe(size, purpose)
 
     def _failed(self, hi: int) -> str:
@@ -320,27 +364,34 @@ class _Search:
             result.reason = (f"even batch size {self.min_batch} runs out of memory under the cap "
                              f"({self.cap_bytes / 1e6:,.0f} MB)")
 
-    def _upward(self, lo: int, prediction: int | None, climb: int) -> tuple[int, str, int]:
-        """The next probe above everything that fitted, with no failure yet: up to the prediction (at most MAX_JUMP
-        x); doubling without one; where the prediction is already passed, one tolerance step up, the step doubling
-        each time. Returns (size, purpose, the new count of steps past the prediction)."""
+    def _upward(self, lo: int, prediction: int | None, climb: int, fitted: bool = True) -> tuple[int, str, int]:
+        """The next probe above everything that fitted, with no failure yet: up to the prediction (a fitted one at
+        most MAX_JUMP x; the neutral model's guess, ``fitted`` False, as it is); doubling without one; where the
+        prediction is already passed, one tolerance step up, the step doubling each time. Returns (size, purpose,
+        the new count of steps past the prediction)."""
         g = self.gap(lo)
+        jump = lo * MAX_JUMP if fitted else self.max_batch
         if prediction is None:
             size, purpose = 2 * lo, "doubling"
         elif prediction > lo:  # at least one tolerance step up, so that an OOM there closes the bracket
-            size, purpose, climb = max(prediction, lo + g), "prediction", 0
+            size, purpose, climb = max(prediction, lo + g), "prediction" if fitted else "neutral-model guess", 0
         else:
             size, purpose, climb = lo + (g << climb), "step up", climb + 1
-        return min(size, lo * MAX_JUMP, self.max_batch), purpose, climb
+        return min(size, jump, self.max_batch), purpose, climb
 
-    def _inside(self, lo: int, hi: int, prediction: int | None) -> tuple[int, str]:
-        """The next probe inside the bracket: the prediction where it falls inside, else the midpoint; kept one
+    def _inside(self, lo: int, hi: int, prediction: int | None, fitted: bool = True) -> tuple[int, str]:
+        """The next probe inside the bracket: the prediction where it falls inside, else the midpoint (geometric
+        while hi > MAX_JUMP x lo; one step above lo where a fitted model puts the limit there); kept one
         tolerance step away from both ends, so that either outcome of a probe next to an end closes the bracket."""
         g = self.gap(lo)
         if hi - lo <= 2 * g:
             return (lo + hi) // 2, "bisection"
         inside = prediction is not None and lo < prediction < hi
-        size = prediction if inside else (lo + hi) // 2
+        # a bracket spanning orders of magnitude (a guess far off) is halved on a log scale, else arithmetically
+        middle = math.isqrt(lo * hi) if hi > MAX_JUMP * lo else (lo + hi) // 2
+        if fitted and prediction is not None and lo - g <= prediction <= lo:
+            prediction, inside = lo + g, True  # the model puts the limit at lo: one step above it decides
+        size = prediction if inside else middle
         size = min(max(size, lo + g), hi - g)
         return size, "prediction" if size == prediction else "bisection"
 
