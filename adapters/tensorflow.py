@@ -1,12 +1,29 @@
 """TensorFlow adapter: raw ``tf.Variable``s and ``tf.nn`` ops in ``tf.function``s (no XLA), data resident on the
-device, NHWC.
+device, NHWC for images, (B, L, D) for sequences. The layers are in ``adapters.tensorflow_layers``.
 
 Layouts: conv kernels are HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in, out) (``weight.T``), and the
 first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
-``harness.neutral.models.chw_to_hwc_permutation`` so that it computes exactly the canonical channel-first model; the data
-itself is never permuted (a batchnorm over those flat features has its gamma, beta and running statistics permuted
-the same way). Batchnorm is ``FusedBatchNormV3`` on NHWC (see ``_batchnorm``), its running statistics non-trainable
-variables. ``get_weights`` and ``get_buffers`` invert all of this.
+``harness.neutral.models.chw_to_hwc_permutation`` so that it computes exactly the canonical channel-first model; the
+data itself is never permuted (a batchnorm over those flat features has its gamma, beta and running statistics permuted
+the same way). A flatten whose features reach no dense layer through elementwise layers and batchnorms only (a
+residual block, a layernorm or the output come first) transposes to channel-first order instead. Batchnorm is
+``FusedBatchNormV3`` on NHWC (see ``tensorflow_layers.batchnorm``), its running statistics non-trainable variables.
+Every parameter and buffer is kept under its canonical name ("3.1.weight", "4.shortcut_bn.running_var", ...) with
+the variables that hold it and the inverse of its conversion, from which ``get_weights`` and ``get_buffers`` rebuild
+the canonical arrays.
+
+The new layers: residual blocks compose their body and shortcut (a projection is an ordinary bias-free strided 1x1
+conv and batchnorm); strided convolutions and integer padding are ``tf.nn.conv2d`` with an explicit padding list
+(TF's "SAME" pads a strided convolution asymmetrically); embeddings are ``tf.nn.embedding_lookup`` plus the position
+table; gelu is ``tf.nn.gelu(approximate=False)``. TF has no op for layer normalisation or attention, so those two
+are Keras's own layers, ``keras.layers.LayerNormalization`` (https://keras.io/api/layers/normalization_layers/
+layer_normalization/) and ``keras.layers.MultiHeadAttention`` (https://keras.io/api/layers/attention_layers/
+multi_head_attention/; its (D, heads, D / heads) kernels are the canonical fused in-projection split and reshaped),
+built once and called inside the same ``tf.function``s. They integrate with the design as they are: a Keras 3
+variable on the TensorFlow backend wraps a ``tf.Variable`` (``keras.Variable.value``), and those ``tf.Variable``s go
+into the one flat list that the ``tf.GradientTape`` differentiates and the fused optimizer kernels update, with the
+adapter's own. Token models take int64 ids (B, L); a next-token model's loss is the mean cross-entropy over every
+position, its accuracy over every position too.
 
 The train step is one ``tf.function`` per (batch size, micro-batches) with a fully static ``input_signature``, so it
 is traced once and never retraced in the timed loop (https://www.tensorflow.org/guide/function#controlling_retracing);
@@ -37,12 +54,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silence
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from adapters.base import BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters import tensorflow_layers as L  # noqa: E402
+from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
+
+#: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep TF's (H, W, C) order:
+#: elementwise, or per feature with their parameters permuted like the dense layer's rows (batchnorm).
+_ORDER_FREE = frozenset({"relu", "gelu", "dropout", "batchnorm"})
 
 
 def _f32(array: np.ndarray) -> np.ndarray:
     return np.asarray(array, dtype=np.float32)
+
+
+def _same(value: np.ndarray) -> np.ndarray:
+    return value
 
 
 def _default_threads() -> int:
@@ -55,18 +81,18 @@ def _default_threads() -> int:
 
 class TensorFlowAdapter(Adapter):
     name = "tensorflow"
-    SUPPORTED_LAYERS = BASIC_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = IMAGE_TASKS
+    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = ALL_TASKS
 
     def __init__(self) -> None:
         self.device = "/CPU:0"
         self._gpu = False
         self._last_loss: tf.Tensor | None = None
-        # layer index -> (kind, kernel, bias, inverse row permutation of a dense kernel fed by an HWC flatten or None)
-        self._params: dict[int, tuple[str, tf.Variable, tf.Variable, np.ndarray | None]] = {}
-        # layer index -> (running mean, running variance, inverse feature permutation or None) of a batchnorm
-        self._buffers: dict[int, tuple[tf.Variable, tf.Variable, np.ndarray | None]] = {}
-        self._forward_layers: list[Callable[[tf.Tensor, bool], tf.Tensor]] = []
+        # canonical name -> (the variables holding it, the function of their values that gives the canonical array)
+        self._params: dict[str, L.Held] = {}
+        self._buffers: dict[str, L.Held] = {}  # batchnorm's running statistics, the same way
+        self._forward_layers: list[L.Layer] = []
+        self.tokens = self.next_token = False
         self._memory_settings: dict[str, Any] = {}  # what _configure_gpu_memory applied, for settings()
         self._train_fns: dict[tuple[int, int], Any] = {}  # (batch size, micro-batches) -> traced train step
         self._train_calls: dict[tuple[int, int], Any] = {}  # the same -> its concrete function, what a step calls
@@ -148,88 +174,123 @@ class TensorFlowAdapter(Adapter):
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
         """Creates float32 ``tf.Variable``s on the device from the canonical ``weights`` (conv OIHW -> HWIO, dense
         (out, in) -> (in, out), rows of the first dense kernel after a flatten of (C, H, W) permuted to the (H, W, C)
-        order TF flattens in, and so are the features of a batchnorm between the two) and the optimizer state. A
+        order TF flattens in, and so are the features of a batchnorm between the two; Keras's layers for layernorm
+        and attention, their variables set from the canonical ones) and the optimizer state over all of them. A
         trailing softmax is left to the loss. Batchnorm's running statistics are non-trainable variables, from
-        ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``."""
-        self._params = {}
-        self._buffers = {}
-        self._forward_layers = []
+        ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``. Inputs: NHWC float32
+        images, or (B, L) int64 token ids."""
+        self._params, self._buffers = {}, {}
         self._train_fns, self._train_calls = {}, {}
         self._last_loss = None
+        self.next_token, self.tokens = info.task == "next_token", info.task != "image_classification"
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
-        self._flatten_from: tuple[int, int, int] | None = None
         with tf.device(self.device):
-            for layer in info.layers:
-                self._add_layer(layer, weights, buffers)
-            self._variables = [v for _, kernel, bias, _ in self._params.values() for v in (kernel, bias)]
+            flatten_from: tuple[int, int, int] | None = None
+            self._forward_layers = []
+            for position, layer in enumerate(info.layers):
+                fn, flatten_from = self._add_layer(layer, weights, buffers, flatten_from, info.layers[position + 1:])
+                self._forward_layers.append(fn)
+            self._variables = [v for variables, _ in self._params.values() for v in variables]
             self._update = _make_update(optimizer, self._variables)
-        c, h, w = info.input_shape
-        image_spec = tf.TensorSpec((None, h, w, c), tf.float32)
-        self._logits_fn = tf.function(self._logits, input_signature=[image_spec], jit_compile=False, autograph=False)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=[image_spec, tf.TensorSpec((None,), tf.int64)],
-                                    jit_compile=False, autograph=False)
+        if self.tokens:
+            input_spec = tf.TensorSpec((None, *info.input_shape), tf.int64)
+            label_spec = tf.TensorSpec((None, *info.input_shape) if self.next_token else (None,), tf.int64)
+        else:
+            c, h, w = info.input_shape
+            input_spec, label_spec = tf.TensorSpec((None, h, w, c), tf.float32), tf.TensorSpec((None,), tf.int64)
+        self._logits_fn = tf.function(self._logits, input_signature=[input_spec], jit_compile=False, autograph=False)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=[input_spec, label_spec], jit_compile=False,
+                                    autograph=False)
 
-    def _add_layer(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray]) -> None:
-        """Creates one layer's variables from the canonical ``weights``/``buffers`` and appends its forward function.
-        ``self._flatten_from``: the (C, H, W) shape the next dense layer's input was flattened from, or None."""
-        spec = layer.spec
-        w_name, b_name = f"{layer.index}.weight", f"{layer.index}.bias"
-        if layer.kind == "conv2d":
-            kernel = tf.Variable(_f32(weights[w_name]).transpose(2, 3, 1, 0), name=w_name)  # OIHW -> HWIO
-            bias = tf.Variable(_f32(weights[b_name]), name=b_name)
-            self._params[layer.index] = ("conv2d", kernel, bias, None)
-            self._forward_layers.append(_conv(kernel, bias, spec.padding.upper(), spec.activation == "relu"))
-        elif layer.kind == "dense":
-            weight = _f32(weights[w_name])
-            inverse = None
-            if self._flatten_from is not None:
-                perm = chw_to_hwc_permutation(self._flatten_from)
+    def _keep(self, name: str, value: np.ndarray, to_canonical: Any = _same, trainable: bool = True) -> tf.Variable:
+        """A float32 variable named ``name`` holding ``value`` (already in TF's layout), registered as the canonical
+        parameter (or, not ``trainable``, buffer) ``name`` that ``to_canonical`` of its value gives back."""
+        variable = tf.Variable(value, trainable=trainable, name=name)
+        (self._params if trainable else self._buffers)[name] = ((variable,), to_canonical)
+        return variable
+
+    def _add_layer(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
+                   flatten_from: tuple[int, int, int] | None, following: Any = ()
+                   ) -> tuple[L.Layer, tuple[int, int, int] | None]:
+        """One layer's or block's variables (TF layout, under canonical names) and forward function; also the
+        (C, H, W) shape the next dense layer's input was flattened from in (H, W, C) order, or None. ``following``:
+        the top-level layers after this one (a flatten looks ahead, ``_flatten_feeds_dense``)."""
+        spec, kind, name = layer.spec, layer.kind, layer.name
+        w, b = f"{name}.weight", f"{name}.bias"
+        if kind == "residual":  # its input is never an (H, W, C)-ordered flatten: see _flatten_feeds_dense
+            body = [self._add_layer(child, weights, buffers, None)[0] for child in layer.body]
+            shortcut = [self._add_layer(child, weights, buffers, None)[0] for child in layer.shortcut]
+            return L.residual(body, shortcut, spec.activation), None
+        if kind == "conv2d":
+            kernel = self._keep(w, _f32(weights[w]).transpose(2, 3, 1, 0), lambda k: k.transpose(3, 2, 0, 1))  # HWIO
+            bias = self._keep(b, _f32(weights[b])) if spec.use_bias else None
+            return L.conv(kernel, bias, spec.stride, spec.padding, spec.activation), None
+        if kind == "dense":  # on (B, F), or per position on (B, L, D)
+            weight, inverse = _f32(weights[w]), None
+            if flatten_from is not None:
+                perm = chw_to_hwc_permutation(flatten_from)
                 weight, inverse = weight[:, perm], np.argsort(perm)
-                self._flatten_from = None
-            kernel = tf.Variable(np.ascontiguousarray(weight.T), name=w_name)  # (out, in) -> (in, out)
-            bias = tf.Variable(_f32(weights[b_name]), name=b_name)
-            self._params[layer.index] = ("dense", kernel, bias, inverse)
-            self._forward_layers.append(_dense(kernel, bias, spec.activation == "relu"))
-        elif layer.kind == "batchnorm":
-            # Channels are the last axis in NHWC, so gamma, beta and the statistics need no transposition;
-            # after a channel-last flatten the features are in (H, W, C) order and are permuted like the
-            # following dense layer's rows.
-            perm = inverse = None
-            if len(layer.input_shape) == 1 and self._flatten_from is not None:
-                perm = chw_to_hwc_permutation(self._flatten_from)
-                inverse = np.argsort(perm)
-
-            def tf_order(array: np.ndarray, perm: np.ndarray | None = perm) -> np.ndarray:
-                array = _f32(array)
-                return array if perm is None else np.ascontiguousarray(array[perm])
-            gamma = tf.Variable(tf_order(weights[w_name]), name=w_name)
-            beta = tf.Variable(tf_order(weights[b_name]), name=b_name)
-            mean = tf.Variable(tf_order(buffers[f"{layer.index}.running_mean"]), trainable=False,
-                               name=f"{layer.index}.running_mean")
-            var = tf.Variable(tf_order(buffers[f"{layer.index}.running_var"]), trainable=False,
-                              name=f"{layer.index}.running_var")
-            self._params[layer.index] = ("batchnorm", gamma, beta, inverse)
-            self._buffers[layer.index] = (mean, var, inverse)
-            self._forward_layers.append(_batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon,
-                                                   flat=len(layer.input_shape) == 1))
-        elif layer.kind == "maxpool2d":
-            self._forward_layers.append(_pool(tf.nn.max_pool2d, spec.pool_size, spec.stride or spec.pool_size))
-        elif layer.kind == "avgpool2d":
-            self._forward_layers.append(_pool(tf.nn.avg_pool2d, spec.pool_size, spec.stride or spec.pool_size))
-        elif layer.kind == "global_avgpool2d":
+            kernel = self._keep(w, np.ascontiguousarray(weight.T),  # (out, in) -> (in, out); undo the HWC rows
+                                lambda k, inv=inverse: k.T if inv is None else k.T[:, inv])
+            return L.dense(kernel, self._keep(b, _f32(weights[b])), spec.activation), None
+        if kind == "batchnorm":
+            return self._add_batchnorm(layer, weights, buffers, flatten_from), flatten_from
+        if kind in ("layernorm", "attention"):
+            return self._add_keras_layer(layer, weights), None
+        if kind == "embedding":
+            token, position = (self._keep(f"{name}.{table}.weight", _f32(weights[f"{name}.{table}.weight"]))
+                               for table in ("token", "position"))
+            return L.embedding(token, position), None
+        if kind in ("maxpool2d", "avgpool2d"):
+            op = tf.nn.max_pool2d if kind == "maxpool2d" else tf.nn.avg_pool2d
+            return L.pool(op, spec.pool_size, spec.stride or spec.pool_size), None
+        if kind == "global_avgpool2d":
             # (N, H, W, C) -> (N, C): channel order, the canonical one, so no permutation follows.
-            self._forward_layers.append(lambda x, training: tf.reduce_mean(x, axis=(1, 2)))
-        elif layer.kind == "dropout":
-            self._forward_layers.append(_dropout(spec.rate))
-        elif layer.kind == "flatten":
-            if len(layer.input_shape) == 3:
-                self._flatten_from = tuple(layer.input_shape)
+            return (lambda x, training: tf.reduce_mean(x, axis=(1, 2))), None
+        if kind == "sequence_pool":
+            return L.sequence_pool(spec.mode), None
+        if kind == "flatten":
             features = int(np.prod(layer.input_shape))
-            # NHWC flattens in (H, W, C) order
-            self._forward_layers.append(lambda x, training, n=features: tf.reshape(x, (-1, n)))
-        elif layer.kind == "relu":
-            self._forward_layers.append(lambda x, training: tf.nn.relu(x))
-        # softmax: folded into the cross-entropy loss
+            if len(layer.input_shape) == 3 and _flatten_feeds_dense(following):
+                return L.flatten(features, channels_first=False), tuple(layer.input_shape)  # NHWC: (H, W, C) order
+            return L.flatten(features, channels_first=len(layer.input_shape) == 3), None
+        if kind == "dropout":
+            return L.dropout(spec.rate), flatten_from
+        if kind in ("relu", "gelu"):
+            return (lambda x, training: L.activate(x, kind)), flatten_from
+        if kind == "softmax":
+            return (lambda x, training: x), flatten_from  # folded into the cross-entropy loss
+        raise ValueError(f"the tensorflow adapter cannot build {kind} layers")
+
+    def _add_batchnorm(self, layer: Any, weights: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
+                       flatten_from: tuple[int, int, int] | None) -> L.Layer:
+        """Channels are the last axis in NHWC, so gamma, beta and the statistics need no transposition; after a
+        channel-last flatten (``flatten_from``) the features are in (H, W, C) order and are permuted like the next
+        dense layer's rows."""
+        name, spec, flat = layer.name, layer.spec, len(layer.input_shape) == 1
+        perm = chw_to_hwc_permutation(flatten_from) if flat and flatten_from is not None else None
+        inverse = None if perm is None else np.argsort(perm)
+        back = _same if inverse is None else (lambda a: a[inverse])
+
+        def tf_order(array: np.ndarray) -> np.ndarray:
+            return _f32(array) if perm is None else np.ascontiguousarray(_f32(array)[perm])
+        gamma, beta = (self._keep(f"{name}.{p}", tf_order(weights[f"{name}.{p}"]), back) for p in ("weight", "bias"))
+        mean, var = (self._keep(f"{name}.{stat}", tf_order(buffers[f"{name}.{stat}"]), back, trainable=False)
+                     for stat in ("running_mean", "running_var"))
+        return L.batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon, flat)
+
+    def _add_keras_layer(self, layer: Any, weights: dict[str, np.ndarray]) -> L.Layer:
+        """Layernorm or attention: Keras's layer with its variables set from the canonical weights, those variables
+        registered under the canonical names (``tensorflow_layers.layer_norm``, ``.multi_head_attention``)."""
+        spec, name = layer.spec, layer.name
+        canonical = {local: _f32(weights[f"{name}.{local}"]) for local in layer.params}
+        if layer.kind == "layernorm":
+            fn, held = L.layer_norm(layer.input_shape, spec.epsilon, canonical["weight"], canonical["bias"])
+        else:
+            length, dim = layer.input_shape
+            fn, held = L.multi_head_attention(length, dim, spec.heads, spec.causal, canonical)
+        self._params.update({f"{name}.{local}": held[local] for local in layer.params})
+        return fn
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         """The model on ``x``; ``training`` (a Python bool, fixed when a function is traced) selects batchnorm's batch
@@ -245,18 +306,20 @@ class TensorFlowAdapter(Adapter):
     def _eval_batch(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         with tf.device(self.device):
             logits = self._forward(x, training=False)
-            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.int64))
+            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)  # (B,) or (B, L)
+            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1), y), tf.int64))
             return tf.reduce_sum(tf.cast(loss, tf.float64)), correct
 
     def _train(self, indices: tf.Tensor) -> tf.Tensor:
+        """One step; the loss is the mean over the samples, or over every position of a next-token model's (B, L)
+        labels (``sparse_softmax_cross_entropy_with_logits`` takes (B, L, V) logits as they are)."""
         with tf.device(self.device):
             x = tf.gather(self.x_train, indices)
             y = tf.gather(self.y_train, indices)
             with tf.GradientTape() as tape:
                 logits = self._forward(x, training=True)
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-            self._update(tape.gradient(loss, self._variables))
+            self._update(_dense_gradients(tape.gradient(loss, self._variables)))
             return loss
 
     def _train_accumulated(self, indices: tf.Tensor, micro_batches: int) -> tf.Tensor:
@@ -277,7 +340,7 @@ class TensorFlowAdapter(Adapter):
                 with tf.GradientTape() as tape:
                     logits = self._forward(x, training=True)
                     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) / k
-                grads = tape.gradient(loss, self._variables)
+                grads = _dense_gradients(tape.gradient(loss, self._variables))
                 return (i + 1, loss_sum + loss, *[s + g for s, g in zip(grad_sums, grads)])
 
             start = (tf.constant(0), tf.zeros((), tf.float32), *[tf.zeros_like(v) for v in self._variables])
@@ -287,14 +350,15 @@ class TensorFlowAdapter(Adapter):
             return loss
 
     def load(self, data: Any) -> None:
-        """Copies the four arrays to the device once, placed under ``tf.device``: NHWC float32 images, int64 labels.
-        The training images are a non-trainable ``tf.Variable`` so that set_train_images can overwrite them in place
-        (``assign``) without re-tracing the train step; the rest are ``tf.constant``s."""
+        """Copies the four arrays to the device once, placed under ``tf.device``: NHWC float32 images or (N, L) int64
+        token ids, int64 labels ((N,), or (N, L) for a next-token model). The training inputs are a non-trainable
+        ``tf.Variable`` so that set_train_images can overwrite images in place (``assign``) without re-tracing the
+        train step; the rest are ``tf.constant``s."""
+        dtype = np.int64 if self.tokens else np.float32
         with tf.device(self.device):
-            self.x_train = tf.Variable(data.x_train.astype(np.float32, copy=False), trainable=False,
-                                       name="x_train")
+            self.x_train = tf.Variable(data.x_train.astype(dtype, copy=False), trainable=False, name="x_train")
             self.y_train = tf.constant(data.y_train, dtype=tf.int64)
-            self.x_test = tf.constant(data.x_test, dtype=tf.float32)
+            self.x_test = tf.constant(data.x_test, dtype=dtype)
             self.y_test = tf.constant(data.y_test, dtype=tf.int64)
         self._train_fns, self._train_calls = {}, {}  # the train step captures the training tensors when it is traced
 
@@ -331,50 +395,38 @@ class TensorFlowAdapter(Adapter):
         return float("nan") if self._last_loss is None else float(self._last_loss.numpy())
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
-        """(mean cross-entropy, accuracy in [0, 1]) over the test set in batches of ``batch_size``; per-batch sums
-        are accumulated on the device in float64 and read once at the end."""
+        """(mean cross-entropy, accuracy in [0, 1]) over the test set (over every position of every sequence for a
+        next-token model) in batches of ``batch_size``; per-batch sums are accumulated on the device in float64 and
+        read once at the end."""
         n = int(self.x_test.shape[0])
         with tf.device(self.device):
             total_loss = tf.zeros((), tf.float64)
             correct = tf.zeros((), tf.int64)
             for start in range(0, n, batch_size):
-                loss, right = self._eval_fn(self.x_test[start:start + batch_size], self.y_test[start:start + batch_size])
+                stop = start + batch_size
+                loss, right = self._eval_fn(self.x_test[start:stop], self.y_test[start:stop])
                 total_loss += loss
                 correct += right
-        return float(total_loss.numpy()) / n, float(correct.numpy()) / n
+        count = self.y_test.shape.num_elements()  # samples, or every position of every sequence
+        return float(total_loss.numpy()) / count, float(correct.numpy()) / count
 
     def predict(self, images: np.ndarray) -> np.ndarray:
-        """float32 (N, classes) logits for float32 NHWC ``images`` (N, H, W, C)."""
+        """float32 logits, (N, classes), for float32 NHWC ``images`` (N, H, W, C) or int64 (N, L) token ids; (N, L,
+        vocab) for a next-token model."""
         with tf.device(self.device):
-            x = tf.constant(np.asarray(images, dtype=np.float32))
+            x = tf.constant(np.asarray(images, dtype=np.int64 if self.tokens else np.float32))
         return self._logits_fn(x).numpy()
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        """Copies of the current parameters, converted back to the canonical layout and names ("<index>.weight",
-        "<index>.bias"): the exact inverse of ``build``'s conversion."""
-        out: dict[str, np.ndarray] = {}
-        for index, (kind, kernel, bias, inverse) in self._params.items():
-            k = kernel.numpy()
-            b = bias.numpy()
-            if kind == "conv2d":
-                weight = k.transpose(3, 2, 0, 1)  # HWIO -> OIHW
-            elif kind == "batchnorm":
-                weight, b = (k, b) if inverse is None else (k[inverse], b[inverse])  # undo the HWC feature order
-            else:
-                weight = k.T if inverse is None else k.T[:, inverse]  # (in, out) -> (out, in), undo the HWC rows
-            out[f"{index}.weight"] = np.array(weight, order="C")  # always a copy
-            out[f"{index}.bias"] = np.array(b, order="C")
-        return out
+        """Copies of the current parameters under their canonical names, in the canonical layout: the exact inverse
+        of ``build``'s conversion (HWIO -> OIHW, (in, out) -> (out, in), the HWC order undone, Keras's attention
+        kernels joined into the fused in-projection)."""
+        return {name: _canonical(held) for name, held in self._params.items()}
 
     def get_buffers(self) -> dict[str, np.ndarray]:
-        """Copies of batchnorm's running statistics in the canonical feature order ("<index>.running_mean",
-        "<index>.running_var")."""
-        out: dict[str, np.ndarray] = {}
-        for index, (mean, var, inverse) in self._buffers.items():
-            for name, variable in (("running_mean", mean), ("running_var", var)):
-                value = variable.numpy()
-                out[f"{index}.{name}"] = np.array(value if inverse is None else value[inverse], order="C")
-        return out
+        """Copies of batchnorm's running statistics under their canonical names ("<name>.running_mean",
+        "<name>.running_var"), in the canonical feature order."""
+        return {name: _canonical(held) for name, held in self._buffers.items()}
 
     def reset_memory_stats(self) -> None:
         """Restarts the GPU allocator's peak (https://www.tensorflow.org/api_docs/python/tf/config/experimental/
@@ -415,58 +467,30 @@ class TensorFlowAdapter(Adapter):
         return isinstance(exc, tf.errors.InternalError) and "Dst tensor is not initialized" in str(exc)
 
 
-Layer = Callable[[tf.Tensor, bool], tf.Tensor]  # (x, training) -> y
+def _canonical(held: L.Held) -> np.ndarray:
+    """The canonical array of a parameter or buffer from the current values of the variables that hold it."""
+    variables, to_canonical = held
+    return np.array(to_canonical(*[v.numpy() for v in variables]), dtype=np.float32, order="C")  # always a copy
 
 
-def _conv(kernel: tf.Variable, bias: tf.Variable, padding: str, relu: bool) -> Layer:
-    # TF's "SAME" pads an odd kernel by k // 2 on every side at stride 1, as the canonical model does.
-    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
-        y = tf.nn.bias_add(tf.nn.conv2d(x, kernel, strides=1, padding=padding, data_format="NHWC"), bias)
-        return tf.nn.relu(y) if relu else y
-    return fn
+def _flatten_feeds_dense(following: Any) -> bool:
+    """Whether the layers after a flatten of (C, H, W) reach a dense layer through ``_ORDER_FREE`` layers only: then
+    the flatten keeps TF's (H, W, C) order and that dense layer's rows (and those batchnorms' features) are permuted;
+    otherwise (a residual block, a layernorm, the model's output first) the flatten transposes to channel-first."""
+    for layer in following:
+        if layer.kind == "dense":
+            return True
+        if layer.kind not in _ORDER_FREE:
+            return False
+    return False
 
 
-def _dense(kernel: tf.Variable, bias: tf.Variable, relu: bool) -> Layer:
-    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
-        y = tf.nn.bias_add(tf.matmul(x, kernel), bias)
-        return tf.nn.relu(y) if relu else y
-    return fn
-
-
-def _pool(op: Callable[..., tf.Tensor], pool: int, stride: int) -> Layer:
-    # VALID: no padding, every window whole (so an average is always over pool^2 values, as in the other frameworks).
-    return lambda x, training: op(x, ksize=pool, strides=stride, padding="VALID", data_format="NHWC")
-
-
-def _dropout(rate: float) -> Layer:
-    # tf.nn.dropout is inverted dropout (kept values scaled by 1 / (1 - rate)), drawn from TF's seeded generator.
-    return lambda x, training: tf.nn.dropout(x, rate=rate) if training and rate > 0 else x
-
-
-def _batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.Variable, momentum: float,
-               epsilon: float, flat: bool) -> Layer:
-    """Batchnorm on NHWC (channels last) with ``FusedBatchNormV3`` (https://www.tensorflow.org/api_docs/python/tf/
-    raw_ops/FusedBatchNormV3), the kernel behind Keras's fused batchnorm and cuDNN's on a GPU. A flat (N, F) input is
-    run as (N, 1, 1, F).
-
-    Training: the batch is normalised with its mean and biased variance, and with ``exponential_avg_factor`` =
-    momentum the op returns (1 - momentum) * running + momentum * batch statistic, the batch variance being the
-    unbiased one (TF applies Bessel's correction to the variance it returns, as cuDNN does): the canonical update
-    (``harness.spec.BatchNorm``), assigned back to the running variables. Inference: the running statistics."""
-    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
-        features = x.shape[-1]
-        x4 = tf.reshape(x, (-1, 1, 1, features)) if flat else x
-        common = {"x": x4, "scale": gamma, "offset": beta, "mean": mean, "variance": var, "epsilon": epsilon,
-                  "data_format": "NHWC"}
-        if training:
-            y, new_mean, new_var, *_ = tf.raw_ops.FusedBatchNormV3(exponential_avg_factor=momentum, is_training=True,
-                                                                    **common)
-            mean.assign(new_mean)
-            var.assign(new_var)
-        else:
-            y = tf.raw_ops.FusedBatchNormV3(is_training=False, **common)[0]
-        return tf.reshape(y, (-1, features)) if flat else y
-    return fn
+def _dense_gradients(grads: list[Any]) -> list[Any]:
+    """The gradients as dense tensors: an embedding's (``tf.gather`` of its table) is a ``tf.IndexedSlices`` of the
+    rows looked up (https://www.tensorflow.org/api_docs/python/tf/IndexedSlices), which ``tf.convert_to_tensor``
+    scatters into the full (vocab, D) gradient, zero elsewhere: what PyTorch's dense embedding gradient is, and what
+    the fused optimizer kernels and the accumulation sums take. Other gradients pass as they are."""
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
 def _make_update(opt: Any, variables: list[tf.Variable]) -> Callable[[list[tf.Tensor]], None]:

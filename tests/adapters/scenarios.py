@@ -207,6 +207,46 @@ def run_blocks(adapter_cls) -> dict[str, np.ndarray]:
     return out
 
 
+def group(out: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays of one scenario: the keys that start with ``prefix + "|"``."""
+    return {k: v for k, v in out.items() if k.startswith(prefix + "|")}
+
+
+def assert_trained_alike(ours: dict[str, np.ndarray], torch: dict[str, np.ndarray], scenario: str, step: int,
+                         rtol: float, moved, min_move: float) -> None:
+    """A framework's run (``ours``) against PyTorch's (``torch``), both keyed like ``run``: the losses of
+    ``scenario`` within 1e-5 relative, the same arrays kept, every array after ``step`` steps within 1e-5 + ``rtol``
+    x |b|; at step 10 every array that ``moved(name)`` selects moved by more than ``min_move`` (so that agreeing is
+    not agreeing on a model that did not train)."""
+    mine, theirs = group(ours, scenario), group(torch, scenario)
+    np.testing.assert_allclose(mine[f"{scenario}|losses|"], theirs[f"{scenario}|losses|"], rtol=1e-5)
+    names = [k.split("|")[2] for k in theirs if k.split("|")[1] == str(step)]
+    assert names and sorted(names) == sorted(k.split("|")[2] for k in mine if k.split("|")[1] == str(step))
+    for name in names:
+        start, after = theirs[f"{scenario}|0|{name}"], theirs[f"{scenario}|{step}|{name}"]
+        if step == 10 and moved(name):
+            assert np.abs(after - start).max() > min_move, f"{name} did not move"
+        np.testing.assert_allclose(mine[f"{scenario}|{step}|{name}"], after, rtol=rtol, atol=1e-5,
+                                   err_msg=f"{scenario} {name} after {step} step(s)")
+
+
+def assert_same_block_logits(ours: dict[str, np.ndarray], torch: dict[str, np.ndarray]) -> None:
+    """``run_blocks`` of a framework against PyTorch's: the same keys; each block model's logits from the same
+    perturbed weights within |a - b| <= 1e-5 + 1e-4 * |b|, its test loss and accuracy (over every position for the
+    decoder) within 1e-5 relative."""
+    assert sorted(ours) == sorted(torch)
+    assert torch["blocks-decoder-logits|predict|"].shape == (64, 8, 8)
+    for name in BLOCK_MODELS:
+        key = f"blocks-{name}-logits|"
+        np.testing.assert_allclose(ours[key + "predict|"], torch[key + "predict|"], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+        np.testing.assert_allclose(ours[key + "evaluate|"], torch[key + "evaluate|"], rtol=1e-5, err_msg=name)
+
+
+#: The block scenarios that train (each compared after 1 and 10 steps).
+BLOCK_SCENARIOS = [f"blocks-{m}-{o}" for m in BLOCK_MODELS for o in BLOCK_OPTIMIZERS]
+
+
 if __name__ == "__main__":
     import adapters
 

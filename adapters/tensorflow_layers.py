@@ -1,0 +1,188 @@
+"""The TensorFlow adapter's layers (``adapters.tensorflow``): each canonical layer kind as a function
+``(x, training) -> y`` over ``tf.nn`` ops and the adapter's ``tf.Variable``s, NHWC for images and (B, L, D) for
+sequences, weights in the layouts ``adapters.tensorflow`` converts them to. Imported by ``adapters.tensorflow`` only
+(it is not an adapter of its own).
+
+Where TensorFlow has no op for a layer, the layer is Keras's own, built once with its variables set from the
+canonical weights and called inside the adapter's ``tf.function``s (its variables are plain ``tf.Variable``s that
+the adapter's tape and optimizer take with the others; see ``adapters.tensorflow``): layer normalisation is
+``keras.layers.LayerNormalization`` (https://keras.io/api/layers/normalization_layers/layer_normalization/) and
+self-attention ``keras.layers.MultiHeadAttention`` (https://keras.io/api/layers/attention_layers/multi_head_attention/).
+``tf.nn`` has neither: no layer-norm op and no attention op.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+Layer = Callable[[tf.Tensor, bool], tf.Tensor]  # (x, training) -> y
+#: Where a canonical parameter lives in TensorFlow: the variables holding it and the function that assembles the
+#: canonical array from their values (the inverse of the conversion that filled them).
+Held = tuple[tuple[tf.Variable, ...], Callable[..., np.ndarray]]
+
+
+def activate(y: tf.Tensor, activation: str) -> tf.Tensor:
+    """relu, the exact (erf) gelu (https://www.tensorflow.org/api_docs/python/tf/nn/gelu, ``approximate=False``), or
+    nothing."""
+    if activation == "relu":
+        return tf.nn.relu(y)
+    if activation == "gelu":
+        return tf.nn.gelu(y, approximate=False)
+    return y
+
+
+def conv(kernel: tf.Variable, bias: tf.Variable | None, stride: int, padding: str | int, activation: str) -> Layer:
+    """``tf.nn.conv2d`` on NHWC with an HWIO kernel (https://www.tensorflow.org/api_docs/python/tf/nn/conv2d).
+    ``padding``: "same" (stride 1 only: TF's "SAME" pads an odd kernel by k // 2 on every side then, as the canonical
+    model does), "valid", or p zeros on every side as an explicit padding list [[0, 0], [p, p], [p, p], [0, 0]] (never
+    "SAME" with a stride: TF then pads more at the bottom and right than at the top and left)."""
+    pad = padding.upper() if isinstance(padding, str) else [[0, 0], [padding, padding], [padding, padding], [0, 0]]
+
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
+        y = tf.nn.conv2d(x, kernel, strides=stride, padding=pad, data_format="NHWC")
+        return activate(y if bias is None else tf.nn.bias_add(y, bias), activation)
+    return fn
+
+
+def dense(kernel: tf.Variable, bias: tf.Variable, activation: str) -> Layer:
+    """x (B, F) @ kernel (F, units) + bias; on a sequence (B, L, D) per position, as one (B L, D) @ (D, units) matrix
+    product (what ``torch.nn.Linear`` computes too)."""
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
+        if x.shape.rank == 3:
+            length, width = x.shape[1], x.shape[2]
+            y = tf.nn.bias_add(tf.matmul(tf.reshape(x, (-1, width)), kernel), bias)
+            return activate(tf.reshape(y, (-1, length, kernel.shape[1])), activation)
+        return activate(tf.nn.bias_add(tf.matmul(x, kernel), bias), activation)
+    return fn
+
+
+def pool(op: Callable[..., tf.Tensor], size: int, stride: int) -> Layer:
+    """VALID: no padding, every window whole (so an average is always over size^2 values, as in the other
+    frameworks)."""
+    return lambda x, training: op(x, ksize=size, strides=stride, padding="VALID", data_format="NHWC")
+
+
+def dropout(rate: float) -> Layer:
+    """``tf.nn.dropout``: inverted dropout (kept values scaled by 1 / (1 - rate)), drawn from TF's seeded
+    generator; the identity in inference."""
+    return lambda x, training: tf.nn.dropout(x, rate=rate) if training and rate > 0 else x
+
+
+def flatten(features: int, channels_first: bool) -> Layer:
+    """(N, H, W, C) -> (N, features) in TF's own (H, W, C) order, or, with ``channels_first``, transposed to (N, C,
+    H, W) first: the canonical order, for a flatten whose features reach no dense layer that could absorb the order
+    in its rows (see ``adapters.tensorflow``). A (B, L, D) sequence flattens position-major, the canonical order."""
+    if channels_first:
+        return lambda x, training: tf.reshape(tf.transpose(x, (0, 3, 1, 2)), (-1, features))
+    return lambda x, training: tf.reshape(x, (-1, features))
+
+
+def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.Variable, momentum: float,
+              epsilon: float, flat: bool) -> Layer:
+    """Batchnorm on NHWC (channels last) with ``FusedBatchNormV3`` (https://www.tensorflow.org/api_docs/python/tf/
+    raw_ops/FusedBatchNormV3), the kernel behind Keras's fused batchnorm and cuDNN's on a GPU. A flat (N, F) input is
+    run as (N, 1, 1, F).
+
+    Training: the batch is normalised with its mean and biased variance, and with ``exponential_avg_factor`` =
+    momentum the op returns (1 - momentum) * running + momentum * batch statistic, the batch variance being the
+    unbiased one (TF applies Bessel's correction to the variance it returns, as cuDNN does): the canonical update
+    (``harness.spec.BatchNorm``), assigned back to the running variables. Inference: the running statistics."""
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
+        features = x.shape[-1]
+        x4 = tf.reshape(x, (-1, 1, 1, features)) if flat else x
+        common = {"x": x4, "scale": gamma, "offset": beta, "mean": mean, "variance": var, "epsilon": epsilon,
+                  "data_format": "NHWC"}
+        if training:
+            y, new_mean, new_var, *_ = tf.raw_ops.FusedBatchNormV3(exponential_avg_factor=momentum, is_training=True,
+                                                                    **common)
+            mean.assign(new_mean)
+            var.assign(new_var)
+        else:
+            y = tf.raw_ops.FusedBatchNormV3(is_training=False, **common)[0]
+        return tf.reshape(y, (-1, features)) if flat else y
+    return fn
+
+
+def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias: np.ndarray
+               ) -> tuple[Layer, dict[str, Held]]:
+    """``keras.layers.LayerNormalization(axis=-1, epsilon)`` over the last axis of (B, F) or (B, L, D): (x - mean) /
+    sqrt(biased var + epsilon) * gamma + beta (https://keras.io/api/layers/normalization_layers/layer_normalization/),
+    gamma and beta (D,) the canonical "weight" and "bias" as they are. ``shape``: the per-sample input shape. Returns
+    the layer and where "weight" and "bias" are held."""
+    norm = keras.layers.LayerNormalization(axis=-1, epsilon=epsilon, dtype="float32")
+    norm.build((None, *shape))
+    norm.gamma.assign(weight)
+    norm.beta.assign(bias)
+    return (lambda x, training: norm(x)), {"weight": ((norm.gamma.value,), _same), "bias": ((norm.beta.value,), _same)}
+
+
+def embedding(token: tf.Variable, position: tf.Variable) -> Layer:
+    """(B, L) int64 ids -> (B, L, D): ``tf.nn.embedding_lookup`` of the token table (vocab, D)
+    (https://www.tensorflow.org/api_docs/python/tf/nn/embedding_lookup) plus the position table (L, D). Its gradient
+    is ``tf.IndexedSlices``, which the train step makes dense (``adapters.tensorflow``)."""
+    return lambda x, training: tf.nn.embedding_lookup(token, x) + position
+
+
+def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weights: dict[str, np.ndarray]
+                         ) -> tuple[Layer, dict[str, Held]]:
+    """Self-attention on (B, L, D) as ``keras.layers.MultiHeadAttention(heads, key_dim=D / heads)`` called as
+    ``mha(x, x, use_causal_mask=causal)`` (https://keras.io/api/layers/attention_layers/multi_head_attention/; with
+    no dropout and no attention scores asked for, Keras 3 computes it with ``keras.ops.dot_product_attention``:
+    softmax(q k^T / sqrt(D / heads)) v, the causal mask through ``tf.where``), which is
+    ``torch.nn.MultiheadAttention``'s arithmetic.
+
+    Layouts. ``weights``: the canonical local names ("in_proj.weight" (3D, D): the q, k, v rows; "in_proj.bias"
+    (3D,); "out_proj.weight" (D, D); "out_proj.bias" (D,)). Keras's query, key and value kernels are (D, heads,
+    D / heads) (``EinsumDense`` "abc,cde->abde": head h takes columns h D / heads onwards of x W^T, the canonical
+    split), so each is W.T reshaped, and its biases (heads, D / heads); its output kernel is (heads, D / heads, D),
+    W_out.T reshaped, its bias (D,). Returns the layer and where each canonical parameter is held: "in_proj.weight"
+    in three Keras variables, assembled back by concatenating the rows."""
+    head_dim = dim // heads
+    mha = keras.layers.MultiHeadAttention(heads, head_dim, dtype="float32")
+    mha.build((None, length, dim), (None, length, dim))
+    projections = (mha._query_dense, mha._key_dense, mha._value_dense)  # Keras's own attributes (no public access)
+    for dense_layer, w, b in zip(projections, np.split(weights["in_proj.weight"], 3),
+                                 np.split(weights["in_proj.bias"], 3)):
+        dense_layer.kernel.assign(w.T.reshape(dim, heads, head_dim))
+        dense_layer.bias.assign(b.reshape(heads, head_dim))
+    mha._output_dense.kernel.assign(weights["out_proj.weight"].T.reshape(heads, head_dim, dim))
+    mha._output_dense.bias.assign(weights["out_proj.bias"])
+
+    def in_weight(*kernels: np.ndarray) -> np.ndarray:
+        return np.concatenate([k.reshape(dim, dim).T for k in kernels])
+
+    def in_bias(*biases: np.ndarray) -> np.ndarray:
+        return np.concatenate([b.reshape(dim) for b in biases])
+
+    held = {"in_proj.weight": (tuple(d.kernel.value for d in projections), in_weight),
+            "in_proj.bias": (tuple(d.bias.value for d in projections), in_bias),
+            "out_proj.weight": ((mha._output_dense.kernel.value,), lambda k: k.reshape(dim, dim).T),
+            "out_proj.bias": ((mha._output_dense.bias.value,), _same)}
+    return (lambda x, training: mha(x, x, use_causal_mask=causal, training=training)), held
+
+
+def sequence_pool(mode: str) -> Layer:
+    """(B, L, D) -> (B, D): the mean over positions, or the last position."""
+    if mode == "mean":
+        return lambda x, training: tf.reduce_mean(x, axis=1)
+    return lambda x, training: x[:, -1]
+
+
+def residual(body: Sequence[Layer], shortcut: Sequence[Layer], activation: str) -> Layer:
+    """activation(body(x) + shortcut(x)); an empty shortcut is the identity."""
+    def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
+        y = skip = x
+        for layer in body:
+            y = layer(y, training)
+        for layer in shortcut:
+            skip = layer(skip, training)
+        return activate(y + skip, activation)
+    return fn
+
+
+def _same(value: np.ndarray) -> np.ndarray:
+    return value
