@@ -1,5 +1,6 @@
 """MXNet adapter: Gluon ``HybridSequential`` hybridized with ``static_alloc``/``static_shape``, data resident on the
-device, NCHW.
+device, NCHW images and (N, L, D) sequences; the blocks Gluon lacks (residual, embedding, attention, sequence
+pooling) are ``adapters.mxnet_layers``'.
 
 MXNet runs every operator asynchronously on its engine's worker threads; errors and results surface at the next
 synchronisation point, so ``sync`` is ``mx.nd.waitall`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
@@ -36,7 +37,8 @@ with warnings.catch_warnings():
     from mxnet import autograd, gluon, nd
     from mxnet.gluon import nn
 
-from adapters.base import BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, micro_batch_size
+from adapters import mxnet_layers as layers  # after mxnet: its blocks subclass Gluon's (see that module)
+from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size
 from harness.neutral.models import initial_buffers
 
 # What libmxnet saw when it loaded (during the import above): its OpenMP thread count is derived from these once.
@@ -78,16 +80,6 @@ class _PyTorchAdam(mx.optimizer.Adam):
         mean, var = state
         nd.adam_update(weight, grad, mean, var, out=weight, lazy_update=self.lazy_update,
                        lr=lr * bias_correction2_sqrt / bias_correction1, wd=wd, **kwargs)
-
-
-def _block_params(block: nn.HybridBlock) -> dict[str, Any]:
-    """A layer's Gluon parameters by canonical name: conv and dense ``weight``/``bias``; batchnorm ``gamma`` as
-    ``weight``, ``beta`` as ``bias``, and its buffers ``running_mean``/``running_var`` (MXNet's own layouts are the
-    canonical ones: OIHW, (out, in), (C,))."""
-    if isinstance(block, nn.BatchNorm):
-        return {"weight": block.gamma, "bias": block.beta, "running_mean": block.running_mean,
-                "running_var": block.running_var}
-    return {"weight": block.weight, "bias": block.bias}
 
 
 _PROBED: dict[tuple[str, int, int], bool] = {}
@@ -146,14 +138,18 @@ def _omp_threads() -> int:
 
 class MXNetAdapter(Adapter):
     name = "mxnet"
-    SUPPORTED_LAYERS = BASIC_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = IMAGE_TASKS
+    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
+    SUPPORTED_TASKS = ALL_TASKS
 
     def __init__(self) -> None:
         self.ctx = mx.cpu()
         self._threads_requested: int | None = None
         self._last_loss: mx.nd.NDArray | None = None
-        self._layers: dict[int, nn.HybridBlock] = {}
+        # the blocks that hold parameters, by canonical layer name ("0", "3.1", "3.shortcut_bn"), and every parameter
+        # and buffer by canonical full name: (Gluon parameter, trained), in info.param_names()/buffer_names() order
+        self._layers: dict[str, nn.HybridBlock] = {}
+        self._tensors: dict[str, tuple[Any, bool]] = {}
+        self.tokens = False  # token inputs (N, L) rather than images
         self._memory_limit: dict[str, Any] = {}  # the GPU memory limit requested and (not) applied, for settings()
         # (block, canonical momentum, values per channel in one sample) of each batchnorm whose kernel updates the
         # running variance with the biased batch variance, corrected in train_step (see _fix_running_variances)
@@ -214,12 +210,14 @@ class MXNetAdapter(Adapter):
         """Builds the Gluon model of ``info`` with exactly ``weights`` and a ``gluon.Trainer``.
 
         Conv2D weights are OIHW and Dense weights (out, in): MXNet's own layouts, so the canonical arrays are copied
-        in unchanged; so are batchnorm's gamma, beta and running statistics (from ``weights``' buffers if it has them,
-        else ``harness.neutral.models.initial_buffers``). A trailing softmax is folded into ``SoftmaxCrossEntropyLoss`` on the
-        logits. Batchnorm is ``nn.BatchNorm(axis=1)`` with MXNet's momentum = 1 - the canonical one; where its kernel
-        updates the running variance with the biased batch variance (the CPU's; see ``_running_var_is_biased``),
-        ``train_step`` corrects it to the canonical unbiased update (``_fix_running_variances``). Dropout is
-        ``nn.Dropout``, active only under ``autograd.record``. The net is
+        in unchanged; so are batchnorm's and layernorm's gamma and beta, batchnorm's running statistics (from
+        ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``), the embedding tables
+        and attention's projections (``adapters.mxnet_layers.params``). A trailing softmax is folded into
+        ``SoftmaxCrossEntropyLoss`` on the logits. Batchnorm is ``nn.BatchNorm(axis=1)`` with MXNet's momentum = 1 -
+        the canonical one; where its kernel updates the running variance with the biased batch variance (the CPU's;
+        see ``_running_var_is_biased``), ``train_step`` corrects it to the canonical unbiased update
+        (``_fix_running_variances``), inside residual blocks and their shortcuts too. Dropout is ``nn.Dropout``,
+        active only under ``autograd.record``. Images are NCHW, token ids (N, L) and sequences (N, L, D). The net is
         hybridized with ``static_alloc=True, static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/
         docs/api/gluon/hybrid_block.html): a new input shape (evaluation's batches, ``predict``) re-plans the cached
         graph, which costs tens of microseconds for this model (measured on 1.9.1; memory stays flat however often the
@@ -235,19 +233,20 @@ class MXNetAdapter(Adapter):
         """
         ctx = self.ctx
         net = nn.HybridSequential()
-        self._layers = {}
+        self._layers, self._tensors = {}, {}
         self._variance_fixups = []
+        self.tokens = info.task != "image_classification"
         for layer in info.layers:
             self._add_layer(net, layer, ctx)
         net.initialize(mx.init.Zero(), ctx=ctx)
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
-        for index, block in self._layers.items():
-            for canonical, param in _block_params(block).items():
-                source = weights if canonical in ("weight", "bias") else buffers
-                param.set_data(nd.array(source[f"{index}.{canonical}"], ctx=ctx, dtype=np.float32))
+        for name, (param, trained) in self._tensors.items():
+            param.set_data(nd.array((weights if trained else buffers)[name], ctx=ctx, dtype=np.float32))
         net.hybridize(**HYBRIDIZE_FLAGS)
         self.net = net
-        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()  # sparse labels, log-softmax of the logits inside
+        # sparse labels, log-softmax of the logits inside, over the last axis (the classes, or each position's
+        # vocabulary); a per-sample loss, the mean over a sequence's positions for next-token logits (N, L, V)
+        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)
         opt = _optimizer(optimizer)
         # kvstore=None: one device, the update runs locally on it (no kvstore copy of the weights).
         self._params = net.collect_params()
@@ -255,16 +254,27 @@ class MXNetAdapter(Adapter):
         self.trainer = gluon.Trainer(self._params, opt, kvstore=None)
 
     def _add_layer(self, net: Any, layer: Any, ctx: Any) -> None:
-        """Appends one layer's Gluon blocks to ``net``; blocks with parameters are kept in ``self._layers`` by layer
-        index, to receive the canonical weights."""
-        spec = layer.spec
+        """Appends one canonical layer's or residual block's Gluon blocks to ``net``; a block with parameters is kept
+        in ``self._layers`` and its parameters and buffers in ``self._tensors``, by canonical name."""
+        spec, kind = layer.spec, layer.kind
         block: nn.HybridBlock | None = None
-        if layer.kind == "conv2d":
-            block = nn.Conv2D(spec.filters, spec.kernel_size, in_channels=layer.input_shape[0],
-                              padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
-        elif layer.kind == "dense":
-            block = nn.Dense(spec.units, in_units=layer.input_shape[0])
-        elif layer.kind == "batchnorm":
+        if kind == "residual":
+            body = nn.HybridSequential()
+            for child in layer.body:
+                self._add_layer(body, child, ctx)
+            shortcut = nn.HybridSequential() if layer.shortcut else None
+            for child in layer.shortcut:  # the projection: a strided 1x1 conv without bias, then a batchnorm
+                self._add_layer(shortcut, child, ctx)
+            net.add(layers.Residual(body, shortcut, spec.activation == "relu"))
+        elif kind == "conv2d":
+            padding = (spec.kernel_size // 2 if spec.padding == "same" else 0 if spec.padding == "valid"
+                       else spec.padding)  # an integer: that many zeros on every side
+            block = nn.Conv2D(spec.filters, spec.kernel_size, strides=spec.stride, padding=padding,
+                              use_bias=spec.use_bias, in_channels=layer.input_shape[0])
+        elif kind == "dense":
+            # on (N, F), or per position on (N, L, D): flatten=False applies the weight to the last axis only
+            block = nn.Dense(spec.units, in_units=layer.input_shape[-1], flatten=len(layer.input_shape) == 1)
+        elif kind == "batchnorm":
             # MXNet's momentum is the weight of the old running value: 1 - the canonical momentum. axis 1: the
             # channels of NCHW or the features of a flat input.
             block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
@@ -272,32 +282,52 @@ class MXNetAdapter(Adapter):
             if _running_var_is_biased(ctx, layer.input_shape):
                 per_sample = int(np.prod(layer.input_shape[1:]))  # values per channel in one sample: H x W or 1
                 self._variance_fixups.append((block, spec.momentum, per_sample))
-        elif layer.kind == "maxpool2d":
+        elif kind == "layernorm":  # over the last axis, biased variance (MXNet's LayerNorm, as torch.nn.LayerNorm)
+            block = nn.LayerNorm(axis=-1, epsilon=spec.epsilon, in_channels=layer.input_shape[-1])
+        elif kind == "embedding":
+            length, dim = layer.output_shape
+            block = layers.Embedding(spec.vocab, length, dim)
+        elif kind == "attention":
+            block = layers.SelfAttention(layer.input_shape[1], spec.heads, spec.causal)
+        elif kind == "maxpool2d":
             net.add(nn.MaxPool2D(spec.pool_size, spec.stride or spec.pool_size))
-        elif layer.kind == "avgpool2d":
+        elif kind == "avgpool2d":
             net.add(nn.AvgPool2D(spec.pool_size, spec.stride or spec.pool_size))  # no padding: whole windows
-        elif layer.kind == "global_avgpool2d":
+        elif kind == "global_avgpool2d":
             net.add(nn.GlobalAvgPool2D(), nn.Flatten())  # (N, C, 1, 1) -> (N, C)
-        elif layer.kind == "dropout":
+        elif kind == "sequence_pool":
+            net.add(layers.SequencePool(spec.mode))
+        elif kind == "dropout":
             net.add(nn.Dropout(spec.rate))  # active only under autograd.record(), i.e. in train_step
-        elif layer.kind == "flatten":
+        elif kind == "flatten":
             net.add(nn.Flatten())  # NCHW flattens channel-first: the canonical order
-        elif layer.kind == "relu":
+        elif kind == "relu":
             net.add(nn.Activation("relu"))
+        elif kind == "gelu":
+            net.add(nn.GELU())  # the exact erf form (see _activation)
         # softmax: folded into the cross-entropy loss
         if block is not None:
-            self._layers[layer.index] = block
+            self._layers[layer.name] = block
+            held = layers.params(block)
+            for local in (*layer.params, *layer.buffers):
+                self._tensors[f"{layer.name}.{local}"] = (held[local], local in layer.params)
             net.add(block)
-            if getattr(spec, "activation", "none") == "relu":
-                net.add(nn.Activation("relu"))
+            activation = _activation(getattr(spec, "activation", "none"))
+            if activation is not None:
+                net.add(activation)
 
-    def _to_device_images(self, images: np.ndarray) -> mx.nd.NDArray:
-        return nd.array(np.ascontiguousarray(images.transpose(0, 3, 1, 2)), ctx=self.ctx, dtype=np.float32)
+    def _to_device_inputs(self, inputs: np.ndarray) -> mx.nd.NDArray:
+        """NHWC float32 images as NCHW, or (N, L) token ids as int64, on the device."""
+        if self.tokens:
+            return nd.array(inputs, ctx=self.ctx, dtype=np.int64)
+        return nd.array(np.ascontiguousarray(inputs.transpose(0, 3, 1, 2)), ctx=self.ctx, dtype=np.float32)
 
     def load(self, data: Any) -> None:
-        self.x_train = self._to_device_images(data.x_train)
+        """Images (NCHW float32) or token ids (N, L) int64, and int64 labels ((N,), or (N, L) for a next-token
+        model), resident on the device."""
+        self.x_train = self._to_device_inputs(data.x_train)
         self.y_train = nd.array(data.y_train, ctx=self.ctx, dtype=np.int64)
-        self.x_test = self._to_device_images(data.x_test)
+        self.x_test = self._to_device_inputs(data.x_test)
         self.y_test = nd.array(data.y_test, ctx=self.ctx, dtype=np.int64)
         nd.waitall()
 
@@ -390,7 +420,9 @@ class MXNetAdapter(Adapter):
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Outside ``autograd.record`` Gluon runs in inference mode. Batches of ``batch_size`` and a smaller last one
-        reuse the hybridized graph (a new shape re-plans it; no padding is needed)."""
+        reuse the hybridized graph (a new shape re-plans it; no padding is needed). For a next-token model the loss
+        of a sequence is the mean over its L positions, so the mean over the sequences is the mean over every
+        position, and the accuracy counts every position."""
         total_loss = nd.zeros((1,), ctx=self.ctx, dtype=np.float64)
         correct = nd.zeros((1,), ctx=self.ctx, dtype=np.int64)
         n = self.x_test.shape[0]
@@ -398,28 +430,20 @@ class MXNetAdapter(Adapter):
             logits = self.net(self.x_test[start:start + batch_size])
             y = self.y_test[start:start + batch_size]
             total_loss += self.loss_fn(logits, y).sum().astype(np.float64)
-            correct += (logits.argmax(axis=1).astype(np.int64) == y).sum()
-        return float(total_loss.asscalar()) / n, float(correct.asscalar()) / n
+            correct += (logits.argmax(axis=-1).astype(np.int64) == y).sum()
+        return float(total_loss.asscalar()) / n, float(correct.asscalar()) / self.y_test.size
 
     def predict(self, images: np.ndarray) -> np.ndarray:
-        logits = self.net(self._to_device_images(images.astype(np.float32)))
+        """Logits (N, classes), or (N, L, vocab) for a next-token model, for NHWC images or (N, L) token ids."""
+        logits = self.net(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
         return logits.asnumpy()
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for index, block in self._layers.items():
-            for canonical, param in _block_params(block).items():
-                if canonical in ("weight", "bias"):
-                    out[f"{index}.{canonical}"] = param.data().asnumpy()  # asnumpy copies to a new host array
-        return out
+        # asnumpy copies to a new host array (after waiting for the writes queued on it)
+        return {name: param.data().asnumpy() for name, (param, trained) in self._tensors.items() if trained}
 
     def get_buffers(self) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for index, block in self._layers.items():
-            for canonical, param in _block_params(block).items():
-                if canonical not in ("weight", "bias"):
-                    out[f"{index}.{canonical}"] = param.data().asnumpy()
-        return out
+        return {name: param.data().asnumpy() for name, (param, trained) in self._tensors.items() if not trained}
 
     def memory_stats(self) -> dict[str, int]:
         """Always empty: MXNet 1.9.1 keeps no allocator peak counters. On a GPU, ``mx.context.gpu_memory_info`` gives
@@ -459,6 +483,18 @@ class MXNetAdapter(Adapter):
             return False
         message = str(exc).lower()
         return "out of memory" in message or "failed to allocate cpu memory" in message
+
+
+def _activation(name: str) -> nn.HybridBlock | None:
+    """The block of a layer's ``activation``: relu, the exact gelu, or None. ``nn.GELU`` is ``LeakyReLU(act_type=
+    'gelu')``, which in MXNet 1.9.1 is the erf form, x / 2 * (1 + erf(x / sqrt(2))), with its exact derivative
+    (``gelu`` and ``gelu_grad`` in src/operator/mshadow_op.h; the API page only lists the act_type: https://mxnet.
+    apache.org/versions/1.9.1/api/python/docs/api/ndarray/ndarray.html#mxnet.ndarray.LeakyReLU). Measured on the
+    CPU, on normal(0, 2) draws: within 1e-6 of the float64 erf form and 2e-7 of its derivative; the tanh
+    approximation is 4.7e-4 away on [-4, 4]."""
+    if name == "relu":
+        return nn.Activation("relu")
+    return nn.GELU() if name == "gelu" else None
 
 
 def _optimizer(optimizer: Any) -> Any:
