@@ -17,7 +17,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-from adapters.base import ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, IMAGE_TASKS, Adapter, DeviceUnavailable, support_gap
+from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, support_gap
 
 if TYPE_CHECKING:
     from harness.neutral.models import ModelInfo
@@ -34,8 +34,8 @@ BUILTIN: dict[str, str] = {
 #: (SUPPORTED_LAYERS, SUPPORTED_TASKS) of each built-in adapter: update it with the adapter's class attributes.
 BUILTIN_SUPPORT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "pytorch": (ALL_LAYERS, ALL_TASKS),
-    "tensorflow": (BASIC_LAYERS, IMAGE_TASKS),
-    "mxnet": (BASIC_LAYERS, IMAGE_TASKS),
+    "tensorflow": (ALL_LAYERS, ALL_TASKS),
+    "mxnet": (ALL_LAYERS, ALL_TASKS),
     "jax": (ALL_LAYERS, ALL_TASKS),
 }
 

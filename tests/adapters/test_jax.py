@@ -56,10 +56,6 @@ def runs(jax_python, tmp_path_factory):
     return {"jax": jax_out, "pytorch": scenarios.run(PyTorchAdapter)}
 
 
-def _group(out: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    return {k: v for k, v in out.items() if k.startswith(prefix + "|")}
-
-
 def test_the_same_scenarios_ran(runs):
     assert sorted(runs["jax"]) == sorted(runs["pytorch"])
     assert len(runs["jax"]) > 100
@@ -81,23 +77,8 @@ def test_parameters_agree_after_steps(runs, scenario, step):
     """SGD with momentum and weight decay, Adam with weight decay and a large epsilon (optax's placement of epsilon
     must be PyTorch's), and the batchnorm models (running statistics included): every array after 1 and 10 steps
     within 1e-5 + 1e-5 * |b| of PyTorch's, the losses of those steps within 1e-5 relative; every array moved."""
-    _assert_trained_alike(runs, scenario, step, rtol=1e-5, moved=lambda name: not name.endswith(".bias"),
-                          min_move=1e-4)
-
-
-def _assert_trained_alike(runs, scenario: str, step: int, rtol: float, moved, min_move: float) -> None:
-    """JAX's losses within 1e-5 relative of PyTorch's, and every array after ``step`` steps within 1e-5 + ``rtol``
-    x |b|; at step 10 every array ``moved(name)`` selects moved by more than ``min_move``."""
-    jax_state, torch_state = _group(runs["jax"], scenario), _group(runs["pytorch"], scenario)
-    np.testing.assert_allclose(jax_state[f"{scenario}|losses|"], torch_state[f"{scenario}|losses|"], rtol=1e-5)
-    names = [k.split("|")[2] for k in torch_state if k.split("|")[1] == str(step)]
-    assert names
-    for name in names:
-        start, after = torch_state[f"{scenario}|0|{name}"], torch_state[f"{scenario}|{step}|{name}"]
-        if step == 10 and moved(name):
-            assert np.abs(after - start).max() > min_move, f"{name} did not move"
-        np.testing.assert_allclose(jax_state[f"{scenario}|{step}|{name}"], after, rtol=rtol, atol=1e-5,
-                                   err_msg=f"{scenario} {name} after {step} step(s)")
+    scenarios.assert_trained_alike(runs["jax"], runs["pytorch"], scenario, step, rtol=1e-5,
+                                   moved=lambda name: not name.endswith(".bias"), min_move=1e-4)
 
 
 @pytest.mark.parametrize("name", list(scenarios.OPTIMIZERS))
@@ -113,7 +94,7 @@ def test_loss_curves_of_a_real_run_agree(runs, name):
 
 def test_gradient_accumulation_equals_one_large_batch_in_jax(runs):
     """Four micro-batches of 8 = one batch of 32, in JAX, over 3 steps (and both equal PyTorch's)."""
-    one, four = _group(runs["jax"], "accumulation-1"), _group(runs["jax"], "accumulation-4")
+    one, four = scenarios.group(runs["jax"], "accumulation-1"), scenarios.group(runs["jax"], "accumulation-4")
     np.testing.assert_allclose(four["accumulation-4|losses|"], one["accumulation-1|losses|"], rtol=1e-5)
     for key, value in one.items():
         if key.split("|")[1] == "3":
@@ -124,36 +105,28 @@ def test_gradient_accumulation_equals_one_large_batch_in_jax(runs):
 
 @pytest.fixture(scope="module")
 def block_runs(jax_python, tmp_path_factory):
-    """scenarios.run_blocks of JAX (in envs/jax) and of PyTorch (here)."""
+    """scenarios.run_blocks of JAX, in envs/jax."""
     path = tmp_path_factory.mktemp("jax-blocks") / "jax.npz"
     proc = subprocess.run([jax_python, "-m", "tests.adapters.scenarios", "jax", str(path), "blocks"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(path) as loaded:
         jax_out = dict(loaded)
-    return {"jax": jax_out, "pytorch": scenarios.run_blocks(PyTorchAdapter)}
+    return jax_out
 
 
-def test_the_residual_and_transformer_models_give_the_same_logits(block_runs):
+def test_the_residual_and_transformer_models_give_the_same_logits(block_runs, pytorch_block_runs):
     """A narrow ResNet (strided projection shortcut, batchnorm on running statistics) and a causal decoder
-    (embedding, layernorm, attention, gelu, next-token logits (N, L, vocab)) from the same perturbed weights:
-    |a - b| <= 1e-5 + 1e-4 * |b|, the test loss and accuracy (over every position for the decoder) 1e-5 relative."""
-    assert sorted(block_runs["jax"]) == sorted(block_runs["pytorch"])
-    assert block_runs["pytorch"]["blocks-decoder-logits|predict|"].shape == (64, 8, 8)
-    for name in scenarios.BLOCK_MODELS:
-        key = f"blocks-{name}-logits|"
-        np.testing.assert_allclose(block_runs["jax"][key + "predict|"], block_runs["pytorch"][key + "predict|"],
-                                   rtol=1e-4, atol=1e-5, err_msg=name)
-        np.testing.assert_allclose(block_runs["jax"][key + "evaluate|"], block_runs["pytorch"][key + "evaluate|"],
-                                   rtol=1e-5, err_msg=name)
+    (embedding, layernorm, attention, gelu, next-token logits (N, L, vocab)) from the same perturbed weights, as
+    PyTorch's (``scenarios.assert_same_block_logits``)."""
+    scenarios.assert_same_block_logits(block_runs, pytorch_block_runs)
 
 
-@pytest.mark.parametrize("scenario", [f"blocks-{m}-{o}" for m in scenarios.BLOCK_MODELS for o in
-                                      scenarios.BLOCK_OPTIMIZERS])
+@pytest.mark.parametrize("scenario", scenarios.BLOCK_SCENARIOS)
 @pytest.mark.parametrize("step", [1, 10])
-def test_the_residual_and_transformer_models_train_the_same(block_runs, scenario, step):
+def test_the_residual_and_transformer_models_train_the_same(block_runs, pytorch_block_runs, scenario, step):
     """1 and 10 steps of SGD with momentum and of Adam (batchnorm in training mode, its running statistics
     included; the decoder's next-token loss over every position): every array within 1e-5 + 1e-4 * |b| of
     PyTorch's, the losses within 1e-5 relative, every weight moved by step 10."""
-    _assert_trained_alike(block_runs, scenario, step, rtol=1e-4, moved=lambda name: name.endswith(".weight"),
-                          min_move=1e-5)
+    scenarios.assert_trained_alike(block_runs, pytorch_block_runs, scenario, step, rtol=1e-4,
+                                   moved=lambda name: name.endswith(".weight"), min_move=1e-5)
