@@ -126,3 +126,13 @@ def test_the_prediction_against_a_measured_peak_on_the_cpu(tmp_path):
     assert grown_predicted == predicted[16]["activations_per_sample"] * 112  # only the activations grow
     grown_measured = rss[128] - rss[16]
     assert grown_predicted <= grown_measured <= 4 * grown_predicted, (grown_predicted / 1e6, grown_measured / 1e6)
+    # the report's section: the predicted parts, the measured peak and the growth ratio that cancels the runtime
+    from harness.results import report
+
+    text = report.write(run_dir).read_text()
+    section = text[text.index("## Memory by data structure (MB)"):]
+    section = section[:section.index("\n## ", 5)]
+    assert f"| total predicted | {predicted[16]['total'] / 1e6:.2f} | {predicted[128]['total'] / 1e6:.2f} |" in section
+    assert f"| PyTorch measured | {rss[16] / 1e6:.2f} | {rss[128] / 1e6:.2f} |" in section
+    ratio = grown_measured / grown_predicted
+    assert f"| PyTorch growth from batch 16, measured / predicted |  | {ratio:.2f} x |" in section, section

@@ -57,9 +57,36 @@ def memory_breakdown_section(data: dict[str, Any]) -> list[str]:
                             ("difference", _difference)):
             table = metric_table(records, Metric(label, label, "MB", read, 2, ""), [fw], sizes)
             rows.append((f"{title(fw)} {label}", [format_cell(v, 2) for v in table.loc[fw]]))
+    rows.extend(_growth_rows(records, frameworks, sizes))
     return ["## Memory by data structure (MB)", "",
             "Predicted from the model for one training step (harness.neutral.memory: parameters, gradients, "
             "optimizer state, buffers, the gradient accumulator and the activations each layer keeps for the "
             "backward pass, float32), the same for every framework; then, per framework, the measured peak and the "
-            "difference. " + NOTE[data["backend"]], "",
+            "difference. " + NOTE[data["backend"]] + " " + GROWTH, "",
             markdown_table(rows, sizes), ""]
+
+
+GROWTH = ("The growth rows divide what the measured peak grew by from the smallest batch size by what the prediction "
+          "grew by (the activations alone): everything that does not depend on the batch size (the runtime, the "
+          "libraries, the weights) cancels, so 1.0 x means the framework keeps exactly the predicted activations "
+          "per sample, and more is its per-sample overhead (the backward pass's temporaries, workspaces, copies).")
+
+
+def _growth_rows(records: list[dict[str, Any]], frameworks: list[str], sizes: list[int]) -> list[tuple[str, list[str]]]:
+    """Per framework: (measured peak at B - at the smallest B) / (predicted total at B - at the smallest B), as
+    "2.50 x" cells ("" for the smallest size, a size either is missing for, or no growth predicted)."""
+    if len(sizes) < 2:
+        return []
+    measured = metric_table(records, Metric("m", "m", "B", _measured, 0, ""), frameworks, sizes)
+    predicted = metric_table(records, Metric("p", "p", "B", lambda r: read_path(
+        r, "metrics", "memory_predicted", "total"), 0, ""), frameworks, sizes)
+    rows = []
+    for fw in frameworks:
+        cells = [""]
+        for bs in sizes[1:]:
+            m0, m1, p0, p1 = measured.loc[fw, sizes[0]], measured.loc[fw, bs], predicted.loc[fw, sizes[0]], \
+                predicted.loc[fw, bs]
+            numbers = all(isinstance(v, float) for v in (m0, m1, p0, p1))
+            cells.append(f"{(m1 - m0) / (p1 - p0):.2f} x" if numbers and p1 > p0 else "")
+        rows.append((f"{title(fw)} growth from batch {sizes[0]}, measured / predicted", cells))
+    return rows
