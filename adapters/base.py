@@ -2,8 +2,8 @@
 
 An adapter runs in the worker process of one trial. The harness calls, in this order: ``prepare`` (device, threads,
 seed, allocator settings: before any framework op), ``build`` (the model from the canonical weights), ``load`` (the
-dataset to the device, once), then ``train_step`` many times with ``sync`` at the edges of every timed window, and
-``evaluate``. Timing is never done inside an adapter: the loop in ``harness.execution.worker`` times every framework with the
+dataset to the device, once), then per epoch ``stage_epoch`` and ``train_step`` many times with ``sync`` at the edges
+of every timed window, and ``evaluate``. Timing is never done inside an adapter: the loop in ``harness.execution.worker`` times every framework with the
 same code.
 
 What an adapter builds is declared, not discovered by failing: ``SUPPORTED_LAYERS`` (layer kinds and layer options,
@@ -117,6 +117,13 @@ class Adapter(abc.ABC):
         epoch when the trial augments its data (harness.neutral.datasets.augment). Raises NotImplementedError when the
         adapter cannot."""
         raise NotImplementedError(f"the {self.name} adapter cannot replace its training images (augmentation)")
+
+    def stage_epoch(self, order: np.ndarray, batch_size: int) -> None:
+        """The epoch's sample order (int64 (N,), ``harness.neutral.datasets.epoch_order``) and the samples per
+        optimizer step, given before the epoch's first step and outside every timed window. Each ``train_step`` of
+        the epoch then receives the next ``batch_size`` of it as a slice (a view of ``order``), so an adapter may
+        move the epoch's index batches to the device here rather than at every step, as a hand-written loop
+        prepares its batches before its clock starts. Default: nothing (``train_step`` converts its ``indices``)."""
 
     @abc.abstractmethod
     def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:

@@ -18,9 +18,16 @@ class RecordingAdapter:
 
     def __init__(self, step_s: float = 0.0):
         self.step_s, self.calls = step_s, []
+        self.order, self.batch, self.unstaged = None, None, 0
+
+    def stage_epoch(self, order, batch_size):
+        self.calls.append("stage")
+        self.order, self.batch = order, batch_size
 
     def train_step(self, indices, micro_batches=1):
         self.calls.append("step")
+        if not (np.shares_memory(indices, self.order) and len(indices) == self.batch):
+            self.unstaged += 1  # not a slice of the staged order
         if self.step_s:
             time.sleep(self.step_s)
 
@@ -46,6 +53,7 @@ def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, war
              "timing": TimingSpec.model_validate(timing).model_dump(mode="json")}
     events = []
     metrics = train(adapter, data, trial, lambda event, **fields: events.append((event, fields)))
+    assert adapter.unstaged == 0  # every step's indices were a slice of the order staged for its epoch
     return adapter.calls, metrics
 
 
@@ -58,7 +66,7 @@ def _timed_windows(calls: list[str]) -> list[int]:
     for call in timed[:start + 1]:
         if call == "step":
             count += 1
-        elif count:
+        elif count and call != "stage":
             windows.append(count)
             count = 0
     return windows
@@ -93,6 +101,16 @@ def test_auto_windows_without_warmup_start_at_the_minimum_and_fill_a_short_epoch
     assert _timed_windows(calls) == [4, 18]  # first window: no estimate yet; then the rest of the epoch
     calls, _ = _train({"window": "auto", "min_window_steps": 30}, samples=88)
     assert _timed_windows(calls) == [22]  # an epoch shorter than the minimum is one window
+
+
+def test_each_epoch_is_staged_before_its_first_step():
+    """stage_epoch once per epoch, before the epoch's warm-up and timed steps (so outside every timed window: a
+    sync comes between it and the first step's window), with the samples per optimizer step."""
+    calls, _ = _train({"window": 5}, epochs=3, warmup=2)
+    assert calls.count("stage") == 3
+    starts = [i for i, call in enumerate(calls) if call == "stage"]
+    assert all(calls[i + 1] == "sync" for i in starts[1:])  # after an epoch's evaluation, a sync opens the next
+    assert "step" not in calls[:starts[0]] and calls[starts[0] + 1:].count("step") == 3 * 22
 
 
 def test_former_sync_every_and_bad_windows(tmp_path):

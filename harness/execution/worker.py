@@ -139,6 +139,7 @@ class _Loop:
             self.emit("phase", name="warmup", edge="start")
         for epoch in range(self.epochs):
             order = epoch_order(self.n, self.seed, epoch)
+            self.adapter.stage_epoch(order, self.batch)  # outside the timed windows: see Adapter.stage_epoch
             if self.augmentation:
                 self.augment(epoch)
             losses: list[float] = []

@@ -145,3 +145,27 @@ def test_inference_after_training_uses_the_running_statistics():
 
 def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
     kit.check_set_train_images(TensorFlowAdapter)
+
+
+def test_a_staged_epoch_gives_the_same_steps_with_its_own_index_tensors():
+    """stage_epoch puts one index tensor per step on the device; a step whose indices are that step's slice of the
+    order uses it (the same tensor object), anything else (a copy, a slice that starts elsewhere, another length)
+    is converted. Training through the staged tensors gives exactly the weights of training without them."""
+    states = []
+    for staged in (False, True):
+        adapter, data, _ = kit.make(TensorFlowAdapter)
+        order = datasets.epoch_order(len(data.y_train), 0, 0)
+        if staged:
+            adapter.stage_epoch(order, 32)
+            assert len(adapter._staged) == len(order) // 32
+            assert adapter._indices_tensor(order[64:96]) is adapter._staged[64]
+            for other in (order[64:96].copy(), order[65:97], order[64:80]):
+                tensor = adapter._indices_tensor(other)
+                assert all(tensor is not t for t in adapter._staged.values())
+                np.testing.assert_array_equal(tensor.numpy(), other)
+        for step in range(5):
+            adapter.train_step(order[step * 32:(step + 1) * 32])
+        adapter.sync()
+        states.append(adapter.get_weights())
+    for name, value in states[0].items():
+        np.testing.assert_array_equal(states[1][name], value, err_msg=name)
