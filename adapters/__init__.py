@@ -17,12 +17,14 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, support_gap
+from adapters.base import (ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, execution_gap,
+                           support_gap)
 
 if TYPE_CHECKING:
     from harness.neutral.models import ModelInfo
 
-__all__ = ["Adapter", "BUILTIN", "BUILTIN_SUPPORT", "DeviceUnavailable", "available_names", "get", "unsupported"]
+__all__ = ["Adapter", "BUILTIN", "BUILTIN_EXECUTION", "BUILTIN_SUPPORT", "DeviceUnavailable", "available_names", "get",
+           "unsupported"]
 
 BUILTIN: dict[str, str] = {
     "pytorch": "adapters.pytorch:PyTorchAdapter",
@@ -37,6 +39,16 @@ BUILTIN_SUPPORT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "tensorflow": (ALL_LAYERS, ALL_TASKS),
     "mxnet": (ALL_LAYERS, ALL_TASKS),
     "jax": (ALL_LAYERS, ALL_TASKS),
+}
+
+
+#: (PRECISIONS, COMPILE_MODES, DEFAULT_COMPILE) of each built-in adapter: update it with the adapter's class
+#: attributes (tests/test_support.py checks that they agree).
+BUILTIN_EXECUTION: dict[str, tuple[dict[str, frozenset[str]], frozenset[str], str]] = {
+    "pytorch": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"eager", "compiled"}), "eager"),
+    "tensorflow": ({"fp32": BOTH}, frozenset({"eager", "compiled"}), "eager"),
+    "mxnet": ({"fp32": BOTH}, frozenset({"eager", "compiled"}), "compiled"),
+    "jax": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"compiled"}), "compiled"),
 }
 
 
@@ -70,11 +82,15 @@ def get(name: str) -> type[Adapter]:
     return cls
 
 
-def unsupported(name: str, info: "ModelInfo") -> str | None:
-    """Why the adapter ``name`` cannot train ``info``, decided without importing its framework: the reason
-    (``adapters.base.support_gap``) for a built-in adapter that lacks something, else None (also for an adapter of
-    ``HARNESS_ADAPTERS`` that replaces a built-in name or is not one: its worker decides)."""
+def unsupported(name: str, info: "ModelInfo", precision: str = "fp32", compile: str = "default",
+                device: str = "cpu") -> str | None:
+    """Why the adapter ``name`` cannot train ``info`` in ``precision`` with ``compile`` on ``device``, decided
+    without importing its framework: the reason (``adapters.base.support_gap``, then ``execution_gap``) for a
+    built-in adapter that lacks something, else None (also for an adapter of ``HARNESS_ADAPTERS`` that replaces a
+    built-in name or is not one: its worker decides)."""
     if name not in BUILTIN_SUPPORT or name in _extra():
         return None
     layers, tasks = BUILTIN_SUPPORT[name]
-    return support_gap(name, layers, tasks, info)
+    precisions, modes, default = BUILTIN_EXECUTION[name]
+    return support_gap(name, layers, tasks, info) or execution_gap(
+        name, precisions, dict.fromkeys(modes, ""), default, precision, compile, device)

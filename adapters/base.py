@@ -51,6 +51,33 @@ ALL_LAYERS = BASIC_LAYERS | frozenset({
 ALL_TASKS = frozenset(TASKS)
 
 
+#: Device kinds, for ``PRECISIONS``.
+CPU, CUDA, BOTH = frozenset({"cpu"}), frozenset({"cuda"}), frozenset({"cpu", "cuda"})
+#: What an adapter declares by default: fp32 on the CPU and on CUDA GPUs, one execution mode.
+FP32_ONLY = {"fp32": BOTH}
+EAGER_ONLY = {"eager": "the framework's usual execution"}
+
+
+def device_kind(device: str) -> str:
+    """"cpu" or "cuda" for a device string ("cpu", "cuda", "cuda:1")."""
+    return device.partition(":")[0]
+
+
+def execution_gap(adapter: str, precisions: dict[str, frozenset[str]], modes: dict[str, str], default: str,
+                  precision: str, compile: str, device: str) -> str | None:
+    """None when the adapter trains in ``precision`` with ``compile`` ("default" is its ``default`` mode) on
+    ``device``; else one line saying which it lacks, e.g. "the mxnet adapter does not train in fp16 on cpu"."""
+    kind = device_kind(device)
+    if kind not in precisions.get(precision, frozenset()):
+        where = sorted(precisions.get(precision, ()))
+        also = f" (only on {', '.join(where)})" if where else ""
+        return f"the {adapter} adapter does not train in {precision} on {kind}{also}"
+    mode = default if compile == "default" else compile
+    if mode not in modes:
+        return f"the {adapter} adapter has no {mode} mode (its modes: {', '.join(sorted(modes))})"
+    return None
+
+
 def support_gap(adapter: str, layers: frozenset[str], tasks: frozenset[str], info: "ModelInfo") -> str | None:
     """None when ``layers`` and ``tasks`` cover every requirement of ``info`` (``harness.neutral.models
     .requirements``); else one line naming the first one missing and where, e.g. "the pytorch adapter does not
@@ -71,7 +98,8 @@ class Adapter(abc.ABC):
     name: ClassVar[str]
     #: Set by the worker before ``prepare``: ``tensorflow_memory_growth`` (bool), ``memory_limit_bytes`` (int or
     #: None: the cap a GPU adapter applies through its framework's own limit; on the CPU the worker applies a process
-    #: limit itself). Adapters read what applies to them and record it in ``settings``.
+    #: limit itself), ``precision`` ("fp32", "tf32", "bf16", "fp16") and ``compile`` (the mode: "eager" or
+    #: "compiled", never "default"). Adapters read what applies to them and record it in ``settings``.
     options: dict[str, Any] = {}
     #: Layer kinds ("conv2d", "residual", ...) and layer options ("conv2d.stride", "conv2d.padding",
     #: "conv2d.no_bias", "dense.gelu", "dense.sequence", "attention.causal") this adapter builds. The default is
@@ -80,6 +108,26 @@ class Adapter(abc.ABC):
     #: Tasks (``harness.neutral.models.TASKS``: "image_classification", "sequence_classification", "next_token")
     #: this adapter trains: what its ``load`` takes and which loss it computes.
     SUPPORTED_TASKS: ClassVar[frozenset[str]] = IMAGE_TASKS
+
+    #: Precisions this adapter trains in (``harness.spec.Precision``) -> the device kinds ("cpu", "cuda") it can
+    #: there. Default: fp32 only.
+    PRECISIONS: ClassVar[dict[str, frozenset[str]]] = FP32_ONLY
+    #: Execution modes ("eager", "compiled") -> what each means in this framework, in words (recorded with every
+    #: trial); ``DEFAULT_COMPILE`` is the one ``compile: default`` selects (the framework's usual mode).
+    COMPILE_MODES: ClassVar[dict[str, str]] = EAGER_ONLY
+    DEFAULT_COMPILE: ClassVar[str] = "eager"
+
+    def compile_mode(self, compile: str) -> str:
+        """The mode ``compile`` ("default", "eager", "compiled") selects in this adapter."""
+        return self.DEFAULT_COMPILE if compile == "default" else compile
+
+    def unsupported_execution(self, precision: str, compile: str, device: str) -> str | None:
+        """None when this adapter trains in ``precision`` with ``compile`` on ``device``, else the reason (from
+        ``PRECISIONS``, ``COMPILE_MODES`` and ``DEFAULT_COMPILE``; ``execution_gap``). The worker calls it with
+        ``unsupported``, before ``build``; ``build`` then reads ``options["precision"]`` and ``options["compile"]``
+        (the mode, "default" resolved)."""
+        return execution_gap(self.name, self.PRECISIONS, self.COMPILE_MODES, self.DEFAULT_COMPILE, precision,
+                             compile, device)
 
     def unsupported(self, info: "ModelInfo") -> str | None:
         """None when this adapter can build and train ``info``; else the reason (one line naming the first layer

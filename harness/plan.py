@@ -11,11 +11,12 @@ anything runs, which frameworks' adapters cannot build the model: their trials a
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness import spec as spec_module
 from harness.neutral import datasets, models
@@ -62,13 +63,15 @@ def model_info(spec: Spec) -> models.ModelInfo:
     return models.analyze(spec.model, *datasets.describe_input(spec.dataset))
 
 
-def unsupported_reason(spec: Spec, framework: str) -> str | None:
-    """Why the adapter named ``framework`` cannot train the spec's model, decided now without importing the
-    framework (``adapters.unsupported``: built-in adapters only; None for the others, whose workers decide before
-    ``build``); None when it can. The spec must have passed ``check``."""
+def unsupported_reason(spec: Spec, framework: str, precision: str | None = None, compile: str | None = None,
+                       device: str = "cpu") -> str | None:
+    """Why the adapter named ``framework`` cannot train the spec's model in ``precision`` with ``compile`` on
+    ``device`` (None: the spec's own), decided now without importing the framework (``adapters.unsupported``:
+    built-in adapters only; None for the others, whose workers decide before ``build``); None when it can. The
+    spec must have passed ``check``."""
     from adapters import unsupported  # the registry imports no framework
 
-    return unsupported(framework, model_info(spec))
+    return unsupported(framework, model_info(spec), precision or spec.precision, compile or spec.compile, device)
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
@@ -101,6 +104,7 @@ class Trial:
     framework. batch_size: the micro-batch of one forward/backward pass; accumulation_steps micro-batches make one
     optimizer step of effective_batch_size samples. learning_rate: what the optimizer uses, after the spec's scaling
     rule. memory_limit_bytes: the worker's memory cap, or None. target_accuracy: a test accuracy to time, or None.
+    precision, compile: ``harness.spec.Precision`` and ``CompileMode`` ("default" is resolved by the adapter).
     """
 
     id: str
@@ -121,6 +125,8 @@ class Trial:
     variant: str = ""
     optimizer: dict[str, Any] | None = None
     augmentation: bool = False
+    precision: str = "fp32"
+    compile: str = "default"
     label: str = ""
     python: str | None = None
     command: tuple[str, ...] | None = None
@@ -153,19 +159,32 @@ def variant_label(optimizer: OptimizerSpec) -> str:
     return label
 
 
-def variants(spec: Spec) -> list[tuple[str, OptimizerSpec, bool]]:
-    """(label, optimizer, augmentation) of every combination of the spec's variant lists; one unnamed variant (the
-    spec's optimizer and augmentation) when none are given."""
+class Variant(NamedTuple):
+    """One combination of the spec's variant lists: its label ("" when the spec has none) and settings."""
+
+    label: str
+    optimizer: OptimizerSpec
+    augmentation: bool
+    precision: str
+    compile: str
+
+
+def variants(spec: Spec) -> list[Variant]:
+    """Every combination of the spec's variant lists (optimizer, augmentation, precision, compile, in that order of
+    nesting); one unnamed variant (the spec's own settings) when none are given. A label names only what varies,
+    e.g. "adam lr=0.001, bf16, compiled"."""
+    own = Variant("", spec.optimizer, spec.augmentation, spec.precision, spec.compile)
     if spec.variants is None:
-        return [("", spec.optimizer, spec.augmentation)]
-    optimizers = spec.variants.optimizer or [spec.optimizer]
-    augmentations = spec.variants.augmentation if spec.variants.augmentation is not None else [spec.augmentation]
+        return [own]
+    v = spec.variants
     out = []
-    for opt in optimizers:
-        for aug in augmentations:
-            parts = ([variant_label(opt)] if spec.variants.optimizer else []) + (
-                [f"aug {'on' if aug else 'off'}"] if spec.variants.augmentation is not None else [])
-            out.append((", ".join(parts), opt, aug))
+    for opt, aug, precision, compile in itertools.product(
+            v.optimizer or [spec.optimizer], v.augmentation if v.augmentation is not None else [spec.augmentation],
+            v.precision or [spec.precision], v.compile or [spec.compile]):
+        parts = (([variant_label(opt)] if v.optimizer else []) +
+                 ([f"aug {'on' if aug else 'off'}"] if v.augmentation is not None else []) +
+                 ([precision] if v.precision else []) + ([compile] if v.compile else []))
+        out.append(Variant(", ".join(parts), opt, aug, precision, compile))
     return out
 
 
@@ -193,19 +212,20 @@ def plan(spec: Spec, device: str) -> list[Trial]:
     """
     return [
         Trial(id=f"{entry.slug}-bs{batch}-r{repeat}" + (f"-s{seed}" if spec.seeds else "") +
-              (f"-v{index}" if label else ""), framework=entry.name,
+              (f"-v{index}" if variant.label else ""), framework=entry.name,
               label=entry.row, python=entry.python, command=tuple(entry.command) if entry.command else None,
-              batch_size=batch, repeat=repeat, variant=label, augmentation=augmentation,
-              optimizer=None if not label else optimizer.model_dump(mode="json"),
+              batch_size=batch, repeat=repeat, variant=variant.label, augmentation=variant.augmentation,
+              optimizer=None if not variant.label else variant.optimizer.model_dump(mode="json"),
+              precision=variant.precision, compile=variant.compile,
               device=device, threads=spec.cpu_threads or available_cpus(), seed=seed, epochs=spec.epochs,
               warmup_steps=spec.warmup_steps, timing=spec.timing.model_dump(mode="json"),
-              learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, optimizer),
+              learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, variant.optimizer),
               accumulation_steps=spec.accumulation_steps, effective_batch_size=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy)
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])
-        for index, (label, optimizer, augmentation) in enumerate(variants(spec))
+        for index, variant in enumerate(variants(spec))
         for batch in spec.batch_sizes
         for entry in spec.entries
     ]

@@ -19,6 +19,12 @@ in windows with a device sync at both edges of every window and none inside (``h
 of the window before (of the warm-up for the first), never crossing an epoch's end, and a remainder shorter than
 ``min_window_steps`` joins the window before it; ``window: step`` syncs after every step (latency mode); an integer
 k gives windows of k steps. Evaluation on the test set follows each epoch, outside the timed windows.
+
+The trial's first step runs alone, synced on both sides, and its time is ``first_step_seconds``: what tracing,
+compilation (``compile: compiled``), kernel autotuning and first allocations cost, never inside the throughput (it is
+a warm-up step; a trial without warm-up has no such figure). Precision and execution mode reach the adapter in
+``options`` after ``Adapter.unsupported_execution`` has accepted them; a combination it cannot run ends the trial
+``unsupported`` before the framework touches the device.
 """
 
 from __future__ import annotations
@@ -122,6 +128,7 @@ class _Loop:
         self.nonfinite = False
         self.reached: dict[str, Any] | None = None
         self.warm = self.warmup == 0
+        self.first_step_seconds: float | None = None  # the first warm-up step, synced on both sides (see warm_up)
 
     def step(self, order: np.ndarray, position: int) -> None:
         indices = order[position * self.batch:(position + 1) * self.batch]
@@ -161,7 +168,13 @@ class _Loop:
         count = min(self.warmup - epoch * self.steps_per_epoch, self.steps_per_epoch)
         self.adapter.sync()
         start = time.perf_counter()
-        for position in range(count):
+        first = 0
+        if epoch == 0 and count:  # the trial's first step alone: tracing, compilation, autotuning, first allocations
+            self.step(order, 0)
+            self.adapter.sync()
+            self.first_step_seconds = time.perf_counter() - start
+            first = 1
+        for position in range(first, count):
             self.step(order, position)
         losses.append(self.adapter.sync())
         if count:  # compilation included: an estimate on the high side, so the first window errs short
@@ -247,6 +260,7 @@ class _Loop:
             "time_to_target": self.reached,
             "epochs": self.epoch_records,
             "memory": self.adapter.memory_stats(),
+            "first_step_seconds": self.first_step_seconds,
         }
 
 
@@ -270,8 +284,12 @@ def run(payload: dict[str, Any], events: Events) -> int:
             from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
 
             apply_cpu_memory_limit(trial["memory_limit_bytes"], trial["framework"], emit=events.emit)
+        precision, compile = trial.get("precision", "fp32"), trial.get("compile", "default")
+        if (why := adapter.unsupported_execution(precision, compile, trial["device"])) is not None:
+            raise Unsupported(why)  # before the framework touches the device
         adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
-                           "memory_limit_bytes": trial.get("memory_limit_bytes")}
+                           "memory_limit_bytes": trial.get("memory_limit_bytes"), "precision": precision,
+                           "compile": adapter.compile_mode(compile)}
         adapter.prepare(trial["device"], trial["threads"], trial["seed"])
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
         if (why := adapter.unsupported(info)) is not None:  # before the data is loaded and anything is built
@@ -292,6 +310,9 @@ def run(payload: dict[str, Any], events: Events) -> int:
             "train_flops_per_sample": info.train_flops_per_sample,
             "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,
             "data_bytes": data.nbytes,
+            "precision": precision,
+            "compile": adapter.compile_mode(compile),
+            "compile_meaning": adapter.COMPILE_MODES.get(adapter.compile_mode(compile), ""),
         })
         events.emit("result", metrics=metrics, versions=adapter.versions(), settings=adapter.settings())
         return EXIT_OK

@@ -81,6 +81,9 @@ def metrics_for(backend: str) -> list[Metric]:
                "median over timed windows of window time / steps in the window"),
         Metric("step_p90_ms", "Step time (p90)", "ms", scaled(1e3, "metrics", "step_time_p90_s"), 3,
                "90th percentile of the same per-step times"),
+        Metric("first_step_s", "First step (compilation included)", "s", scaled(1.0, "metrics", "first_step_seconds"),
+               3, "the trial's first step alone, synced on both sides: tracing, compilation, autotuning and first "
+               "allocations, plus one step's work; a warm-up step, never in the throughput"),
         Metric("accuracy", "Test accuracy after the last epoch", "%", scaled(100.0, "metrics", "test_accuracy"),
                2, "share of the test set classified correctly after the last epoch", ci=True, over_seeds=True),
         Metric("train_loss", "Training loss (last epoch)", "", scaled(1.0, "metrics", "final_train_loss"), 4,

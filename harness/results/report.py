@@ -25,6 +25,20 @@ from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, 
 __all__ = ["build", "render_markdown", "write"]
 
 
+def _execution(spec: dict[str, Any]) -> str:
+    """Precision and execution mode in words, for the header (variants name theirs in the row labels)."""
+    words = {"fp32": "precision fp32 (TF32 off on GPUs)", "tf32": "precision tf32 (fp32 storage, TF32 matrix work)",
+             "bf16": "mixed precision bf16 (fp32 weights and optimizer state)",
+             "fp16": "mixed precision fp16 (fp32 weights and optimizer state, dynamic loss scaling)"}
+    variants = spec.get("variants") or {}
+    precision = ("precision per row (variants)" if variants.get("precision")
+                 else words.get(spec.get("precision", "fp32"), spec.get("precision")))
+    mode = spec.get("compile", "default")
+    compile = ("execution mode per row (variants)" if variants.get("compile") else
+               "each framework's usual execution mode" if mode == "default" else f"{mode} execution")
+    return f"{precision}; {compile}"
+
+
 def _device_line(run: dict[str, Any]) -> str:
     env = run.get("environment", {})
     if run.get("device", "cpu").startswith("cuda"):
@@ -94,7 +108,7 @@ def header_lines(data: dict[str, Any]) -> list[str]:
         f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); evaluation after each epoch, not timed",
         f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
         + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
-        + f", weight decay {opt['weight_decay']}); precision fp32 (TF32 off on GPUs); "
+        + f", weight decay {opt['weight_decay']}); {_execution(spec)}; "
         + (f"seeds {', '.join(map(str, spec['seeds']))} (each its own trials; accuracy and loss are means over them)"
            if spec.get("seeds") else f"seed {spec['seed']}"),
         f"- CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"

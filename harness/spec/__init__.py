@@ -26,6 +26,7 @@ from harness.spec.layers import (GELU, Activation, Attention, AvgPool2D, BatchNo
                                  ModelSpec, PlainLayer, ReLU, Residual, SequencePool, Softmax)
 
 __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BUILTIN_FRAMEWORKS", "BatchNorm", "Cifar10Data",
+           "CompileMode", "Precision",
            "Conv2D", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding", "Flatten",
            "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "Initializer", "Layer", "LayerNorm",
            "MaxPool2D", "ModelSpec", "OptimizerSpec", "PlainLayer", "ROOT", "ReLU", "Residual", "SamplerSpec",
@@ -172,15 +173,28 @@ class TimingSpec(_Strict):
         return data
 
 
+#: Numerical precision of training: ``fp32`` (TF32 off on GPUs), ``tf32`` (fp32 storage, TensorFloat-32 matrix
+#: products and convolutions on an NVIDIA GPU), ``bf16`` and ``fp16`` (mixed precision: fp32 master weights and
+#: optimizer state, matrix products and convolutions in the low precision, the loss and softmax in fp32; fp16 with
+#: dynamic loss scaling).
+Precision = Literal["fp32", "tf32", "bf16", "fp16"]
+#: Execution mode: ``default`` (each framework's usual one), ``eager`` or ``compiled``; what each means per framework
+#: is its adapter's ``COMPILE_MODES`` (README, "Precision and compilation").
+CompileMode = Literal["default", "eager", "compiled"]
+
+
 class VariantsSpec(_Strict):
     """Study variants crossed with the batch sizes: every combination of the lists given runs at every batch size.
 
     optimizer: several optimizers (each a full optimizer spec), e.g. SGD with momentum and Adam, for the
-    seed-002 comparison of how optimizers tolerate large batches. augmentation: e.g. [false, true].
+    seed-002 comparison of how optimizers tolerate large batches. augmentation: e.g. [false, true]. precision: e.g.
+    [fp32, bf16]. compile: e.g. [eager, compiled].
     """
 
     optimizer: list[OptimizerSpec] | None = Field(default=None, min_length=1)
     augmentation: list[bool] | None = Field(default=None, min_length=1)
+    precision: list[Precision] | None = Field(default=None, min_length=1)
+    compile: list[CompileMode] | None = Field(default=None, min_length=1)
 
 
 class Spec(_Strict):
@@ -201,6 +215,8 @@ class Spec(_Strict):
     timing noise.
     after_oom: after an OOM at batch size b, larger batch sizes of that framework (same repeat and variant) are
     recorded as skipped (``skip``, the default) or run anyway (``try``).
+    precision: ``Precision`` (default fp32). compile: ``CompileMode`` (default: each framework's usual mode). A
+    combination a framework cannot run on the device is recorded ``unsupported`` with the reason, before training.
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -228,6 +244,8 @@ class Spec(_Strict):
     target_accuracy: float | None = Field(default=None, gt=0, le=1)
     after_oom: Literal["skip", "try"] = "skip"
     augmentation: bool = False
+    precision: Precision = "fp32"
+    compile: CompileMode = "default"
     variants: VariantsSpec | None = None
 
     @field_validator("base_batch_size")

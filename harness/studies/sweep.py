@@ -36,7 +36,7 @@ def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
         "settings": result.get("settings") or ready.get("settings", {}),
         "finished": _now(),
     }
-    add_mfu(record)
+    add_mfu(record, trial.precision)
     if outcome.status != "ok":
         record["log_tail"] = outcome.log_tail[-2000:]
         error = next((e for e in outcome.events if e.get("event") == "error"), None)
@@ -63,12 +63,15 @@ def _identity(trial: Trial) -> dict[str, Any]:
     """The fields that say which trial a record is, in every record whether it ran or not."""
     return {"id": trial.id, "framework": trial.framework, "label": trial.row, "batch_size": trial.batch_size,
             "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant, "device": trial.device,
-            "threads": trial.threads, "learning_rate": trial.learning_rate}
+            "threads": trial.threads, "learning_rate": trial.learning_rate, "precision": trial.precision,
+            "compile": trial.compile}
 
 
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
     """Adds ``metrics.mfu`` (fraction), ``peak_flops`` (FLOP/s) and ``peak_source`` for a GPU trial whose device
-    (the name NVML reported) is in harness.measure.peaks; leaves them out otherwise (CPU trials, unknown devices)."""
+    (the name NVML reported) is in harness.measure.peaks, against the peak of the trial's ``precision`` (mixed
+    precision: the low precision's, where the matrix work runs); leaves them out otherwise (CPU trials, unknown
+    devices or precisions)."""
     achieved = record["metrics"].get("achieved_flops")
     if not achieved or not record["device"].startswith("cuda"):
         return
@@ -165,13 +168,14 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
     """Runs ``trials`` in order, each record on disk before the next starts (see run_spec). A trial whose built-in
     adapter cannot build the model is recorded ``unsupported`` without a worker (``unsupported_record``)."""
     oom_at = _oom_sizes(read_trials(run_dir))
-    unsupported = {name: unsupported_reason(spec, name) for name in {trial.framework for trial in trials}}
+    unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device)
+                   for key in {(trial.framework, trial.precision, trial.compile) for trial in trials}}
     for index, trial in enumerate(trials):
         if on_start is not None:
             on_start(trial, index, len(trials))
         key = (trial.row, trial.repeat, trial.variant)
         limit = oom_at.get(key)
-        if (reason := unsupported[trial.framework]) is not None:
+        if (reason := unsupported[(trial.framework, trial.precision, trial.compile)]) is not None:
             record = unsupported_record(trial, reason)
             append_trial(run_dir, record)
         elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
