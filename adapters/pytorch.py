@@ -1,4 +1,19 @@
-"""PyTorch adapter: eager mode, data resident on the device, NCHW.
+"""PyTorch adapter: eager mode or ``torch.compile``, fp32 or mixed precision, data resident on the device, NCHW.
+
+Execution modes (``COMPILE_MODES``): ``eager`` runs the ``torch.nn`` modules as they are; ``compiled`` runs the
+training forward pass through ``torch.compile(model)`` (TorchInductor, mode "default";
+https://pytorch.org/docs/stable/generated/torch.compile.html), compiled on the first step (a warm-up step: its time is
+the trial's ``first_step_seconds``); evaluation and prediction run the same compiled module in inference mode (one
+more compilation, outside the timed windows).
+
+Precision (``PRECISIONS``): fp32 turns TF32 off on a GPU (``torch.backends.cuda.matmul.allow_tf32`` and
+``torch.backends.cudnn.allow_tf32``, https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-
+later-devices), tf32 on; bf16 and fp16 are ``torch.autocast(device_type, dtype)`` around the forward pass and the loss
+(https://pytorch.org/docs/stable/amp.html): parameters and optimizer state stay float32, autocast runs convolutions,
+linear layers and matrix products in the low precision and the ops of its float32 list (the loss, softmax, norms as
+the device's list says) in float32; fp16 adds ``torch.amp.GradScaler`` (dynamic loss scaling: scale the loss, unscale
+the gradients, skip the step and lower the scale on inf/nan). fp16 autocast on the CPU is left out (``PRECISIONS``):
+the mixed-precision recipes target GPUs, and a CPU run in fp16 answers no question this tool asks.
 
 Sync is ``torch.cuda.synchronize`` on a GPU (https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution);
 on the CPU, PyTorch ops are synchronous. Allocator peaks come from ``torch.cuda.max_memory_allocated`` /
@@ -9,6 +24,7 @@ is PyTorch's own (momentum convention and unbiased running variance), so ``nn.Ba
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -17,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size
 from harness.neutral.models import initial_buffers
 
 
@@ -83,6 +99,10 @@ class PyTorchAdapter(Adapter):
     name = "pytorch"
     SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
     SUPPORTED_TASKS = ALL_TASKS
+    PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}  # and BUILTIN_EXECUTION to these three
+    COMPILE_MODES = {"eager": "eager torch.nn modules",
+                     "compiled": "torch.compile of the model (TorchInductor, mode 'default')"}
+    DEFAULT_COMPILE = "eager"
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -90,6 +110,9 @@ class PyTorchAdapter(Adapter):
         self._tensors: dict[str, tuple[nn.Module, str, bool]] = {}  # canonical name -> (module, attribute, trained)
         self.tokens = self.next_token = False
         self._memory_limit: dict[str, Any] = {}  # what _apply_memory_limit applied, for settings()
+        self.precision, self.mode = "fp32", self.DEFAULT_COMPILE  # from options, in build
+        self._autocast_dtype: torch.dtype | None = None
+        self.scaler: torch.amp.GradScaler | None = None
 
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__.split("+")[0], "torch_build": torch.__version__}
@@ -107,9 +130,11 @@ class PyTorchAdapter(Adapter):
             if index >= torch.cuda.device_count():
                 raise DeviceUnavailable(f"PyTorch sees {torch.cuda.device_count()} CUDA device(s); {device} is not one")
             torch.cuda.set_device(index)
-            # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise).
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+            # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);
+            # tf32 asks for it.
+            tf32 = self.options.get("precision") == "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
             self._apply_memory_limit(index)
         self.device = torch.device(device)
         if threads is not None:
@@ -150,6 +175,12 @@ class PyTorchAdapter(Adapter):
             for name, (_, _, trained) in self._tensors.items():
                 self._tensor(name).copy_(torch.from_numpy((weights if trained else buffers)[name]))
         self.net = self.net.to(self.device).train()
+        self.precision = self.options.get("precision", "fp32")
+        self.mode = self.options.get("compile", self.DEFAULT_COMPILE)
+        self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        # The same parameters either way: torch.compile wraps the module, it does not copy it.
+        self.model: nn.Module = torch.compile(self.net) if self.mode == "compiled" else self.net
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         params = self.net.parameters()
         if optimizer.name == "sgd":
             self.opt: torch.optim.Optimizer = torch.optim.SGD(
@@ -243,6 +274,25 @@ class PyTorchAdapter(Adapter):
         self.x_test = self._to_device_inputs(data.x_test)
         self.y_test = torch.from_numpy(data.y_test).to(self.device)
 
+    def _autocast(self) -> Any:
+        """``torch.autocast`` in the trial's low precision around a forward pass and its loss; nothing in fp32/tf32."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the GradScaler in fp16 (the loss scaled, so that small gradients survive)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def _step(self) -> None:
+        """``opt.step()``; in fp16 ``scaler.step`` (unscales the gradients, skips the step on inf/nan) and
+        ``scaler.update`` (https://pytorch.org/docs/stable/amp.html#gradient-scaling)."""
+        if self.scaler is None:
+            self.opt.step()
+            return
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
     def _loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Softmax cross-entropy: over the samples, or for a next-token model over every position (logits
         (B, L, V) and labels (B, L) flattened to B x L rows)."""
@@ -264,19 +314,21 @@ class PyTorchAdapter(Adapter):
         if micro_batches == 1:
             x = self.x_train.index_select(0, idx)
             y = self.y_train.index_select(0, idx)
-            loss = self._loss(self.net(x), y)
-            loss.backward()
-            self.opt.step()
+            with self._autocast():
+                loss = self._loss(self.model(x), y)
+            self._backward(loss)
+            self._step()
             self._last_loss = loss.detach()
             return
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         total = torch.zeros((), device=self.device)
         for part in idx.chunk(micro_batches):
-            loss = self._loss(self.net(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
-            loss = loss / micro_batches
-            loss.backward()
+            with self._autocast():
+                loss = self._loss(self.model(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
+                loss = loss / micro_batches
+            self._backward(loss)
             total += loss.detach()
-        self.opt.step()
+        self._step()
         self._last_loss = total
 
     def sync(self) -> float:
@@ -291,7 +343,8 @@ class PyTorchAdapter(Adapter):
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
         n = self.x_test.shape[0]
         for start in range(0, n, batch_size):
-            logits = self.net(self.x_test[start:start + batch_size])
+            with self._autocast():
+                logits = self.model(self.x_test[start:start + batch_size]).float()
             y = self.y_test[start:start + batch_size]
             total_loss += self._loss(logits, y, reduction="sum").double()
             correct += (logits.argmax(dim=-1) == y).sum()
@@ -302,9 +355,10 @@ class PyTorchAdapter(Adapter):
     @torch.no_grad()
     def predict(self, images: np.ndarray) -> np.ndarray:
         self.net.eval()
-        logits = self.net(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
+        with self._autocast():
+            logits = self.model(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
         self.net.train()
-        return logits.cpu().numpy()
+        return logits.float().cpu().numpy()
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return {name: self._tensor(name).detach().cpu().numpy().copy()
@@ -327,9 +381,16 @@ class PyTorchAdapter(Adapter):
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"intra_op_threads": torch.get_num_threads(),
                                "inter_op_threads": torch.get_num_interop_threads()}
+        dtype = self._autocast_dtype
+        out.update({"precision": self.precision, "compile": self.mode,
+                    "autocast_dtype": None if dtype is None else str(dtype).removeprefix("torch.")})
+        if self.mode == "compiled":
+            out["torch_compile"] = {"backend": "inductor", "mode": "default"}
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.get_scale())
         if self.device.type == "cuda":
             out["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-            out["allow_tf32"] = False
+            out["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
             out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
             out["memory_limit_bytes"] = None
             out.update(self._memory_limit)

@@ -207,6 +207,34 @@ def run_blocks(adapter_cls) -> dict[str, np.ndarray]:
     return out
 
 
+#: bfloat16's unit roundoff: 8 significant bits (7 stored), so rounding to bf16 moves a value by at most 2^-8 of it.
+BF16_UNIT = 2.0 ** -8
+#: Matrix products per layer kind that mixed precision runs in the low precision: a convolution and a dense layer
+#: one each; attention four (the input projection, the scores, the weighted values, the output projection).
+_LOW_PRECISION_PRODUCTS = {"conv2d": 1, "dense": 1, "attention": 4}
+
+
+def bf16_tolerance(info) -> float:
+    """The bound on max |bf16 logits - exact logits| / max |exact logits| that a mixed-precision bf16 forward pass of
+    ``info`` must meet, derived rather than fitted: each matrix product rounds both of its operands to bf16 (a
+    relative error of at most ``BF16_UNIT`` each, 2 ``BF16_UNIT`` for their product; the fp32 accumulation adds
+    nothing at this scale), and an error relative to the activations' scale passes through the later layers
+    without growing much for these well-scaled models, so the errors of the products on the way add up: 2
+    ``BF16_UNIT`` x the number of low-precision products (``_LOW_PRECISION_PRODUCTS``). Observed with PyTorch's
+    autocast on the CPU: digits CNN 3.7e-3 (bound 3.1e-2), narrow ResNet 4.1e-3 (6.3e-2), decoder 2.7e-2 (0.10)."""
+    products = sum(_LOW_PRECISION_PRODUCTS.get(layer.kind, 0) for layer in info.leaves())
+    return 2 * BF16_UNIT * products
+
+
+def assert_bf16_close(logits: np.ndarray, exact: np.ndarray, info) -> float:
+    """``logits`` within ``bf16_tolerance(info)`` of ``exact`` (norm-wise, relative to max |exact|) and finite;
+    returns the observed relative error."""
+    assert np.isfinite(logits).all()
+    error = float(np.abs(logits - exact).max() / np.abs(exact).max())
+    assert error <= bf16_tolerance(info), (error, bf16_tolerance(info))
+    return error
+
+
 def group(out: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """The arrays of one scenario: the keys that start with ``prefix + "|"``."""
     return {k: v for k, v in out.items() if k.startswith(prefix + "|")}
