@@ -8,6 +8,35 @@ ndarray/ndarray.html#mxnet.ndarray.waitall). The CPU thread count is fixed when 
 (or ``MXNET_OMP_MAX_THREADS``; unset, half the logical CPUs on x86), and cannot be changed afterwards (see ``prepare``).
 MXNet exposes no allocator peak counters, so ``memory_stats`` is empty, and no per-process GPU memory cap, so a
 ``memory_limit_bytes`` option is recorded as unsupported on a GPU (on the CPU the worker caps the process itself).
+
+Execution modes (``COMPILE_MODES``; https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/
+hybrid_block.html): ``compiled``, the default, hybridizes the net with ``static_alloc``/``static_shape`` (one cached
+symbolic graph); ``eager`` does not hybridize it, so every Gluon block calls its ``mx.nd`` operators one by one,
+imperatively. On the CPU both run the same operators and kernels, so their float32 results agree to rounding; on a
+GPU the hybridized graph may also fuse pointwise operators (``MXNET_USE_FUSION``, default on for CUDA builds:
+https://mxnet.apache.org/versions/1.9.1/api/faq/env_var).
+
+Precisions (``PRECISIONS``): fp32 everywhere, and fp16 on a CUDA GPU through MXNet's AMP (``mxnet.contrib.amp``,
+https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.html; see ``_init_amp`` for what it
+casts and where that differs from the shared policy). Not declared, with the reason ``unsupported_execution`` gives
+(``_UNAVAILABLE``):
+
+- bf16 (checked on MXNet 1.9.1 with its oneDNN 2.4.4, on an AMD EPYC with AVX2 and no AVX-512): ``amp.init(
+  target_dtype="bfloat16")`` then one training step of a conv + dense net, hybridized or not, fails in the first
+  convolution with ``MXNetError: could not create a primitive descriptor iterator`` (src/operator/nn/mkldnn/
+  mkldnn_convolution.cc; the same for a bfloat16 ``FullyConnected``, forward and backward). MXNet's bfloat16
+  kernels for ``Convolution`` and ``FullyConnected`` are oneDNN's, and oneDNN creates bf16 primitives only on
+  AVX-512 CPUs (its minimal ISA for bf16 is "Intel DL Boost with bfloat16 support", https://oneapi-src.github.io/
+  oneDNN/v2/dev_guide_data_types.html); MXNet's own kernels reject the type (with oneDNN off,
+  ``MXNET_MKLDNN_ENABLED=0``: ``Unknown type enum 12``, ``Unsupported type 12``). ``dot`` and ``batch_dot``
+  (attention's matrix products) have no bfloat16 kernel on the CPU at all (``dot only supports float32/float64 for
+  CPU``), so AMP's bf16 lists keep them in float32 (widest-type ops) and the policy's "matrix products in
+  bfloat16" could not hold for attention even on an AVX-512 CPU (where AMP bf16 was not tried: no such CPU here).
+  bf16 on a GPU is not declared either: MXNet 1.9.1's bfloat16 support targets oneDNN (AMP's bf16 op lists name
+  its fused ``_sg_mkldnn_conv`` / ``_sg_mkldnn_fully_connected``, mxnet/contrib/amp/lists/symbol_bf16.py), and it
+  was not tried on a GPU.
+- tf32: MXNet 1.9.1 has no switch for it (no API or environment variable of its own); fp32 on a GPU is kept
+  strict with ``NVIDIA_TF32_OVERRIDE=0`` (``prepare``).
 """
 
 from __future__ import annotations
@@ -35,10 +64,11 @@ with warnings.catch_warnings():
             setattr(np, _alias, getattr(builtins, _alias))
     import mxnet as mx
     from mxnet import autograd, gluon, nd
+    from mxnet.contrib import amp
     from mxnet.gluon import nn
 
 from adapters import mxnet_layers as layers  # after mxnet: its blocks subclass Gluon's (see that module)
-from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size
 from harness.neutral.models import initial_buffers
 
 # What libmxnet saw when it loaded (during the import above): its OpenMP thread count is derived from these once.
@@ -47,6 +77,50 @@ _ENV_AT_IMPORT = {key: os.environ.get(key) for key in _THREAD_ENV}
 _CPUS_AT_IMPORT = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 HYBRIDIZE_FLAGS = {"static_alloc": True, "static_shape": True}
+
+#: Why the precisions MXNet 1.9.1 does not give this adapter are missing (see the module docstring), appended to
+#: ``unsupported_execution``'s reason.
+_UNAVAILABLE = {
+    "bf16": "MXNet 1.9.1 has bfloat16 convolution and dense kernels only in oneDNN, which creates them on AVX-512 "
+            "CPUs only (on AVX2: 'could not create a primitive descriptor iterator'), and no bfloat16 dot or "
+            "batch_dot on the CPU ('dot only supports float32/float64 for CPU')",
+    "tf32": "MXNet 1.9.1 has no TF32 switch; its fp32 on a GPU runs with NVIDIA_TF32_OVERRIDE=0",
+}
+#: The AMP target dtype of each precision this adapter trains in (None: no AMP).
+_AMP_DTYPES = {"fp32": None, "fp16": "float16"}
+# What amp.init set up in this process: it rewrites mx.nd's and mx.sym's operators in place and cannot be undone.
+_amp_target: str | None = None
+
+
+def _init_amp(precision: str) -> str | None:
+    """Initialises MXNet's AMP for ``precision`` once per process and returns its target dtype ("float16"), or None
+    for fp32. Raises RuntimeError when AMP already runs in this process for a different precision (``amp.init``
+    wraps ``mx.nd``'s and ``mx.sym``'s operator functions in place, for every net built or traced afterwards, and has
+    no inverse: the worker runs one trial per process, so this only guards against reusing a process).
+
+    fp16 (``amp.init(target_dtype="float16")``, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/
+    amp/index.html), with AMP's own op lists (mxnet/contrib/amp/lists/symbol_fp16.py): parameters stay float32 (the
+    master weights: ``amp_cast`` is inserted between a parameter and an fp16 operator, so gradients reach the
+    parameters as float32, and the optimizer state is float32; ``multi_precision`` stays off); ``Convolution`` and
+    ``FullyConnected`` run in float16; ``softmax``, ``log_softmax`` (so the loss), ``LayerNorm`` and ``mean`` in
+    float32; ``batch_dot`` and the adds in the widest dtype of their inputs. Where AMP differs from the shared
+    policy: ``BatchNorm`` is dtype-neutral in AMP, so it takes the float16 output of a convolution (its gamma, beta and
+    running statistics stay float32 in MXNet's fp16 BatchNorm); so are pooling, relu, gelu, reshapes and dropout;
+    attention's score product is float16 (both inputs come from a float16 dense layer), its softmax and the product
+    with v float32 (the causal mask is float32, see ``adapters.mxnet_layers.SelfAttention``); the logits are the
+    float16 output of the last dense layer, widened to float32 by the loss and by ``predict``. The loss is scaled
+    dynamically (``amp.init_trainer``, ``amp.scale_loss``; ``train_step``)."""
+    global _amp_target
+    if precision not in _AMP_DTYPES:
+        raise ValueError(f"the mxnet adapter does not train in {precision}")
+    target = _AMP_DTYPES[precision]
+    if _amp_target is not None and target != _amp_target:
+        raise RuntimeError(f"MXNet's AMP was initialised for {_amp_target} in this process and cannot be undone; "
+                           f"{precision} needs a fresh process")
+    if target is not None and _amp_target is None:
+        amp.init(target_dtype=target)
+        _amp_target = target
+    return target
 
 
 class _PyTorchAdam(mx.optimizer.Adam):
@@ -82,10 +156,10 @@ class _PyTorchAdam(mx.optimizer.Adam):
                        lr=lr * bias_correction2_sqrt / bias_correction1, wd=wd, **kwargs)
 
 
-_PROBED: dict[tuple[str, int, int], bool] = {}
+_PROBED: dict[tuple[str, int, int, bool], bool] = {}
 
 
-def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...]) -> bool:
+def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...], hybridized: bool = True) -> bool:
     """Whether MXNet's BatchNorm on ``ctx``, for inputs of per-sample ``shape`` (C, H, W) or (F,), updates its running
     variance with the biased batch variance (the canonical update uses the unbiased one, harness.spec.BatchNorm).
 
@@ -93,15 +167,16 @@ def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...]) -> bool:
     the unbiased one (https://github.com/apache/mxnet/issues/18751, #14357). So it is measured, not assumed: one
     training step of a fresh BatchNorm with momentum 0 (the running variance becomes the batch's) on two samples of
     ``shape`` with at most 2 x 2 spatial positions (n = 2 to 8 values per channel, so n / (n - 1) is far from 1), run
-    like the real net (hybridized, forward and backward), compared with both variances. Cached per (device, rank,
-    channels); raises RuntimeError if it matches neither."""
-    key = (str(ctx), len(shape), shape[0])
+    like the real net (``hybridized`` or not, forward and backward), compared with both variances. Cached per
+    (device, rank, channels, mode); raises RuntimeError if it matches neither."""
+    key = (str(ctx), len(shape), shape[0], hybridized)
     if key not in _PROBED:
         probe_shape = (2, shape[0], *(min(d, 2) for d in shape[1:]))
         x = np.random.default_rng(0).standard_normal(probe_shape).astype(np.float32)
         block = nn.BatchNorm(axis=1, momentum=0.0, in_channels=shape[0])
         block.initialize(mx.init.Zero(), ctx=ctx)
-        block.hybridize(**HYBRIDIZE_FLAGS)
+        if hybridized:
+            block.hybridize(**HYBRIDIZE_FLAGS)
         data = nd.array(x, ctx=ctx)
         with autograd.record():
             out = block(data)
@@ -140,6 +215,11 @@ class MXNetAdapter(Adapter):
     name = "mxnet"
     SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
     SUPPORTED_TASKS = ALL_TASKS
+    # keep adapters.BUILTIN_EXECUTION equal to these three
+    PRECISIONS = {"fp32": BOTH, "fp16": CUDA}
+    COMPILE_MODES = {"eager": "Gluon blocks run imperatively (not hybridized)",
+                     "compiled": "hybridized: one cached symbolic graph (static_alloc, static_shape)"}
+    DEFAULT_COMPILE = "compiled"
 
     def __init__(self) -> None:
         self.ctx = mx.cpu()
@@ -154,6 +234,17 @@ class MXNetAdapter(Adapter):
         # (block, canonical momentum, values per channel in one sample) of each batchnorm whose kernel updates the
         # running variance with the biased batch variance, corrected in train_step (see _fix_running_variances)
         self._variance_fixups: list[tuple[nn.BatchNorm, float, int]] = []
+        self._precision = "fp32"
+        self._amp_dtype: str | None = None  # AMP's target dtype ("float16"), None without AMP
+        self._hybridized = True
+
+    def unsupported_execution(self, precision: str, compile: str, device: str) -> str | None:
+        """The base class's reason, followed for bf16 and tf32 by why MXNet 1.9.1 cannot (``_UNAVAILABLE``), e.g.
+        "the mxnet adapter does not train in tf32 on cuda: MXNet 1.9.1 has no TF32 switch; ..."."""
+        why = super().unsupported_execution(precision, compile, device)
+        if why is not None and precision in _UNAVAILABLE and precision not in self.PRECISIONS:
+            why = f"{why}: {_UNAVAILABLE[precision]}"
+        return why
 
     def versions(self) -> dict[str, str]:
         out = {"mxnet": mx.__version__}
@@ -217,11 +308,14 @@ class MXNetAdapter(Adapter):
         the canonical one; where its kernel updates the running variance with the biased batch variance (the CPU's;
         see ``_running_var_is_biased``), ``train_step`` corrects it to the canonical unbiased update
         (``_fix_running_variances``), inside residual blocks and their shortcuts too. Dropout is ``nn.Dropout``,
-        active only under ``autograd.record``. Images are NCHW, token ids (N, L) and sequences (N, L, D). The net is
-        hybridized with ``static_alloc=True, static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/
-        docs/api/gluon/hybrid_block.html): a new input shape (evaluation's batches, ``predict``) re-plans the cached
-        graph, which costs tens of microseconds for this model (measured on 1.9.1; memory stays flat however often the
-        shapes alternate), so training, evaluation and ``predict`` share the one graph and need no padding.
+        active only under ``autograd.record``. Images are NCHW, token ids (N, L) and sequences (N, L, D). In the
+        ``compiled`` mode (``options["compile"]``, the default) the net is hybridized with ``static_alloc=True,
+        static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/hybrid_block.html);
+        ``eager`` leaves it imperative. ``options["precision"]`` fp16 initialises AMP first (``_init_amp``); a
+        precision or mode this adapter lacks on the device raises ValueError. In the compiled mode a new input shape
+        (evaluation's batches, ``predict``) re-plans the cached graph, which costs tens of microseconds for this model
+        (measured on 1.9.1; memory stays flat however often the shapes alternate), so training, evaluation and
+        ``predict`` share the one graph and need no padding.
 
         Optimizers, with PyTorch's semantics (``harness.spec.OptimizerSpec``; https://mxnet.apache.org/versions/1.9.1/
         api/python/docs/api/optimizer/index.html): ``sgd`` is MXNet's own, ``state = momentum * state + lr * (grad +
@@ -232,6 +326,14 @@ class MXNetAdapter(Adapter):
         and ``lazy_update`` is off (it only matters for row_sparse gradients).
         """
         ctx = self.ctx
+        options = self.options or {}
+        self._precision = options.get("precision", "fp32")
+        mode = options.get("compile", self.DEFAULT_COMPILE)
+        kind = "cpu" if ctx.device_type == "cpu" else "cuda"
+        if (why := self.unsupported_execution(self._precision, mode, kind)) is not None:
+            raise ValueError(why)
+        self._hybridized = mode == "compiled"
+        self._amp_dtype = _init_amp(self._precision)  # before the net's first forward pass traces or runs anything
         net = nn.HybridSequential()
         self._layers, self._tensors = {}, {}
         self._variance_fixups = []
@@ -242,7 +344,8 @@ class MXNetAdapter(Adapter):
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         for name, (param, trained) in self._tensors.items():
             param.set_data(nd.array((weights if trained else buffers)[name], ctx=ctx, dtype=np.float32))
-        net.hybridize(**HYBRIDIZE_FLAGS)
+        if self._hybridized:
+            net.hybridize(**HYBRIDIZE_FLAGS)
         self.net = net
         # sparse labels, log-softmax of the logits inside, over the last axis (the classes, or each position's
         # vocabulary); a per-sample loss, the mean over a sequence's positions for next-token logits (N, L, V)
@@ -252,6 +355,8 @@ class MXNetAdapter(Adapter):
         self._params = net.collect_params()
         self._grad_req = "write"
         self.trainer = gluon.Trainer(self._params, opt, kvstore=None)
+        if self._amp_dtype is not None:
+            amp.init_trainer(self.trainer)  # dynamic loss scaling (see _scaled)
 
     def _add_layer(self, net: Any, layer: Any, ctx: Any) -> None:
         """Appends one canonical layer's or residual block's Gluon blocks to ``net``; a block with parameters is kept
@@ -279,7 +384,7 @@ class MXNetAdapter(Adapter):
             # channels of NCHW or the features of a flat input.
             block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
                                  in_channels=layer.input_shape[0])
-            if _running_var_is_biased(ctx, layer.input_shape):
+            if _running_var_is_biased(ctx, layer.input_shape, self._hybridized):
                 per_sample = int(np.prod(layer.input_shape[1:]))  # values per channel in one sample: H x W or 1
                 self._variance_fixups.append((block, spec.momentum, per_sample))
         elif kind == "layernorm":  # over the last axis, biased variance (MXNet's LayerNorm, as torch.nn.LayerNorm)
@@ -351,7 +456,7 @@ class MXNetAdapter(Adapter):
         copies synchronously after waiting for every operator already queued on the CPU (``NDArray::WaitToWrite``
         pushes an empty write to the CPU queue and waits for it), which would make every step wait for the previous
         one. ``from_numpy`` only wraps the memory, so it is given a private copy, which MXNet keeps alive until the
-        gather has read it."""
+        gather has read it. In fp16 the backward pass starts from the loss times AMP's loss scale (``_scaled``)."""
         idx = nd.from_numpy(np.array(indices, dtype=np.int64), zero_copy=True)  # on cpu(0)
         if self.ctx.device_type != "cpu":
             idx = idx.as_in_context(self.ctx)  # an asynchronous copy operator
@@ -362,7 +467,8 @@ class MXNetAdapter(Adapter):
             before = [block.running_var.data().copy() for block, _, _ in self._variance_fixups]
             with autograd.record():
                 loss = self.loss_fn(self.net(x), y)
-            loss.backward()
+                scaled = self._scaled(loss)
+            scaled.backward()
             if before:
                 self._fix_running_variances(before, len(indices))
             self.trainer.step(len(indices))
@@ -377,12 +483,26 @@ class MXNetAdapter(Adapter):
             before = [block.running_var.data().copy() for block, _, _ in self._variance_fixups]
             with autograd.record():
                 loss = self.loss_fn(self.net(nd.take(self.x_train, part)), nd.take(self.y_train, part))
-            loss.backward()  # adds the gradient of this micro-batch's summed loss into the parameters' grads
+                scaled = self._scaled(loss)
+            scaled.backward()  # adds the gradient of this micro-batch's summed loss into the parameters' grads
             if before:
                 self._fix_running_variances(before, micro)
             sums.append(loss.sum())
         self.trainer.step(len(indices))  # the sum over all B samples, rescaled by 1 / B: the mean gradient
         self._last_loss = nd.add_n(*sums) / len(indices)  # shape (1,): its mean in sync is itself
+
+    def _scaled(self, loss: mx.nd.NDArray) -> mx.nd.NDArray:
+        """``loss`` (float32 (B,)) as backward should see it, inside ``autograd.record``: itself, or with AMP (fp16)
+        ``amp.scale_loss``'s loss times the current loss scale, which also sets the Trainer's rescaling to 1 / scale
+        so that ``Trainer.step`` unscales the gradients; the step checks them for inf/nan first and skips the update
+        (halving the scale) when there are any (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/
+        amp/index.html; ``LossScaler`` in mxnet/contrib/amp/loss_scaler.py: 2^16 to start, doubled after 2000 steps
+        without overflow, at most 2^24). That check copies one flag to the host (``asnumpy``), so in fp16 every
+        ``train_step`` waits for its own gradients before it returns."""
+        if self._amp_dtype is None:
+            return loss
+        with amp.scale_loss(loss, self.trainer) as scaled:
+            return scaled
 
     def _fix_running_variances(self, before: list[mx.nd.NDArray], batch: int) -> None:
         """Turns the running variance that a biased-variance kernel (MXNet's CPU BatchNorm; see
@@ -434,9 +554,10 @@ class MXNetAdapter(Adapter):
         return float(total_loss.asscalar()) / n, float(correct.asscalar()) / self.y_test.size
 
     def predict(self, images: np.ndarray) -> np.ndarray:
-        """Logits (N, classes), or (N, L, vocab) for a next-token model, for NHWC images or (N, L) token ids."""
+        """Logits, float32 (N, classes) or (N, L, vocab) for a next-token model, for NHWC images or (N, L) token
+        ids."""
         logits = self.net(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
-        return logits.asnumpy()
+        return logits.asnumpy().astype(np.float32, copy=False)  # fp16 under AMP: its last dense layer's output
 
     def get_weights(self) -> dict[str, np.ndarray]:
         # asnumpy copies to a new host array (after waiting for the writes queued on it)
@@ -452,8 +573,10 @@ class MXNetAdapter(Adapter):
         return {}
 
     def settings(self) -> dict[str, Any]:
-        """Thread settings as libmxnet read them at import, the hybridize flags and, on a GPU, the memory pool type
-        (``MXNET_GPU_MEM_POOL_TYPE``, default "Naive": https://mxnet.apache.org/versions/1.9.1/api/faq/env_var)."""
+        """Thread settings as libmxnet read them at import, the precision, AMP's target dtype ("" without AMP), the
+        execution mode and the hybridize flags ({} in the eager mode), AMP's loss scale and its policy (fp16), and,
+        on a GPU, the memory pool type (``MXNET_GPU_MEM_POOL_TYPE``, default "Naive": https://mxnet.apache.org/
+        versions/1.9.1/api/faq/env_var)."""
         out: dict[str, Any] = {
             "intra_op_threads": _omp_threads(),
             "inter_op_threads": int(_ENV_AT_IMPORT["MXNET_CPU_WORKER_NTHREADS"] or 1),
@@ -462,9 +585,17 @@ class MXNetAdapter(Adapter):
             "MXNET_OMP_MAX_THREADS": _ENV_AT_IMPORT["MXNET_OMP_MAX_THREADS"] or "",
             "MXNET_CPU_WORKER_NTHREADS": _ENV_AT_IMPORT["MXNET_CPU_WORKER_NTHREADS"] or "",
             "MXNET_ENGINE_TYPE": _ENV_AT_IMPORT["MXNET_ENGINE_TYPE"] or "ThreadedEnginePerDevice",
-            "hybridize": dict(HYBRIDIZE_FLAGS),
+            "precision": self._precision,
+            "amp_target_dtype": self._amp_dtype or "",
+            "compile": "compiled" if self._hybridized else "eager",
+            "hybridized": self._hybridized,
+            "hybridize": dict(HYBRIDIZE_FLAGS) if self._hybridized else {},
             "optimizer_impl": "PyTorch semantics on MXNet's SGD / adam_update (epsilon * sqrt(1 - beta2^t))",
         }
+        scaler = getattr(getattr(self, "trainer", None), "_amp_loss_scaler", None)  # set by amp.init_trainer
+        if scaler is not None:
+            out["loss_scale"] = float(scaler.loss_scale)  # the current one (2^16 before the first step)
+            out["loss_scaling"] = "dynamic (AMP LossScaler: x0.5 and skip the step on inf/nan, x2 after 2000 steps)"
         if self.ctx.device_type == "gpu":
             out["MXNET_GPU_MEM_POOL_TYPE"] = os.environ.get("MXNET_GPU_MEM_POOL_TYPE", "Naive")
             out["MXNET_CUDNN_AUTOTUNE_DEFAULT"] = os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT", "1")

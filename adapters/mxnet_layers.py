@@ -62,7 +62,8 @@ class SelfAttention(nn.HybridBlock):
     1.9.1/api/python/docs/api/ndarray/ndarray.html): q, k, v are ``slice_axis`` thirds of the projection, each
     reshaped (B, L, H, D/H) -> transposed (B, H, L, D/H) -> merged (B*H, L, D/H); scores ``batch_dot(q / sqrt(D/H),
     k, transpose_b=True)`` (B*H, L, L); with ``causal``, every key j > i of query i gets -1e30 added (``_MASKED``;
-    the mask from ``contrib.arange_like`` of the scores, so it needs no state and follows any batch size);
+    the mask, float32, from ``contrib.arange_like`` of the scores, so it needs no state and follows any batch size;
+    under fp16 AMP the float32 mask makes the masked scores and their softmax float32);
     ``softmax`` over the keys; ``batch_dot`` with v; the heads put back side by side (B, L, D) in order; the output
     projection. No dropout inside.
 
@@ -93,7 +94,9 @@ class SelfAttention(nn.HybridBlock):
                    for i in range(3))
         scores = F.batch_dot(q * self.scale, k, transpose_b=True)  # (B*H, L, L)
         if self.causal:
-            keys = F.contrib.arange_like(scores, axis=-1)  # (L,): 0 .. L-1
+            # (L,): 0 .. L-1, float32 whatever the scores' dtype: in float16 (AMP) -1e30 would be -inf and the
+            # mask's 0 x -inf a nan
+            keys = F.cast(F.contrib.arange_like(scores, axis=-1), dtype="float32")
             later = F.broadcast_greater(F.reshape(keys, shape=(1, -1)), F.reshape(keys, shape=(-1, 1)))  # j > i
             scores = F.broadcast_add(scores, F.expand_dims(later * _MASKED, axis=0))
         context = F.batch_dot(F.softmax(scores, axis=-1), v)  # (B*H, L, D/H)
