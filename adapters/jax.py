@@ -32,9 +32,29 @@ at its first use, the trap TensorFlow's memory growth avoids; https://docs.jax.d
 and a ``memory_limit_bytes`` option on a GPU becomes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` before the backend starts.
 The allocator peak is ``Device.memory_stats()["peak_bytes_in_use"]`` where the backend has statistics (GPUs; the CPU
 has none): JAX cannot reset it, so it is the peak since the worker started, compilation and warm-up included.
-fp32 means fp32: the default matmul and convolution precision is set to "highest" (on GPUs JAX's default uses TF32).
 CPU threads: XLA's CPU client has no intra-op thread count; with one thread asked for (OMP_NUM_THREADS=1, which the
 launcher sets before this module is imported), Eigen's thread pool is turned off through XLA_FLAGS.
+
+Execution: one mode, "compiled" (``jax.jit`` of the whole train step, XLA); JAX has no eager training loop worth
+measuring, so ``compile: eager`` is unsupported. Precision (``options["precision"]``, default fp32; the layers'
+``jax_layers.Compute``): fp32 means fp32: every conv and dot at ``lax.Precision.HIGHEST`` and
+``jax_default_matmul_precision`` "highest" (on NVIDIA GPUs JAX's DEFAULT uses TF32 for float32 operands;
+https://docs.jax.dev/en/latest/_autosummary/jax.lax.Precision.html). tf32 (GPUs): the same float32 computation at
+DEFAULT precision, which is TF32 there. bf16 (CPU and GPUs) and fp16 (GPUs), mixed precision with the policy every
+adapter follows: parameters and optimizer state stay float32 (master weights); conv, dense, attention's projections
+and its score and value products, and the embedding's output compute in the 16-bit dtype (inputs and weights cast at
+the op); batchnorm, layernorm, softmax and the loss in float32 (running statistics float32); the logits are returned
+as float32; gradients reach the float32 parameters through the casts. Written with plain ``astype`` casts in the
+layers: the ``jmp`` package, which had such policies, is archived, and flax is not used here (above). fp16 adds
+dynamic loss scaling (float16's range is too small for small gradients; bfloat16 has float32's and needs none):
+the loss is multiplied by the scale (initially 2 ** 16), the gradients divided by it; a step whose gradients are not
+all finite is skipped (parameters and optimizer state kept; batchnorm's running statistics keep the forward pass's
+update, as in PyTorch's ``GradScaler``) and halves the scale; 2000 finite steps in a row double it. The scale and
+the count live in the jitted step's carried state. optax has no loss scaling (``optax.apply_if_finite`` skips
+non-finite updates but neither scales nor unscales), so it is a few ``jnp.where`` in ``_scaled_update``, written from
+the description of ``torch.amp.GradScaler`` (its defaults: initial scale 2 ** 16, factors 2 and 0.5, 2000 steps;
+https://docs.pytorch.org/docs/stable/amp.html#gradient-scaling); no GPU was available to run fp16 or tf32 (fp16's
+mechanics are tested on the CPU, where XLA computes float16 too).
 """
 
 from __future__ import annotations
@@ -55,10 +75,14 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from adapters import jax_layers as L  # noqa: E402
-from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters.base import (ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable,  # noqa: E402
+                           micro_batch_size)
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 Params = L.Params
+#: fp16's dynamic loss scaling (see the module docstring): the initial scale (PyTorch's ``GradScaler`` default) and
+#: the finite steps in a row after which the scale doubles.
+LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_STEPS = 2.0 ** 16, 2000
 
 
 def _cache_size(jitted: Any) -> int | None:
@@ -81,6 +105,9 @@ class JaxAdapter(Adapter):
     name = "jax"
     SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
     SUPPORTED_TASKS = ALL_TASKS
+    PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}  # and adapters.BUILTIN_EXECUTION
+    COMPILE_MODES = {"compiled": "jax.jit of the whole train step (XLA)"}
+    DEFAULT_COMPILE = "compiled"
 
     def __init__(self) -> None:
         self.device: Any = None
@@ -93,6 +120,8 @@ class JaxAdapter(Adapter):
         self._transforms: dict[str, str] = {}  # canonical name -> "conv" | "dense" (layout changes get_weights undoes)
         self._steps: dict[tuple[int, int], Any] = {}
         self._memory: dict[str, Any] = {}
+        self._precision, self._compute = "fp32", L.FP32
+        self._scaler: tuple[jax.Array, jax.Array] | None = None  # fp16: (loss scale, finite steps in a row)
 
     # ------------------------------------------------------------------------------------------------------ setup
 
@@ -106,7 +135,10 @@ class JaxAdapter(Adapter):
         return out
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
-        jax.config.update("jax_default_matmul_precision", "highest")
+        self._precision = (self.options or {}).get("precision", "fp32")
+        self._compute = L.POLICIES[self._precision]
+        # what the ops without a precision argument use (jax.nn.dot_product_attention's): "highest" or "default"
+        jax.config.update("jax_default_matmul_precision", self._compute.precision.name.lower())
         if device.startswith("cuda"):
             self._apply_memory_limit()
             try:
@@ -158,6 +190,8 @@ class JaxAdapter(Adapter):
         # Every leaf of the state on the device, committed, as the step's outputs are: an uncommitted leaf (a key made
         # off the device) would make the second call compile the step again, inside the timed loop.
         self._key = jax.device_put(jax.random.PRNGKey(self._seed), self.device)
+        self._scaler = None if self._compute.dtype != jnp.float16 else jax.device_put(
+            (jnp.asarray(LOSS_SCALE_INIT, jnp.float32), jnp.asarray(0, jnp.int32)), self.device)
         self._eval = jax.jit(self._eval_batch)
         self._logits = jax.jit(self._infer)
 
@@ -177,7 +211,8 @@ class JaxAdapter(Adapter):
             self._transforms[w] = "conv"
             if spec.use_bias:
                 params[b] = np.asarray(weights[b])
-            return L.conv(w, b if spec.use_bias else None, spec.stride, spec.padding, spec.activation), flatten_from
+            return (L.conv(w, b if spec.use_bias else None, spec.stride, spec.padding, spec.activation, self._compute),
+                    flatten_from)
         if kind == "dense":
             weight = np.asarray(weights[w])
             if flatten_from is not None:
@@ -185,7 +220,7 @@ class JaxAdapter(Adapter):
                 weight, self._perms[w] = weight[:, perm], perm
             params[w], params[b] = np.ascontiguousarray(weight.T), np.asarray(weights[b])  # (out, in) -> (in, out)
             self._transforms[w] = "dense"
-            return L.dense(w, b, spec.activation), None
+            return L.dense(w, b, spec.activation, self._compute), None
         if kind == "batchnorm":
             perm = chw_to_hwc_permutation(flatten_from) if len(layer.input_shape) == 1 and flatten_from else None
             names = (w, b, f"{name}.running_mean", f"{name}.running_var")
@@ -201,8 +236,8 @@ class JaxAdapter(Adapter):
             if kind == "layernorm":
                 return L.layernorm(w, b, spec.epsilon), None
             if kind == "embedding":
-                return L.embedding(f"{name}.token.weight", f"{name}.position.weight"), None
-            return L.attention(name, spec.heads, spec.causal), None
+                return L.embedding(f"{name}.token.weight", f"{name}.position.weight", self._compute), None
+            return L.attention(name, spec.heads, spec.causal, self._compute), None
         if kind in ("maxpool2d", "avgpool2d"):
             return L.pool(kind, spec.pool_size, spec.stride or spec.pool_size), flatten_from
         if kind == "global_avgpool2d":
@@ -225,37 +260,44 @@ class JaxAdapter(Adapter):
 
     def _forward(self, params: Params, stats: Params, x: jax.Array, train: bool, key: jax.Array
                  ) -> tuple[jax.Array, Params]:
-        """Logits and the updated running statistics (only in training)."""
+        """Logits (float32 whatever the compute dtype) and the updated running statistics (only in training)."""
         updated: Params = {}
         for fn in self._layers:
             x, new = fn(params, stats, x, train, key)
             updated.update(new)
-        return x, {**stats, **updated}
+        return x.astype(jnp.float32), {**stats, **updated}
 
-    def _loss(self, params: Params, stats: Params, x: jax.Array, y: jax.Array, key: jax.Array
-              ) -> tuple[jax.Array, Params]:
+    def _loss(self, params: Params, stats: Params, x: jax.Array, y: jax.Array, key: jax.Array,
+              scale: jax.Array | None) -> tuple[jax.Array, tuple[Params, jax.Array]]:
+        """The loss to differentiate (times fp16's loss ``scale``, if any), and (the running statistics, the loss)."""
         logits, stats = self._forward(params, stats, x, True, key)
         # over the samples, or for a next-token model over every position of (B, L, V) logits and (B, L) labels
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), stats
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return (loss if scale is None else loss * scale), (stats, loss)
 
     def _step(self, micro_batches: int, state: tuple[Any, ...], x_all: jax.Array, y_all: jax.Array,
               indices: jax.Array) -> tuple[tuple[Any, ...], jax.Array]:
         """One optimizer step (jitted with the state donated). With k micro-batches, each runs forward and backward
         on its own (running statistics updated after each, as k forward passes in training mode would), the
-        gradients and losses averaged over the k before the one update."""
-        params, opt_state, stats, key = state
+        gradients and losses averaged over the k before the one update. ``state`` is (parameters, optimizer state,
+        running statistics, PRNG key, fp16's (loss scale, finite steps in a row) or None)."""
+        params, opt_state, stats, key, scaler = state
         key, step_key = jax.random.split(key)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        grad_fn = jax.grad(self._loss, has_aux=True)
         grads, loss = None, jnp.zeros((), jnp.float32)
         for part, part_key in zip(jnp.split(indices, micro_batches), jax.random.split(step_key, micro_batches)):
-            (part_loss, stats), part_grads = grad_fn(params, stats, x_all[part], y_all[part], part_key)
+            part_grads, (stats, part_loss) = grad_fn(params, stats, x_all[part], y_all[part], part_key,
+                                                     None if scaler is None else scaler[0])
             grads = part_grads if grads is None else jax.tree_util.tree_map(jnp.add, grads, part_grads)
             loss = loss + part_loss
         if micro_batches > 1:
             grads = jax.tree_util.tree_map(lambda g: g / micro_batches, grads)
             loss = loss / micro_batches
+        if scaler is not None:
+            params, opt_state, scaler = _scaled_update(self.tx, grads, params, opt_state, scaler)
+            return (params, opt_state, stats, key, scaler), loss
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, stats, key), loss
+        return (optax.apply_updates(params, updates), opt_state, stats, key, None), loss
 
     def _infer(self, params: Params, stats: Params, x: jax.Array) -> jax.Array:
         """Logits in inference mode (running statistics, no dropout: the key is not drawn from)."""
@@ -295,8 +337,8 @@ class JaxAdapter(Adapter):
         # would block the host until the queued steps are nearly done (measured: 2.2 vs 1.2 ms of host time per
         # step at batch 64 on the CPU, benchmarks/harness_vs_loop.py), losing the overlap of dispatch and compute.
         idx = np.asarray(indices, dtype=np.int32)
-        state = (self.params, self.opt_state, self.stats, self._key)
-        (self.params, self.opt_state, self.stats, self._key), self._last_loss = self._steps[key](
+        state = (self.params, self.opt_state, self.stats, self._key, self._scaler)
+        (self.params, self.opt_state, self.stats, self._key, self._scaler), self._last_loss = self._steps[key](
             state, self.x_train, self.y_train, idx)
 
     def sync(self) -> float:
@@ -352,7 +394,9 @@ class JaxAdapter(Adapter):
             "platform": getattr(self.device, "platform", None),
             "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
             "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-            "matmul_precision": "highest",
+            "precision": self._precision,
+            "compute_dtype": self._compute.dtype.name,  # of conv, dense, attention, the embedding's output
+            "matmul_precision": self._compute.precision.name.lower(),  # of those ops; "highest" is float32
             "donated_state": self._gpu,
             # How often each train step was compiled: 1 each, or a retrace happened (and cost a timed step).
             "train_step_compilations": {f"{b}x{k}": _cache_size(f) for (b, k), f in self._steps.items()},
@@ -360,6 +404,11 @@ class JaxAdapter(Adapter):
             "intra_op_threads": 1 if "xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "") else
             "XLA's default (every core; it has no intra-op thread count)",
         }
+        if self._compute.dtype != jnp.float32:
+            out["master_weights"] = "float32"
+        if self._scaler is not None:  # the scale after the last step (a sync)
+            out.update(loss_scale=float(self._scaler[0]), loss_scale_init=LOSS_SCALE_INIT,
+                       loss_scale_growth_steps=LOSS_SCALE_GROWTH_STEPS)
         if self._gpu:
             out["XLA_PYTHON_CLIENT_MEM_FRACTION"] = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
             out["memory_limit_bytes"] = None
@@ -370,6 +419,32 @@ class JaxAdapter(Adapter):
         # XLA reports an allocation failure as a runtime error with the RESOURCE_EXHAUSTED status.
         types = _oom_types()
         return bool(types) and isinstance(exc, types) and "RESOURCE_EXHAUSTED" in str(exc)
+
+
+def _scaled_update(tx: optax.GradientTransformation, grads: Params, params: Params, opt_state: Any,
+                   scaler: tuple[jax.Array, jax.Array]) -> tuple[Params, Any, tuple[jax.Array, jax.Array]]:
+    """fp16's update with dynamic loss scaling (module docstring). ``grads`` are of the loss times ``scaler[0]``
+    (float32 scalar); ``scaler[1]`` (int32 scalar) counts the finite steps in a row. Returns the parameters and
+    optimizer state (updated, or kept when a gradient is inf or nan) and the next (scale, count)."""
+    scale, good = scaler
+    grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
+    finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]).all()
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    def keep(new: jax.Array, old: jax.Array) -> jax.Array:
+        return jnp.where(finite, new, old)
+    kept = jax.tree_util.tree_map(keep, (new_params, new_state), (params, opt_state))
+    return *kept, _next_loss_scale(scale, good, finite)
+
+
+def _next_loss_scale(scale: jax.Array, good: jax.Array, finite: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(scale, finite steps in a row) after a step: halved and 0 after a non-finite gradient; doubled and 0 when the
+    count reaches ``LOSS_SCALE_GROWTH_STEPS``; else the same scale and the count plus one."""
+    good = jnp.where(finite, good + 1, 0)
+    grow = good >= LOSS_SCALE_GROWTH_STEPS
+    scale = jnp.where(finite, jnp.where(grow, scale * 2.0, scale), scale * 0.5)
+    return scale, jnp.where(grow, 0, good).astype(jnp.int32)
 
 
 def _optimizer(optimizer: Any) -> optax.GradientTransformation:

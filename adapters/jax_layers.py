@@ -1,12 +1,22 @@
 """The JAX adapter's layers (``adapters.jax``): each canonical layer kind as a function
 ``(params, stats, x, train, key) -> (y, updated stats)`` over ``jax.lax`` and ``jax.nn`` ops, NHWC for images and
 (B, L, D) for sequences, weights in the layouts ``adapters.jax`` converts them to. Imported by ``adapters.jax`` only
-(it is not an adapter of its own)."""
+(it is not an adapter of its own).
+
+Precision (``Compute``, one per harness precision in ``POLICIES``): the layers that multiply (conv, dense, attention's
+projections and its score and value products, the embedding's output) cast their input and their float32 weights to
+the compute dtype at the op (``astype``) and return that dtype; batchnorm and layernorm cast their input to float32
+and return float32 (their parameters and running statistics are float32); every other layer keeps the dtype it is
+given. The parameters stay float32: the derivative of a cast is the cast back, so the gradients reach the float32
+parameters as float32. ``astype`` is ``lax.convert_element_type``, which returns an array of the dtype asked for
+unmodified (https://docs.jax.dev/en/latest/_autosummary/jax.lax.convert_element_type.html): in fp32 no cast is
+emitted and the computation is exactly the one without a policy.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +24,28 @@ from jax import lax
 
 Params = dict[str, jax.Array]
 Layer = Callable[[Params, Params, jax.Array, bool, jax.Array], tuple[jax.Array, Params]]
-HIGHEST = lax.Precision.HIGHEST
+HIGHEST, DEFAULT = lax.Precision.HIGHEST, lax.Precision.DEFAULT
+
+
+class Compute(NamedTuple):
+    """How the multiplying layers compute: operands cast to ``dtype`` (float32, bfloat16 or float16) and the
+    ``precision`` of ``lax.conv_general_dilated`` / ``jnp.dot`` (https://docs.jax.dev/en/latest/_autosummary/
+    jax.lax.Precision.html: it "only has an effect on float32 computations"; on NVIDIA GPUs DEFAULT uses TF32 for
+    float32 operands where the GPU has it, HIGHEST uses float32; on the CPU it changes nothing)."""
+
+    dtype: jnp.dtype
+    precision: lax.Precision
+
+    def cast(self, x: jax.Array) -> jax.Array:
+        """``x`` in the compute dtype (the identity when it already is)."""
+        return x.astype(self.dtype)
+
+
+#: The harness's precisions: fp32 exactly (HIGHEST); tf32 float32 operands at DEFAULT precision (TF32 on NVIDIA
+#: GPUs); bf16 and fp16 16-bit operands (DEFAULT: the precision has nothing left to choose for them).
+POLICIES = {"fp32": Compute(jnp.dtype(jnp.float32), HIGHEST), "tf32": Compute(jnp.dtype(jnp.float32), DEFAULT),
+            "bf16": Compute(jnp.dtype(jnp.bfloat16), DEFAULT), "fp16": Compute(jnp.dtype(jnp.float16), DEFAULT)}
+FP32 = POLICIES["fp32"]
 
 
 def activate(y: jax.Array, activation: str) -> jax.Array:
@@ -26,21 +57,24 @@ def activate(y: jax.Array, activation: str) -> jax.Array:
     return y
 
 
-def conv(w: str, b: str | None, stride: int, padding: str | int, activation: str) -> Layer:
-    """``padding``: "same", "valid", or p zeros on every side (canonical integer padding)."""
+def conv(w: str, b: str | None, stride: int, padding: str | int, activation: str, compute: Compute = FP32
+         ) -> Layer:
+    """NHWC (B, H, W, C) * HWIO kernel -> (B, H', W', O) in ``compute.dtype``. ``padding``: "same", "valid", or p
+    zeros on every side (canonical integer padding)."""
     pad = padding.upper() if isinstance(padding, str) else [(padding, padding), (padding, padding)]
 
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        y = lax.conv_general_dilated(x, p[w], (stride, stride), pad, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                     precision=HIGHEST)
-        return activate(y if b is None else y + p[b], activation), {}
+        y = lax.conv_general_dilated(compute.cast(x), compute.cast(p[w]), (stride, stride), pad,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=compute.precision)
+        return activate(y if b is None else y + compute.cast(p[b]), activation), {}
     return layer
 
 
-def dense(w: str, b: str, activation: str) -> Layer:
-    """On (B, F), or per position on (B, L, D): the (in, out) kernel acts on the last axis."""
+def dense(w: str, b: str, activation: str, compute: Compute = FP32) -> Layer:
+    """On (B, F), or per position on (B, L, D): the (in, out) kernel acts on the last axis; ``compute.dtype`` out."""
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        return activate(jnp.dot(x, p[w], precision=HIGHEST) + p[b], activation), {}
+        y = jnp.dot(compute.cast(x), compute.cast(p[w]), precision=compute.precision)
+        return activate(y + compute.cast(p[b]), activation), {}
     return layer
 
 
@@ -54,10 +88,12 @@ def pool(kind: str, size: int, stride: int) -> Layer:
 
 
 def batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: float, flat: bool) -> Layer:
-    """The canonical batchnorm (harness.spec.BatchNorm) over the last axis (channels of NHWC, or flat features)."""
+    """The canonical batchnorm (harness.spec.BatchNorm) over the last axis (channels of NHWC, or flat features), in
+    float32: a 16-bit input is cast up, the output is float32."""
     axes = (0,) if flat else (0, 1, 2)
 
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        x = x.astype(jnp.float32)  # float32 whatever the compute dtype (statistics and output)
         if not train:
             return (x - s[mean]) / jnp.sqrt(s[var] + epsilon) * p[w] + p[b], {}
         batch_mean = jnp.mean(x, axis=axes)
@@ -70,34 +106,40 @@ def batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: flo
 
 
 def layernorm(w: str, b: str, epsilon: float) -> Layer:
-    """Over the last axis with the biased variance (harness.spec.LayerNorm); JAX itself has no layer-norm layer."""
+    """Over the last axis with the biased variance (harness.spec.LayerNorm), in float32 (a 16-bit input is cast up);
+    JAX itself has no layer-norm layer."""
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
+        x = x.astype(jnp.float32)
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
         return (x - mean) * lax.rsqrt(var + epsilon) * p[w] + p[b], {}
     return layer
 
 
-def embedding(token: str, position: str) -> Layer:
-    """(B, L) int ids -> (B, L, D): token[ids] + position[:L]."""
+def embedding(token: str, position: str, compute: Compute = FP32) -> Layer:
+    """(B, L) int ids -> (B, L, D): token[ids] + position[:L], summed in float32 and returned in ``compute.dtype``."""
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
-        return jnp.take(p[token], x, axis=0) + p[position][:x.shape[1]], {}
+        return compute.cast(jnp.take(p[token], x, axis=0) + p[position][:x.shape[1]]), {}
     return layer
 
 
-def attention(name: str, heads: int, causal: bool) -> Layer:
-    """Multi-head self-attention with the canonical (torch.nn.MultiheadAttention) weights as they are: the fused
-    in-projection (3D, D) split into q, k and v, then ``jax.nn.dot_product_attention`` (its default, the XLA
-    implementation: softmax(q k^T / sqrt(D / heads)) v per head; https://docs.jax.dev/en/latest/_autosummary/
-    jax.nn.dot_product_attention.html) with ``is_causal``, then the output projection."""
+def attention(name: str, heads: int, causal: bool, compute: Compute = FP32) -> Layer:
+    """Multi-head self-attention on (B, L, D) with the canonical (torch.nn.MultiheadAttention) weights as they are:
+    the fused in-projection (3D, D) split into q, k and v, then ``jax.nn.dot_product_attention`` (its default, the
+    XLA implementation: softmax(q k^T / sqrt(D / heads)) v per head; https://docs.jax.dev/en/latest/_autosummary/
+    jax.nn.dot_product_attention.html) with ``is_causal``, then the output projection; (B, L, D) in
+    ``compute.dtype``. With 16-bit q, k and v that implementation computes the scores with float32 results and the
+    softmax in float32, and casts the probabilities to the 16-bit dtype for the value product."""
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
         batch, length, dim = x.shape
-        qkv = jnp.dot(x, p[f"{name}.in_proj.weight"].T, precision=HIGHEST) + p[f"{name}.in_proj.bias"]
+        qkv = jnp.dot(compute.cast(x), compute.cast(p[f"{name}.in_proj.weight"]).T, precision=compute.precision)
+        qkv = qkv + compute.cast(p[f"{name}.in_proj.bias"])
         q, k, v = (part.reshape(batch, length, heads, dim // heads) for part in jnp.split(qkv, 3, axis=-1))
-        # its products follow jax_default_matmul_precision, which the adapter sets to "highest"
+        # its products follow jax_default_matmul_precision, which the adapter sets to compute.precision
         context = jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=1.0 / math.sqrt(dim // heads))
         context = context.reshape(batch, length, dim)
-        return jnp.dot(context, p[f"{name}.out_proj.weight"].T, precision=HIGHEST) + p[f"{name}.out_proj.bias"], {}
+        out = jnp.dot(context, compute.cast(p[f"{name}.out_proj.weight"]).T, precision=compute.precision)
+        return out + compute.cast(p[f"{name}.out_proj.bias"]), {}
     return layer
 
 

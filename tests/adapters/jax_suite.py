@@ -3,13 +3,19 @@ numpy >= 2, the development environment has numpy < 2 for MXNet). Not collected 
 match test_*.py): tests/adapters/test_jax.py runs it there with ``python -m pytest tests/adapters/jax_suite.py`` and
 requires every test to pass."""
 
+import functools
+
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from adapters.jax import JaxAdapter
-from tests.adapters import kit
+from harness.neutral import datasets, models
+from harness.spec import OptimizerSpec
+from tests.adapters import kit, reference, scenarios
 
 
 def test_learns_digits_on_cpu():
@@ -77,3 +83,171 @@ def kit_device_unavailable():
     from adapters.base import DeviceUnavailable
 
     return DeviceUnavailable
+
+
+# ----------------------------------------------------------------------------------------------- precision and mode
+# Tolerances of bf16 against exact arithmetic, derived from its mantissa: bfloat16 keeps 8 significant bits (7 stored
+# and the implicit one), so rounding to the nearest bfloat16 changes a value by at most u = 2 ** -8 of itself. To
+# first order the relative perturbations of a chain of operations add up, so a model's bf16 logits are within
+# ROUNDINGS x u of their scale (the largest |logit|; a logit near zero has no relative accuracy of its own), where
+# ROUNDINGS counts the roundings to bfloat16 on the model's longest path: 3 per conv or dense layer (its input, its
+# weight, its output) and 1 per other op whose bfloat16 result is rounded.
+BF16_U = 2.0 ** -8
+ROUNDINGS = {
+    "cnn": 3 * 3,  # conv, dense, dense
+    "resnet": 5 * 3,  # the stem conv, one conv in the first block, two in the second, the dense layer
+    # the embedding's output 1; per block (2): in-projection 3, the softmax's probabilities 1, the value product's
+    # output 1, the out-projection's weight and output 2, the residual sum 1, dense 3, gelu's output 1, the second
+    # dense's weight and output 2, the residual sum 1 (15); the last dense layer 3
+    "decoder": 1 + 2 * 15 + 3,
+}
+# Training: a gradient has the forward pass's roundings and, per conv or dense layer, three more in the backward pass
+# (the incoming cotangent, the weight gradient, the input gradient): 9 + 9 for the CNN. Each SGD step's update is
+# then within TRAIN_ROUNDINGS x u of fp32's, so with a learning rate small enough that the runs do not diverge
+# (0.02: the loss falls without jumps) each parameter array after n steps is within TRAIN_ROUNDINGS x u of the
+# length of the path fp32's run took (the sum of its n steps' norms), in norm; the losses within that relative.
+TRAIN_ROUNDINGS = 9 + 9
+PLAIN_SGD = OptimizerSpec(name="sgd", learning_rate=0.02)
+
+
+def _built(precision: str, model=kit.CNN, cfg=None, weights=None, optimizer=kit.SGD):
+    """A JAX adapter on the CPU in ``precision`` (options set as the worker sets them), built and loaded: the digits
+    with ``model``, or the dataset ``cfg``; ``weights(info)`` or the canonical initial weights."""
+    if cfg is None:
+        data, info = kit.digits(model)
+    else:
+        data, info = datasets.load(cfg, seed=0), models.analyze(model, *datasets.describe_input(cfg))
+    adapter = JaxAdapter()
+    adapter.options = {"precision": precision, "compile": "compiled"}
+    adapter.prepare("cpu", 2, 0)
+    adapter.build(info, models.initial_weights(info, 0) if weights is None else weights(info), optimizer)
+    adapter.load(data)
+    return adapter, data, info
+
+
+def _products(adapter) -> list:
+    """Every dot_general and conv_general_dilated of the traced train step (forward and backward), nested jaxprs
+    included."""
+    state = (adapter.params, adapter.opt_state, adapter.stats, adapter._key, adapter._scaler)
+    closed = jax.make_jaxpr(functools.partial(adapter._step, 1))(state, adapter.x_train, adapter.y_train,
+                                                                 np.arange(16, dtype=np.int32))
+    found, todo = [], [closed.jaxpr]
+    while todo:
+        for eqn in todo.pop().eqns:
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                found.append(eqn)
+            for value in eqn.params.values():
+                for item in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(item, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
+                        todo.append(getattr(item, "jaxpr", item))
+    return found
+
+
+def test_execution_modes_and_precisions_are_declared():
+    """One mode, compiled (the default); fp32 and bf16 everywhere, tf32 and fp16 on CUDA GPUs only."""
+    adapter = JaxAdapter()
+    assert adapter.DEFAULT_COMPILE == "compiled" and list(adapter.COMPILE_MODES) == ["compiled"]
+    assert adapter.unsupported_execution("fp16", "default", "cpu") == \
+        "the jax adapter does not train in fp16 on cpu (only on cuda)"
+    assert "has no eager mode" in adapter.unsupported_execution("bf16", "eager", "cpu")
+    assert adapter.unsupported_execution("tf32", "default", "cpu") is not None
+    for precision, device in [("bf16", "cpu"), ("fp32", "cpu"), ("fp16", "cuda:0"), ("tf32", "cuda"), ("bf16", "cuda")]:
+        assert adapter.unsupported_execution(precision, "compiled", device) is None, (precision, device)
+        assert adapter.unsupported_execution(precision, "default", device) is None, (precision, device)
+
+
+def test_bf16_logits_are_the_float64_reference_within_bf16_rounding():
+    """The digits CNN (canonical weights) and the block models (perturbed weights and running statistics, batchnorm
+    and layernorm in float32): |logits - reference| <= ROUNDINGS x u x max |reference|, float32 logits, float32
+    parameters. Observed, in units of u: CNN 0.90 (bound 9), ResNet 0.45 (15), decoder 5.6 (34)."""
+    cases = [("cnn", kit.CNN, None, None)] + [(name, model, cfg, scenarios.perturbed)
+                                              for name, (model, cfg) in scenarios.BLOCK_MODELS.items()]
+    assert float(jnp.finfo(jnp.bfloat16).eps) / 2 == BF16_U  # eps = 2 ** -7, the spacing above 1
+    for name, model, cfg, weights in cases:
+        adapter, data, info = _built("bf16", model, cfg, weights)
+        inputs = data.x_test[:256]
+        expected = reference.forward(info, {**adapter.get_weights(), **adapter.get_buffers()}, inputs)
+        logits = adapter.predict(inputs)
+        assert logits.dtype == np.float32
+        assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves((adapter.params, adapter.stats))} == {"float32"}
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=ROUNDINGS[name] * BF16_U * scale, err_msg=name)
+
+
+def test_bf16_trains_float32_master_weights_within_bf16_rounding_of_fp32():
+    """10 plain SGD steps in bf16 and in fp32 from the same weights: bf16's loss falls, its parameters and optimizer
+    state stay float32, and each array is within TRAIN_ROUNDINGS x u of fp32's path length of fp32's (observed:
+    at most 6.3 u of 18), the losses within TRAIN_ROUNDINGS x u relative (observed 0.8 u)."""
+    runs = {}
+    for precision in ("bf16", "fp32"):
+        adapter, data, _ = _built(precision, optimizer=PLAIN_SGD)
+        runs[precision] = kit.train_on(adapter, kit.batches(len(data.y_train), 32, 10), keep=tuple(range(11)))
+        leaves = jax.tree_util.tree_leaves((adapter.params, adapter.opt_state))
+        assert {str(leaf.dtype) for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating)} == {"float32"}
+    (losses, bf16), (fp32_losses, fp32) = runs["bf16"], runs["fp32"]
+    assert losses[-1] < 0.7 * losses[0], losses
+    np.testing.assert_allclose(losses, fp32_losses, rtol=TRAIN_ROUNDINGS * BF16_U)
+    for name in fp32[10]:
+        path = sum(np.linalg.norm(fp32[i + 1][name] - fp32[i][name]) for i in range(10))
+        assert np.linalg.norm(bf16[10][name] - fp32[10][name]) <= TRAIN_ROUNDINGS * BF16_U * path, name
+    assert kit.max_differences(bf16[10], fp32[10])[0] > 1e-4  # not the fp32 run itself
+
+
+def test_each_precision_computes_every_product_as_declared():
+    """Every conv and matrix product of the traced train step, forward and backward: fp32 float32 at HIGHEST, tf32
+    float32 at DEFAULT (TF32 on NVIDIA GPUs), bf16 and fp16 with 16-bit operands (or, in attention, the 16-bit
+    algorithm that ``jax.nn.dot_product_attention`` names); bf16's logits differ from fp32's by far more than
+    float32 rounding; the settings record it all."""
+    algorithms = {"bf16": lax.DotAlgorithmPreset.BF16_BF16_F32, "fp16": lax.DotAlgorithmPreset.F16_F16_F32}
+    expected = {"fp32": ("float32", "highest"), "tf32": ("float32", "default"), "bf16": ("bfloat16", "default"),
+                "fp16": ("float16", "default")}
+    for precision, (dtype, dot) in expected.items():
+        for model, cfg in [(kit.CNN, None), scenarios.BLOCK_MODELS["decoder"]]:
+            adapter = _built(precision, model, cfg)[0]
+            products = _products(adapter)
+            assert len(products) >= 8
+            for eqn in products:
+                operands = {str(v.aval.dtype) for v in eqn.invars}
+                given = eqn.params["precision"]
+                if isinstance(given, lax.DotAlgorithmPreset):
+                    assert given == algorithms.get(precision), (precision, eqn)
+                else:
+                    assert operands == {dtype} and given == (lax.Precision(dot),) * 2, (precision, eqn)
+        settings = adapter.settings()
+        assert (settings["precision"], settings["compute_dtype"], settings["matmul_precision"]) == (precision, dtype,
+                                                                                                    dot)
+        assert ("loss_scale" in settings) == (precision == "fp16")
+        assert jax.config.jax_default_matmul_precision == dot
+    bf16, data, _ = _built("bf16")
+    fp32 = _built("fp32")[0]
+    gap = np.abs(bf16.predict(data.x_test) - fp32.predict(data.x_test)).max()
+    assert gap > 1e-4 * np.abs(fp32.predict(data.x_test)).max(), gap  # fp32 against float64: 4e-7 of the scale
+
+
+def test_fp16_dynamic_loss_scaling_on_the_cpu():
+    """fp16 is for GPUs, but XLA computes float16 on the CPU too, so the loss scaling runs here: 10 steps train with
+    float32 master weights; a scale that overflows float16's gradients skips the step (parameters and optimizer
+    state unchanged) and halves it; the 2000th finite step in a row doubles it; each finite step counts one."""
+    adapter, data, _ = _built("fp16", optimizer=OptimizerSpec(name="sgd", learning_rate=0.02, momentum=0.9))
+    steps = kit.batches(len(data.y_train), 32, 12)
+    losses = kit.train_on(adapter, steps[:10])[0]
+    assert np.isfinite(losses).all() and losses[-1] < 0.7 * losses[0], losses
+    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(adapter.params)} == {"float32"}
+
+    def scaler(scale: float, count: int) -> tuple[jax.Array, jax.Array]:
+        return jax.device_put((jnp.asarray(scale, jnp.float32), jnp.asarray(count, jnp.int32)), adapter.device)
+    adapter._scaler = scaler(2.0 ** 40, 7)
+    before = jax.tree_util.tree_map(np.asarray, (adapter.params, adapter.opt_state))
+    adapter.train_step(steps[10])
+    adapter.sync()
+    after = jax.tree_util.tree_map(np.asarray, (adapter.params, adapter.opt_state))
+    leaves = zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before))
+    assert all(np.array_equal(new, old) for new, old in leaves)
+    assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (2.0 ** 39, 0)
+    adapter._scaler = scaler(1024.0, 1998)
+    adapter.train_step(steps[11])
+    assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (1024.0, 1999)
+    adapter.train_step(steps[0])
+    assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (2048.0, 0)
+    assert adapter.settings()["loss_scale"] == 2048.0
+    assert adapter.settings()["train_step_compilations"] == {"32x1": 1}
