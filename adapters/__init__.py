@@ -46,7 +46,8 @@ BUILTIN_SUPPORT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 #: attributes (tests/test_support.py checks that they agree).
 BUILTIN_EXECUTION: dict[str, tuple[dict[str, frozenset[str]], frozenset[str], str]] = {
     "pytorch": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"eager", "compiled"}), "eager"),
-    "tensorflow": ({"fp32": BOTH}, frozenset({"eager", "compiled"}), "eager"),
+    "tensorflow": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"eager", "compiled"}),
+                   "eager"),
     "mxnet": ({"fp32": BOTH, "fp16": CUDA}, frozenset({"eager", "compiled"}), "compiled"),
     "jax": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"compiled"}), "compiled"),
 }

@@ -1,5 +1,6 @@
-"""TensorFlow adapter: raw ``tf.Variable``s and ``tf.nn`` ops in ``tf.function``s (no XLA), data resident on the
-device, NHWC for images, (B, L, D) for sequences. The layers are in ``adapters.tensorflow_layers``.
+"""TensorFlow adapter: raw ``tf.Variable``s and ``tf.nn`` ops in ``tf.function``s (XLA in the "compiled" mode only),
+data resident on the device, NHWC for images, (B, L, D) for sequences. The layers are in
+``adapters.tensorflow_layers``.
 
 Layouts: conv kernels are HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in, out) (``weight.T``), and the
 first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
@@ -29,6 +30,22 @@ The train step is one ``tf.function`` per (batch size, micro-batches) with a ful
 is traced once and never retraced in the timed loop (https://www.tensorflow.org/guide/function#controlling_retracing);
 evaluation and prediction use one whose batch dimension is None, so a smaller last batch does not retrace either.
 
+Execution modes (``options["compile"]``): "eager", the default, is what TensorFlow does without being asked, those
+``tf.function`` graphs run op by op by TF's executor (``jit_compile=False``); "compiled" builds the same functions
+with ``jit_compile=True``, so each is compiled whole by XLA (https://www.tensorflow.org/xla,
+https://www.tensorflow.org/api_docs/python/tf/function: "jit_compile: If True, compiles the function using XLA"),
+again once per input shape. The step still calls the concrete function, with the staged index tensors.
+
+Precision (``options["precision"]``): "fp32" on the CPU and a GPU (TF32 off); "tf32" on a GPU, the same float32
+model with TF32 on (``enable_tensor_float_32_execution(True)``); "bf16" on the CPU and a GPU and "fp16" on a GPU:
+mixed precision, the policy of every framework in the harness. Parameters, batchnorm's statistics and the
+optimizer state stay float32 (master weights); convolutions, dense layers, the embedding's output and attention's
+projections and score / value products compute in the low precision; batchnorm, layer normalisation, softmax and the
+loss in float32; the logits are returned float32 (see ``adapters.tensorflow_layers`` for how: Keras's
+"mixed_bfloat16" / "mixed_float16" policy for its two layers, ``tf.cast`` at the raw ops). fp16 adds dynamic loss
+scaling (``_DynamicLossScale``): the adapter's optimizer is not a Keras one, so Keras's ``LossScaleOptimizer`` does
+not apply.
+
 The optimizer is PyTorch's (``torch.optim.SGD`` / ``Adam``, coupled L2 weight decay) on TF's fused training kernels
 (``ResourceApplyMomentum`` / ``ResourceApplyAdam``: one op per variable), not ``keras.optimizers``: Keras 3's SGD would
 agree for a constant learning rate, but its Adam adds epsilon to sqrt(v) before the bias correction where PyTorch adds
@@ -55,12 +72,15 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from adapters import tensorflow_layers as L  # noqa: E402
-from adapters.base import ALL_LAYERS, ALL_TASKS, Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters.base import (  # noqa: E402
+    ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size)
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 #: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep TF's (H, W, C) order:
 #: elementwise, or per feature with their parameters permuted like the dense layer's rows (batchnorm).
 _ORDER_FREE = frozenset({"relu", "gelu", "dropout", "batchnorm"})
+#: The compute dtype of each precision (tf32 is float32 with TF32 matmuls and convolutions on a GPU).
+_COMPUTE = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
 
 
 def _f32(array: np.ndarray) -> np.ndarray:
@@ -83,6 +103,10 @@ class TensorFlowAdapter(Adapter):
     name = "tensorflow"
     SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
     SUPPORTED_TASKS = ALL_TASKS
+    # keep adapters.BUILTIN_EXECUTION equal to these three
+    PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
+    COMPILE_MODES = {"eager": "tf.function graphs without XLA", "compiled": "tf.function(jit_compile=True): XLA"}
+    DEFAULT_COMPILE = "eager"
 
     def __init__(self) -> None:
         self.device = "/CPU:0"
@@ -98,6 +122,9 @@ class TensorFlowAdapter(Adapter):
         self._train_calls: dict[tuple[int, int], Any] = {}  # the same -> its concrete function, what a step calls
         self._staged: dict[int, tf.Tensor] = {}  # this epoch's index batches on the device, by their start in it
         self._staged_order: np.ndarray | None = None  # that epoch's order (stage_epoch)
+        self._compute = tf.float32  # the compute dtype (build, from options["precision"])
+        self._jit = False  # XLA (build, from options["compile"])
+        self._loss_scale: _DynamicLossScale | None = None  # fp16 only
 
     def versions(self) -> dict[str, str]:
         out = {"tensorflow": tf.__version__}
@@ -119,7 +146,7 @@ class TensorFlowAdapter(Adapter):
         context starts, and raises RuntimeError for a later change (repeating the same settings is allowed). For
         ``cuda:N`` only GPU N is made visible (it is then "/GPU:0"), with memory growth
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth) or a memory limit as
-        ``options`` ask (``_configure_gpu_memory``) and TF32 off
+        ``options`` ask (``_configure_gpu_memory``) and TF32 off, or on for ``options["precision"]`` "tf32"
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/enable_tensor_float_32_execution). Raises
         DeviceUnavailable when TF sees no such GPU (a CPU-only build such as tensorflow-cpu, or no driver)."""
         if device.startswith("cuda"):
@@ -133,8 +160,9 @@ class TensorFlowAdapter(Adapter):
                 raise DeviceUnavailable(f"TensorFlow sees {len(gpus)} GPU(s); {device} is not one")
             tf.config.set_visible_devices([gpus[index]], "GPU")
             self._configure_gpu_memory(gpus[index])
-            # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise).
-            tf.config.experimental.enable_tensor_float_32_execution(False)
+            # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);
+            # tf32 asks for it.
+            tf.config.experimental.enable_tensor_float_32_execution(self._precision() == "tf32")
             self.device, self._gpu = "/GPU:0", True
         else:
             tf.config.set_visible_devices([], "GPU")
@@ -173,6 +201,12 @@ class TensorFlowAdapter(Adapter):
         elif growth:
             tf.config.experimental.set_memory_growth(gpu, True)
 
+    def _precision(self) -> str:
+        return (self.options or {}).get("precision", "fp32")
+
+    def _mode(self) -> str:
+        return (self.options or {}).get("compile", self.DEFAULT_COMPILE)
+
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
         """Creates float32 ``tf.Variable``s on the device from the canonical ``weights`` (conv OIHW -> HWIO, dense
         (out, in) -> (in, out), rows of the first dense kernel after a flatten of (C, H, W) permuted to the (H, W, C)
@@ -180,7 +214,8 @@ class TensorFlowAdapter(Adapter):
         and attention, their variables set from the canonical ones) and the optimizer state over all of them. A
         trailing softmax is left to the loss. Batchnorm's running statistics are non-trainable variables, from
         ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``. Inputs: NHWC float32
-        images, or (B, L) int64 token ids."""
+        images, or (B, L) int64 token ids. The compute dtype and XLA come from ``options`` (module docstring)."""
+        self._compute, self._jit = _COMPUTE[self._precision()], self._mode() == "compiled"
         self._params, self._buffers = {}, {}
         self._train_fns, self._train_calls = {}, {}
         self._last_loss = None
@@ -194,15 +229,17 @@ class TensorFlowAdapter(Adapter):
                 self._forward_layers.append(fn)
             self._variables = [v for variables, _ in self._params.values() for v in variables]
             self._update = _make_update(optimizer, self._variables)
+            self._loss_scale = _DynamicLossScale() if self._compute == tf.float16 else None
         if self.tokens:
             input_spec = tf.TensorSpec((None, *info.input_shape), tf.int64)
             label_spec = tf.TensorSpec((None, *info.input_shape) if self.next_token else (None,), tf.int64)
         else:
             c, h, w = info.input_shape
             input_spec, label_spec = tf.TensorSpec((None, h, w, c), tf.float32), tf.TensorSpec((None,), tf.int64)
-        self._logits_fn = tf.function(self._logits, input_signature=[input_spec], jit_compile=False, autograph=False)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=[input_spec, label_spec], jit_compile=False,
-                                    autograph=False)
+        self._logits_fn = tf.function(self._logits, input_signature=[input_spec], jit_compile=self._jit,
+                                      autograph=False)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=[input_spec, label_spec],
+                                    jit_compile=self._jit, autograph=False)
 
     def _keep(self, name: str, value: np.ndarray, to_canonical: Any = _same, trainable: bool = True) -> tf.Variable:
         """A float32 variable named ``name`` holding ``value`` (already in TF's layout), registered as the canonical
@@ -226,7 +263,7 @@ class TensorFlowAdapter(Adapter):
         if kind == "conv2d":
             kernel = self._keep(w, _f32(weights[w]).transpose(2, 3, 1, 0), lambda k: k.transpose(3, 2, 0, 1))  # HWIO
             bias = self._keep(b, _f32(weights[b])) if spec.use_bias else None
-            return L.conv(kernel, bias, spec.stride, spec.padding, spec.activation), None
+            return L.conv(kernel, bias, spec.stride, spec.padding, spec.activation, self._compute), None
         if kind == "dense":  # on (B, F), or per position on (B, L, D)
             weight, inverse = _f32(weights[w]), None
             if flatten_from is not None:
@@ -234,7 +271,7 @@ class TensorFlowAdapter(Adapter):
                 weight, inverse = weight[:, perm], np.argsort(perm)
             kernel = self._keep(w, np.ascontiguousarray(weight.T),  # (out, in) -> (in, out); undo the HWC rows
                                 lambda k, inv=inverse: k.T if inv is None else k.T[:, inv])
-            return L.dense(kernel, self._keep(b, _f32(weights[b])), spec.activation), None
+            return L.dense(kernel, self._keep(b, _f32(weights[b])), spec.activation, self._compute), None
         if kind == "batchnorm":
             return self._add_batchnorm(layer, weights, buffers, flatten_from), flatten_from
         if kind in ("layernorm", "attention"):
@@ -242,7 +279,7 @@ class TensorFlowAdapter(Adapter):
         if kind == "embedding":
             token, position = (self._keep(f"{name}.{table}.weight", _f32(weights[f"{name}.{table}.weight"]))
                                for table in ("token", "position"))
-            return L.embedding(token, position), None
+            return L.embedding(token, position, self._compute), None
         if kind in ("maxpool2d", "avgpool2d"):
             op = tf.nn.max_pool2d if kind == "maxpool2d" else tf.nn.avg_pool2d
             return L.pool(op, spec.pool_size, spec.stride or spec.pool_size), None
@@ -279,7 +316,7 @@ class TensorFlowAdapter(Adapter):
         gamma, beta = (self._keep(f"{name}.{p}", tf_order(weights[f"{name}.{p}"]), back) for p in ("weight", "bias"))
         mean, var = (self._keep(f"{name}.{stat}", tf_order(buffers[f"{name}.{stat}"]), back, trainable=False)
                      for stat in ("running_mean", "running_var"))
-        return L.batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon, flat)
+        return L.batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon, flat, self._compute)
 
     def _add_keras_layer(self, layer: Any, weights: dict[str, np.ndarray]) -> L.Layer:
         """Layernorm or attention: Keras's layer with its variables set from the canonical weights, those variables
@@ -287,19 +324,20 @@ class TensorFlowAdapter(Adapter):
         spec, name = layer.spec, layer.name
         canonical = {local: _f32(weights[f"{name}.{local}"]) for local in layer.params}
         if layer.kind == "layernorm":
-            fn, held = L.layer_norm(layer.input_shape, spec.epsilon, canonical["weight"], canonical["bias"])
+            fn, held = L.layer_norm(layer.input_shape, spec.epsilon, canonical["weight"], canonical["bias"],
+                                    self._compute)
         else:
             length, dim = layer.input_shape
-            fn, held = L.multi_head_attention(length, dim, spec.heads, spec.causal, canonical)
+            fn, held = L.multi_head_attention(length, dim, spec.heads, spec.causal, canonical, self._compute)
         self._params.update({f"{name}.{local}": held[local] for local in layer.params})
         return fn
 
     def _forward(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         """The model on ``x``; ``training`` (a Python bool, fixed when a function is traced) selects batchnorm's batch
-        statistics and running-statistics update, and dropout."""
+        statistics and running-statistics update, and dropout. The logits are float32 in every precision."""
         for fn in self._forward_layers:
             x = fn(x, training)
-        return x
+        return L.to(x, tf.float32)
 
     def _logits(self, x: tf.Tensor) -> tf.Tensor:
         with tf.device(self.device):
@@ -321,8 +359,21 @@ class TensorFlowAdapter(Adapter):
             with tf.GradientTape() as tape:
                 logits = self._forward(x, training=True)
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-            self._update(_dense_gradients(tape.gradient(loss, self._variables)))
+                scaled = loss if self._loss_scale is None else self._loss_scale.scale_loss(loss)
+            self._apply(self._gradients(tape, scaled))
             return loss
+
+    def _gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> list[tf.Tensor]:
+        """The float32 gradients of ``loss`` (scaled in fp16) for every variable, dense, and unscaled in fp16."""
+        grads = _dense_gradients(tape.gradient(loss, self._variables))
+        return grads if self._loss_scale is None else self._loss_scale.unscale(grads)
+
+    def _apply(self, grads: list[tf.Tensor]) -> None:
+        """The optimizer update with ``grads``; in fp16 only when they are all finite (``_DynamicLossScale``)."""
+        if self._loss_scale is None:
+            self._update(grads)
+        else:
+            self._loss_scale.apply(grads, self._update)
 
     def _train_accumulated(self, indices: tf.Tensor, micro_batches: int) -> tf.Tensor:
         """Gradient accumulation: a ``tf.while_loop`` over the k micro-batches (rows of ``indices`` reshaped to (k,
@@ -342,13 +393,14 @@ class TensorFlowAdapter(Adapter):
                 with tf.GradientTape() as tape:
                     logits = self._forward(x, training=True)
                     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) / k
-                grads = _dense_gradients(tape.gradient(loss, self._variables))
+                    scaled = loss if self._loss_scale is None else self._loss_scale.scale_loss(loss)
+                grads = self._gradients(tape, scaled)
                 return (i + 1, loss_sum + loss, *[s + g for s, g in zip(grad_sums, grads)])
 
             start = (tf.constant(0), tf.zeros((), tf.float32), *[tf.zeros_like(v) for v in self._variables])
             _, loss, *grads = tf.while_loop(lambda i, *_: i < k, body, start, parallel_iterations=1,
                                             maximum_iterations=k)
-            self._update(grads)
+            self._apply(grads)  # in fp16 a non-finite gradient of any micro-batch makes its sum non-finite
             return loss
 
     def load(self, data: Any) -> None:
@@ -395,7 +447,8 @@ class TensorFlowAdapter(Adapter):
         """One step on ``indices`` (int64 (B,)): gather, forward, ``tf.GradientTape`` gradients and the optimizer
         update in one ``tf.function``, traced on the first call with each (B, micro_batches) and never again. With
         ``micro_batches`` k > 1 the gradients of k micro-batches of B / k are summed inside that function
-        (``_train_accumulated``)."""
+        (``_train_accumulated``). In the "compiled" mode the function is XLA-compiled (``jit_compile=True``) when it
+        is first called."""
         key = (len(indices), micro_batches)
         fn = self._train_calls.get(key)
         if fn is None:
@@ -408,7 +461,7 @@ class TensorFlowAdapter(Adapter):
             # The concrete function, called directly: a tf.function's own call matches its arguments against its
             # signature every time (measured on the CPU: 400 us a call against 225 us for the concrete function,
             # about 5 % of a step at batch 64; benchmarks/harness_vs_loop.py).
-            function = tf.function(python_fn, input_signature=signature, jit_compile=False, autograph=False)
+            function = tf.function(python_fn, input_signature=signature, jit_compile=self._jit, autograph=False)
             self._train_fns[key], self._train_calls[key] = function, function.get_concrete_function()
             fn = self._train_calls[key]
         self._last_loss = fn(self._indices_tensor(indices))
@@ -469,13 +522,19 @@ class TensorFlowAdapter(Adapter):
         return {"allocator_peak_bytes": int(tf.config.experimental.get_memory_info("GPU:0")["peak"])}
 
     def settings(self) -> dict[str, Any]:
+        """Threads, data format, the precision ("precision", "compute_dtype"), the execution mode ("compile",
+        "jit_compile"), the optimizer's implementation and, in fp16, the loss scale now ("loss_scale"); on a GPU
+        also the allocator settings and whether TF32 is on."""
         intra = tf.config.threading.get_intra_op_parallelism_threads()
         inter = tf.config.threading.get_inter_op_parallelism_threads()
         out: dict[str, Any] = {"intra_op_threads": intra or _default_threads(),  # 0 is TF's "all schedulable CPUs"
                                "inter_op_threads": inter or _default_threads(),
-                               "data_format": "NHWC", "jit_compile": False,
+                               "data_format": "NHWC", "precision": self._precision(),
+                               "compute_dtype": self._compute.name, "compile": self._mode(), "jit_compile": self._jit,
                                "optimizer_impl": "PyTorch semantics on ResourceApplyMomentum/Adam",
                                "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "")}
+        if self._loss_scale is not None:
+            out["loss_scale"] = float(self._loss_scale.scale.numpy())
         if self._gpu:
             out.update(self._memory_settings)
             out["TF_GPU_ALLOCATOR"] = os.environ.get("TF_GPU_ALLOCATOR", "")
@@ -516,6 +575,48 @@ def _dense_gradients(grads: list[Any]) -> list[Any]:
     scatters into the full (vocab, D) gradient, zero elsewhere: what PyTorch's dense embedding gradient is, and what
     the fused optimizer kernels and the accumulation sums take. Other gradients pass as they are."""
     return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+class _DynamicLossScale:
+    """Dynamic loss scaling for float16 training, the algorithm of https://www.tensorflow.org/guide/mixed_precision
+    (its "Loss scaling" sections) and of Keras's ``LossScaleOptimizer``
+    (https://keras.io/api/mixed_precision/loss_scale_optimizer/: growth after 2000 steps), here
+    around the adapter's own optimizer: the loss is multiplied by the scale before the gradients are taken (so that
+    small float16 gradients do not flush to zero) and the float32 gradients divided by it; when any of them is not
+    finite the optimizer step is skipped and the scale halved, and after ``growth_steps`` finite steps in a row it is
+    doubled. The scale (float32) and the count (int64) are non-trainable variables, updated inside the train step.
+    The initial scale is 2^16, PyTorch's ``GradScaler`` default and the JAX adapter's (Keras starts at 2^15), so that
+    every framework skips the same early steps."""
+
+    def __init__(self, initial: float = 2.0 ** 16, growth_steps: int = 2000) -> None:
+        self.scale = tf.Variable(initial, dtype=tf.float32, trainable=False, name="loss_scale")
+        self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="loss_scale_good_steps")
+        self.growth_steps = growth_steps
+
+    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+        return loss * self.scale
+
+    def unscale(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        return [g / self.scale for g in grads]
+
+    def apply(self, grads: list[tf.Tensor], update: Callable[[list[tf.Tensor]], None]) -> None:
+        """``update(grads)`` and the scale's growth count when every gradient is finite, else the scale halved and
+        the count reset (``tf.cond``: the branch not taken does not run)."""
+        finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+
+        def step() -> tf.Tensor:
+            update(grads)
+            grow = self.good_steps + 1 >= self.growth_steps
+            self.scale.assign(tf.where(grow, self.scale * 2.0, self.scale))
+            self.good_steps.assign(tf.where(grow, tf.constant(0, tf.int64), self.good_steps + 1))
+            return tf.constant(True)
+
+        def skip() -> tf.Tensor:
+            self.scale.assign(self.scale / 2.0)
+            self.good_steps.assign(0)
+            return tf.constant(False)
+
+        tf.cond(finite, step, skip)
 
 
 def _make_update(opt: Any, variables: list[tf.Variable]) -> Callable[[list[tf.Tensor]], None]:

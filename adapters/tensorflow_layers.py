@@ -9,6 +9,19 @@ the adapter's tape and optimizer take with the others; see ``adapters.tensorflow
 ``keras.layers.LayerNormalization`` (https://keras.io/api/layers/normalization_layers/layer_normalization/) and
 self-attention ``keras.layers.MultiHeadAttention`` (https://keras.io/api/layers/attention_layers/multi_head_attention/).
 ``tf.nn`` has neither: no layer-norm op and no attention op.
+
+Mixed precision (``compute``: the compute dtype, ``tf.bfloat16`` or ``tf.float16``; ``tf.float32`` adds no op at
+all): the variables stay float32 and the layers follow Keras's mixed-precision policy
+(https://keras.io/api/mixed_precision/policy/, https://www.tensorflow.org/guide/mixed_precision). The two Keras
+layers get it as their ``dtype`` ("mixed_bfloat16" / "mixed_float16"): Keras casts their inputs and variables to the
+compute dtype at the call, computes layer normalisation in float32 (``keras.ops.layer_normalization`` works in at
+least float32) and attention's softmax in float32, and returns the compute dtype. The raw ``tf.nn`` ops have no
+policy, so the layers here do the same by hand with ``tf.cast`` at the op (``to``): convolutions, dense layers and
+the embedding's output compute in the compute dtype (inputs, kernels and biases cast; gradients reach the float32
+variables through the casts), batchnorm in float32 (input cast up, output cast back), and the elementwise layers
+(relu, gelu, pooling, dropout, flatten, sequence pooling) keep their input's dtype, so activations flow in the
+compute dtype from the first layer with parameters on, as in a Keras model under the policy. A residual sum whose
+two sides differ in dtype is taken in float32.
 """
 
 from __future__ import annotations
@@ -25,6 +38,17 @@ Layer = Callable[[tf.Tensor, bool], tf.Tensor]  # (x, training) -> y
 Held = tuple[tuple[tf.Variable, ...], Callable[..., np.ndarray]]
 
 
+def to(x: tf.Tensor | tf.Variable, dtype: tf.DType) -> tf.Tensor | tf.Variable:
+    """``x`` cast to ``dtype`` (https://www.tensorflow.org/api_docs/python/tf/cast), or ``x`` itself, no op added,
+    when it already has that dtype (a float32 variable in fp32: the graph is the one without mixed precision)."""
+    return x if x.dtype == dtype else tf.cast(x, dtype)
+
+
+#: The Keras dtype policy (https://keras.io/api/mixed_precision/policy/) of each compute dtype: float32 variables
+#: throughout, the computation in the compute dtype.
+KERAS_POLICY = {tf.float32: "float32", tf.bfloat16: "mixed_bfloat16", tf.float16: "mixed_float16"}
+
+
 def activate(y: tf.Tensor, activation: str) -> tf.Tensor:
     """relu, the exact (erf) gelu (https://www.tensorflow.org/api_docs/python/tf/nn/gelu, ``approximate=False``), or
     nothing."""
@@ -35,28 +59,32 @@ def activate(y: tf.Tensor, activation: str) -> tf.Tensor:
     return y
 
 
-def conv(kernel: tf.Variable, bias: tf.Variable | None, stride: int, padding: str | int, activation: str) -> Layer:
-    """``tf.nn.conv2d`` on NHWC with an HWIO kernel (https://www.tensorflow.org/api_docs/python/tf/nn/conv2d).
+def conv(kernel: tf.Variable, bias: tf.Variable | None, stride: int, padding: str | int, activation: str,
+         compute: tf.DType = tf.float32) -> Layer:
+    """``tf.nn.conv2d`` on NHWC with an HWIO kernel (https://www.tensorflow.org/api_docs/python/tf/nn/conv2d), in
+    ``compute`` (input, kernel and bias cast to it; the output (N, H', W', O) in it).
     ``padding``: "same" (stride 1 only: TF's "SAME" pads an odd kernel by k // 2 on every side then, as the canonical
     model does), "valid", or p zeros on every side as an explicit padding list [[0, 0], [p, p], [p, p], [0, 0]] (never
     "SAME" with a stride: TF then pads more at the bottom and right than at the top and left)."""
     pad = padding.upper() if isinstance(padding, str) else [[0, 0], [padding, padding], [padding, padding], [0, 0]]
 
     def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
-        y = tf.nn.conv2d(x, kernel, strides=stride, padding=pad, data_format="NHWC")
-        return activate(y if bias is None else tf.nn.bias_add(y, bias), activation)
+        y = tf.nn.conv2d(to(x, compute), to(kernel, compute), strides=stride, padding=pad, data_format="NHWC")
+        return activate(y if bias is None else tf.nn.bias_add(y, to(bias, compute)), activation)
     return fn
 
 
-def dense(kernel: tf.Variable, bias: tf.Variable, activation: str) -> Layer:
+def dense(kernel: tf.Variable, bias: tf.Variable, activation: str, compute: tf.DType = tf.float32) -> Layer:
     """x (B, F) @ kernel (F, units) + bias; on a sequence (B, L, D) per position, as one (B L, D) @ (D, units) matrix
-    product (what ``torch.nn.Linear`` computes too)."""
+    product (what ``torch.nn.Linear`` computes too). In ``compute``: x, kernel and bias cast to it, the output in
+    it."""
     def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
+        x, kernel_c, bias_c = to(x, compute), to(kernel, compute), to(bias, compute)
         if x.shape.rank == 3:
             length, width = x.shape[1], x.shape[2]
-            y = tf.nn.bias_add(tf.matmul(tf.reshape(x, (-1, width)), kernel), bias)
+            y = tf.nn.bias_add(tf.matmul(tf.reshape(x, (-1, width)), kernel_c), bias_c)
             return activate(tf.reshape(y, (-1, length, kernel.shape[1])), activation)
-        return activate(tf.nn.bias_add(tf.matmul(x, kernel), bias), activation)
+        return activate(tf.nn.bias_add(tf.matmul(x, kernel_c), bias_c), activation)
     return fn
 
 
@@ -82,7 +110,7 @@ def flatten(features: int, channels_first: bool) -> Layer:
 
 
 def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.Variable, momentum: float,
-              epsilon: float, flat: bool) -> Layer:
+              epsilon: float, flat: bool, compute: tf.DType = tf.float32) -> Layer:
     """Batchnorm on NHWC (channels last) with ``FusedBatchNormV3`` (https://www.tensorflow.org/api_docs/python/tf/
     raw_ops/FusedBatchNormV3), the kernel behind Keras's fused batchnorm and cuDNN's on a GPU. A flat (N, F) input is
     run as (N, 1, 1, F).
@@ -90,9 +118,11 @@ def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.
     Training: the batch is normalised with its mean and biased variance, and with ``exponential_avg_factor`` =
     momentum the op returns (1 - momentum) * running + momentum * batch statistic, the batch variance being the
     unbiased one (TF applies Bessel's correction to the variance it returns, as cuDNN does): the canonical update
-    (``harness.spec.BatchNorm``), assigned back to the running variables. Inference: the running statistics."""
+    (``harness.spec.BatchNorm``), assigned back to the running variables. Inference: the running statistics. Always
+    in float32 (a ``compute`` input is cast up, the output back to ``compute``)."""
     def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
         features = x.shape[-1]
+        x = to(x, tf.float32)
         x4 = tf.reshape(x, (-1, 1, 1, features)) if flat else x
         common = {"x": x4, "scale": gamma, "offset": beta, "mean": mean, "variance": var, "epsilon": epsilon,
                   "data_format": "NHWC"}
@@ -103,32 +133,33 @@ def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.
             var.assign(new_var)
         else:
             y = tf.raw_ops.FusedBatchNormV3(is_training=False, **common)[0]
-        return tf.reshape(y, (-1, features)) if flat else y
+        return to(tf.reshape(y, (-1, features)) if flat else y, compute)
     return fn
 
 
-def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias: np.ndarray
-               ) -> tuple[Layer, dict[str, Held]]:
+def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias: np.ndarray,
+               compute: tf.DType = tf.float32) -> tuple[Layer, dict[str, Held]]:
     """``keras.layers.LayerNormalization(axis=-1, epsilon)`` over the last axis of (B, F) or (B, L, D): (x - mean) /
     sqrt(biased var + epsilon) * gamma + beta (https://keras.io/api/layers/normalization_layers/layer_normalization/),
     gamma and beta (D,) the canonical "weight" and "bias" as they are. ``shape``: the per-sample input shape. Returns
-    the layer and where "weight" and "bias" are held."""
-    norm = keras.layers.LayerNormalization(axis=-1, epsilon=epsilon, dtype="float32")
+    the layer and where "weight" and "bias" are held. Its dtype policy is ``KERAS_POLICY[compute]``: float32
+    variables, the normalisation in float32, the output in ``compute``."""
+    norm = keras.layers.LayerNormalization(axis=-1, epsilon=epsilon, dtype=KERAS_POLICY[compute])
     norm.build((None, *shape))
     norm.gamma.assign(weight)
     norm.beta.assign(bias)
     return (lambda x, training: norm(x)), {"weight": ((norm.gamma.value,), _same), "bias": ((norm.beta.value,), _same)}
 
 
-def embedding(token: tf.Variable, position: tf.Variable) -> Layer:
-    """(B, L) int64 ids -> (B, L, D): ``tf.nn.embedding_lookup`` of the token table (vocab, D)
-    (https://www.tensorflow.org/api_docs/python/tf/nn/embedding_lookup) plus the position table (L, D). Its gradient
-    is ``tf.IndexedSlices``, which the train step makes dense (``adapters.tensorflow``)."""
-    return lambda x, training: tf.nn.embedding_lookup(token, x) + position
+def embedding(token: tf.Variable, position: tf.Variable, compute: tf.DType = tf.float32) -> Layer:
+    """(B, L) int64 ids -> (B, L, D) in ``compute``: ``tf.nn.embedding_lookup`` of the token table (vocab, D)
+    (https://www.tensorflow.org/api_docs/python/tf/nn/embedding_lookup) plus the position table (L, D), in float32,
+    then cast. Its gradient is ``tf.IndexedSlices``, which the train step makes dense (``adapters.tensorflow``)."""
+    return lambda x, training: to(tf.nn.embedding_lookup(token, x) + position, compute)
 
 
-def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weights: dict[str, np.ndarray]
-                         ) -> tuple[Layer, dict[str, Held]]:
+def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weights: dict[str, np.ndarray],
+                         compute: tf.DType = tf.float32) -> tuple[Layer, dict[str, Held]]:
     """Self-attention on (B, L, D) as ``keras.layers.MultiHeadAttention(heads, key_dim=D / heads)`` called as
     ``mha(x, x, use_causal_mask=causal)`` (https://keras.io/api/layers/attention_layers/multi_head_attention/; with
     no dropout and no attention scores asked for, Keras 3 computes it with ``keras.ops.dot_product_attention``:
@@ -140,9 +171,13 @@ def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weight
     D / heads) (``EinsumDense`` "abc,cde->abde": head h takes columns h D / heads onwards of x W^T, the canonical
     split), so each is W.T reshaped, and its biases (heads, D / heads); its output kernel is (heads, D / heads, D),
     W_out.T reshaped, its bias (D,). Returns the layer and where each canonical parameter is held: "in_proj.weight"
-    in three Keras variables, assembled back by concatenating the rows."""
+    in three Keras variables, assembled back by concatenating the rows.
+
+    Its dtype policy is ``KERAS_POLICY[compute]``: float32 variables; the projections and the score and value
+    products in ``compute``, the softmax in float32 (Keras's TF ``dot_product_attention`` always takes it in at least
+    float32); the output (B, L, D) in ``compute``."""
     head_dim = dim // heads
-    mha = keras.layers.MultiHeadAttention(heads, head_dim, dtype="float32")
+    mha = keras.layers.MultiHeadAttention(heads, head_dim, dtype=KERAS_POLICY[compute])
     mha.build((None, length, dim), (None, length, dim))
     projections = (mha._query_dense, mha._key_dense, mha._value_dense)  # Keras's own attributes (no public access)
     for dense_layer, w, b in zip(projections, np.split(weights["in_proj.weight"], 3),
@@ -173,13 +208,16 @@ def sequence_pool(mode: str) -> Layer:
 
 
 def residual(body: Sequence[Layer], shortcut: Sequence[Layer], activation: str) -> Layer:
-    """activation(body(x) + shortcut(x)); an empty shortcut is the identity."""
+    """activation(body(x) + shortcut(x)); an empty shortcut is the identity. Two sides of different dtypes (mixed
+    precision: one side went through a layer with parameters, the other did not) are added in float32."""
     def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
         y = skip = x
         for layer in body:
             y = layer(y, training)
         for layer in shortcut:
             skip = layer(skip, training)
+        if y.dtype != skip.dtype:
+            y, skip = to(y, tf.float32), to(skip, tf.float32)
         return activate(y + skip, activation)
     return fn
 

@@ -24,18 +24,27 @@ RESIDUAL_CNN = [
 ]
 
 
-def declared(target: str) -> tuple[frozenset[str], frozenset[str]]:
-    """The SUPPORTED_LAYERS and SUPPORTED_TASKS an adapter class declares, read from its module's source (importing
-    it would import its framework): each assignment's expression evaluated among adapters.base's names."""
+def declarations(target: str) -> dict[str, object]:
+    """The support attributes an adapter class declares (SUPPORTED_LAYERS, SUPPORTED_TASKS, PRECISIONS,
+    COMPILE_MODES, DEFAULT_COMPILE), read from its module's source (importing it would import its framework): each
+    assignment's expression evaluated among adapters.base's names; one it does not declare has the base class's
+    value."""
     module, _, cls = target.partition(":")
     tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
-    found = {}
+    names = ("SUPPORTED_LAYERS", "SUPPORTED_TASKS", "PRECISIONS", "COMPILE_MODES", "DEFAULT_COMPILE")
+    found = {name: getattr(base.Adapter, name) for name in names}
     for statement in node.body:
         if isinstance(statement, ast.Assign) and isinstance(statement.targets[0], ast.Name):
             name = statement.targets[0].id
-            if name in ("SUPPORTED_LAYERS", "SUPPORTED_TASKS"):
+            if name in names:
                 found[name] = eval(compile(ast.Expression(statement.value), module, "eval"), vars(base))
+    return found
+
+
+def declared(target: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The SUPPORTED_LAYERS and SUPPORTED_TASKS an adapter class declares (``declarations``)."""
+    found = declarations(target)
     return found["SUPPORTED_LAYERS"], found["SUPPORTED_TASKS"]
 
 
@@ -46,6 +55,18 @@ def test_the_registry_table_equals_what_each_adapter_declares():
     # every built-in adapter builds every layer and task (each proven equal to PyTorch in tests/adapters/)
     everything = (base.ALL_LAYERS, base.ALL_TASKS)
     assert all(support == everything for support in adapters.BUILTIN_SUPPORT.values())
+
+
+def test_the_execution_table_equals_what_each_adapter_declares():
+    """adapters.BUILTIN_EXECUTION (what the plan decides from) against each class's PRECISIONS, COMPILE_MODES and
+    DEFAULT_COMPILE; every adapter trains in fp32 on both device kinds and has its default among its modes."""
+    assert set(adapters.BUILTIN_EXECUTION) == set(adapters.BUILTIN)
+    for name, target in adapters.BUILTIN.items():
+        found = declarations(target)
+        precisions, modes, default = adapters.BUILTIN_EXECUTION[name]
+        assert found["PRECISIONS"] == precisions, name
+        assert frozenset(found["COMPILE_MODES"]) == modes and found["DEFAULT_COMPILE"] == default, name
+        assert precisions["fp32"] == base.BOTH and default in modes, name
 
 
 def _before_blocks(monkeypatch, *names: str) -> None:
