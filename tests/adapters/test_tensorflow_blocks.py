@@ -17,16 +17,13 @@ import pytest
 from adapters.base import ALL_LAYERS, ALL_TASKS
 from adapters.tensorflow import TensorFlowAdapter
 from harness.neutral import datasets, models
-from harness.spec import ModelSpec, OptimizerSpec, SyntheticData
-from tests.adapters import kit, reference, scenarios
+from harness.spec import ModelSpec, SyntheticData
+from tests.adapters import block_checks, kit, reference, scenarios
 
-RESNET, IMAGES = scenarios.BLOCK_MODELS["resnet"]
-TRANSFORMER, _TOKENS = scenarios.BLOCK_MODELS["decoder"]
-TOKENS = _TOKENS.model_copy(update={"size": 512})  # enough sequences to learn the copy task
 
 
 def build(model, cfg, weights=None, optimizer=scenarios.BLOCK_OPTIMIZERS["sgd-momentum"]):
-    return scenarios.make_on(TensorFlowAdapter, model, cfg, optimizer, weights)
+    return block_checks.build(TensorFlowAdapter, model, cfg, weights, optimizer)
 
 
 def test_it_declares_every_layer_and_task():
@@ -36,36 +33,12 @@ def test_it_declares_every_layer_and_task():
 
 
 def test_a_resnet_with_a_projection_shortcut_gives_the_reference_logits():
-    info = models.analyze(RESNET, *datasets.describe_input(IMAGES))
-    assert [c.name for c in info.layers[4].shortcut] == ["4.shortcut", "4.shortcut_bn"]  # a projection is tested
-    weights = scenarios.perturbed(info)
-    adapter, data, _ = build(RESNET, IMAGES, weights)
-    np.testing.assert_allclose(adapter.predict(data.x_test), reference.forward(info, weights, data.x_test),
-                               rtol=1e-4, atol=1e-5)
-    held = adapter.get_weights()
-    assert list(held) == info.param_names() and "4.shortcut.bias" not in held and "0.bias" not in held
-    assert list(adapter.get_buffers()) == info.buffer_names()
-    for name, value in {**held, **adapter.get_buffers()}.items():  # the exact inverse of build's conversion
-        np.testing.assert_array_equal(value, weights[name], err_msg=name)
+    block_checks.resnet_gives_the_reference(TensorFlowAdapter)
 
 
 def test_a_causal_transformer_gives_the_reference_logits_and_does_not_look_ahead():
-    info = models.analyze(TRANSFORMER, *datasets.describe_input(TOKENS))
-    assert info.task == "next_token"
-    weights = scenarios.perturbed(info)
-    adapter, data, _ = build(TRANSFORMER, TOKENS, weights)
-    logits = adapter.predict(data.x_test)
-    assert logits.shape == (64, 8, 8) and logits.dtype == np.float32  # (test sequences, positions, vocabulary)
-    np.testing.assert_allclose(logits, reference.forward(info, weights, data.x_test), rtol=1e-4, atol=1e-5)
-    changed = data.x_test.copy()
-    changed[:, 5:] = (changed[:, 5:] + 1) % 8  # later tokens change: earlier positions' logits must not
-    after = adapter.predict(changed)
-    np.testing.assert_array_equal(after[:, :5], logits[:, :5])
-    assert not np.allclose(after[:, 5:], logits[:, 5:])
-    held = adapter.get_weights()
-    assert list(held) == info.param_names()
-    for name, value in held.items():  # Keras's attention kernels joined back into the canonical in-projection
-        np.testing.assert_array_equal(value, weights[name], err_msg=name)
+    # also: Keras's attention kernels joined back into exactly the canonical in-projection
+    block_checks.decoder_gives_the_reference_and_does_not_look_ahead(TensorFlowAdapter)
 
 
 def test_a_flatten_that_feeds_no_dense_layer_directly_keeps_the_canonical_order():
@@ -85,18 +58,7 @@ def test_a_flatten_that_feeds_no_dense_layer_directly_keeps_the_canonical_order(
 
 
 def test_the_next_token_loss_trains_the_copy_task():
-    adam = OptimizerSpec(name="adam", learning_rate=0.01)
-    adapter, data, _ = build(TRANSFORMER, TOKENS, optimizer=adam)
-    loss_before, _ = adapter.evaluate(64)
-    for epoch in range(15):
-        order = datasets.epoch_order(len(data.y_train), 0, epoch)
-        for step in range(len(order) // 32):
-            adapter.train_step(order[step * 32:(step + 1) * 32])
-        adapter.sync()
-    loss, accuracy = adapter.evaluate(64)
-    ceiling = datasets.accuracy_ceiling(TOKENS)
-    # the copied half is learnt: from chance (1/8) to near the ceiling (0.67: the first half is random)
-    assert loss < loss_before - 1.0 and accuracy > 0.9 * ceiling, (loss, accuracy)
+    adapter = block_checks.copy_task_trains(TensorFlowAdapter)
     assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
     assert adapter._eval_fn.experimental_get_tracing_count() == 1
 
@@ -106,7 +68,7 @@ def test_gradient_accumulation_with_an_embedding_equals_one_batch():
     (``tf.IndexedSlices``) gradients are summed densely across the micro-batches."""
     kept = {}
     for k in (1, 4):
-        adapter, data, _ = build(TRANSFORMER, TOKENS)
+        adapter, data, _ = build(block_checks.TRANSFORMER, block_checks.TOKENS)
         losses, states = kit.train_on(adapter, kit.batches(len(data.y_train), 16, 3), keep=(3,), micro_batches=k)
         kept[k] = (losses, states[3])
     np.testing.assert_allclose(kept[4][0], kept[1][0], rtol=1e-5)
