@@ -105,6 +105,33 @@ def test_auto_windows_without_warmup_start_at_the_minimum_and_fill_a_short_epoch
     assert _timed_windows(calls) == [22]  # an epoch shorter than the minimum is one window
 
 
+def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
+    """One step that stalls (as a recompilation would) makes its window's per-step time far above the median: the
+    worker counts it in slow_windows, and the report names the trial."""
+    adapter = RecordingAdapter(0.002)
+    steps = []
+    stall = adapter.train_step
+
+    def train_step(indices, micro_batches=1):
+        steps.append(1)
+        stall(indices, micro_batches)
+        if len(steps) == 30:  # the 28th timed step (after 2 warm-up steps): inside the sixth window of 5
+            time.sleep(0.2)
+
+    adapter.train_step = train_step
+    data = SimpleNamespace(y_train=np.zeros(200, dtype=np.int64), x_train=np.zeros((200, 1, 1, 1)))
+    trial = {"batch_size": 4, "epochs": 1, "warmup_steps": 2, "seed": 0,
+             "timing": TimingSpec.model_validate({"window": 5}).model_dump(mode="json")}
+    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    assert metrics["slow_windows"] == 1 and metrics["step_time_max_s"] > 5 * metrics["step_time_median_s"]
+    from harness.results.report import slow_window_notes
+
+    record = {"id": "x-bs4-r0", "status": "ok", "metrics": metrics}
+    (title, _, text, _) = slow_window_notes({"records": [record]})
+    assert title == "## Slow windows" and "x-bs4-r0 (1 of 10 windows, the slowest" in text
+    assert slow_window_notes({"records": [{**record, "metrics": {**metrics, "slow_windows": 0}}]}) == []
+
+
 def test_each_epoch_is_staged_before_its_first_step():
     """stage_epoch once per epoch, before the epoch's warm-up and timed steps (so outside every timed window: a
     sync comes between it and the first step's window), with the samples per optimizer step."""

@@ -49,6 +49,9 @@ class TrialError(Exception):
     """A trial that cannot run as specified (the reason is user-facing)."""
 
 
+SPIKE = 3.0  # a timed window whose per-step time exceeds this multiple of the median is counted slow
+
+
 class Unsupported(TrialError):
     """The adapter cannot build this trial's model (``Adapter.unsupported``): the trial's status is ``unsupported``."""
 
@@ -247,6 +250,10 @@ class _Loop:
             # over windows: each window's duration over its steps (per step in latency mode, window: step)
             "step_time_median_s": float(np.median(per_step)),
             "step_time_p90_s": float(np.percentile(per_step, 90)),
+            "step_time_max_s": float(per_step.max()),
+            # windows whose steps took more than SPIKE x the median: a recompilation (a shape or a guard the
+            # compiled step had not seen), a garbage collection, or the machine's noise; the report names them
+            "slow_windows": int(np.sum(per_step > SPIKE * np.median(per_step))),
             "timed_windows": len(self.step_seconds),
             "timing_window": self.timing["window"],
             "final_train_loss": last["train_loss"],

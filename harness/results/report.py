@@ -70,6 +70,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines += metric_section(data, metric)
     lines += study_sections(data)
     lines += measurement_notes(data)
+    lines += slow_window_notes(data)
     lines += closing_lines(data)
     return "\n".join(lines)
 
@@ -231,6 +232,21 @@ def measurement_notes(data: dict[str, Any]) -> list[str]:
         lines += ["Clock throttling seen in the timed windows (share of samples; see nvmlClocksEventReasons): "
                   + "; ".join(throttled[:20]) + ".", ""]
     return (["## How the sampler fared", ""] + lines) if lines else []
+
+def slow_window_notes(data: dict[str, Any]) -> list[str]:
+    """The trials with timed windows whose steps took more than 3 x their median step (the worker's
+    ``slow_windows``): a recompilation of a compiled step, a garbage collection or the machine's noise, named so
+    that a throughput is not read without it. Empty when there are none."""
+    slow = [f"{r['id']} ({m['slow_windows']} of {m.get('timed_windows')} windows, the slowest "
+            f"{m['step_time_max_s'] / m['step_time_median_s']:.1f} x the median step)"
+            for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("slow_windows")]
+    if not slow:
+        return []
+    return ["## Slow windows", "",
+            "Timed windows whose steps took more than 3 x the trial's median step (a recompilation, a garbage "
+            "collection or other load on the machine; they are inside the throughput): "
+            + "; ".join(slow[:20]) + ("; ..." if len(slow) > 20 else "") + ".", ""]
+
 
 def study_sections(data: dict[str, Any]) -> list[str]:
     """Sections for the batch-size studies a spec turns on: learning-rate scaling and gradient accumulation, time to
