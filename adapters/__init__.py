@@ -23,8 +23,8 @@ from adapters.base import (ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUna
 if TYPE_CHECKING:
     from harness.neutral.models import ModelInfo
 
-__all__ = ["Adapter", "BUILTIN", "BUILTIN_EXECUTION", "BUILTIN_SUPPORT", "DeviceUnavailable", "available_names", "get",
-           "unsupported"]
+__all__ = ["Adapter", "BUILTIN", "BUILTIN_EXECUTION", "BUILTIN_SUPPORT", "DeviceUnavailable", "PRECISION_NOTES",
+           "available_names", "get", "unsupported"]
 
 BUILTIN: dict[str, str] = {
     "pytorch": "adapters.pytorch:PyTorchAdapter",
@@ -50,6 +50,24 @@ BUILTIN_EXECUTION: dict[str, tuple[dict[str, frozenset[str]], frozenset[str], st
                    "eager"),
     "mxnet": ({"fp32": BOTH, "fp16": CUDA}, frozenset({"eager", "compiled"}), "compiled"),
     "jax": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"compiled"}), "compiled"),
+}
+
+
+#: Why a built-in adapter does not train in a precision (where the declaration alone would not say): appended to the
+#: ``unsupported`` reason, at plan time and in the worker alike (``adapters.base.execution_gap``).
+_FP16_NOTE = ("fp16 with dynamic loss scaling is declared for CUDA GPUs only, by the harness's choice: the recipe "
+              "exists for Tensor Cores, and a CPU run in fp16 answers no question this tool asks (README, precision)")
+PRECISION_NOTES: dict[str, dict[str, str]] = {
+    "pytorch": {"fp16": _FP16_NOTE},
+    "tensorflow": {"fp16": _FP16_NOTE},
+    "jax": {"fp16": _FP16_NOTE},
+    "mxnet": {
+        "fp16": _FP16_NOTE,
+        "bf16": "MXNet 1.9.1 has bfloat16 convolution and dense kernels only in oneDNN, which creates them on "
+                "AVX-512 CPUs only (on AVX2: 'could not create a primitive descriptor iterator'), and no bfloat16 dot "
+                "or batch_dot on the CPU ('dot only supports float32/float64 for CPU')",
+        "tf32": "MXNet 1.9.1 has no TF32 switch; its fp32 on a GPU runs with NVIDIA_TF32_OVERRIDE=0",
+    },
 }
 
 
@@ -94,4 +112,4 @@ def unsupported(name: str, info: "ModelInfo", precision: str = "fp32", compile: 
     layers, tasks = BUILTIN_SUPPORT[name]
     precisions, modes, default = BUILTIN_EXECUTION[name]
     return support_gap(name, layers, tasks, info) or execution_gap(
-        name, precisions, dict.fromkeys(modes, ""), default, precision, compile, device)
+        name, precisions, dict.fromkeys(modes, ""), default, precision, compile, device, PRECISION_NOTES.get(name))

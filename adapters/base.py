@@ -64,14 +64,16 @@ def device_kind(device: str) -> str:
 
 
 def execution_gap(adapter: str, precisions: dict[str, frozenset[str]], modes: dict[str, str], default: str,
-                  precision: str, compile: str, device: str) -> str | None:
+                  precision: str, compile: str, device: str, notes: dict[str, str] | None = None) -> str | None:
     """None when the adapter trains in ``precision`` with ``compile`` ("default" is its ``default`` mode) on
-    ``device``; else one line saying which it lacks, e.g. "the mxnet adapter does not train in fp16 on cpu"."""
+    ``device``; else one line saying which it lacks, e.g. "the mxnet adapter does not train in fp16 on cpu (only on
+    cuda)", followed by ``notes[precision]`` (why not; ``adapters.PRECISION_NOTES``) where there is one."""
     kind = device_kind(device)
     if kind not in precisions.get(precision, frozenset()):
         where = sorted(precisions.get(precision, ()))
         also = f" (only on {', '.join(where)})" if where else ""
-        return f"the {adapter} adapter does not train in {precision} on {kind}{also}"
+        why = f": {notes[precision]}" if notes and precision in notes else ""
+        return f"the {adapter} adapter does not train in {precision} on {kind}{also}{why}"
     mode = default if compile == "default" else compile
     if mode not in modes:
         return f"the {adapter} adapter has no {mode} mode (its modes: {', '.join(sorted(modes))})"
@@ -126,8 +128,17 @@ class Adapter(abc.ABC):
         ``PRECISIONS``, ``COMPILE_MODES`` and ``DEFAULT_COMPILE``; ``execution_gap``). The worker calls it with
         ``unsupported``, before ``build``; ``build`` then reads ``options["precision"]`` and ``options["compile"]``
         (the mode, "default" resolved)."""
+        from adapters import PRECISION_NOTES  # the registry: light, and imported before any adapter module
+
         return execution_gap(self.name, self.PRECISIONS, self.COMPILE_MODES, self.DEFAULT_COMPILE, precision,
-                             compile, device)
+                             compile, device, PRECISION_NOTES.get(self.name))
+
+    def compilations(self) -> int | None:
+        """How many graphs the framework has traced or compiled for the training step so far, by its own counter
+        (TensorFlow's tf.function tracing count, the entries of JAX's jit cache, TorchDynamo's unique graphs), or
+        None where the framework keeps no such counter (eager execution, MXNet). The worker reads it when warm-up
+        ends and at the end of the trial: a rise between the two is a recompilation inside the timed windows."""
+        return None
 
     def unsupported(self, info: "ModelInfo") -> str | None:
         """None when this adapter can build and train ``info``; else the reason (one line naming the first layer

@@ -326,6 +326,12 @@ class JaxAdapter(Adapter):
             raise ValueError(f"images of shape {images.shape}, not {self.x_train.shape}")
         self.x_train = jax.device_put(jnp.asarray(images, jnp.float32), self.device)
 
+    def compilations(self) -> int | None:
+        """Entries in the jit caches of the train step functions (one per traced and compiled input signature;
+        ``_cache_size`` of a jitted function, the count jax's own tests read); None where this jax lacks it."""
+        sizes = [getattr(step, "_cache_size", None) for step in self._steps.values()]
+        return None if any(size is None for size in sizes) else sum(size() for size in sizes)
+
     def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         key = (len(indices), micro_batches)

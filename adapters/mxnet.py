@@ -17,9 +17,9 @@ GPU the hybridized graph may also fuse pointwise operators (``MXNET_USE_FUSION``
 https://mxnet.apache.org/versions/1.9.1/api/faq/env_var).
 
 Precisions (``PRECISIONS``): fp32 everywhere, and fp16 on a CUDA GPU through MXNet's AMP (``mxnet.contrib.amp``,
-https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.html; see ``_init_amp`` for what it
-casts and where that differs from the shared policy). Not declared, with the reason ``unsupported_execution`` gives
-(``_UNAVAILABLE``):
+https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.html; see
+``adapters.mxnet_training.init_amp`` for what it casts and where that differs from the shared policy). Not declared, with the reason ``unsupported_execution`` gives
+(``adapters.PRECISION_NOTES``, which the reasons quote):
 
 - bf16 (checked on MXNet 1.9.1 with its oneDNN 2.4.4, on an AMD EPYC with AVX2 and no AVX-512): ``amp.init(
   target_dtype="bfloat16")`` then one training step of a conv + dense net, hybridized or not, fails in the first
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import builtins
 import importlib.metadata
-import math
 import os
 import platform
 import re
@@ -68,6 +67,7 @@ with warnings.catch_warnings():
     from mxnet.gluon import nn
 
 from adapters import mxnet_layers as layers  # after mxnet: its blocks subclass Gluon's (see that module)
+from adapters import mxnet_training as training  # after mxnet, likewise
 from adapters.base import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size
 from harness.neutral.models import initial_buffers
 
@@ -77,84 +77,6 @@ _ENV_AT_IMPORT = {key: os.environ.get(key) for key in _THREAD_ENV}
 _CPUS_AT_IMPORT = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 HYBRIDIZE_FLAGS = {"static_alloc": True, "static_shape": True}
-
-#: Why the precisions MXNet 1.9.1 does not give this adapter are missing (see the module docstring), appended to
-#: ``unsupported_execution``'s reason.
-_UNAVAILABLE = {
-    "bf16": "MXNet 1.9.1 has bfloat16 convolution and dense kernels only in oneDNN, which creates them on AVX-512 "
-            "CPUs only (on AVX2: 'could not create a primitive descriptor iterator'), and no bfloat16 dot or "
-            "batch_dot on the CPU ('dot only supports float32/float64 for CPU')",
-    "tf32": "MXNet 1.9.1 has no TF32 switch; its fp32 on a GPU runs with NVIDIA_TF32_OVERRIDE=0",
-}
-#: The AMP target dtype of each precision this adapter trains in (None: no AMP).
-_AMP_DTYPES = {"fp32": None, "fp16": "float16"}
-# What amp.init set up in this process: it rewrites mx.nd's and mx.sym's operators in place and cannot be undone.
-_amp_target: str | None = None
-
-
-def _init_amp(precision: str) -> str | None:
-    """Initialises MXNet's AMP for ``precision`` once per process and returns its target dtype ("float16"), or None
-    for fp32. Raises RuntimeError when AMP already runs in this process for a different precision (``amp.init``
-    wraps ``mx.nd``'s and ``mx.sym``'s operator functions in place, for every net built or traced afterwards, and has
-    no inverse: the worker runs one trial per process, so this only guards against reusing a process).
-
-    fp16 (``amp.init(target_dtype="float16")``, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/
-    amp/index.html), with AMP's own op lists (mxnet/contrib/amp/lists/symbol_fp16.py): parameters stay float32 (the
-    master weights: ``amp_cast`` is inserted between a parameter and an fp16 operator, so gradients reach the
-    parameters as float32, and the optimizer state is float32; ``multi_precision`` stays off); ``Convolution`` and
-    ``FullyConnected`` run in float16; ``softmax``, ``log_softmax`` (so the loss), ``LayerNorm`` and ``mean`` in
-    float32; ``batch_dot`` and the adds in the widest dtype of their inputs. Where AMP differs from the shared
-    policy: ``BatchNorm`` is dtype-neutral in AMP, so it takes the float16 output of a convolution (its gamma, beta and
-    running statistics stay float32 in MXNet's fp16 BatchNorm); so are pooling, relu, gelu, reshapes and dropout;
-    attention's score product is float16 (both inputs come from a float16 dense layer), its softmax and the product
-    with v float32 (the causal mask is float32, see ``adapters.mxnet_layers.SelfAttention``); the logits are the
-    float16 output of the last dense layer, widened to float32 by the loss and by ``predict``. The loss is scaled
-    dynamically (``amp.init_trainer``, ``amp.scale_loss``; ``train_step``)."""
-    global _amp_target
-    if precision not in _AMP_DTYPES:
-        raise ValueError(f"the mxnet adapter does not train in {precision}")
-    target = _AMP_DTYPES[precision]
-    if _amp_target is not None and target != _amp_target:
-        raise RuntimeError(f"MXNet's AMP was initialised for {_amp_target} in this process and cannot be undone; "
-                           f"{precision} needs a fresh process")
-    if target is not None and _amp_target is None:
-        amp.init(target_dtype=target)
-        _amp_target = target
-    return target
-
-
-class _PyTorchAdam(mx.optimizer.Adam):
-    """``torch.optim.Adam`` on MXNet's fused ``adam_update`` kernel (coupled L2 weight decay, no amsgrad).
-
-    MXNet 1.9.1's ``Adam.update`` (mxnet/optimizer/optimizer.py) passes the kernel ``lr * sqrt(1 - beta2^t) /
-    (1 - beta1^t)`` and ``epsilon``, and the kernel computes ``weight -= lr' * m / (sqrt(v) + epsilon)``: epsilon is
-    added to sqrt(v) before the bias correction (Keras's form). PyTorch adds it after: ``weight -= lr / (1 - beta1^t)
-    * m / (sqrt(v) / sqrt(1 - beta2^t) + epsilon)``. Passing ``epsilon * sqrt(1 - beta2^t)`` at step t makes the two
-    the same update (as the TensorFlow adapter does for ``ResourceApplyAdam``).
-
-    This is MXNet's ``Adam.update`` with that one change, so epsilon uses the same per-parameter step count t as
-    MXNet's own learning-rate correction (``_index_update_count``, advanced by ``_update_count``). Both scalars are
-    computed in float64 from an integer t, as PyTorch computes its bias corrections, and become the kernel's float32
-    parameters. Nothing here waits for the engine: t and the scalars are Python numbers and ``adam_update`` is queued
-    like any operator. The per-parameter path is the only one Adam has: its ``aggregate_num`` is 0 (only SGD, LARS
-    and LAMB set it from ``MXNET_OPTIMIZER_AGGREGATION_SIZE``), so ``Updater`` calls ``update`` once per parameter.
-    """
-
-    def update(self, index, weight, grad, state):
-        self._update_count(index)
-        lr = self._get_lr(index)
-        wd = self._get_wd(index)
-        t = self._index_update_count[index]
-        bias_correction1 = 1.0 - self.beta1 ** t
-        bias_correction2_sqrt = math.sqrt(1.0 - self.beta2 ** t)
-        kwargs: dict[str, Any] = {"beta1": self.beta1, "beta2": self.beta2,
-                                  "epsilon": self.epsilon * bias_correction2_sqrt, "rescale_grad": self.rescale_grad}
-        if self.clip_gradient:
-            kwargs["clip_gradient"] = self.clip_gradient
-        mean, var = state
-        nd.adam_update(weight, grad, mean, var, out=weight, lazy_update=self.lazy_update,
-                       lr=lr * bias_correction2_sqrt / bias_correction1, wd=wd, **kwargs)
-
 
 _PROBED: dict[tuple[str, int, int, bool], bool] = {}
 
@@ -238,14 +160,6 @@ class MXNetAdapter(Adapter):
         self._amp_dtype: str | None = None  # AMP's target dtype ("float16"), None without AMP
         self._hybridized = True
 
-    def unsupported_execution(self, precision: str, compile: str, device: str) -> str | None:
-        """The base class's reason, followed for bf16 and tf32 by why MXNet 1.9.1 cannot (``_UNAVAILABLE``), e.g.
-        "the mxnet adapter does not train in tf32 on cuda: MXNet 1.9.1 has no TF32 switch; ..."."""
-        why = super().unsupported_execution(precision, compile, device)
-        if why is not None and precision in _UNAVAILABLE and precision not in self.PRECISIONS:
-            why = f"{why}: {_UNAVAILABLE[precision]}"
-        return why
-
     def versions(self) -> dict[str, str]:
         out = {"mxnet": mx.__version__}
         dists = importlib.metadata.packages_distributions().get("mxnet") or []
@@ -311,8 +225,8 @@ class MXNetAdapter(Adapter):
         active only under ``autograd.record``. Images are NCHW, token ids (N, L) and sequences (N, L, D). In the
         ``compiled`` mode (``options["compile"]``, the default) the net is hybridized with ``static_alloc=True,
         static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/hybrid_block.html);
-        ``eager`` leaves it imperative. ``options["precision"]`` fp16 initialises AMP first (``_init_amp``); a
-        precision or mode this adapter lacks on the device raises ValueError. In the compiled mode a new input shape
+        ``eager`` leaves it imperative. ``options["precision"]`` fp16 initialises AMP first
+        (``adapters.mxnet_training.init_amp``); a precision or mode this adapter lacks on the device raises ValueError. In the compiled mode a new input shape
         (evaluation's batches, ``predict``) re-plans the cached graph, which costs tens of microseconds for this model
         (measured on 1.9.1; memory stays flat however often the shapes alternate), so training, evaluation and
         ``predict`` share the one graph and need no padding.
@@ -320,8 +234,8 @@ class MXNetAdapter(Adapter):
         Optimizers, with PyTorch's semantics (``harness.spec.OptimizerSpec``; https://mxnet.apache.org/versions/1.9.1/
         api/python/docs/api/optimizer/index.html): ``sgd`` is MXNet's own, ``state = momentum * state + lr * (grad +
         wd * weight); weight -= state``, PyTorch's update scaled by lr, identical for a constant learning rate.
-        ``adam`` is ``_PyTorchAdam``: MXNet's ``adam_update`` kernel with epsilon rescaled each step so that it lands
-        where PyTorch puts it (see that class). In both, ``wd`` is an L2 term added to the gradient (coupled), like
+        ``adam`` is ``adapters.mxnet_training.PyTorchAdam``: MXNet's ``adam_update`` kernel with epsilon rescaled
+        each step so that it lands where PyTorch puts it (see that class). In both, ``wd`` is an L2 term added to the gradient (coupled), like
         ``weight_decay`` in torch.optim.SGD/Adam. ``multi_precision`` is off (it only matters for float16 weights)
         and ``lazy_update`` is off (it only matters for row_sparse gradients).
         """
@@ -333,7 +247,8 @@ class MXNetAdapter(Adapter):
         if (why := self.unsupported_execution(self._precision, mode, kind)) is not None:
             raise ValueError(why)
         self._hybridized = mode == "compiled"
-        self._amp_dtype = _init_amp(self._precision)  # before the net's first forward pass traces or runs anything
+        # before the net's first forward pass traces or runs anything
+        self._amp_dtype = training.init_amp(self._precision)
         net = nn.HybridSequential()
         self._layers, self._tensors = {}, {}
         self._variance_fixups = []
@@ -350,7 +265,7 @@ class MXNetAdapter(Adapter):
         # sparse labels, log-softmax of the logits inside, over the last axis (the classes, or each position's
         # vocabulary); a per-sample loss, the mean over a sequence's positions for next-token logits (N, L, V)
         self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)
-        opt = _optimizer(optimizer)
+        opt = training.optimizer_for(optimizer)
         # kvstore=None: one device, the update runs locally on it (no kvstore copy of the weights).
         self._params = net.collect_params()
         self._grad_req = "write"
@@ -626,12 +541,3 @@ def _activation(name: str) -> nn.HybridBlock | None:
     if name == "relu":
         return nn.Activation("relu")
     return nn.GELU() if name == "gelu" else None
-
-
-def _optimizer(optimizer: Any) -> Any:
-    """MXNet's SGD, or ``_PyTorchAdam``, for the canonical optimizer spec (see ``MXNetAdapter.build``)."""
-    if optimizer.name == "sgd":
-        return mx.optimizer.SGD(learning_rate=optimizer.learning_rate, momentum=optimizer.momentum,
-                                wd=optimizer.weight_decay, multi_precision=False, lazy_update=False)
-    return _PyTorchAdam(learning_rate=optimizer.learning_rate, beta1=optimizer.beta1, beta2=optimizer.beta2,
-                        epsilon=optimizer.epsilon, wd=optimizer.weight_decay, multi_precision=False, lazy_update=False)

@@ -180,6 +180,12 @@ class PyTorchAdapter(Adapter):
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         # The same parameters either way: torch.compile wraps the module, it does not copy it.
         self.model: nn.Module = torch.compile(self.net) if self.mode == "compiled" else self.net
+        self._dynamo_counters: Any = None
+        self._compilations = 0
+        if self.mode == "compiled":
+            from torch._dynamo.utils import counters  # TorchDynamo's process-wide statistics
+
+            self._dynamo_counters = counters
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         params = self.net.parameters()
         if optimizer.name == "sgd":
@@ -305,6 +311,20 @@ class PyTorchAdapter(Adapter):
         self.x_train.copy_(torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))))
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+        """One optimizer step (``_train_step``); in the compiled mode the graphs TorchDynamo captures in it are
+        counted (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read around the step so that the graphs
+        of evaluation are not counted)."""
+        if self._dynamo_counters is None:
+            self._train_step(indices, micro_batches)
+            return
+        before = self._dynamo_counters["stats"]["unique_graphs"]
+        self._train_step(indices, micro_batches)
+        self._compilations += self._dynamo_counters["stats"]["unique_graphs"] - before
+
+    def compilations(self) -> int | None:
+        return self._compilations if self._dynamo_counters is not None else None
+
+    def _train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
         """One optimizer step. With ``micro_batches`` k > 1, each of the k consecutive micro-batches is gathered,
         run forward and backward on its own with its mean loss scaled by 1 / k (``backward`` adds into ``.grad``), so
         that the one ``opt.step`` applies the mean gradient over all B samples while only one micro-batch's

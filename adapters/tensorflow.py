@@ -43,13 +43,13 @@ optimizer state stay float32 (master weights); convolutions, dense layers, the e
 projections and score / value products compute in the low precision; batchnorm, layer normalisation, softmax and the
 loss in float32; the logits are returned float32 (see ``adapters.tensorflow_layers`` for how: Keras's
 "mixed_bfloat16" / "mixed_float16" policy for its two layers, ``tf.cast`` at the raw ops). fp16 adds dynamic loss
-scaling (``_DynamicLossScale``): the adapter's optimizer is not a Keras one, so Keras's ``LossScaleOptimizer`` does
+scaling (``DynamicLossScale``): the adapter's optimizer is not a Keras one, so Keras's ``LossScaleOptimizer`` does
 not apply.
 
 The optimizer is PyTorch's (``torch.optim.SGD`` / ``Adam``, coupled L2 weight decay) on TF's fused training kernels
 (``ResourceApplyMomentum`` / ``ResourceApplyAdam``: one op per variable), not ``keras.optimizers``: Keras 3's SGD would
 agree for a constant learning rate, but its Adam adds epsilon to sqrt(v) before the bias correction where PyTorch adds
-it after (see ``_make_update``), and the spec makes the optimizer identical in every framework.
+it after (see ``make_update``), and the spec makes the optimizer identical in every framework.
 
 Sync reads the last loss with ``.numpy()``, after ``tf.test.experimental.sync_devices()`` on a GPU
 (https://www.tensorflow.org/api_docs/python/tf/test/experimental/sync_devices); on the CPU, eager TF is synchronous.
@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silences TF's C++ INFO and WARNING logs
 
@@ -72,6 +72,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from adapters import tensorflow_layers as L  # noqa: E402
+from adapters.tensorflow_training import DynamicLossScale, dense_gradients, make_update  # noqa: E402
 from adapters.base import (  # noqa: E402
     ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size)
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
@@ -119,12 +120,13 @@ class TensorFlowAdapter(Adapter):
         self.tokens = self.next_token = False
         self._memory_settings: dict[str, Any] = {}  # what _configure_gpu_memory applied, for settings()
         self._train_fns: dict[tuple[int, int], Any] = {}  # (batch size, micro-batches) -> traced train step
+        self._compilations = 0  # tracings of train step functions (see compilations)
         self._train_calls: dict[tuple[int, int], Any] = {}  # the same -> its concrete function, what a step calls
         self._staged: dict[int, tf.Tensor] = {}  # this epoch's index batches on the device, by their start in it
         self._staged_order: np.ndarray | None = None  # that epoch's order (stage_epoch)
         self._compute = tf.float32  # the compute dtype (build, from options["precision"])
         self._jit = False  # XLA (build, from options["compile"])
-        self._loss_scale: _DynamicLossScale | None = None  # fp16 only
+        self._loss_scale: DynamicLossScale | None = None  # fp16 only
 
     def versions(self) -> dict[str, str]:
         out = {"tensorflow": tf.__version__}
@@ -228,8 +230,8 @@ class TensorFlowAdapter(Adapter):
                 fn, flatten_from = self._add_layer(layer, weights, buffers, flatten_from, info.layers[position + 1:])
                 self._forward_layers.append(fn)
             self._variables = [v for variables, _ in self._params.values() for v in variables]
-            self._update = _make_update(optimizer, self._variables)
-            self._loss_scale = _DynamicLossScale() if self._compute == tf.float16 else None
+            self._update = make_update(optimizer, self._variables)
+            self._loss_scale = DynamicLossScale() if self._compute == tf.float16 else None
         if self.tokens:
             input_spec = tf.TensorSpec((None, *info.input_shape), tf.int64)
             label_spec = tf.TensorSpec((None, *info.input_shape) if self.next_token else (None,), tf.int64)
@@ -365,11 +367,11 @@ class TensorFlowAdapter(Adapter):
 
     def _gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> list[tf.Tensor]:
         """The float32 gradients of ``loss`` (scaled in fp16) for every variable, dense, and unscaled in fp16."""
-        grads = _dense_gradients(tape.gradient(loss, self._variables))
+        grads = dense_gradients(tape.gradient(loss, self._variables))
         return grads if self._loss_scale is None else self._loss_scale.unscale(grads)
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
-        """The optimizer update with ``grads``; in fp16 only when they are all finite (``_DynamicLossScale``)."""
+        """The optimizer update with ``grads``; in fp16 only when they are all finite (``DynamicLossScale``)."""
         if self._loss_scale is None:
             self._update(grads)
         else:
@@ -415,6 +417,7 @@ class TensorFlowAdapter(Adapter):
             self.x_test = tf.constant(data.x_test, dtype=dtype)
             self.y_test = tf.constant(data.y_test, dtype=tf.int64)
         self._train_fns, self._train_calls = {}, {}  # the train step captures the training tensors when it is traced
+        self._compilations = 0  # tracings of train step functions (tf.function's experimental_get_tracing_count)
 
     def set_train_images(self, images: np.ndarray) -> None:
         """Overwrites the training images (float32 NHWC) in place with ``tf.Variable.assign``."""
@@ -463,8 +466,14 @@ class TensorFlowAdapter(Adapter):
             # about 5 % of a step at batch 64; benchmarks/harness_vs_loop.py).
             function = tf.function(python_fn, input_signature=signature, jit_compile=self._jit, autograph=False)
             self._train_fns[key], self._train_calls[key] = function, function.get_concrete_function()
+            self._compilations += function.experimental_get_tracing_count()
             fn = self._train_calls[key]
         self._last_loss = fn(self._indices_tensor(indices))
+
+    def compilations(self) -> int | None:
+        """Tracings of train step functions (``tf.function.experimental_get_tracing_count``; in the compiled mode each
+        traced graph is also XLA-compiled once, on its first call)."""
+        return self._compilations
 
     def sync(self) -> float:
         """Blocks until queued work is done; returns the last step's loss (nan before the first step)."""
@@ -567,107 +576,3 @@ def _flatten_feeds_dense(following: Any) -> bool:
         if layer.kind not in _ORDER_FREE:
             return False
     return False
-
-
-def _dense_gradients(grads: list[Any]) -> list[Any]:
-    """The gradients as dense tensors: an embedding's (``tf.gather`` of its table) is a ``tf.IndexedSlices`` of the
-    rows looked up (https://www.tensorflow.org/api_docs/python/tf/IndexedSlices), which ``tf.convert_to_tensor``
-    scatters into the full (vocab, D) gradient, zero elsewhere: what PyTorch's dense embedding gradient is, and what
-    the fused optimizer kernels and the accumulation sums take. Other gradients pass as they are."""
-    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-
-
-class _DynamicLossScale:
-    """Dynamic loss scaling for float16 training, the algorithm of https://www.tensorflow.org/guide/mixed_precision
-    (its "Loss scaling" sections) and of Keras's ``LossScaleOptimizer``
-    (https://keras.io/api/mixed_precision/loss_scale_optimizer/: growth after 2000 steps), here
-    around the adapter's own optimizer: the loss is multiplied by the scale before the gradients are taken (so that
-    small float16 gradients do not flush to zero) and the float32 gradients divided by it; when any of them is not
-    finite the optimizer step is skipped and the scale halved, and after ``growth_steps`` finite steps in a row it is
-    doubled. The scale (float32) and the count (int64) are non-trainable variables, updated inside the train step.
-    The initial scale is 2^16, PyTorch's ``GradScaler`` default and the JAX adapter's (Keras starts at 2^15), so that
-    every framework skips the same early steps."""
-
-    def __init__(self, initial: float = 2.0 ** 16, growth_steps: int = 2000) -> None:
-        self.scale = tf.Variable(initial, dtype=tf.float32, trainable=False, name="loss_scale")
-        self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="loss_scale_good_steps")
-        self.growth_steps = growth_steps
-
-    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
-        return loss * self.scale
-
-    def unscale(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        return [g / self.scale for g in grads]
-
-    def apply(self, grads: list[tf.Tensor], update: Callable[[list[tf.Tensor]], None]) -> None:
-        """``update(grads)`` and the scale's growth count when every gradient is finite, else the scale halved and
-        the count reset (``tf.cond``: the branch not taken does not run)."""
-        finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
-
-        def step() -> tf.Tensor:
-            update(grads)
-            grow = self.good_steps + 1 >= self.growth_steps
-            self.scale.assign(tf.where(grow, self.scale * 2.0, self.scale))
-            self.good_steps.assign(tf.where(grow, tf.constant(0, tf.int64), self.good_steps + 1))
-            return tf.constant(True)
-
-        def skip() -> tf.Tensor:
-            self.scale.assign(self.scale / 2.0)
-            self.good_steps.assign(0)
-            return tf.constant(False)
-
-        tf.cond(finite, step, skip)
-
-
-def _make_update(opt: Any, variables: list[tf.Variable]) -> Callable[[list[tf.Tensor]], None]:
-    """The optimizer step with PyTorch's semantics, on TF's fused training kernels (one op per variable, the kernels
-    behind ``tf.compat.v1.train``'s optimizers; https://www.tensorflow.org/api_docs/python/tf/raw_ops/
-    ResourceApplyMomentum and .../ResourceApplyAdam). Weight decay is coupled L2, as in PyTorch: g <- g +
-    weight_decay * p. The state variables are created here, on the current device, zero-initialized like PyTorch's.
-
-    sgd: ``ResourceApplyMomentum`` computes accum <- momentum * accum + g; p <- p - lr * accum, which is
-    ``torch.optim.SGD`` with dampening 0 and no Nesterov (PyTorch's first step sets accum = g: the same from 0).
-    adam: ``ResourceApplyAdam`` computes p <- p - lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps'), with
-    epsilon added before the bias correction (Keras's form); ``torch.optim.Adam`` adds it after, p <- p - lr /
-    (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). Passing eps' = eps * sqrt(1 - b2^t) each step makes the two
-    the same update.
-    """
-    lr, wd = float(opt.learning_rate), float(opt.weight_decay)
-
-    def f32(x: Any) -> tf.Tensor:  # built while the train step is traced: graph constants, not captures
-        return tf.cast(x, tf.float32)
-
-    def decayed(g: tf.Tensor, p: tf.Variable) -> tf.Tensor:
-        return g + wd * p if wd else g
-
-    if opt.name == "sgd":
-        if not opt.momentum:
-            def sgd(grads: list[tf.Tensor]) -> None:
-                for g, p in zip(grads, variables):
-                    tf.raw_ops.ResourceApplyGradientDescent(var=p.handle, alpha=f32(lr), delta=decayed(g, p))
-            return sgd
-        momentum = float(opt.momentum)
-        accums = [tf.Variable(tf.zeros_like(p), trainable=False) for p in variables]
-
-        def sgd_momentum(grads: list[tf.Tensor]) -> None:
-            for g, p, accum in zip(grads, variables, accums):
-                tf.raw_ops.ResourceApplyMomentum(var=p.handle, accum=accum.handle, lr=f32(lr), grad=decayed(g, p),
-                                                 momentum=f32(momentum), use_nesterov=False)
-        return sgd_momentum
-
-    beta1, beta2, eps = float(opt.beta1), float(opt.beta2), float(opt.epsilon)
-    step = tf.Variable(0.0, dtype=tf.float64, trainable=False)
-    m = [tf.Variable(tf.zeros_like(p), trainable=False) for p in variables]
-    v = [tf.Variable(tf.zeros_like(p), trainable=False) for p in variables]
-
-    def adam(grads: list[tf.Tensor]) -> None:
-        t = step.assign_add(1.0)
-        # The bias corrections in double precision, as PyTorch computes them, then float32 for the kernel.
-        beta1_power = tf.pow(tf.constant(beta1, tf.float64), t)
-        beta2_power = tf.pow(tf.constant(beta2, tf.float64), t)
-        scalars = {"lr": f32(lr), "beta1": f32(beta1), "beta2": f32(beta2), "beta1_power": f32(beta1_power),
-                   "beta2_power": f32(beta2_power), "epsilon": f32(eps * tf.sqrt(1.0 - beta2_power))}
-        for g, p, m_i, v_i in zip(grads, variables, m, v):
-            tf.raw_ops.ResourceApplyAdam(var=p.handle, m=m_i.handle, v=v_i.handle, grad=decayed(g, p),
-                                         use_locking=False, use_nesterov=False, **scalars)
-    return adam

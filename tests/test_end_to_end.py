@@ -38,6 +38,10 @@ def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
         assert m["parameter_count"] == 4 * 9 + 4 + 64 * 10 + 10  # tiny CNN: conv 4x1x3x3, dense 64 -> 10
         assert r["sampler"]["backend"] == "host" and r["sampler"]["stats"]["rss_bytes"]["count"] >= 1
         assert r["versions"] and r["settings"]["intra_op_threads"] == 1
+        # the framework's own count of train step graphs: TensorFlow traced its step once, in warm-up, and never in
+        # the timed windows; PyTorch eager and MXNet keep no count
+        expected = (1, 0) if r["framework"] == "tensorflow" else (None, None)
+        assert (m["compilations_warmup"], m["recompilations"]) == expected, r["id"]
     accuracy = {r["id"]: r["metrics"]["test_accuracy"] for r in records}
     assert min(accuracy[f"{fw}-bs32-r0"] for fw in ("pytorch", "tensorflow", "mxnet")) > 0.8, accuracy
     run = json.loads((run_dir / "run.json").read_text())

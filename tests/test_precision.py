@@ -26,8 +26,8 @@ def test_variants_cross_precision_and_mode(tmp_path):
 def test_the_registry_decides_execution_before_any_worker(tmp_path):
     info = model_info(checked_spec(base_spec(), tmp_path / "s.yaml"))
     assert unsupported("pytorch", info, "bf16", "compiled", "cpu") is None
-    assert unsupported("pytorch", info, "fp16", "default", "cpu") == (
-        "the pytorch adapter does not train in fp16 on cpu (only on cuda)")
+    assert unsupported("pytorch", info, "fp16", "default", "cpu").startswith(
+        "the pytorch adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is")
     assert unsupported("pytorch", info, "fp16", "default", "cuda:0") is None
     assert unsupported("jax", info, "fp32", "eager", "cpu") == (
         "the jax adapter has no eager mode (its modes: compiled)")
@@ -46,8 +46,8 @@ def test_a_sweep_records_precision_mode_first_step_and_unsupported_rows(monkeypa
     assert {key: r["status"] for key, r in records.items()} == {
         ("pytorch", "bf16"): "ok", ("pytorch", "fp16"): "unsupported",
         ("jax", "bf16"): "unsupported", ("jax", "fp16"): "unsupported"}
-    assert records[("pytorch", "fp16")]["reason"] == (
-        "not run: the pytorch adapter does not train in fp16 on cpu (only on cuda)")
+    assert records[("pytorch", "fp16")]["reason"].startswith(
+        "not run: the pytorch adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss")
     assert records[("jax", "bf16")]["reason"] == "not run: the jax adapter has no eager mode (its modes: compiled)"
     assert not (run_dir / "events" / f"{records[('pytorch', 'fp16')]['id']}.jsonl").exists()
     ok = records[("pytorch", "bf16")]

@@ -201,3 +201,32 @@ def test_seeds_plan_one_trial_per_seed_with_its_own_seed(tmp_path):
 
     with pytest.raises(SpecError, match="seeds: a seed is listed twice"):
         checked_spec(base_spec(seeds=[1, 1]), tmp_path / "s.yaml")
+
+
+def test_mixed_precision_accuracy_against_fp32_per_batch_size(tmp_path):
+    """Rows that differ only in precision are set against the fp32 row: the change in points per batch size (with
+    a noise verdict from the intervals of the repeats) and the change of the curve from the smallest to the largest
+    batch size; rows of another execution mode are paired with their own fp32 row."""
+    records = []
+    for variant, precision, compile, accuracies in (
+            ("fp32, eager", "fp32", "eager", {8: (0.90, 0.91, 0.92), 16: (0.80, 0.81, 0.82)}),
+            ("bf16, eager", "bf16", "eager", {8: (0.905, 0.915, 0.925), 16: (0.70, 0.71, 0.72)}),
+            ("fp32, compiled", "fp32", "compiled", {8: (0.5, 0.5, 0.5), 16: (0.5, 0.5, 0.5)}),
+            ("bf16, compiled", "bf16", "compiled", {8: (0.6, 0.6, 0.6)})):
+        for bs, values in accuracies.items():
+            for repeat, accuracy in enumerate(values):
+                rec = record("pytorch", bs, repeat, accuracy=accuracy, variant=variant, precision=precision,
+                             compile=compile)
+                rec["id"] += f"-{precision}-{compile}"
+                records.append(rec)
+    text = report.write(make_run(tmp_path, records, frameworks=("pytorch",))).read_text()
+    section = text.split("## Mixed precision and accuracy")[1].split("\n## ")[0]
+    assert "| PyTorch (bf16, eager) - fp32 | +0.50 (within noise) | -10.00 (beyond noise) |" in section
+    assert "| PyTorch (bf16, compiled) - fp32 | +10.00 (beyond noise) |  |" in section  # nothing in bf16 at 16
+    assert ("PyTorch (bf16, eager): from batch size 8 to 16 accuracy moves -10.00 points in fp32 and -20.50 in bf16 "
+            "(the curve's slope changes by -10.50 points)") in section
+    assert "PyTorch (bf16, compiled): from" not in section  # one batch size: no curve
+    assert "Largest change: +10.00 points (PyTorch (bf16, compiled), batch size 8)" in section
+    plain = [record("pytorch", 8), record("pytorch", 16)]
+    (tmp_path / "b").mkdir()
+    assert "Mixed precision" not in report.write(make_run(tmp_path / "b", plain, frameworks=("pytorch",))).read_text()

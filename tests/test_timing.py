@@ -39,6 +39,9 @@ class RecordingAdapter:
         self.calls.append("eval")
         return 0.5, 0.9
 
+    def compilations(self):
+        return None  # keeps no count (the adapter default)
+
     def reset_memory_stats(self):
         pass
 
@@ -128,8 +131,38 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
 
     record = {"id": "x-bs4-r0", "status": "ok", "metrics": metrics}
     (title, _, text, _) = slow_window_notes({"records": [record]})
-    assert title == "## Slow windows" and "x-bs4-r0 (1 of 10 windows, the slowest" in text
+    assert title == "## Slow windows and recompilations" and "x-bs4-r0 (1 of 10 windows, the slowest" in text
     assert slow_window_notes({"records": [{**record, "metrics": {**metrics, "slow_windows": 0}}]}) == []
+
+
+def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_the_report():
+    """An adapter whose framework counts its compiled graphs: one compiled in the first warm-up step and one more
+    inside the timed windows (a shape the step had not seen). The worker records 1 during warm-up and 1 after, and
+    the report names the trial; an adapter that keeps no count gives None."""
+    adapter = RecordingAdapter()
+    adapter.count, steps, step = 0, [], adapter.train_step
+
+    def train_step(indices, micro_batches=1):
+        steps.append(1)
+        step(indices, micro_batches)
+        if len(steps) in (1, 20):
+            adapter.count += 1
+
+    adapter.train_step, adapter.compilations = train_step, lambda: adapter.count
+    data = SimpleNamespace(y_train=np.zeros(200, dtype=np.int64), x_train=np.zeros((200, 1, 1, 1)))
+    trial = {"batch_size": 4, "epochs": 1, "warmup_steps": 2, "seed": 0,
+             "timing": TimingSpec.model_validate({"window": 5}).model_dump(mode="json")}
+    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    assert (metrics["compilations_warmup"], metrics["recompilations"]) == (1, 1)
+    from harness.results.report import slow_window_notes
+
+    record = {"id": "x-bs4-r0", "status": "ok", "metrics": {**metrics, "slow_windows": 0}}
+    text = "\n".join(slow_window_notes({"records": [record]}))
+    assert "Recompilations inside the timed windows" in text and "x-bs4-r0 (1 after warm-up, 1 during it)" in text
+    del adapter.compilations
+    adapter.compilations = lambda: None
+    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    assert metrics["compilations_warmup"] is None and metrics["recompilations"] is None
 
 
 def test_each_epoch_is_staged_before_its_first_step():

@@ -22,7 +22,10 @@ k gives windows of k steps. Evaluation on the test set follows each epoch, outsi
 
 The trial's first step runs alone, synced on both sides, and its time is ``first_step_seconds``: what tracing,
 compilation (``compile: compiled``), kernel autotuning and first allocations cost, never inside the throughput (it is
-a warm-up step; a trial without warm-up has no such figure). Precision and execution mode reach the adapter in
+a warm-up step; a trial without warm-up has no such figure). The framework's own count of train step graphs
+(``Adapter.compilations``) is read when warm-up ends and at the end: ``recompilations`` is what was traced or compiled
+inside the timed windows (a shape or guard the compiled step had not seen), a cost the throughput then includes.
+Precision and execution mode reach the adapter in
 ``options`` after ``Adapter.unsupported_execution`` has accepted them; a combination it cannot run ends the trial
 ``unsupported`` before the framework touches the device.
 """
@@ -132,6 +135,7 @@ class _Loop:
         self.reached: dict[str, Any] | None = None
         self.warm = self.warmup == 0
         self.first_step_seconds: float | None = None  # the first warm-up step, synced on both sides (see warm_up)
+        self.compilations_warm: int | None = None  # the adapter's compilation count when warm-up ended
 
     def step(self, order: np.ndarray, position: int) -> None:
         indices = order[position * self.batch:(position + 1) * self.batch]
@@ -145,6 +149,7 @@ class _Loop:
         self.adapter.sync()
         if self.warm:
             self.adapter.reset_memory_stats()
+            self.compilations_warm = self.adapter.compilations()
         else:
             self.emit("phase", name="warmup", edge="start")
         for epoch in range(self.epochs):
@@ -186,6 +191,7 @@ class _Loop:
             self.warm = True
             self.emit("phase", name="warmup", edge="end")
             self.adapter.reset_memory_stats()
+            self.compilations_warm = self.adapter.compilations()
         return count
 
     def window_steps(self, left: int) -> int:
@@ -268,6 +274,11 @@ class _Loop:
             "epochs": self.epoch_records,
             "memory": self.adapter.memory_stats(),
             "first_step_seconds": self.first_step_seconds,
+            # the framework's own count of traced/compiled train step graphs (Adapter.compilations): by the end of
+            # warm-up, and how many more came inside the timed windows (None where the framework keeps no count)
+            "compilations_warmup": self.compilations_warm,
+            "recompilations": (None if self.compilations_warm is None or (end := self.adapter.compilations()) is None
+                               else end - self.compilations_warm),
         }
 
 
@@ -294,9 +305,10 @@ def run(payload: dict[str, Any], events: Events) -> int:
         precision, compile = trial.get("precision", "fp32"), trial.get("compile", "default")
         if (why := adapter.unsupported_execution(precision, compile, trial["device"])) is not None:
             raise Unsupported(why)  # before the framework touches the device
+        mode = adapter.compile_mode(compile)  # "default" resolved to the adapter's own mode
         adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
                            "memory_limit_bytes": trial.get("memory_limit_bytes"), "precision": precision,
-                           "compile": adapter.compile_mode(compile)}
+                           "compile": mode}
         adapter.prepare(trial["device"], trial["threads"], trial["seed"])
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
         if (why := adapter.unsupported(info)) is not None:  # before the data is loaded and anything is built
@@ -318,8 +330,8 @@ def run(payload: dict[str, Any], events: Events) -> int:
             "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,
             "data_bytes": data.nbytes,
             "precision": precision,
-            "compile": adapter.compile_mode(compile),
-            "compile_meaning": adapter.COMPILE_MODES.get(adapter.compile_mode(compile), ""),
+            "compile": mode,
+            "compile_meaning": adapter.COMPILE_MODES.get(mode, ""),
         })
         events.emit("result", metrics=metrics, versions=adapter.versions(), settings=adapter.settings())
         return EXIT_OK

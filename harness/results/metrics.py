@@ -108,8 +108,9 @@ def metrics_for(backend: str) -> list[Metric]:
                    "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
                    "TensorFlow get_memory_info peak; MXNet exposes none)"),
             Metric("mfu", "Model FLOPs utilization", "%", scaled(100.0, "metrics", "mfu"), 2,
-                   "achieved training FLOP/s over the device's fp32 peak (harness.measure.peaks, each with its datasheet "
-                   "source); empty for a device not in the table"),
+                   "achieved training FLOP/s over the device's dense peak in the trial's precision (tf32, bf16 "
+                   "and fp16 their Tensor Core peaks; harness.measure.peaks, each with its datasheet source); empty for "
+                   "a device or precision not in the table"),
             Metric("power", "Power (mean)", "W", _mean_power, 1,
                    "mean board power over the timed windows (energy / time where NVML's energy counter exists, else "
                    "the mean of NVML power samples)", "power_w"),

@@ -18,6 +18,7 @@ import pandas as pd
 from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import Metric, scaled, title
 from harness.results.plots import plot, plot_trial
+from harness.results.precision import precision_accuracy_section
 from harness.results.stats import overlaps
 from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, format_cell, markdown_table,
                                     memory_rows, metric_row, metric_table, noise_pairs, ohio_state_rows)
@@ -234,24 +235,32 @@ def measurement_notes(data: dict[str, Any]) -> list[str]:
     return (["## How the sampler fared", ""] + lines) if lines else []
 
 def slow_window_notes(data: dict[str, Any]) -> list[str]:
-    """The trials with timed windows whose steps took more than 3 x their median step (the worker's
+    """The trials whose framework counted recompilations after warm-up, and those with timed windows whose steps
+    took more than 3 x their median step (the worker's
     ``slow_windows``): a recompilation of a compiled step, a garbage collection or the machine's noise, named so
     that a throughput is not read without it. Empty when there are none."""
     slow = [f"{r['id']} ({m['slow_windows']} of {m.get('timed_windows')} windows, the slowest "
             f"{m['step_time_max_s'] / m['step_time_median_s']:.1f} x the median step)"
             for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("slow_windows")]
-    if not slow:
-        return []
-    return ["## Slow windows", "",
-            "Timed windows whose steps took more than 3 x the trial's median step (a recompilation, a garbage "
-            "collection or other load on the machine; they are inside the throughput): "
-            + "; ".join(slow[:20]) + ("; ..." if len(slow) > 20 else "") + ".", ""]
+    recompiled = [f"{r['id']} ({m['recompilations']} after warm-up, {m.get('compilations_warmup')} during it)"
+                  for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("recompilations")]
+    lines = []
+    if slow:
+        lines += ["Timed windows whose steps took more than 3 x the trial's median step (a recompilation, a garbage "
+                  "collection or other load on the machine; they are inside the throughput): "
+                  + "; ".join(slow[:20]) + ("; ..." if len(slow) > 20 else "") + ".", ""]
+    if recompiled:
+        lines += ["Recompilations inside the timed windows, by the framework's own count of traced or compiled train "
+                  "step graphs (their time is inside the throughput): "
+                  + "; ".join(recompiled[:20]) + ("; ..." if len(recompiled) > 20 else "") + ".", ""]
+    return ["## Slow windows and recompilations", ""] + lines if lines else []
 
 
 def study_sections(data: dict[str, Any]) -> list[str]:
     """Sections for the batch-size studies a spec turns on: learning-rate scaling and gradient accumulation, time to
-    a target accuracy, and powers of two against their neighbours."""
-    return scaling_section(data) + time_to_target_section(data) + powers_of_two_section(data)
+    a target accuracy, powers of two against their neighbours, and mixed precision's accuracy against fp32's."""
+    return (scaling_section(data) + time_to_target_section(data) + powers_of_two_section(data)
+            + precision_accuracy_section(data))
 
 
 def _per_cell(data: dict[str, Any], read: Any, digits: int) -> list[tuple[str, list[str]]]:

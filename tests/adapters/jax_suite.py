@@ -51,6 +51,7 @@ def test_the_train_step_compiles_once_per_shape():
     adapter.train_step(np.arange(64), micro_batches=2)
     adapter.sync()
     assert adapter.settings()["train_step_compilations"] == {"32x1": 1, "64x2": 1}
+    assert adapter.compilations() == 2  # what the worker reads after warm-up and at the end
 
 
 def test_oom_is_classified_by_status_and_type():
@@ -147,13 +148,11 @@ def test_execution_modes_and_precisions_are_declared():
     """One mode, compiled (the default); fp32 and bf16 everywhere, tf32 and fp16 on CUDA GPUs only."""
     adapter = JaxAdapter()
     assert adapter.DEFAULT_COMPILE == "compiled" and list(adapter.COMPILE_MODES) == ["compiled"]
-    assert adapter.unsupported_execution("fp16", "default", "cpu") == \
-        "the jax adapter does not train in fp16 on cpu (only on cuda)"
-    assert "has no eager mode" in adapter.unsupported_execution("bf16", "eager", "cpu")
-    assert adapter.unsupported_execution("tf32", "default", "cpu") is not None
-    for precision, device in [("bf16", "cpu"), ("fp32", "cpu"), ("fp16", "cuda:0"), ("tf32", "cuda"), ("bf16", "cuda")]:
-        assert adapter.unsupported_execution(precision, "compiled", device) is None, (precision, device)
-        assert adapter.unsupported_execution(precision, "default", device) is None, (precision, device)
+    runs = [("bf16", "cpu"), ("fp32", "cpu"), ("fp16", "cuda:0"), ("tf32", "cuda"), ("bf16", "cuda")]
+    kit.check_execution_declared(adapter, [(p, mode, d) for p, d in runs for mode in ("compiled", "default")], {
+        ("fp16", "default", "cpu"): "the jax adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("bf16", "eager", "cpu"): "the jax adapter has no eager mode (its modes: compiled)",
+        ("tf32", "default", "cpu"): "the jax adapter does not train in tf32 on cpu (only on cuda)"})
 
 
 def test_bf16_logits_are_the_float64_reference_within_bf16_rounding():

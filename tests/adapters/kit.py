@@ -274,3 +274,19 @@ def check_allocation_failure_is_oom(adapter, allocate, what: str) -> None:
         assert adapter.is_oom(exc), repr(exc)
     else:
         raise AssertionError(f"an allocation of {what} succeeded")
+
+
+def check_execution_declared(adapter, runs: list[tuple[str, str, str]], refuses: dict[tuple[str, str, str], str]):
+    """``adapter`` accepts each (precision, compile, device) of ``runs`` and refuses each of ``refuses`` with a reason
+    that starts with the given text; the registry (``adapters.unsupported``, what the plan decides from without
+    importing the framework) gives the very same reasons, so plan time and the worker cannot disagree."""
+    import adapters
+
+    info = digits()[1]
+    for precision, compile, device in runs:
+        assert adapter.unsupported_execution(precision, compile, device) is None, (precision, compile, device)
+        assert adapters.unsupported(adapter.name, info, precision, compile, device) is None
+    for (precision, compile, device), start in refuses.items():
+        why = adapter.unsupported_execution(precision, compile, device)
+        assert why is not None and why.startswith(start), (precision, compile, device, why)
+        assert adapters.unsupported(adapter.name, info, precision, compile, device) == why

@@ -88,16 +88,14 @@ def test_settings_record_precision_amp_and_mode():
 def test_what_it_cannot_run_is_refused_with_a_reason():
     adapter = MXNetAdapter()
     assert adapter.compile_mode("default") == "compiled"
-    assert adapter.unsupported_execution("fp32", "eager", "cpu") is None
-    assert adapter.unsupported_execution("fp16", "default", "cuda:0") is None
-    assert adapter.unsupported_execution("fp16", "default", "cpu") == (
-        "the mxnet adapter does not train in fp16 on cpu (only on cuda)")
-    assert adapter.unsupported_execution("tf32", "default", "cuda") == (
-        "the mxnet adapter does not train in tf32 on cuda: MXNet 1.9.1 has no TF32 switch; its fp32 on a GPU runs "
-        "with NVIDIA_TF32_OVERRIDE=0")
+    kit.check_execution_declared(adapter, [("fp32", "eager", "cpu"), ("fp16", "default", "cuda:0")], {
+        ("fp16", "default", "cpu"): "the mxnet adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("tf32", "default", "cuda"): "the mxnet adapter does not train in tf32 on cuda: MXNet 1.9.1 has no TF32 "
+                                     "switch; its fp32 on a GPU runs with NVIDIA_TF32_OVERRIDE=0",
+        ("bf16", "default", "cpu"): "the mxnet adapter does not train in bf16 on cpu: MXNet 1.9.1 has bfloat16 "
+                                    "convolution and dense kernels only in oneDNN, which creates them on AVX-512 CPUs "
+                                    "only"})
     why = adapter.unsupported_execution("bf16", "default", "cpu")
-    assert why.startswith("the mxnet adapter does not train in bf16 on cpu: MXNet 1.9.1 has bfloat16 convolution "
-                          "and dense kernels only in oneDNN, which creates them on AVX-512 CPUs only"), why
     assert "'could not create a primitive descriptor iterator'" in why
     assert "'dot only supports float32/float64 for CPU'" in why
     # build refuses them too (before AMP is touched), for an adapter built without the worker's check

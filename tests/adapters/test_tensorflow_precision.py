@@ -132,6 +132,7 @@ def test_compiled_trains_like_eager(name, step):
     assert compiled._train_calls[key].function_def.attr["_XlaMustCompile"].b
     assert not eager._train_calls[key].function_def.attr["_XlaMustCompile"].b
     assert compiled._train_fns[key].experimental_get_tracing_count() == 1
+    assert compiled.compilations() == 1 and eager.compilations() == 1  # what the worker reads
     assert compiled._indices_tensor(steps[-1]) is compiled._staged[len(steps[-1]) * (len(steps) - 1)]
     assert compiled.settings()["jit_compile"] and compiled.settings()["compile"] == "compiled"
 
@@ -245,12 +246,8 @@ def test_what_it_cannot_run_is_refused_with_a_reason():
     assert set(TensorFlowAdapter.COMPILE_MODES) == {"eager", "compiled"}
     assert TensorFlowAdapter.DEFAULT_COMPILE == "eager"
     adapter = TensorFlowAdapter()
-    assert adapter.unsupported_execution("bf16", "compiled", "cpu") is None
-    assert adapter.unsupported_execution("bf16", "default", "cpu") is None
-    assert adapter.unsupported_execution("fp16", "compiled", "cuda:0") is None
-    assert adapter.unsupported_execution("tf32", "default", "cuda") is None
-    assert adapter.unsupported_execution("fp16", "default", "cpu") == (
-        "the tensorflow adapter does not train in fp16 on cpu (only on cuda)")
-    assert adapter.unsupported_execution("tf32", "default", "cpu") == (
-        "the tensorflow adapter does not train in tf32 on cpu (only on cuda)")
+    kit.check_execution_declared(adapter, [("bf16", "compiled", "cpu"), ("bf16", "default", "cpu"),
+                                           ("fp16", "compiled", "cuda:0"), ("tf32", "default", "cuda")], {
+        ("fp16", "default", "cpu"): "the tensorflow adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("tf32", "default", "cpu"): "the tensorflow adapter does not train in tf32 on cpu (only on cuda)"})
     assert adapter.compile_mode("default") == "eager"
