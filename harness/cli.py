@@ -45,6 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     run.add_argument("--resume", metavar="RUN_DIR", help="finish an interrupted run of the same spec")
     run.add_argument("--history", metavar="FILE", help="append the run's summary row to this history file")
+    run.add_argument("--executor", choices=("local", "ray"), default="local",
+                     help="local: trials on this machine (default); ray: each trial a Ray task on a cluster")
+    run.add_argument("--parallel", type=int, default=1, metavar="N",
+                     help="local: N trials at once, one per GPU (cuda:0..N-1) or per set of cpu_threads cores")
+    run.add_argument("--devices", metavar="LIST", help="local: GPUs side by side, e.g. cuda:0,cuda:1 (one trial each "
+                                                       "at a time; default: the spec's devices)")
+    run.add_argument("--address", help="ray: the cluster's address (auto, host:6379, ray://host:10001); default: a "
+                                       "local Ray instance on this machine")
+    run.add_argument("--retries", type=int, default=0, metavar="N",
+                     help="ray: run a trial again up to N times when its node or worker dies (default 0: recorded "
+                          "crashed, 'node lost')")
     report = sub.add_parser("report", help="(re)write report.md and plots/ of a run directory")
     report.add_argument("run_dir")
     compare = sub.add_parser("compare", help="compare two runs; exit 1 on a regression beyond the threshold")
@@ -172,6 +183,38 @@ def _print_summary(data: dict[str, Any], console: Any) -> None:
     console.print(table)
 
 
+def _executor(args: argparse.Namespace, spec: Any) -> Any:
+    """The executor the flags and the spec ask for (``harness.execution.executors``), or None for the default (one
+    trial at a time on this machine). Raises ValueError (or ExecutorError) for flags that do not go together."""
+    from harness.execution.executors import ExecutorError, LocalExecutor, RayExecutor, local_slots
+    from harness.measure.machine import resolve_device
+
+    if args.executor == "local" and (args.address or args.retries):
+        raise ValueError("--address and --retries apply to --executor ray")
+    if args.retries < 0:
+        raise ValueError(f"--retries must be 0 or more, not {args.retries}")
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else spec.devices
+    if args.executor == "ray":
+        if args.parallel != 1 or args.devices:
+            raise ValueError("--parallel and --devices apply to --executor local (Ray places trials itself)")
+        device = resolve_device(spec.device)
+        if device.startswith("cuda") and device != "cuda:0":
+            raise ExecutorError(f"--executor ray gives each trial a GPU of its own; the spec's device {device} "
+                                "cannot be honoured (use device: auto or cuda:0)")
+        return RayExecutor(args.address, device.startswith("cuda"), spec.cpu_threads or _plan_threads(),
+                           retries=args.retries, exclusive=spec.exclusive)
+    if args.parallel == 1 and not devices:
+        return None
+    return LocalExecutor(local_slots(resolve_device(spec.device), args.parallel, devices, spec.cpu_threads))
+
+
+def _plan_threads() -> int:
+    """The threads a trial gets when the spec does not say (the available cores, as the plan counts them)."""
+    from harness.plan import available_cpus
+
+    return available_cpus()
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -208,10 +251,19 @@ def _run(args: argparse.Namespace) -> int:
         detail = f"{throughput:,.0f} samples/s" if throughput else record["reason"]
         progress.console.print(f"{trial.id}: {record['status']} ({detail}) in {record['wall_seconds']:.1f} s")
 
+    try:
+        executor = _executor(args, spec)
+    except ValueError as err:  # ExecutorError too: no cluster, too few cores, Ray not installed
+        print(f"harness run: {err}", file=sys.stderr)
+        return EXIT_USAGE
     raise_on_signals()  # SIGTERM, SIGHUP: the run is marked interrupted, its report written (see main)
-    with progress:
-        run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
-                           resume=args.resume)
+    try:
+        with progress:
+            run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
+                               resume=args.resume, executor=executor)
+    finally:
+        if executor is not None:
+            executor.close()
     path = report.write(run_dir)
     if args.history:
         from harness.studies import history

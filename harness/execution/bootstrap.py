@@ -10,7 +10,8 @@ The launcher runs ``PREFIX -c BOOTSTRAP ROOT``: ``BOOTSTRAP`` puts ROOT (the fol
    ``EVENT_PREFIX + JSON`` and any other line on standard output (a wrapper's own chatter) is logged, not parsed;
 2. reads the payload, one JSON line, from standard input, and sets the environment variables it carries (thread
    counts, allocator settings, HARNESS_ADAPTERS) before numpy or any framework is imported: a container started by
-   ``docker run`` does not inherit the launcher's environment;
+   ``docker run`` does not inherit the launcher's environment; and pins the process to the payload's ``cpus``
+   (a parallel run's core set) the same way, before any thread exists;
 3. watches standard input, which the launcher keeps open: end of file means the launcher is gone (killed, or its
    machine's job cancelled), and the worker then kills its process group at once instead of training on (on Linux
    the kernel also kills it when its parent dies: PR_SET_PDEATHSIG);
@@ -98,6 +99,8 @@ def main() -> int:
         return 2
     payload = json.loads(line)
     os.environ.update({str(k): str(v) for k, v in (payload.get("env") or {}).items()})
+    if payload.get("cpus") and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, payload["cpus"])  # before any framework starts a thread: they inherit the mask
     die_with_parent(int(payload.get("launcher_pid") or -1))
     watch_stdin()
     from harness.execution.worker import Events, run

@@ -23,6 +23,7 @@ import selectors
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -152,19 +153,29 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]
 
 
 def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float | None, device: str,
-               threads: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
+               threads: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+               env: dict[str, str] | None = None, cpus: list[int] | None = None,
+               stop: threading.Event | None = None) -> Outcome:
     """Starts a worker for ``payload`` (see Trial.payload), samples it every ``interval_s`` seconds, waits at most
     ``timeout_s`` seconds, and returns its Outcome. ``interval_s=None`` runs the worker with no sampler at all (no
     thread, no backend; Outcome.sampler is ``{"backend": None, "interval_s": None}``), to measure the sampler's cost.
-    Never raises for anything the worker does."""
+    Never raises for anything the worker does.
+
+    ``device`` is what the sampler watches (NVML's index for a GPU); the worker trains on the payload's device.
+    ``env``: more variables for the worker (CUDA_VISIBLE_DEVICES, which makes a GPU the worker's cuda:0); ``cpus``:
+    the cores the worker is pinned to (its affinity mask, set by the bootstrap before any framework starts a thread;
+    ``os.sched_setaffinity``); ``stop``: an event that, once set, kills the worker (a parallel run being stopped).
+    """
     sampler: Sampler | None = None
     note: str | None = None
     if interval_s is not None:
         backend, note = make_backend(device)
         sampler = Sampler(backend, interval_s)
     started = time.monotonic()
+    if env or cpus:
+        payload = {**payload, "extra_env": dict(env or {}), "cpus": list(cpus) if cpus else None}
     with tempfile.TemporaryFile() as log:
-        run = _WorkerRun(payload, threads, log, sampler, on_event)
+        run = _WorkerRun(payload, threads, log, sampler, on_event, stop)
         try:
             run.pump(started + timeout_s)
             run.wait(started + timeout_s)
@@ -186,13 +197,14 @@ class _WorkerRun:
     deadline and the kill of its process group."""
 
     def __init__(self, payload: dict[str, Any], threads: int | None, log: Any, sampler: Sampler | None,
-                 on_event: Callable[[dict[str, Any]], None] | None):
-        self.sampler, self.on_event, self.log = sampler, on_event, log
+                 on_event: Callable[[dict[str, Any]], None] | None, stop: threading.Event | None = None):
+        self.sampler, self.on_event, self.log, self.stop = sampler, on_event, log, stop
         self.events: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
-        settings = worker_settings(threads, allocator=payload.get("spec", {}).get("allocator"))
+        extra = payload.pop("extra_env", None) or {}  # run_worker's env (a copy of the caller's payload)
+        settings = {**worker_settings(threads, allocator=payload.get("spec", {}).get("allocator")), **extra}
         payload = {**payload, "env": settings, "launcher_pid": os.getpid()}
         self.proc = subprocess.Popen(worker_argv(payload["trial"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, env={**os.environ, **settings}, start_new_session=True)
@@ -213,8 +225,8 @@ class _WorkerRun:
         """Reads events until the worker closes its standard output, or sets ``timed_out`` at the deadline."""
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.timed_out = True
+            if remaining <= 0 or (self.stop is not None and self.stop.is_set()):
+                self.timed_out = True  # a stop kills the worker like a timeout (its trial is not recorded)
                 return
             if not self.selector.select(timeout=min(remaining, 0.5)):
                 continue

@@ -18,6 +18,7 @@ import pandas as pd
 from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import Metric, scaled, title
 from harness.results.plots import plot, plot_trial
+from harness.results.placement import side_by_side_section
 from harness.results.precision import precision_accuracy_section
 from harness.results.stats import overlaps
 from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, format_cell, markdown_table,
@@ -72,6 +73,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines += study_sections(data)
     lines += measurement_notes(data)
     lines += slow_window_notes(data)
+    lines += side_by_side_section(data)
     lines += closing_lines(data)
     return "\n".join(lines)
 

@@ -217,6 +217,10 @@ class Spec(_Strict):
     recorded as skipped (``skip``, the default) or run anyway (``try``).
     precision: ``Precision`` (default fp32). compile: ``CompileMode`` (default: each framework's usual mode). A
     combination a framework cannot run on the device is recorded ``unsupported`` with the reason, before training.
+    devices: GPUs to run trials on side by side, one trial per device at a time (``harness.execution.executors``);
+    ``--parallel`` and ``--devices`` on the command line do the same. exclusive: one trial at a time, whatever the
+    executor could run at once, for studies where trials beside each other would disturb what is measured (host
+    contention: CPU runs, data loading, memory bandwidth).
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -247,6 +251,8 @@ class Spec(_Strict):
     precision: Precision = "fp32"
     compile: CompileMode = "default"
     variants: VariantsSpec | None = None
+    devices: list[str] | None = Field(default=None, min_length=1)
+    exclusive: bool = False
 
     @field_validator("base_batch_size")
     @classmethod
@@ -290,6 +296,19 @@ class Spec(_Strict):
         if len(set(sizes)) != len(sizes):
             raise ValueError("a batch size is listed twice")
         return sizes
+
+    @field_validator("devices")
+    @classmethod
+    def _gpu_list(cls, devices: list[str] | None) -> list[str] | None:
+        if devices is None:
+            return None
+        for device in devices:
+            prefix, _, index = device.partition(":")
+            if prefix != "cuda" or not index.isdigit():
+                raise ValueError(f"devices lists GPUs as cuda:N, not {device!r}")
+        if len(set(devices)) != len(devices):
+            raise ValueError("a device is listed twice")
+        return devices
 
     @field_validator("device")
     @classmethod

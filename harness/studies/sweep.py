@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from harness import __version__
 from harness.execution.environments import probe_entries
-from harness.execution.launcher import Outcome, run_worker
+from harness.execution.executors import LocalExecutor, local_slots
+from harness.execution.launcher import Outcome
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
 from harness.plan import Trial, plan, unsupported_reason
@@ -98,7 +99,7 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
              on_start: Callable[[Trial, int, int], None] | None = None,
              on_end: Callable[[Trial, dict[str, Any]], None] | None = None,
              on_event: Callable[[dict[str, Any]], None] | None = None,
-             resume: str | Path | None = None) -> Path:
+             resume: str | Path | None = None, executor: Any = None) -> Path:
     """Runs every trial of ``spec`` and returns the run directory (see harness.results.store for its layout).
 
     Each trial's record is on disk (fsynced) before the next trial starts; a failing trial is recorded with its
@@ -112,14 +113,20 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     ``resume``: an interrupted run directory to finish instead of starting a new one. Trials already in its
     trials.jsonl (whatever their status) are not run again; a torn last line (a crash mid-write) is removed and that
     trial runs again. Raises SpecError when ``spec`` differs from the spec the run started with, naming the fields.
+
+    ``executor``: where trials run (``harness.execution.executors``: ``LocalExecutor`` over this machine's slots, or
+    ``RayExecutor``); default one trial at a time on this machine. It is closed (workers still running killed) when
+    the run ends or stops. run.json records it (``executors``: one entry per session, a resume adds one).
     """
     run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path) if resume is not None else
                                _create(spec, out_root, spec_path))
     device = run_info["device"]
     trials = [t for t in plan(spec, device) if t.id not in done]
+    executor = executor or LocalExecutor(local_slots(device))
+    run_info.setdefault("executors", []).append(executor.describe())  # one per session (a resume adds one)
     write_json(run_dir / "run.json", run_info)
     try:
-        _run_trials(spec, run_dir, device, trials, on_start, on_end, on_event)
+        _run_trials(spec, run_dir, device, trials, on_start, on_end, on_event, executor)
     except BaseException as exc:  # KeyboardInterrupt, Interrupted (SIGTERM, SIGHUP) or a bug: say so in run.json
         mark_interrupted(run_dir, exc)
         exc.run_dir = run_dir  # type: ignore[attr-defined]
@@ -164,34 +171,75 @@ def mark_interrupted(run_dir: Path, exc: BaseException) -> None:
 def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
                 on_start: Callable[[Trial, int, int], None] | None,
                 on_end: Callable[[Trial, dict[str, Any]], None] | None,
-                on_event: Callable[[dict[str, Any]], None] | None) -> None:
-    """Runs ``trials`` in order, each record on disk before the next starts (see run_spec). A trial whose built-in
-    adapter cannot build the model is recorded ``unsupported`` without a worker (``unsupported_record``)."""
+                on_event: Callable[[dict[str, Any]], None] | None, executor: Any) -> None:
+    """Runs ``trials`` in plan order on ``executor``, each record on disk
+    before the next trial is dispatched once the executor is full (see run_spec). A trial whose built-in adapter
+    cannot build the model is recorded ``unsupported`` without a worker (``unsupported_record``); one whose row
+    already ran out of memory at a smaller batch size is ``skipped`` (``after_oom: skip``; with several trials in
+    flight, a larger size already dispatched runs anyway). Each record of a worker's trial carries its
+    ``placement``: node, device, pinned cores, start and end, and ``beside``: the trials that ran at the same time
+    on the same node."""
+    if spec.exclusive:
+        executor.capacity = 1
     oom_at = _oom_sizes(read_trials(run_dir))
     unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device)
                    for key in {(trial.framework, trial.precision, trial.compile) for trial in trials}}
-    for index, trial in enumerate(trials):
-        if on_start is not None:
-            on_start(trial, index, len(trials))
-        key = (trial.row, trial.repeat, trial.variant)
-        limit = oom_at.get(key)
-        if (reason := unsupported[(trial.framework, trial.precision, trial.compile)]) is not None:
-            record = unsupported_record(trial, reason)
-            append_trial(run_dir, record)
-        elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
-            record = skipped_record(trial, limit)
-            append_trial(run_dir, record)
-        else:
-            outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, trial.threads,
-                                 on_event=on_event)
+    pending = list(enumerate(trials))
+    spans: list[dict[str, Any]] = []  # placements of the trials finished in this session, for ``beside``
+    in_flight: dict[str, Trial] = {}  # trial id -> trial, for the trials the executor is running
+    try:
+        while pending or executor.running:
+            while pending and executor.has_room() and len(executor.running) < executor.capacity:
+                index, trial = pending.pop(0)
+                if on_start is not None:
+                    on_start(trial, index, len(trials))
+                key = (trial.row, trial.repeat, trial.variant)
+                limit = oom_at.get(key)
+                if (reason := unsupported[(trial.framework, trial.precision, trial.compile)]) is not None:
+                    record = unsupported_record(trial, reason)
+                elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
+                    record = skipped_record(trial, limit)
+                else:
+                    executor.submit(trial.id, trial.payload(spec), spec.timeout_s, spec.sampler.interval_s,
+                                    trial.threads, on_event=on_event)
+                    in_flight[trial.id] = trial
+                    continue
+                append_trial(run_dir, record)
+                if on_end is not None:
+                    on_end(trial, record)
+            if not executor.running:
+                continue
+            finished = executor.wait()
+            trial, outcome = in_flight.pop(finished.key), finished.outcome
             record = trial_record(trial, outcome)
+            record["placement"] = placement_record(finished.placement, spans, executor)
+            if finished.placement.device != "?":  # the device the trial really ran on (a slot's GPU, a node's)
+                record["device"] = finished.placement.device
+            spans.append({"id": trial.id, **record["placement"]})
             write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
             write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
             append_trial(run_dir, record)
             if record["status"] == "oom":
+                key = (trial.row, trial.repeat, trial.variant)
                 oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
-        if on_end is not None:
-            on_end(trial, record)
+            if on_end is not None:
+                on_end(trial, record)
+    finally:
+        executor.close()
+
+
+def placement_record(placement: Any, spans: list[dict[str, Any]], executor: Any) -> dict[str, Any]:
+    """A record's ``placement``: where and when the trial ran (``harness.execution.executors.Placement``) and
+    ``beside``, the ids of the trials whose run overlapped its own on the same node: those finished before it in
+    this session and, on this machine, those still running. (The report recomputes overlaps from every record, which
+    also catches a trial on a cluster node that started during this one and finished after it.)"""
+    from dataclasses import asdict
+
+    mine = asdict(placement)
+    beside = [s["id"] for s in spans if s["node"] == mine["node"] and s["started"] < mine["ended"]
+              and s["ended"] > mine["started"]]
+    beside += [other for other, started in executor.running_here().items() if started < mine["ended"]]
+    return {**mine, "beside": sorted(set(beside))}
 
 
 def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> tuple[Path, dict[str, Any], set[str]]:

@@ -1,0 +1,345 @@
+"""Where and how many trials run at once: the local executor (one trial per slot of this machine: a GPU, or a set of
+CPU cores) and the Ray executor (each trial a Ray task on whichever node of a cluster has room).
+
+Either way each trial is what ``harness.execution.launcher.run_worker`` makes of it (a fresh worker process, its
+sampler thread, its classification), run on the machine where the trial lands, and the driver alone writes the run
+directory (``harness.studies.sweep``). Each finished trial comes back with its ``Placement``: the node, the device as
+NVML numbers it, the cores it was pinned to, and its start and end (wall clock, seconds since the epoch), from which
+the sweep and the report tell which trials ran beside which.
+
+Slots on one machine (``local_slots``):
+- GPUs: one trial per listed device at a time; each worker sees only its device (``CUDA_VISIBLE_DEVICES`` = its
+  index in the caller's visible list, so the worker trains on ``cuda:0``) while the sampler watches the same GPU by
+  its NVML index (CUDA_DEVICE_ORDER=PCI_BUS_ID, set for every worker, makes the two numberings agree;
+  https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#env-vars).
+- CPU: ``parallel`` disjoint core sets of ``threads`` cores each from this process's affinity mask; each worker is
+  pinned to its set (``os.sched_setaffinity`` in the bootstrap, before the framework starts its threads). The
+  launcher and its sampler threads are not pinned: they share the machine with the workers, which the report says.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from harness.execution.launcher import Outcome, run_worker
+
+#: The reason of a trial whose node left the cluster while it ran (``RayExecutor``).
+NODE_LOST = "node lost"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place a trial runs at a time. ``device``: what the sampler watches and the record names ("cpu",
+    "cuda:3" as NVML numbers it); ``worker_device``: what the worker trains on ("cuda:0" behind
+    CUDA_VISIBLE_DEVICES); ``env``: the worker's extra variables; ``cpus``: the cores it is pinned to (None: not
+    pinned); ``threads``: its thread count (None: the trial's own)."""
+
+    device: str
+    worker_device: str
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None
+    threads: int | None = None
+
+
+@dataclass
+class Placement:
+    """Where and when a trial ran: ``node`` (host name, and Ray's node id on a cluster), ``device`` (as NVML numbers
+    it, or "cpu"), ``cpus`` (the pinned cores, or None), ``started``/``ended`` (time.time(), seconds)."""
+
+    node: str
+    device: str
+    cpus: list[int] | None
+    started: float
+    ended: float
+    node_id: str | None = None
+
+
+@dataclass
+class Finished:
+    """A trial's end, as an executor hands it to the sweep: the key it was submitted with, its Outcome, where it
+    ran."""
+
+    key: Any
+    outcome: Outcome
+    placement: Placement
+
+
+class ExecutorError(ValueError):
+    """The executor cannot start (no such cluster, too few cores for the asked parallelism, Ray not installed); the
+    CLI prints it in one line and exits 2."""
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> list[str] | None:
+    """The caller's CUDA_VISIBLE_DEVICES as a list (None when it is not set): cuda:i of this process is entry i."""
+    value = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [part.strip() for part in value.split(",") if part.strip()]
+
+
+def local_slots(device: str, parallel: int = 1, devices: list[str] | None = None, threads: int | None = None,
+                cpus: list[int] | None = None, env: dict[str, str] | None = None) -> list[Slot]:
+    """The slots of this machine (module docstring). ``device``: the run's resolved device ("cpu" or "cuda:N");
+    ``parallel``: how many trials at once; ``devices``: the GPUs to use, one trial each at a time (overrides
+    ``parallel``); ``threads``: cores per CPU slot (default: the available cores split evenly); ``cpus``: the
+    available cores (default: this process's affinity mask). One slot without ``devices`` and with ``parallel`` 1
+    is today's single trial at a time, on ``device`` as it is (no CUDA_VISIBLE_DEVICES, no pinning).
+
+    Raises ExecutorError when ``parallel`` is below 1, when the CPU slots would need more cores than there are, or
+    when a listed device is not a GPU."""
+    if parallel < 1:
+        raise ExecutorError(f"--parallel must be at least 1, not {parallel}")
+    if devices:
+        if any(not d.startswith("cuda:") for d in devices):
+            raise ExecutorError(f"devices must all be cuda:N, not {', '.join(devices)}")
+        names = [f"cuda:{int(d.partition(':')[2])}" for d in devices]
+    elif parallel == 1:
+        return [Slot(device, device)]
+    elif device.startswith("cuda"):
+        names = [f"cuda:{i}" for i in range(parallel)]
+    else:
+        names = []
+    if names:
+        visible = visible_gpus(env)
+        slots = []
+        for name in names:
+            index = int(name.partition(":")[2])
+            if visible is not None and index >= len(visible):
+                raise ExecutorError(f"{name} is not visible (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+            physical = visible[index] if visible is not None else str(index)
+            nvml = f"cuda:{physical}" if physical.isdigit() else name  # a UUID: NVML cannot be told by index
+            slots.append(Slot(nvml, "cuda:0", {"CUDA_VISIBLE_DEVICES": physical}))
+        return slots
+    available = sorted(cpus if cpus is not None else _affinity())
+    per = threads or len(available) // parallel
+    if per < 1 or per * parallel > len(available):
+        raise ExecutorError(f"--parallel {parallel} with {threads or per} thread(s) per trial needs "
+                            f"{parallel * max(per, 1)} cores; this process may use {len(available)}")
+    return [Slot("cpu", "cpu", {}, tuple(available[k * per:(k + 1) * per]), per) for k in range(parallel)]
+
+
+def _affinity() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+class LocalExecutor:
+    """Runs trials on this machine, one per ``Slot`` at a time. With one slot the trial runs in the calling thread
+    (exactly the sequential sweep: a Ctrl-C reaches the launcher, which kills the worker); with several, each in a
+    thread of its own, and ``close`` kills the workers still running."""
+
+    def __init__(self, slots: list[Slot]):
+        self.slots = list(slots)
+        self.free = list(self.slots)
+        self.capacity = len(self.slots)
+        self._pending: list[tuple[Any, Slot, Callable[[], Outcome], float]] = []
+        self._done: queue.Queue[Finished] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.running: dict[Any, tuple[Slot, float]] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"executor": "local", "slots": [asdict(s) for s in self.slots], "node": socket.gethostname()}
+
+    def has_room(self) -> bool:
+        return bool(self.free)
+
+    def running_here(self) -> dict[Any, float]:
+        """The trials running now on this machine, with their start (time.time())."""
+        return {key: started for key, (_, started) in self.running.items()}
+
+    def submit(self, key: Any, payload: dict[str, Any], timeout_s: float, interval_s: float | None,
+               threads: int | None, on_event: Callable[[dict[str, Any]], None] | None = None) -> Slot:
+        """Starts the trial ``payload`` on a free slot (call ``has_room`` first) and returns the slot. The payload's
+        device and threads become the slot's."""
+        slot = self.free.pop(0)
+        trial = {**payload["trial"], "device": slot.worker_device}
+        if slot.threads is not None:
+            trial["threads"] = threads = slot.threads
+        payload = {**payload, "trial": trial}
+
+        def work() -> Outcome:
+            return run_worker(payload, timeout_s, interval_s, slot.device, threads, on_event=on_event,
+                              env=slot.env or None, cpus=list(slot.cpus) if slot.cpus else None,
+                              stop=None if self.capacity == 1 else self._stop)
+
+        started = time.time()
+        self.running[key] = (slot, started)
+        if self.capacity == 1:
+            self._pending.append((key, slot, work, started))
+        else:
+            thread = threading.Thread(target=self._run, args=(key, slot, work, started), daemon=True,
+                                      name=f"harness-trial-{key}")
+            self._threads.append(thread)
+            thread.start()
+        return slot
+
+    def _run(self, key: Any, slot: Slot, work: Callable[[], Outcome], started: float) -> None:
+        try:
+            outcome = work()
+        except BaseException as exc:  # noqa: BLE001 - a bug of the harness: the trial is recorded, the sweep goes on
+            outcome = Outcome("error", f"the launcher failed: {type(exc).__name__}: {exc}"[:500])
+        self._done.put(Finished(key, outcome, Placement(socket.gethostname(), slot.device,
+                                                        list(slot.cpus) if slot.cpus else None, started,
+                                                        time.time())))
+
+    def wait(self) -> Finished:
+        """The next trial to finish (blocks; wakes every 0.2 s so that signals reach the main thread)."""
+        if self._pending:
+            key, slot, work, started = self._pending.pop(0)
+            outcome = work()  # in this thread: an interrupt goes through run_worker, which kills the worker
+            finished = Finished(key, outcome, Placement(socket.gethostname(), slot.device,
+                                                        list(slot.cpus) if slot.cpus else None, started, time.time()))
+        else:
+            while True:
+                try:
+                    finished = self._done.get(timeout=0.2)
+                    break
+                except queue.Empty:
+                    continue
+        slot, _ = self.running.pop(finished.key)
+        self.free.append(slot)
+        return finished
+
+    def close(self) -> None:
+        """Kills the workers still running (their trials are not recorded) and waits for their threads."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+
+def _ray_trial(payload: dict[str, Any], timeout_s: float, interval_s: float | None, threads: int | None,
+               gpu: bool) -> dict[str, Any]:
+    """The body of the Ray task: runs the trial with today's launcher on the node where it landed and returns its
+    Outcome and Placement as plain data. On a GPU, Ray has set CUDA_VISIBLE_DEVICES to the GPU it granted
+    (https://docs.ray.io/en/latest/ray-core/scheduling/accelerators.html): the worker trains on cuda:0 and the
+    sampler watches that GPU by its index (``ray.get_gpu_ids``)."""
+    import ray
+
+    device = "cpu"
+    if gpu:
+        ids = ray.get_gpu_ids()
+        device = f"cuda:{int(ids[0])}" if ids else "cuda:0"
+        payload = {**payload, "trial": {**payload["trial"], "device": "cuda:0"}}
+    started = time.time()
+    outcome = run_worker(payload, timeout_s, interval_s, device, threads)
+    placement = Placement(socket.gethostname(), device, None, started, time.time(),
+                          ray.get_runtime_context().get_node_id())
+    return {"outcome": asdict(outcome), "placement": asdict(placement)}
+
+
+def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers a TCP connection at a Ray address ("host:port", "ray://host:port") within ``timeout_s``,
+    or None when something does. Checked before ``ray.init``, which retries an unreachable address for minutes."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return "not host:port (e.g. 10.0.0.5:6379, ray://10.0.0.5:10001, auto)"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return err.strerror or type(err).__name__
+
+
+class RayExecutor:
+    """Runs each trial as a Ray task (``_ray_trial``) asking for ``num_gpus=1`` on a GPU run, or ``num_cpus`` = the
+    trial's threads on the CPU (https://docs.ray.io/en/latest/ray-core/scheduling/resources.html). At most as many
+    trials are in flight as the cluster has GPUs (or CPUs / threads), so that ``after_oom: skip`` still sees the
+    smaller batch sizes end first; one at a time when the spec is ``exclusive``.
+
+    ``address``: an existing cluster ("auto", "ray://host:10001", "host:6379"), or None for a local one on this
+    machine (``ray.init()``; ``num_cpus`` caps it). ``retries``: how many times Ray may run a trial again after its
+    node or worker died (``max_retries``; 0 by default: a trial whose node is lost is recorded ``crashed`` with the
+    reason "node lost"). Raises ExecutorError when Ray is not installed or the cluster cannot be reached."""
+
+    def __init__(self, address: str | None, gpu: bool, threads: int | None, retries: int = 0, exclusive: bool = False,
+                 num_cpus: int | None = None):
+        try:
+            import ray
+        except ImportError:
+            raise ExecutorError("the ray executor needs Ray: pip install -e '.[ray]'") from None
+        self.ray, self.gpu, self.threads, self.retries = ray, gpu, threads, retries
+        self.started_ray = False
+        if not ray.is_initialized():
+            if address not in (None, "auto", "local") and (why := unreachable(address)) is not None:
+                raise ExecutorError(f"cannot reach the Ray cluster at {address}: {why}")
+            try:
+                ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
+                         log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise ExecutorError(f"cannot reach the Ray cluster at {address or 'a new local instance'}: "
+                                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+            self.started_ray = True
+        resources = ray.cluster_resources()
+        if gpu:
+            room = int(resources.get("GPU", 0))
+            if room < 1:
+                raise ExecutorError(f"the Ray cluster at {address or 'this machine'} has no GPU for a GPU run")
+        else:
+            room = max(1, int(resources.get("CPU", 1) // max(1, threads or 1)))
+        self.capacity = 1 if exclusive else room
+        self.address = address
+        self._task = ray.remote(_ray_trial)
+        self.running: dict[Any, Any] = {}  # key -> ObjectRef
+
+    def describe(self) -> dict[str, Any]:
+        nodes = [{"node_id": n["NodeID"], "host": n.get("NodeManagerHostname"), "alive": n.get("Alive"),
+                  "resources": n.get("Resources", {})} for n in self.ray.nodes()]
+        return {"executor": "ray", "address": self.address, "ray_version": self.ray.__version__,
+                "retries": self.retries, "capacity": self.capacity, "nodes": nodes}
+
+    def has_room(self) -> bool:
+        return len(self.running) < self.capacity
+
+    def running_here(self) -> dict[Any, float]:
+        """Nothing: where a running task landed is known only when it returns."""
+        return {}
+
+    def submit(self, key: Any, payload: dict[str, Any], timeout_s: float, interval_s: float | None,
+               threads: int | None, on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Starts the trial as a Ray task (worker events are not streamed back: ``on_event`` is not called)."""
+        options: dict[str, Any] = {"max_retries": self.retries, "retry_exceptions": False}
+        options.update({"num_gpus": 1, "num_cpus": 1} if self.gpu else {"num_cpus": max(1, threads or 1)})
+        self.running[key] = (self._task.options(**options).remote(payload, timeout_s, interval_s, threads, self.gpu),
+                             time.time())
+
+    def wait(self) -> Finished:
+        """The next trial to finish. A task whose node or worker process died is ``crashed`` with the reason
+        "node lost: ..." (``ray.exceptions.NodeDiedError``, ``WorkerCrashedError``, ``ObjectLostError``); any other
+        failure of the task itself is ``error``."""
+        refs = {ref: key for key, (ref, _) in self.running.items()}
+        while True:
+            ready, _ = self.ray.wait(list(refs), num_returns=1, timeout=0.5)
+            if ready:
+                break
+        key = refs[ready[0]]
+        _, submitted = self.running.pop(key)
+        exceptions = self.ray.exceptions
+        try:
+            value = self.ray.get(ready[0])
+        except (exceptions.NodeDiedError, exceptions.WorkerCrashedError, exceptions.ObjectLostError) as err:
+            reason = f"{NODE_LOST}: {str(err).splitlines()[0]}"[:500]
+            return Finished(key, Outcome("crashed", reason), Placement("?", "?", None, submitted, time.time()))
+        except exceptions.RayError as err:
+            reason = f"the Ray task failed: {str(err).splitlines()[0]}"[:500]
+            return Finished(key, Outcome("error", reason), Placement("?", "?", None, submitted, time.time()))
+        return Finished(key, Outcome(**value["outcome"]), Placement(**value["placement"]))
+
+    def close(self) -> None:
+        """Cancels the tasks still running (``ray.cancel(force=True)`` kills their Ray workers, and with them the
+        trial workers) and shuts down the local Ray instance this executor started."""
+        for ref, _ in self.running.values():
+            try:
+                self.ray.cancel(ref, force=True)
+            except Exception:  # noqa: BLE001 - already finished, or the cluster is gone
+                pass
+        self.running.clear()
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False

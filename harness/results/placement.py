@@ -1,0 +1,55 @@
+"""Which trials ran beside which: the report's warning where trials shared a node's CPUs or a GPU while they were
+measured (``--parallel``, ``devices``, ``--executor ray``), from the ``placement`` each record carries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def overlaps(records: list[dict[str, Any]]) -> dict[str, dict[str, list[str]]]:
+    """Per trial id, the ids of the trials that ran at the same time on the same node, split into ``device`` (the
+    same GPU) and ``node`` (another GPU or the CPU of the same node). Only records with a ``placement`` (trials that
+    ran a worker) count; intervals are the placements' start and end (time.time() of the node that ran them)."""
+    placed = [r for r in records if isinstance(r.get("placement"), dict) and r["placement"].get("node") not in
+              (None, "?")]
+    out: dict[str, dict[str, list[str]]] = {}
+    for r in placed:
+        a = r["placement"]
+        for other in placed:
+            b = other["placement"]
+            if other is r or b["node"] != a["node"] or not (b["started"] < a["ended"] and b["ended"] > a["started"]):
+                continue
+            same_gpu = a["device"] == b["device"] and str(a["device"]).startswith("cuda")
+            out.setdefault(r["id"], {"device": [], "node": []})["device" if same_gpu else "node"].append(other["id"])
+    return out
+
+
+def side_by_side_section(data: dict[str, Any]) -> list[str]:
+    """"Trials side by side": how the run placed its trials (executor, slots) and, where trials overlapped, which
+    shared a GPU (their throughput and memory figures are not those of a GPU to itself) and which shared a node's
+    CPUs (pinned to disjoint cores, they still share memory bandwidth, caches, the launcher and the sampler)."""
+    shared = overlaps(data["records"])
+    if not shared:
+        return []
+    executors = data["run"].get("executors") or []
+    how = "; ".join(_executor_words(e) for e in executors) or "several trials at once"
+    lines = ["## Trials side by side", "",
+             f"This run placed trials with {how}. Trials that ran at the same time on one machine disturb each "
+             "other's figures: where host contention matters, set `exclusive: true` in the spec (one trial at a "
+             "time).", "", "| trial | shared a GPU with | shared the node's CPUs with |", "| --- | --- | --- |"]
+    for record in data["records"]:
+        if record["id"] in shared:
+            both = shared[record["id"]]
+            lines.append(f"| {record['id']} | {', '.join(both['device']) or '-'} | {', '.join(both['node']) or '-'} |")
+    return lines + [""]
+
+
+def _executor_words(executor: dict[str, Any]) -> str:
+    if executor.get("executor") == "ray":
+        alive = sum(1 for n in executor.get("nodes", []) if n.get("alive"))
+        return (f"Ray {executor.get('ray_version', '')} ({alive} node(s), up to {executor.get('capacity')} trials "
+                "at once)")
+    slots = executor.get("slots") or []
+    where = ", ".join(s["device"] + (f" (cores {','.join(map(str, s['cpus']))})" if s.get("cpus") else "")
+                      for s in slots)
+    return f"the local executor, {len(slots)} slot(s): {where}"
