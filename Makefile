@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml requirements/cpu.txt
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
 	# The pins of requirements/cpu.txt as constraints: the harness itself allows numpy 2, but MXNet in this
 	# environment needs numpy < 2, and the newest releases of some dependencies would pull numpy 2 in.
-	$(PY) -m pip install --quiet -e '.[test,gpu,ray]' -c requirements/cpu.txt
+	$(PY) -m pip install --quiet -e '.[test,gpu,ray,parquet,mlflow]' -c requirements/cpu.txt
 	touch $@
 
 install: $(VENV)/.installed

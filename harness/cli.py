@@ -56,22 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--retries", type=int, default=0, metavar="N",
                      help="ray: run a trial again up to N times when its node or worker dies (default 0: recorded "
                           "crashed, 'node lost')")
-    report = sub.add_parser("report", help="(re)write report.md and plots/ of a run directory")
-    report.add_argument("run_dir")
-    compare = sub.add_parser("compare", help="compare two runs; exit 1 on a regression beyond the threshold")
-    compare.add_argument("base_run")
-    compare.add_argument("new_run")
-    compare.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
-                         help="percent change that counts as a regression (default 5)")
-    compare.add_argument("--alpha", type=float, default=0.05, metavar="P",
-                         help="the chance of any false alarm allowed in one comparison of runs of the same code "
-                              "(default 0.05)")
-    compare.add_argument("--history", metavar="FILE",
-                         help="a history file (run --history): the run-to-run spread of its last runs of the spec on "
-                              "this device joins the noise")
-    compare.add_argument("--history-runs", type=int, default=10, metavar="N",
-                         help="how many of the newest history runs (default 10)")
-    compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md)")
+    _results_parsers(sub)
     history = sub.add_parser("history", help="plot the trend of a metric over the runs in a history file")
     history.add_argument("--file", default="results/history.jsonl", help="default: results/history.jsonl")
     history.add_argument("--metric", default="throughput",
@@ -128,6 +113,42 @@ def _fraction(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text}")
     return value
+
+
+def _results_parsers(sub: Any) -> None:
+    """``report`` (one run, or two side by side), ``export`` (tidy tables, MLflow) and ``schema``."""
+    report = sub.add_parser("report", help="(re)write report.md, report.html and plots/ of a run directory; with "
+                                           "two runs and --html, a page with both side by side")
+    report.add_argument("run_dir", help="the run (with a second run: the base)")
+    report.add_argument("new_run", nargs="?", help="a second run to set beside the first (needs --html)")
+    report.add_argument("--html", action="store_true", help="with two runs: write NEW_RUN/compare-<base>.html")
+    report.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
+                        help="with two runs: compare's regression threshold (default 5)")
+    compare = sub.add_parser("compare", help="compare two runs; exit 1 on a regression beyond the threshold")
+    compare.add_argument("base_run")
+    compare.add_argument("new_run")
+    compare.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
+                         help="percent change that counts as a regression (default 5)")
+    compare.add_argument("--alpha", type=float, default=0.05, metavar="P",
+                         help="the chance of any false alarm allowed in one comparison of runs of the same code "
+                              "(default 0.05)")
+    compare.add_argument("--history", metavar="FILE",
+                         help="a history file (run --history): the run-to-run spread of its last runs of the spec on "
+                              "this device joins the noise")
+    compare.add_argument("--history-runs", type=int, default=10, metavar="N",
+                         help="how many of the newest history runs (default 10)")
+    compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md)")
+    export = sub.add_parser("export", help="a run's tidy tables as CSV, Parquet or JSON files")
+    export.add_argument("run_dir")
+    export.add_argument("--format", default="csv", help="csv (default), parquet (needs pyarrow) or json")
+    export.add_argument("--out", help="folder for the files (default: RUN_DIR/export)")
+    export.add_argument("--mlflow", action="store_true", help="log the run to MLflow instead: a parent run for the "
+                                                              "sweep, a child run per trial (needs mlflow)")
+    export.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else an SQLite "
+                                               "store beside the run directories, mlflow.db)")
+    export.add_argument("--experiment", help="MLflow experiment (default: the spec's name)")
+    schema = sub.add_parser("schema", help="print the JSON Schema of a trial record (trials.jsonl)")
+    schema.add_argument("--out", help="write it to this file instead")
 
 
 def _max_batch_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -307,8 +328,51 @@ def _compare(args: argparse.Namespace) -> int:
     return 1 if summary["regressions"] else 0
 
 
+def _report_pair(args: argparse.Namespace) -> int:
+    """``harness report BASE NEW --html``: compare's verdicts and both runs side by side in one HTML page."""
+    from harness.results import html
+    from harness.studies.compare import compare_runs, to_markdown
+
+    if not args.html:
+        print("harness report: two runs need --html (a page with both side by side)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        rows, summary = compare_runs(args.run_dir, args.new_run, args.threshold)
+        page = html.render_pair(Path(args.run_dir), Path(args.new_run), to_markdown(rows, summary))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"harness report: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    out = Path(args.new_run) / f"compare-{Path(args.run_dir).name}.html"
+    out.write_text(page, encoding="utf-8")
+    print(f"{summary['regressions']} regression(s); page: {out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from harness.results import export
+    from harness.results.data import load_run
+
+    try:
+        run = load_run(args.run_dir)
+        if args.mlflow:
+            from harness.results.mlflow_export import export_run
+
+            done = export_run(run, args.tracking_uri, args.experiment)
+            print(f"MLflow experiment {done.experiment_id}, parent run {done.parent_run_id}: {len(done.created)} "
+                  f"trial run(s) logged, {len(done.existing)} already there")
+            return 0
+        paths = export.write(run, args.format, args.out)
+    except ValueError as err:  # a format, pyarrow or mlflow missing, a newer schema
+        print(f"harness export: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    for path in paths:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from harness.results.schema import SchemaError
     from harness.spec import SpecError
 
     try:
@@ -317,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from harness.results import report
 
+            if args.new_run is not None:
+                return _report_pair(args)
             try:
                 path = report.write(args.run_dir)
             except FileNotFoundError as err:
@@ -344,6 +410,17 @@ def main(argv: list[str] | None = None) -> int:
             return command.run(args)
         if args.command == "envs":
             return _envs_create(args)
+        if args.command == "export":
+            return _export(args)
+        if args.command == "schema":
+            from harness.results.schema import trial_schema_json
+
+            if args.out:
+                Path(args.out).write_text(trial_schema_json(), encoding="utf-8")
+                print(f"schema: {args.out}")
+            else:
+                print(trial_schema_json(), end="")
+            return 0
         if args.command == "env":
             from harness.measure import machine
 
@@ -352,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(err, file=sys.stderr)
         return EXIT_USAGE
-    except FileNotFoundError as err:  # --resume of a directory that is not a run
+    except (FileNotFoundError, SchemaError) as err:  # --resume of a directory that is not a run, or a newer one
         print(f"harness {args.command}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except BaseException as exc:

@@ -9,6 +9,8 @@
 #   RESULTS    where runs, history.jsonl and the last-good pointer live; keep it outside the checkout so that it
 #              survives between jobs (default results/nightly)
 #   THRESHOLD  percent change that counts as a regression (default 5)
+#   HARNESS_MLFLOW_URI  when set, each night's run is also logged to this MLflow tracking store (a parent run for
+#              the sweep, a child per trial; HARNESS_MLFLOW_EXPERIMENT names the experiment, default the spec's name)
 #   ALLOW_CPU  1 to run without a GPU (for trying the job out; a nightly GPU job should leave it unset)
 # Exit status: 0 no regression; 1 regression; 2 bad setup (no GPU, bad spec); other: the run itself failed.
 set -euo pipefail
@@ -51,6 +53,12 @@ else
 fi
 if [ "$verdict" -eq 0 ]; then
   echo "$run_dir" > "$RESULTS/last-good"
+fi
+if [ -n "${HARNESS_MLFLOW_URI:-}" ]; then
+  echo "== MLflow $HARNESS_MLFLOW_URI"
+  "$PYTHON" -m harness export "$run_dir" --mlflow --tracking-uri "$HARNESS_MLFLOW_URI" \
+    ${HARNESS_MLFLOW_EXPERIMENT:+--experiment "$HARNESS_MLFLOW_EXPERIMENT"} \
+    || echo "MLflow export failed; the run directory holds everything (harness export $run_dir --mlflow)"
 fi
 "$PYTHON" -m harness history --file "$RESULTS/history.jsonl" --metric throughput > /dev/null
 exit "$verdict"

@@ -1,4 +1,5 @@
-"""Shared fixtures: specs written to temporary files, and the fault adapter's registration."""
+"""Shared fixtures: specs written to temporary files, the fault adapter's registration, and one real run that the
+results-as-data and report.html tests read."""
 
 from __future__ import annotations
 
@@ -60,3 +61,20 @@ def fault_adapter(monkeypatch):
     monkeypatch.setenv("HARNESS_ADAPTERS", REGISTRATION)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     return "fault"
+
+
+@pytest.fixture(scope="session")
+def real_run(tmp_path_factory):
+    """One real run: PyTorch, batch sizes 32 and 64, 2 repeats, 2 epochs, in fp32 and in fp16, which the PyTorch
+    adapter does not run on a CPU (recorded unsupported, no worker): a run with trials that have no samples."""
+    from harness.plan import checked_spec
+    from harness.results import report
+    from harness.studies import sweep
+
+    tmp = tmp_path_factory.mktemp("data")
+    spec = checked_spec(base_spec(name="data", batch_sizes=[32, 64], repeats=2, epochs=2,
+                                  variants={"precision": ["fp32", "fp16"]}, sampler={"interval_s": 0.05}),
+                        tmp / "s.yaml")
+    run_dir = sweep.run_spec(spec, tmp / "runs")
+    report.write(run_dir)
+    return run_dir

@@ -162,8 +162,14 @@ def test_nightly_script_sets_a_baseline_then_catches_a_regression(steady, write_
     assert "this run becomes the baseline" in first.stdout
     baseline = (tmp_path / "nightly" / "last-good").read_text().strip()
     env["HARNESS_STEP_SLEEP"] = "*:0.006"
+    env["HARNESS_MLFLOW_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the nightly also logs to MLflow
     second = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=env["HARNESS_MLFLOW_URI"])
+    logged = client.search_runs([client.get_experiment_by_name("nightly").experiment_id])
+    assert sorted(r.data.tags["harness.kind"] for r in logged) == ["sweep", "trial", "trial", "trial"]
     assert (tmp_path / "nightly" / "last-good").read_text().strip() == baseline  # a regression is not a baseline
     assert len(history.read(tmp_path / "nightly" / "history.jsonl")) == 2
     assert (tmp_path / "nightly" / "history.throughput.png").exists()

@@ -1,5 +1,6 @@
-"""The report's plots: one PNG per metric against batch size, and each trial's sampled time series with its phases
-shaded (matplotlib, Agg backend)."""
+"""The report's plots: each metric against batch size, and each trial's sampled time series with its phases shaded
+(matplotlib, Agg backend). ``metric_figure`` and ``trial_figure`` draw; ``plot``/``plot_trial`` save them as the PNGs
+report.md links, and ``harness.results.html`` embeds the same figures as inline SVG."""
 
 from __future__ import annotations
 
@@ -7,60 +8,78 @@ from pathlib import Path
 from typing import Any
 
 from harness.measure.sampler import windows_from_events
-from harness.results.metrics import MB, title
+from harness.results.metrics import MB, Metric, title
 from harness.results.store import read_lines
 
 
-def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
-    """One PNG per metric: the metric against batch size (log2 axis), a line per framework; ok cells only."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def metric_figure(data: dict[str, Any], metric: Metric) -> tuple[Any, dict[str, str]]:
+    """The metric against batch size (log2 axis), a line per row; ok cells only. Returns the figure and, per point,
+    its SVG group id (``<metric key>-<n>``) and a hover text (row, batch size, value with unit), which the HTML report puts
+    into the SVG as each point's <title>."""
+    plt = _pyplot()
+    table = data["tables"][metric.key]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    tips: dict[str, str] = {}
+    for fw in data["frameworks"]:
+        points = [(bs, v) for bs, v in table.loc[fw].items() if isinstance(v, float)]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        (line,) = ax.plot(xs, ys, label=title(fw))
+        for bs, value in points:
+            gid = f"{metric.key}-{len(tips)}"
+            ax.plot([bs], [value], marker="o", color=line.get_color(), gid=gid)
+            tips[gid] = f"{title(fw)}, batch size {bs}: {value:,.{metric.digits}f} {metric.unit}".strip()
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(data["batch_sizes"], [str(b) for b in data["batch_sizes"]])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(f"{metric.title} ({metric.unit})" if metric.unit else metric.title)
+    ax.set_title(metric.title)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    return fig, tips
+
+
+def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per metric (``metric_figure``), ``out_dir/<metric key>.png``."""
+    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for metric in data["metrics"]:
-        table = data["tables"][metric.key]
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-        for fw in data["frameworks"]:
-            points = [(bs, v) for bs, v in table.loc[fw].items() if isinstance(v, float)]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", label=title(fw))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(data["batch_sizes"], [str(b) for b in data["batch_sizes"]])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(f"{metric.title} ({metric.unit})" if metric.unit else metric.title)
-        ax.set_title(metric.title)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-        fig.tight_layout()
+        fig, _ = metric_figure(data, metric)
         path = out_dir / f"{metric.key}.png"
         fig.savefig(path)
         plt.close(fig)
         paths.append(path)
     return paths
 
+
 SERIES_TITLES = {"cpu_percent": "CPU %", "rss_bytes": "RSS MB", "gpu_util_percent": "GPU use %",
                  "mem_util_percent": "memory use %", "device_memory_used_bytes": "device MB",
                  "process_memory_bytes": "process MB", "power_w": "power W", "sm_clock_mhz": "SM MHz",
                  "temperature_c": "temperature C"}
 
-def plot_trial(run_dir: Path, trial_id: str, out: Path) -> Path | None:
+
+def trial_figure(run_dir: Path, trial_id: str) -> Any | None:
     """The sampled metrics of one trial over time (seconds since the worker started), with the warm-up (grey) and
-    the timed windows (green) shaded. Returns the PNG's path, or None when the trial has no samples."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    the timed windows (green) shaded; None when the trial has no samples."""
     samples = read_lines(run_dir / "samples" / f"{trial_id}.jsonl")
     events = read_lines(run_dir / "events" / f"{trial_id}.jsonl")
     names = [m for m in SERIES_TITLES if any(s.get(m) is not None for s in samples)]
     if not samples or not names:
         return None
+    plt = _pyplot()
     t0 = events[0]["t"] if events else samples[0]["t"]
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names) + 0.6), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):
@@ -75,7 +94,15 @@ def plot_trial(run_dir: Path, trial_id: str, out: Path) -> Path | None:
     axes[-1, 0].set_xlabel("seconds since the worker started")
     axes[0, 0].set_title(f"{trial_id}: warm-up grey, timed windows green", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def plot_trial(run_dir: Path, trial_id: str, out: Path) -> Path | None:
+    """``trial_figure`` saved as a PNG at ``out``; None when the trial has no samples."""
+    fig = trial_figure(run_dir, trial_id)
+    if fig is None:
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.results import html
 from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import Metric, scaled, title
 from harness.results.plots import plot, plot_trial
@@ -344,7 +345,7 @@ def powers_of_two_section(data: dict[str, Any]) -> list[str]:
 
 
 def write(run_dir: str | Path) -> Path:
-    """Writes ``report.md`` and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into
+    """Writes ``report.md``, ``report.html`` (``harness.results.html``) and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into
     the run directory and returns the report's path."""
     run_dir = Path(run_dir)
     data = build(run_dir)
@@ -355,4 +356,5 @@ def write(run_dir: str | Path) -> Path:
             plot_trial(run_dir, record["id"], run_dir / "plots" / "trials" / f"{record['id']}.png")
     path = run_dir / "report.md"
     path.write_text(render_markdown(data), encoding="utf-8")
+    html.write(data, run_dir)
     return path

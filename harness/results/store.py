@@ -18,6 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from harness.results.schema import SchemaError, check_version
+
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, allow_nan=True, default=str)
@@ -110,13 +112,24 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def read_trials(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The finished trials of a run, in the order they finished."""
-    return read_lines(Path(run_dir) / "trials.jsonl")
+    """The finished trials of a run, in the order they finished. Raises SchemaError (one line) for a record written
+    with a newer schema than this harness reads (``harness.results.schema``)."""
+    path = Path(run_dir) / "trials.jsonl"
+    records = read_lines(path)
+    for number, record in enumerate(records, 1):
+        check_version(record, f"{path}: record {number} ({record.get('id', '?')})")
+    return records
 
 
 def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """run.json of a run directory. Raises FileNotFoundError when it is not a run directory."""
+    """run.json of a run directory. Raises FileNotFoundError when it is not a run directory, SchemaError when it was
+    written with a newer schema than this harness reads or is not JSON."""
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no run.json)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise SchemaError(f"{path}: not valid JSON ({err})") from None
+    check_version(info, str(path))
+    return info

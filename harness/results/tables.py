@@ -14,7 +14,6 @@ import pandas as pd
 
 from harness.results.metrics import MB, Metric, metrics_for, read_path, row_key, scaled, spec_rows, title
 from harness.results.stats import mean_ci, median_ci, overlaps
-from harness.results.store import read_run, read_trials
 
 
 def cell_values(records: list[dict[str, Any]], metric: Metric, framework: str, batch_size: int) -> list[float]:
@@ -120,9 +119,16 @@ def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], co
     return "\n".join([header, rule, *body])
 
 def build(run_dir: str | Path) -> dict[str, Any]:
-    """Reads a run and computes what the report shows: the run info, the records, the metrics and their tables."""
-    run = read_run(run_dir)
-    records = read_trials(run_dir)
+    """Reads a run (``harness.results.data.load_run``: schema-checked) and computes what the report shows."""
+    from harness.results.data import load_run
+
+    return load_run(run_dir).data
+
+
+def compute(run: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the report shows of a run (run.json as a dict, its trial records): the run info, the records, the rows
+    (frameworks and variants), batch sizes, seeds, sampler backend, the metrics and per metric its table (rows x batch
+    sizes), the cells sampled over the whole span (``marks``) and the 95 % intervals (``cis``)."""
     spec = run["spec"]
     # Rows: frameworks in the spec's order, each with its variants in the order they ran.
     keys = list(dict.fromkeys(row_key(r) for r in records))

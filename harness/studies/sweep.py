@@ -14,6 +14,7 @@ from harness.execution.launcher import Outcome
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
 from harness.plan import Trial, plan, unsupported_reason
+from harness.results.schema import SCHEMA_VERSION
 from harness.results.store import (append_trial, create_run_dir, drop_torn_tail, read_run, read_trials, write_json,
                                    write_lines)
 from harness.spec import Spec, SpecError
@@ -62,10 +63,10 @@ def unsupported_record(trial: Trial, reason: str) -> dict[str, Any]:
 
 def _identity(trial: Trial) -> dict[str, Any]:
     """The fields that say which trial a record is, in every record whether it ran or not."""
-    return {"id": trial.id, "framework": trial.framework, "label": trial.row, "batch_size": trial.batch_size,
-            "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant, "device": trial.device,
-            "threads": trial.threads, "learning_rate": trial.learning_rate, "precision": trial.precision,
-            "compile": trial.compile}
+    return {"schema_version": SCHEMA_VERSION, "id": trial.id, "framework": trial.framework, "label": trial.row,
+            "batch_size": trial.batch_size, "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant,
+            "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
+            "precision": trial.precision, "compile": trial.compile}
 
 
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
@@ -251,6 +252,7 @@ def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> t
     device = resolve_device(spec.device, env["gpu"])
     run_dir = create_run_dir(out_root, spec.name)
     run_info = {
+        "schema_version": SCHEMA_VERSION,
         "harness_version": __version__,
         "spec_file": str(spec_path) if spec_path else None,
         "spec": spec.model_dump(mode="json"),

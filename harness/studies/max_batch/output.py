@@ -11,6 +11,7 @@ from typing import Any
 
 from harness import __version__
 from harness.measure import machine
+from harness.results.schema import SCHEMA_VERSION
 from harness.results.store import append_line, create_run_dir, write_json, write_lines
 from harness.spec import Spec
 from harness.spec.frameworks import slug
@@ -136,7 +137,8 @@ class RunWriter:
         self.spec = spec
         self.run_dir = create_run_dir(out_root, f"{spec.name}-max-batch-{slug(framework)}")
         self.info: dict[str, Any] = {
-            "kind": "max-batch", "harness_version": __version__, "spec_file": str(spec_path) if spec_path else None,
+            "kind": "max-batch", "schema_version": SCHEMA_VERSION, "harness_version": __version__,
+            "spec_file": str(spec_path) if spec_path else None,
             "spec": spec.model_dump(mode="json"), "framework": framework, "device": device,
             "settings": settings or {}, "environment": machine.collect(), "started": _now(), "finished": None,
             "result": None}

@@ -1,0 +1,185 @@
+"""``report.html``: the report as one self-contained page that opens offline. Everything report.md says (its Markdown
+turned into HTML by Python-Markdown, https://python-markdown.github.io/extensions/tables/), every metric against
+batch size as inline SVG whose points name their row, batch size and value on hover (an SVG <title>), a table of
+every trial with its status and reason, each trial's sampled time series (inline SVG, warm-up and timed windows
+shaded) and the machine and environment. No script, stylesheet, font or image is fetched: the styles are inline and
+the plots are SVG elements of the page.
+
+``render_pair`` puts two runs side by side (a nightly against its baseline): compare's verdicts, each metric of both
+runs in one plot, and each run's Ohio State table.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from pathlib import Path
+from typing import Any
+
+from harness.results.metrics import title
+from harness.results.plots import metric_figure, trial_figure
+
+STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 2em; }
+table { border-collapse: collapse; margin: .8em 0; font-size: 13px; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; } th { background: #f4f4f4; }
+td:not(:first-child) { text-align: right; font-variant-numeric: tabular-nums; }
+tr.bad td { background: #fff0f0; } code { background: #f4f4f4; padding: 0 3px; }
+.plots { display: flex; flex-wrap: wrap; gap: 12px; } .plots svg { width: 560px; height: auto; }
+.trial svg { width: 640px; height: auto; } details { margin: .3em 0; } summary { cursor: pointer; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 16px; } .pair > div { overflow-x: auto; }
+"""
+
+
+def svg(fig: Any, tips: dict[str, str] | None = None) -> str:
+    """A matplotlib figure as an inline <svg> element (text as SVG text in the browser's fonts, nothing external),
+    with a <title> (a hover text) added to each group whose id is in ``tips``."""
+    import matplotlib
+    from matplotlib import pyplot as plt
+
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as <text> in the page's own fonts: smaller, searchable
+        fig.savefig(buffer, format="svg")
+    plt.close(fig)
+    text = buffer.getvalue()
+    text = text[text.index("<svg"):]
+    for gid, tip in (tips or {}).items():
+        text = text.replace(f'<g id="{gid}">', f'<g id="{gid}"><title>{html.escape(tip)}</title>', 1)
+    return text
+
+
+def _markdown(text: str) -> str:
+    import markdown
+
+    return markdown.markdown(text, extensions=["tables"], output_format="html")
+
+
+def _page(heading: str, body: list[str]) -> str:
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(heading)}</title><style>{STYLE}</style></head><body>\n" + "\n".join(body)
+            + "\n</body></html>\n")
+
+
+def trials_table(data: dict[str, Any]) -> str:
+    """Every trial: id, row, batch size, seed, repeat, status, reason, wall seconds, throughput."""
+    rows = ["<table id=\"trials\"><thead><tr><th>trial</th><th>row</th><th>batch size</th><th>seed</th>"
+            "<th>repeat</th><th>status</th><th>reason</th><th>wall s</th><th>samples/s</th></tr></thead><tbody>"]
+    for r in data["records"]:
+        throughput = (r.get("metrics") or {}).get("throughput")
+        rows.append(f"<tr class=\"{'ok' if r['status'] == 'ok' else 'bad'}\"><td>{html.escape(r['id'])}</td>"
+                    f"<td>{html.escape(title(_row(r)))}</td><td>{r['batch_size']}</td><td>{r.get('seed', 0)}</td>"
+                    f"<td>{r['repeat']}</td><td>{html.escape(r['status'])}</td>"
+                    f"<td style=\"text-align:left\">{html.escape(r.get('reason') or '')}</td>"
+                    f"<td>{r.get('wall_seconds', 0):,.1f}</td>"
+                    f"<td>{'' if throughput is None else f'{throughput:,.1f}'}</td></tr>")
+    return "\n".join(rows) + "</tbody></table>"
+
+
+def _row(record: dict[str, Any]) -> str:
+    from harness.results.metrics import row_key
+
+    return row_key(record)
+
+
+def environment_table(run: dict[str, Any]) -> str:
+    """The machine and the harness's environment as run.json recorded them, one row per field (packages folded)."""
+    env = run.get("environment", {})
+    rows = []
+    for key, value in env.items():
+        if key == "packages" and isinstance(value, dict):
+            listed = ", ".join(f"{k} {v}" for k, v in sorted(value.items()))
+            cell = f"<details><summary>{len(value)} packages</summary>{html.escape(listed)}</details>"
+        else:
+            cell = html.escape(value if isinstance(value, str) else repr(value))
+        rows.append(f"<tr><th>{html.escape(key)}</th><td style=\"text-align:left\">{cell}</td></tr>")
+    return "<table id=\"environment\">" + "".join(rows) + "</table>"
+
+
+def render(data: dict[str, Any], run_dir: Path) -> str:
+    """The whole report.html of one run (``data``: ``harness.results.tables.compute``'s result)."""
+    from harness.results.report import render_markdown
+
+    text = render_markdown(data).split("\n## Plots")[0]
+    heading, _, rest = text.partition("\n")
+    top, mark, details = rest.partition("\n## Memory, layer by layer")  # the plots follow the Ohio State layout
+    body = [f"<h1>{html.escape(heading.lstrip('# '))}</h1>", _markdown(top),
+            "<h2 id=\"plots\">Every metric against batch size</h2>",
+            "<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">"]
+    for metric in data["metrics"]:
+        fig, tips = metric_figure(data, metric)
+        body.append(svg(fig, tips))
+    body += ["</div>", _markdown(mark + details), "<h2 id=\"trials-heading\">Trials</h2>", trials_table(data),
+             "<h2>Each trial over time</h2><p>Sampled metrics against seconds since the worker started; warm-up "
+             "grey, timed windows green.</p>"]
+    for record in data["records"]:
+        fig = trial_figure(run_dir, record["id"]) if record["status"] == "ok" else None
+        if fig is not None:
+            body.append(f"<details class=\"trial\"><summary>{html.escape(record['id'])}</summary>{svg(fig)}</details>")
+    body += ["<h2>Machine and environment</h2>", environment_table(data["run"])]
+    return _page(heading.lstrip("# "), body)
+
+
+def write(data: dict[str, Any], run_dir: Path) -> Path:
+    path = Path(run_dir) / "report.html"
+    path.write_text(render(data, Path(run_dir)), encoding="utf-8")
+    return path
+
+
+def pair_figure(base: dict[str, Any], new: dict[str, Any], key: str) -> tuple[Any, dict[str, str]] | None:
+    """One metric of two runs in one plot: the base run's rows dashed, the new run's solid; None when either run
+    lacks the metric."""
+    from matplotlib import pyplot as plt
+
+    metrics = {m.key: m for m in new["metrics"]}
+    if key not in metrics or key not in base["tables"]:
+        return None
+    metric = metrics[key]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    tips: dict[str, str] = {}
+    for name, data, style in (("base", base, "--"), ("new", new, "-")):
+        for fw in data["frameworks"]:
+            points = [(bs, v) for bs, v in data["tables"][key].loc[fw].items() if isinstance(v, float)]
+            if not points:
+                continue
+            (line,) = ax.plot(*zip(*points), linestyle=style, label=f"{title(fw)} ({name})")
+            for bs, value in points:
+                gid = f"pair-{key}-{len(tips)}"
+                ax.plot([bs], [value], marker="o", color=line.get_color(), gid=gid)
+                tips[gid] = f"{title(fw)} ({name}), batch size {bs}: {value:,.{metric.digits}f} {metric.unit}".strip()
+    sizes = sorted(set(base["batch_sizes"]) | set(new["batch_sizes"]))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(f"{metric.title} ({metric.unit})" if metric.unit else metric.title)
+    ax.set_title(f"{metric.title}: base dashed, new solid")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig, tips
+
+
+def render_pair(base_dir: Path, new_dir: Path, comparison_markdown: str) -> str:
+    """Two runs side by side: compare's verdicts (its Markdown), each metric of both runs in one plot, and each run's
+    header and Ohio State table in two columns."""
+    from harness.results.report import header_lines
+    from harness.results.tables import build, markdown_table, ohio_state_rows
+
+    base, new = build(base_dir), build(new_dir)
+    heading = f"{Path(base_dir).name} (base) against {Path(new_dir).name} (new)"
+    verdicts = comparison_markdown.split("\n", 1)[1] if comparison_markdown.startswith("# ") else comparison_markdown
+    body = [f"<h1>{html.escape(heading)}</h1>", "<h2>Compare's verdicts</h2>", _markdown(verdicts),
+            "<h2>Every metric, both runs</h2><div class=\"plots\">"]
+    for metric in new["metrics"]:
+        drawn = pair_figure(base, new, metric.key)
+        if drawn is not None:
+            body.append(svg(*drawn))
+    body.append("</div><h2>The Ohio State layout</h2><div class=\"pair\">")
+    for name, data, path in (("base", base, base_dir), ("new", new, new_dir)):
+        table = markdown_table(ohio_state_rows(data), data["batch_sizes"])
+        body.append(f"<div><h3>{name}: {html.escape(Path(path).name)}</h3>"
+                    + _markdown("\n".join(header_lines(data)) + "\n\n" + table) + "</div>")
+    body.append("</div>")
+    return _page(heading, body)
+
