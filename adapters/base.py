@@ -195,6 +195,12 @@ class Adapter(abc.ABC):
     def sync(self) -> float:
         """Waits until all queued device work is done and returns the loss of the last train_step (nan if none)."""
 
+    def wait(self) -> None:
+        """Waits until all queued device work is done, without reading anything back: the end edge of a timed
+        window, after which the worker stops the clock and reads the loss with ``sync``. The default is ``sync``
+        itself (the read inside the window); an adapter whose loss read costs more than a copy overrides it."""
+        self.sync()
+
     @abc.abstractmethod
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on the whole test set, in inference mode,

@@ -347,6 +347,14 @@ class JaxAdapter(Adapter):
         (self.params, self.opt_state, self.stats, self._key, self._scaler), self._last_loss = self._steps[key](
             state, self.x_train, self.y_train, idx)
 
+    def wait(self) -> None:
+        """Blocks until the last step's outputs are ready (one jitted executable: its outputs complete together;
+        https://docs.jax.dev/en/latest/async_dispatch.html), without copying the loss to the host."""
+        if self._last_loss is None:
+            self.sync()
+        else:
+            self._last_loss.block_until_ready()
+
     def sync(self) -> float:
         if self._last_loss is None:
             for leaf in jax.tree_util.tree_leaves(self.params):

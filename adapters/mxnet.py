@@ -449,6 +449,11 @@ class MXNetAdapter(Adapter):
             self._params.setattr("grad_req", req)
             self._grad_req = req
 
+    def wait(self) -> None:
+        """``nd.waitall``: every operator queued on the engine is done. The loss is read by ``sync``, after the clock
+        (its mean is one more operator and engine round trip)."""
+        nd.waitall()
+
     def sync(self) -> float:
         nd.waitall()
         return float("nan") if self._last_loss is None else float(self._last_loss.mean().asscalar())

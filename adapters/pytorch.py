@@ -351,6 +351,13 @@ class PyTorchAdapter(Adapter):
         self._step()
         self._last_loss = total
 
+    def wait(self) -> None:
+        """``torch.cuda.synchronize`` on a GPU; nothing on the CPU, where eager and compiled steps run their kernels
+        before returning (https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution: only CUDA
+        work is asynchronous)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def sync(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

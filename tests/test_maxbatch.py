@@ -88,7 +88,9 @@ def test_finds_the_limit_under_a_real_cap(searches, framework):
     # operation failed"); the control run without the cap then shows that the cap caused it (see
     # harness.studies.max_batch.search), and only then is it counted as out of memory.
     proven = framework == "jax" and "the same probe without the cap ran ok, so the cap caused it" in oom.reason
-    assert own_error in oom.reason or proven, f"{oom.reason}\n{table}"
+    # Python's own MemoryError is also an out-of-memory exception, raised when a host allocation outside the
+    # framework fails under the cap first (numpy's, the interpreter's): seen once for MXNet at its limit.
+    assert own_error in oom.reason or oom.reason.startswith("MemoryError") or proven, f"{oom.reason}\n{table}"
     assert all(p.status in ("ok", "oom") for p in result.probes)
     assert all(p.peak_bytes is not None and p.peak_bytes > 0 for p in result.probes if p.status == "ok")
 

@@ -16,8 +16,8 @@ from harness.spec import SpecError, TimingSpec, load
 class RecordingAdapter:
     """Just what the loop calls, recording the order of steps and syncs; a step takes ``step_s`` of wall time."""
 
-    def __init__(self, step_s: float = 0.0):
-        self.step_s, self.calls = step_s, []
+    def __init__(self, step_s: float = 0.0, read_s: float = 0.0):
+        self.step_s, self.read_s, self.calls = step_s, read_s, []
         self.order, self.batch, self.unstaged = None, None, 0
 
     def stage_epoch(self, order, batch_size):
@@ -31,8 +31,13 @@ class RecordingAdapter:
         if self.step_s:
             time.sleep(self.step_s)
 
+    def wait(self):
+        self.calls.append("wait")
+
     def sync(self):
         self.calls.append("sync")
+        if self.read_s:
+            time.sleep(self.read_s)  # a slow loss read
         return 0.5
 
     def evaluate(self, batch_size):
@@ -49,8 +54,9 @@ class RecordingAdapter:
         return {}
 
 
-def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, warmup: int = 0, step_s: float = 0.0):
-    adapter = RecordingAdapter(step_s)
+def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, warmup: int = 0, step_s: float = 0.0,
+           read_s: float = 0.0):
+    adapter = RecordingAdapter(step_s, read_s)
     data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 1, 1, 1)))
     trial = {"batch_size": batch, "epochs": epochs, "warmup_steps": warmup, "seed": 0,
              "timing": TimingSpec.model_validate(timing).model_dump(mode="json")}
@@ -195,3 +201,13 @@ def test_the_report_states_the_mode():
     auto = timing_mode(TimingSpec().model_dump(mode="json"))
     assert "about 1 s" in auto and "only at their edges" in auto
     assert "windows of 16 steps" in timing_mode({"window": 16})
+
+
+def test_the_loss_read_is_outside_the_clock():
+    """Each window's clock stops at ``wait`` (the device is done); the loss is read by ``sync`` after it, and the
+    next window's clock starts after the read: a slow read (50 ms a window) leaves the 2 ms steps' time alone."""
+    calls, metrics = _train({"window": 5}, samples=80, batch=4, step_s=0.002, read_s=0.05)
+    assert _timed_windows(calls) == [5] * 4
+    timed = calls[calls.index("step"):]
+    assert all(timed[i + 1] == "sync" for i, call in enumerate(timed) if call == "wait")  # read after each wait
+    assert 0.002 <= metrics["step_time_median_s"] < 0.0045 and max(metrics["epochs"][0]["timed_seconds"], 0) < 0.1

@@ -16,7 +16,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from harness.results.metrics import title
+from harness.results.metrics import row_key, title
 from harness.results.plots import metric_figure, trial_figure
 
 STYLE = """
@@ -68,18 +68,12 @@ def trials_table(data: dict[str, Any]) -> str:
     for r in data["records"]:
         throughput = (r.get("metrics") or {}).get("throughput")
         rows.append(f"<tr class=\"{'ok' if r['status'] == 'ok' else 'bad'}\"><td>{html.escape(r['id'])}</td>"
-                    f"<td>{html.escape(title(_row(r)))}</td><td>{r['batch_size']}</td><td>{r.get('seed', 0)}</td>"
+                    f"<td>{html.escape(title(row_key(r)))}</td><td>{r['batch_size']}</td><td>{r.get('seed', 0)}</td>"
                     f"<td>{r['repeat']}</td><td>{html.escape(r['status'])}</td>"
                     f"<td style=\"text-align:left\">{html.escape(r.get('reason') or '')}</td>"
                     f"<td>{r.get('wall_seconds', 0):,.1f}</td>"
                     f"<td>{'' if throughput is None else f'{throughput:,.1f}'}</td></tr>")
     return "\n".join(rows) + "</tbody></table>"
-
-
-def _row(record: dict[str, Any]) -> str:
-    from harness.results.metrics import row_key
-
-    return row_key(record)
 
 
 def environment_table(run: dict[str, Any]) -> str:
