@@ -18,6 +18,13 @@ Then every pair is compared with ``harness.studies.compare.compare_runs`` at the
 - detection: a plain run against every slowed run; "caught" means the throughput of both batch sizes was called a
   regression, "any" that the comparison failed at all.
 
+``--interleaved`` measures the other design, both versions in one run (``harness compare RUN --rows A B``): each
+round is one run whose spec lists four entries side by side, two plain (rows A and B: ``planted``), one 10 % and one
+30 % slower (``planted10``, ``planted30``: fixed slowdowns under names of their own), so every trial of one kind
+has trials of the others just before and after it; false alarms are A against B, detection A and B against each
+slowed row, all inside each run (``compare_rows``). Use more repeats here (``--repeats 8``): a cell's noise is then
+only the repeat-to-repeat spread.
+
 The table gives each rate with its count and a 95 % Clopper-Pearson interval (scipy.stats.binomtest); pairs that
 share a run are not independent, so read the intervals as optimistic. The runs are kept in ``--runs`` so that the
 comparison can be re-evaluated (``--evaluate-only``) without running them again.
@@ -25,6 +32,7 @@ comparison can be re-evaluated (``--evaluate-only``) without running them again.
     .venv/bin/python benchmarks/compare_false_alarms.py                  # 6 rounds: 24 runs, about 10 minutes
     .venv/bin/python benchmarks/compare_false_alarms.py --rounds 10 --repeats 5
     .venv/bin/python benchmarks/compare_false_alarms.py --evaluate-only --runs /tmp/compare-runs
+    .venv/bin/python benchmarks/compare_false_alarms.py --interleaved --rounds 4 --repeats 8 --runs /tmp/ab-runs
 """
 
 from __future__ import annotations
@@ -41,9 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.planted import REGISTRATION  # noqa: E402
+from benchmarks.planted import REGISTRATION, REGISTRATION_ALL  # noqa: E402
 from harness.plan import checked_spec  # noqa: E402
-from harness.studies.compare import DEFAULT_THRESHOLD_PCT, compare_runs  # noqa: E402
+from harness.studies.compare import DEFAULT_THRESHOLD_PCT, compare_rows, compare_runs  # noqa: E402
 from harness.studies.sweep import run_spec  # noqa: E402
 
 KINDS = {"A": 0.0, "B": 0.0, "slow10": 0.10, "slow30": 0.30}
@@ -54,8 +62,15 @@ CNN = [{"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "a
        {"type": "dense", "units": 10}]
 
 
-def spec_for(repeats: int, batch_sizes: list[int]):
-    data = {"name": "compare-noise", "frameworks": ["planted"], "model": {"layers": CNN},
+#: --interleaved: the entries of each round's one run (row label -> registered adapter name)
+AB_ROWS = {"A": "planted", "B": "planted", "slow10": "planted10", "slow30": "planted30"}
+
+
+def spec_for(repeats: int, batch_sizes: list[int], interleaved: bool = False):
+    frameworks = ([{"name": name, "label": label} for label, name in AB_ROWS.items()] if interleaved
+                  else ["planted"])
+    data = {"name": "compare-noise" + ("-ab" if interleaved else ""), "frameworks": frameworks,
+            "model": {"layers": CNN},
             "dataset": {"name": "digits"}, "batch_sizes": batch_sizes, "epochs": 8, "warmup_steps": 2,
             "repeats": repeats, "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9}, "seed": 0,
             "device": "cpu", "cpu_threads": 1, "timeout_s": 300}
@@ -79,6 +94,40 @@ def collect(runs: Path, rounds: int, repeats: int, batch_sizes: list[int]) -> No
             print(f"round {r + 1}/{rounds}: {kind} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         index["rounds"].append(done)
         (runs / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def collect_interleaved(runs: Path, rounds: int, repeats: int, batch_sizes: list[int]) -> None:
+    """One run a round, its four rows side by side (``AB_ROWS``)."""
+    os.environ["HARNESS_ADAPTERS"] = REGISTRATION_ALL
+    os.environ["PYTHONPATH"] = str(ROOT)
+    os.environ["HARNESS_PLANTED_SLOWDOWN"] = "0"
+    spec = spec_for(repeats, batch_sizes, interleaved=True)
+    index: dict = {"interleaved": True, "rounds": []}
+    for r in range(rounds):
+        started = time.monotonic()
+        index["rounds"].append({"run": str(run_spec(spec, runs / f"round{r}"))})
+        print(f"round {r + 1}/{rounds}: one run of {len(AB_ROWS)} rows in {time.monotonic() - started:.0f} s",
+              file=sys.stderr, flush=True)
+        (runs / "index.json").write_text(json.dumps(index, indent=1))
+
+
+def evaluate_interleaved(runs: Path, threshold: float) -> list[dict]:
+    """False alarms (A against B) and detection (A and B against each slowed row), inside each round's run."""
+    rounds = [d["run"] for d in json.loads((runs / "index.json").read_text())["rounds"]]
+    results = [compare_rows(run, "A", "B", threshold) for run in rounds]
+    rows = [{"pairs": "A vs B in one run (false alarms)", "n": len(results),
+             "any": sum(summary["regressions"] > 0 for _, summary in results), "caught": None,
+             "resolvable": results[0][1].get("resolvable", {}) if results else {}}]
+    for kind in ("slow10", "slow30"):
+        caught = anything = n = 0
+        for run, plain in itertools.product(rounds, ("A", "B")):
+            result, summary = compare_rows(run, plain, kind, threshold)
+            flagged = {r.batch_size for r in result if r.metric == "Throughput" and r.verdict == "regression"}
+            caught += len(flagged) == len({r.batch_size for r in result})
+            anything += summary["regressions"] > 0
+            n += 1
+        rows.append({"pairs": f"plain vs {kind[4:]} % slower, same run", "n": n, "any": anything, "caught": caught})
+    return rows
 
 
 def _interval(k: int, n: int) -> str:
@@ -137,14 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="32,128")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD_PCT)
     parser.add_argument("--evaluate-only", action="store_true", help="compare the runs already in --runs")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="one run a round with plain and slowed rows side by side, compared inside the run")
     args = parser.parse_args(argv)
     runs = Path(args.runs)
     if not args.evaluate_only:
         runs.mkdir(parents=True, exist_ok=True)
-        collect(runs, args.rounds, args.repeats, [int(b) for b in args.batch_sizes.split(",")])
-    rows = evaluate(runs, args.threshold, with_history=False) + evaluate(runs, args.threshold, with_history=True)
+        collect_runs = collect_interleaved if args.interleaved else collect
+        collect_runs(runs, args.rounds, args.repeats, [int(b) for b in args.batch_sizes.split(",")])
+    interleaved = json.loads((runs / "index.json").read_text()).get("interleaved", False)
+    rows = (evaluate_interleaved(runs, args.threshold) if interleaved else
+            evaluate(runs, args.threshold, with_history=False) + evaluate(runs, args.threshold, with_history=True))
     n_rounds = len(json.loads((runs / "index.json").read_text())["rounds"])
-    print(f"{n_rounds} rounds of 4 runs; threshold {args.threshold:g} %\n")
+    print(f"{n_rounds} rounds of {'one run of 4 rows' if interleaved else '4 runs'}; threshold {args.threshold:g} %\n")
     print("| pairs | n | compare failed (any regression) | 95 % interval | slowed throughput caught at every batch "
           "size | 95 % interval |")
     print("| --- | ---: | ---: | --- | ---: | --- |")

@@ -22,6 +22,10 @@ machine hits both):
 Both time the same steps (Keras ``fit`` also its warm-up's worth) of the same number of epochs, chosen per batch size
 so that a measurement covers at least ``--min-steps`` steps and ``--min-samples`` samples (about two seconds here;
 digits has 1438 training images: 22 steps per epoch at batch 64, 2 at batch 512), unless ``--epochs`` fixes it.
+Both evaluate the test set once, after the last epoch (the harness through ``evaluate_every``, so its timed windows
+run on across epochs as the loop's clock does); ``--evaluate-every 1`` gives the harness a user's default instead, an
+evaluation after every epoch, whose windows then end with every epoch: at batch 512 on digits, windows of 2 steps,
+each starting with the device's queue empty.
 
     .venv/bin/python benchmarks/harness_vs_loop.py                  # all four, batch 64 and 512, 5 repeats
     .venv/bin/python benchmarks/harness_vs_loop.py --frameworks tensorflow,mxnet --repeats 3 --out /tmp/hvl.json
@@ -67,11 +71,13 @@ FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 GOAL = 0.97
 
 
-def load_spec(path: str, framework: str, batch_size: int, epochs: int, timing: dict[str, Any] | None) -> Spec:
-    """The spec file with only the framework, batch size, epochs, repeats (1) and device (cpu) overridden, and
-    ``timing`` where given; validated and checked as ``harness run`` does."""
+def load_spec(path: str, framework: str, batch_size: int, epochs: int, timing: dict[str, Any] | None,
+              evaluate_every: int | None = None) -> Spec:
+    """The spec file with only the framework, batch size, epochs, repeats (1), device (cpu) and evaluation
+    (``evaluate_every``: None = after the last epoch only, as the loop evaluates) overridden, and ``timing`` where
+    given; validated and checked as ``harness run`` does."""
     overrides: dict[str, Any] = {"frameworks": [framework], "batch_sizes": [batch_size], "epochs": epochs,
-                                 "repeats": 1, "device": "cpu"}
+                                 "repeats": 1, "device": "cpu", "evaluate_every": evaluate_every or epochs}
     if timing is not None:
         overrides["timing"] = timing
     return plan_module.load(path, overrides)
@@ -184,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing", default=None,
                         help="JSON that replaces the spec's timing block, e.g. '{\"window\": \"step\"}' "
                              "(default: the spec's, i.e. what a user's run does)")
+    parser.add_argument("--evaluate-every", type=int, default=None,
+                        help="the harness evaluates after every k-th epoch (default: after the last only, as the loop "
+                             "does, so both do the same work; 1 shows what per-epoch evaluation costs the timing)")
     parser.add_argument("--no-sampler", action="store_true",
                         help="run the harness trials without the sampler (default: the spec's sampler, as in a run)")
     parser.add_argument("--out", default=None,
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for index, (framework, batch) in enumerate(cells):
-            spec = load_spec(args.spec, framework, batch, epochs[batch], timing)
+            spec = load_spec(args.spec, framework, batch, epochs[batch], timing, args.evaluate_every)
             threads = spec.cpu_threads or available_cpus()
             order = ("harness", "loop") if (repeat + index) % 2 == 0 else ("loop", "harness")
             run: dict[str, Any] = {"repeat": repeat, "framework": framework, "batch_size": batch,
@@ -234,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Harness vs idiomatic loop: spec {args.spec}, device cpu, {base.cpu_threads or available_cpus()} intra-op "
           f"thread(s), {available_cpus()} CPUs, timing {timing_text}, sampler "
           f"{'off' if args.no_sampler else f'{base.sampler.interval_s:g} s'}, warm-up {base.warmup_steps} step(s), "
+          f"harness evaluation {f'every {args.evaluate_every} epoch(s)' if args.evaluate_every else 'after the last epoch'}, "
           f"{args.repeats} repeats, {time.monotonic() - started:.0f} s in all")
     print(f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
           f"{', '.join(f'{x:.2f}' for x in load_after)}: other load on the machine shows up as noise")
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path.write_text(json.dumps({
         "spec": args.spec, "frameworks": frameworks, "batch_sizes": batches, "repeats": args.repeats,
         "epochs": {str(b): e for b, e in epochs.items()}, "timing_override": timing, "sampler": not args.no_sampler,
+        "evaluate_every": args.evaluate_every,
         "cpus": available_cpus(), "load_before": load_before, "load_after": load_after, "goal": GOAL,
         "summary": rows, "runs": runs}, indent=1, default=str))
     print(f"\nraw results: {out_path}")

@@ -13,14 +13,21 @@ import time
 from adapters.pytorch import PyTorchAdapter
 
 REGISTRATION = "planted=benchmarks.planted:PlantedSlowdown"
+#: Fixed slowdowns under names of their own, for one run that holds plain and slowed entries side by side
+#: (``compare_false_alarms.py --interleaved``).
+FIXED = {"planted10": "Planted10", "planted30": "Planted30"}
+REGISTRATION_ALL = ",".join([REGISTRATION, *(f"{name}=benchmarks.planted:{cls}" for name, cls in FIXED.items())])
 
 
 class PlantedSlowdown(PyTorchAdapter):
     name = "planted"
 
+    fixed: float | None = None  # a slowdown of the class's own, whatever the environment says
+
     def __init__(self) -> None:
         super().__init__()
-        self.slowdown = float(os.environ.get("HARNESS_PLANTED_SLOWDOWN", "0") or 0)
+        self.slowdown = (self.fixed if self.fixed is not None
+                         else float(os.environ.get("HARNESS_PLANTED_SLOWDOWN", "0") or 0))
 
     def train_step(self, indices, micro_batches=1):
         start = time.perf_counter()
@@ -32,3 +39,11 @@ class PlantedSlowdown(PyTorchAdapter):
 
     def settings(self):
         return {**super().settings(), "planted_slowdown": self.slowdown}
+
+
+class Planted10(PlantedSlowdown):
+    name, fixed = "planted10", 0.10
+
+
+class Planted30(PlantedSlowdown):
+    name, fixed = "planted30", 0.30

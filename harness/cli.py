@@ -124,9 +124,13 @@ def _results_parsers(sub: Any) -> None:
     report.add_argument("--html", action="store_true", help="with two runs: write NEW_RUN/compare-<base>.html")
     report.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
                         help="with two runs: compare's regression threshold (default 5)")
-    compare = sub.add_parser("compare", help="compare two runs; exit 1 on a regression beyond the threshold")
-    compare.add_argument("base_run")
-    compare.add_argument("new_run")
+    compare = sub.add_parser("compare", help="compare two runs, or two rows of one run (--rows); exit 1 on a "
+                                             "regression beyond the threshold")
+    compare.add_argument("base_run", help="the baseline run (with --rows: the one run)")
+    compare.add_argument("new_run", nargs="?", help="the new run (not with --rows)")
+    compare.add_argument("--rows", nargs=2, metavar=("BASE_ROW", "NEW_ROW"),
+                         help="compare two rows of one run, e.g. the baseline and the candidate as two framework "
+                              "entries of one spec, interleaved: the machine's run-to-run drift then falls on both")
     compare.add_argument("--threshold", type=float, default=5.0, metavar="PCT",
                          help="percent change that counts as a regression (default 5)")
     compare.add_argument("--alpha", type=float, default=0.05, metavar="P",
@@ -137,7 +141,8 @@ def _results_parsers(sub: Any) -> None:
                               "this device joins the noise")
     compare.add_argument("--history-runs", type=int, default=10, metavar="N",
                          help="how many of the newest history runs (default 10)")
-    compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md)")
+    compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md; with --rows "
+                                       "RUN/compare-rows.md)")
     export = sub.add_parser("export", help="a run's tidy tables as CSV, Parquet or JSON files")
     export.add_argument("run_dir")
     export.add_argument("--format", default="csv", help="csv (default), parquet (needs pyarrow) or json")
@@ -299,17 +304,26 @@ def _run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from harness.studies.compare import compare_runs, resolvable_lines, to_markdown
+    from harness.studies.compare import compare_rows, compare_runs, resolvable_lines, to_markdown
 
     try:
         if not 0 < args.alpha < 1:
             raise ValueError(f"--alpha must be between 0 and 1, not {args.alpha:g}")
-        rows, summary = compare_runs(args.base_run, args.new_run, args.threshold, alpha=args.alpha,
-                                     history_file=args.history, history_runs=args.history_runs)
+        if args.rows:
+            if args.new_run or args.history:
+                raise ValueError("--rows compares two rows of one run: give one run and no --history")
+            rows, summary = compare_rows(args.base_run, *args.rows, args.threshold, alpha=args.alpha)
+            default_out = Path(args.base_run) / "compare-rows.md"
+        else:
+            if not args.new_run:
+                raise ValueError("give two runs, or one run and --rows BASE_ROW NEW_ROW")
+            rows, summary = compare_runs(args.base_run, args.new_run, args.threshold, alpha=args.alpha,
+                                         history_file=args.history, history_runs=args.history_runs)
+            default_out = Path(args.new_run) / f"compare-{Path(args.base_run).name}.md"
     except (FileNotFoundError, ValueError) as err:
         print(f"harness compare: {err}", file=sys.stderr)
         return EXIT_USAGE
-    out = Path(args.out) if args.out else Path(args.new_run) / f"compare-{Path(args.base_run).name}.md"
+    out = Path(args.out) if args.out else default_out
     out.write_text(to_markdown(rows, summary), encoding="utf-8")
     table = Table(title=f"{summary['base']} -> {summary['new']} (threshold {args.threshold:g}%)")
     for title in ("framework", "batch", "metric", "base", "new", "change %", "noise", "verdict"):

@@ -125,6 +125,7 @@ class Trial:
     variant: str = ""
     optimizer: dict[str, Any] | None = None
     augmentation: bool = False
+    evaluate_every: int = 1
     precision: str = "fp32"
     compile: str = "default"
     label: str = ""
@@ -222,7 +223,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, variant.optimizer),
               accumulation_steps=spec.accumulation_steps, effective_batch_size=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
-              target_accuracy=spec.target_accuracy)
+              target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every)
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])
         for index, variant in enumerate(variants(spec))

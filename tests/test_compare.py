@@ -156,3 +156,56 @@ def test_a_smaller_alpha_needs_a_larger_score(tmp_path, alpha):
     assert len(needed) == 1
     assert (needed.pop() > 3.5) == (alpha == 0.001)
     json.dumps(summary)  # the summary is plain data
+
+
+def make_ab_run(path, rng, drift, b_factor=1.0, repeats=5, spread=0.05):
+    """One run with rows A and B (two entries of pytorch, interleaved): the whole run at a speed of its own
+    (log-normal, ``drift``), each trial with log-normal noise ``spread``; B's throughput times ``b_factor``."""
+    path.mkdir(parents=True)
+    speed = math.exp(rng.normal(0, drift))
+    records = []
+    for r in range(repeats):
+        for bs in BATCH_SIZES:
+            for label, factor in (("A", 1.0), ("B", b_factor)):
+                rec = record("pytorch", bs, r, throughput=1000.0 * bs / 8 * speed * factor *
+                             math.exp(rng.normal(0, spread)))
+                records.append({**rec, "id": f"{label}-{rec['id']}", "label": label})
+    store.write_json(path / "run.json", {"spec": {"name": "ab"}, "device": "cpu", "environment": {},
+                                         "planned_trials": [r["id"] for r in records]})
+    for rec in records:
+        store.append_trial(path, rec)
+    return path
+
+
+def test_two_rows_of_one_run_cancel_the_drift_between_runs(tmp_path):
+    """Runs that drift by 20 % as a whole and whose trials spread 5 %: two runs' A rows raise alarms (the drift is
+    beyond what their repeats see), while A against B inside each run stays quiet, and B 30 % slower inside a run is
+    caught at every batch size."""
+    from harness.studies.compare import compare_rows
+
+    rng = np.random.default_rng(7)
+    runs = [make_ab_run(tmp_path / f"r{i}", rng, drift=0.2) for i in range(12)]
+    between = sum(compare_runs(a, b)[1]["regressions"] > 0 for a, b in zip(runs[::2], runs[1::2]))
+    within = sum(compare_rows(run, "A", "B")[1]["regressions"] > 0 for run in runs)
+    assert between >= 2 and within <= 1, (between, within)
+    for i in range(5):
+        slowed = make_ab_run(tmp_path / f"s{i}", rng, drift=0.2, b_factor=0.7)
+        rows, summary = compare_rows(slowed, "A", "B")
+        assert regressions(rows) == {("B vs A", bs, "Throughput") for bs in BATCH_SIZES}
+        assert summary["interleaved"] and summary["base"] == f"s{i} [A]" and summary["history_runs"] == 0
+        assert "interleaved" in to_markdown(rows, summary)
+
+
+def test_rows_on_the_command_line(tmp_path):
+    rng = np.random.default_rng(8)
+    run = make_ab_run(tmp_path / "ab", rng, drift=0.0, b_factor=0.5)
+    cli = lambda *args: subprocess.run([sys.executable, "-m", "harness", "compare", *map(str, args)],
+                                       capture_output=True, text=True, timeout=120)
+    proc = cli(run, "--rows", "A", "B")
+    assert proc.returncode == 1 and "4 regression(s)" in proc.stdout and (run / "compare-rows.md").exists()
+    proc = cli(run, "--rows", "A", "C")
+    assert proc.returncode == 2 and proc.stderr.strip() == f"harness compare: {run}: no row 'C'; its rows: A, B"
+    proc = cli(run, run, "--rows", "A", "B")
+    assert proc.returncode == 2 and "give one run" in proc.stderr
+    proc = cli(run)
+    assert proc.returncode == 2 and "give two runs, or one run and --rows" in proc.stderr

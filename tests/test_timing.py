@@ -24,6 +24,9 @@ class RecordingAdapter:
         self.calls.append("stage")
         self.order, self.batch = order, batch_size
 
+    def set_train_images(self, images):
+        self.calls.append("images")
+
     def train_step(self, indices, micro_batches=1):
         self.calls.append("step")
         if not (np.shares_memory(indices, self.order) and len(indices) == self.batch):
@@ -55,12 +58,13 @@ class RecordingAdapter:
 
 
 def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, warmup: int = 0, step_s: float = 0.0,
-           read_s: float = 0.0):
+           read_s: float = 0.0, evaluate_every: int = 1, augmentation: bool = False, events: list | None = None):
     adapter = RecordingAdapter(step_s, read_s)
-    data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 1, 1, 1)))
+    data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 8, 8, 1)))
     trial = {"batch_size": batch, "epochs": epochs, "warmup_steps": warmup, "seed": 0,
-             "timing": TimingSpec.model_validate(timing).model_dump(mode="json")}
-    events = []
+             "timing": TimingSpec.model_validate(timing).model_dump(mode="json"), "evaluate_every": evaluate_every,
+             "augmentation": augmentation}
+    events = [] if events is None else events
     metrics = train(adapter, data, trial, lambda event, **fields: events.append((event, fields)))
     assert adapter.unstaged == 0  # every step's indices were a slice of the order staged for its epoch
     return adapter.calls, metrics
@@ -211,3 +215,73 @@ def test_the_loss_read_is_outside_the_clock():
     timed = calls[calls.index("step"):]
     assert all(timed[i + 1] == "sync" for i, call in enumerate(timed) if call == "wait")  # read after each wait
     assert 0.002 <= metrics["step_time_median_s"] < 0.0045 and max(metrics["epochs"][0]["timed_seconds"], 0) < 0.1
+
+
+def _windows_between_syncs(calls: list[str]) -> list[list[str]]:
+    """The calls between consecutive syncs or waits (a timed window's steps, and any staging inside it)."""
+    out, current = [], []
+    for call in calls:
+        if call in ("sync", "wait"):
+            if "step" in current:
+                out.append(current)
+            current = []
+        else:
+            current.append(call)
+    return out
+
+
+def test_windows_run_on_across_epochs_between_evaluations():
+    """evaluate_every 3 over 3 epochs of 10 steps: one evaluation, at the end; fixed windows of 4 run across the ends
+    of epochs (the next epoch staged inside the window when it begins there), so 30 steps are 7 windows of 4 and a last one of 2, where
+    one evaluation per epoch cuts them at every epoch's end (4, 4, 2 three times)."""
+    events: list = []
+    calls, metrics = _train({"window": 4}, samples=40, epochs=3, evaluate_every=3, events=events)
+    windows = _windows_between_syncs(calls)
+    assert [w.count("step") for w in windows] == [4] * 7 + [2] and calls.count("eval") == 1
+    # epoch 1 begins inside the window of steps 9-12; epoch 2 after the window that ends with step 20
+    assert calls.count("stage") == 3 and [i for i, w in enumerate(windows) if "stage" in w[1:]] == [2]
+    assert [e["epoch"] for e in metrics["epochs"]] == [2] and metrics["measured_steps"] == 30
+    assert metrics["epochs"][0]["timed_seconds"] > 0 and metrics["timed_windows"] == 8
+    train_phases = [(f["edge"], f["epoch"]) for name, f in events if name == "phase" and f["name"] == "train"]
+    # the phase is left only where windows break: after step 20, to stage epoch 2 outside the clock
+    assert train_phases == [("start", 0), ("end", 1), ("start", 2), ("end", 2)]
+    calls, metrics = _train({"window": 4}, samples=40, epochs=3)
+    assert [w.count("step") for w in _windows_between_syncs(calls)] == [4, 4, 2] * 3
+    assert [e["epoch"] for e in metrics["epochs"]] == [0, 1, 2]
+
+
+def test_every_kth_epoch_and_the_last_are_evaluated_and_windows_never_cross_an_evaluation():
+    calls, metrics = _train({"window": "auto", "min_window_steps": 3, "window_seconds": 100.0}, samples=40,
+                            epochs=5, evaluate_every=2, warmup=13)
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 3, 4]
+    evals = [i for i, call in enumerate(calls) if call == "eval"]
+    # warm-up takes epoch 0 and 3 steps of epoch 1; then 7 steps to the first evaluation, 20, 10
+    steps_between = [calls[a:b].count("step") for a, b in zip([0] + evals, evals)]
+    assert steps_between == [20, 20, 10] and metrics["measured_steps"] == 37
+    # the first step alone, the rest of epoch 0's warm-up, epoch 1's 3; then one window to each evaluation
+    assert [w.count("step") for w in _windows_between_syncs(calls)] == [1, 9, 3, 7, 20, 10]
+
+
+def test_augmented_epochs_end_their_windows_before_the_next_epochs_images():
+    calls, metrics = _train({"window": 4}, samples=40, epochs=3, evaluate_every=3, augmentation=True)
+    windows = _windows_between_syncs(calls)
+    assert [w.count("step") for w in windows] == [4, 4, 2] * 3 and not any("images" in w for w in windows)
+    assert calls.count("images") == 3 and calls.count("eval") == 1 and metrics["measured_steps"] == 30
+
+
+def test_evaluate_every_is_checked_and_stated_in_the_report(tmp_path):
+    from harness.results.report import _evaluation
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nframeworks: [pytorch]\nmodel: {layers: [{type: flatten}, {type: dense, units: 10}]}\n"
+                    "dataset: {name: digits}\nbatch_sizes: [8]\nevaluate_every: 0\n")
+    with pytest.raises(SpecError) as err:
+        load(path)
+    assert "evaluate_every" in str(err.value) and str(path) in str(err.value)
+    path.write_text(path.read_text().replace("evaluate_every: 0", "evaluate_every: 3"))
+    from harness.plan import plan
+
+    spec = load(path)
+    assert {t.payload(spec)["trial"]["evaluate_every"] for t in plan(spec, "cpu")} == {3}
+    assert _evaluation({}) == "evaluation after each epoch, not timed"
+    assert "after every 5 epochs and the last" in _evaluation({"evaluate_every": 5})

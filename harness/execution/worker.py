@@ -16,9 +16,14 @@ window). The first ``warmup_steps`` optimizer steps of the run are warm-up: they
 framework takes exactly the same optimizer steps) but are not timed. After warm-up, the steps of each epoch are timed
 in windows with a device sync at both edges of every window and none inside (``harness.spec.TimingSpec``): by default
 (``window: auto``) windows of about ``window_seconds`` and at least ``min_window_steps`` steps, sized by the step time
-of the window before (of the warm-up for the first), never crossing an epoch's end, and a remainder shorter than
+of the window before (of the warm-up for the first), never crossing an evaluation, and a remainder shorter than
 ``min_window_steps`` joins the window before it; ``window: step`` syncs after every step (latency mode); an integer
-k gives windows of k steps. Evaluation on the test set follows each epoch, outside the timed windows.
+k gives windows of k steps. Evaluation on the test set follows every ``evaluate_every``-th epoch (default 1) and the
+last, outside the timed windows; between evaluations a window runs on across the end of an epoch (the next epoch's
+order is made and staged inside it, as a plain loop shuffles between epochs), unless the trial augments its images,
+which are loaded between windows. A window's edges drain the device's queue: the first step after it runs with
+nothing queued behind it, so epochs of a few steps with an evaluation after each are timed in short windows that pay
+this refill every time (digits at batch 512: 2 steps an epoch).
 
 The trial's first step runs alone, synced on both sides, and its time is ``first_step_seconds``: what tracing,
 compilation (``compile: compiled``), kernel autotuning and first allocations cost, never inside the throughput (it is
@@ -114,6 +119,7 @@ class _Loop:
         self.epochs, self.warmup = trial["epochs"], trial["warmup_steps"]
         self.timing, self.seed = trial["timing"], trial["seed"]
         self.augmentation = bool(trial.get("augmentation"))
+        self.evaluate_every = trial.get("evaluate_every", 1)
         self.target = trial.get("target_accuracy")
         self.n = len(data.y_train)
         self.steps_per_epoch = self.n // self.batch
@@ -136,6 +142,8 @@ class _Loop:
         self.warm = self.warmup == 0
         self.first_step_seconds: float | None = None  # the first warm-up step, synced on both sides (see warm_up)
         self.compilations_warm: int | None = None  # the adapter's compilation count when warm-up ended
+        self.epoch, self.position = 0, 0  # where training is: the epoch and the step within it
+        self.order = np.arange(0)  # the epoch's sample order (begin_epoch)
 
     def step(self, order: np.ndarray, position: int) -> None:
         indices = order[position * self.batch:(position + 1) * self.batch]
@@ -152,17 +160,34 @@ class _Loop:
             self.compilations_warm = self.adapter.compilations()
         else:
             self.emit("phase", name="warmup", edge="start")
-        for epoch in range(self.epochs):
-            order = epoch_order(self.n, self.seed, epoch)
-            self.adapter.stage_epoch(order, self.batch)  # outside the timed windows: see Adapter.stage_epoch
-            if self.augmentation:
-                self.augment(epoch)
+        first = 0
+        while first < self.epochs:  # the epochs up to the next evaluation: a segment
+            last = min(self.epochs, (first // self.evaluate_every + 1) * self.evaluate_every) - 1
             losses: list[float] = []
-            position = 0 if self.warm else self.warm_up(epoch, order, losses)
-            epoch_seconds = self.timed(epoch, order, position, losses) if position < self.steps_per_epoch else 0.0
+            seconds = self.train_segment(first, last, losses)
             self.nonfinite = self.nonfinite or not all(math.isfinite(x) for x in losses)
-            self.evaluate(epoch, losses, epoch_seconds, train_started)
+            self.evaluate(last, losses, seconds, train_started)
+            first = last + 1
         return self.metrics()
+
+    def begin_epoch(self, epoch: int) -> None:
+        """The epoch's order, staged (``Adapter.stage_epoch``), and its augmented images when augmenting."""
+        self.epoch, self.position = epoch, 0
+        self.order = epoch_order(self.n, self.seed, epoch)
+        self.adapter.stage_epoch(self.order, self.batch)
+        if self.augmentation:
+            self.augment(epoch)
+
+    def train_segment(self, first: int, last: int, losses: list[float]) -> float:
+        """Epochs ``first`` to ``last``: what is left of warm-up, then timed windows; returns their seconds."""
+        self.begin_epoch(first)
+        while not self.warm:
+            self.position = self.warm_up(self.epoch, self.order, losses)
+            if self.position == self.steps_per_epoch:
+                if self.epoch == last:
+                    return 0.0
+                self.begin_epoch(self.epoch + 1)
+        return self.timed(last, losses)
 
     def augment(self, epoch: int) -> None:
         """This epoch's augmented training images, loaded to the device outside the timed windows."""
@@ -206,20 +231,28 @@ class _Loop:
                                                                          / self.step_estimate))
         return left if left - steps < least else steps
 
-    def timed(self, epoch: int, order: np.ndarray, position: int, losses: list[float]) -> float:
-        """The rest of the epoch in timed windows, synced at both edges; returns their seconds. Each window's clock
-        stops when the device has done its work (``Adapter.wait``); the loss is read after that, outside the clock,
-        and the next window's clock starts after the read (reading a loss is the harness's own work: in MXNet a mean
-        operator and an engine round trip, about 0.5 ms on this project's CPU)."""
+    def timed(self, last: int, losses: list[float]) -> float:
+        """The rest of the segment in timed windows, synced at both edges; returns their seconds. Without
+        augmentation a window runs on across the ends of epochs before ``last`` (the next epoch's order is made and
+        staged inside it, as a training loop shuffles between epochs); with it, a window ends with its epoch (the
+        augmented images are loaded between). Each window's clock stops when the device has done its work
+        (``Adapter.wait``); the loss is read after that, outside the clock, and the next window's clock starts after
+        the read (reading a loss is the harness's own work: in MXNet a mean operator and an engine round trip, about
+        0.5 ms on this project's CPU)."""
         self.adapter.sync()
-        self.emit("phase", name="train", epoch=epoch, edge="start")
+        self.emit("phase", name="train", epoch=self.epoch, edge="start")
         total = 0.0
-        while position < self.steps_per_epoch:
-            count = self.window_steps(self.steps_per_epoch - position)
+        while True:
+            left = self.steps_per_epoch - self.position
+            if not self.augmentation:
+                left += (last - self.epoch) * self.steps_per_epoch
+            count = self.window_steps(left)
             start = time.perf_counter()
             for _ in range(count):
-                self.step(order, position)
-                position += 1
+                if self.position == self.steps_per_epoch:
+                    self.begin_epoch(self.epoch + 1)
+                self.step(self.order, self.position)
+                self.position += 1
             self.adapter.wait()
             seconds = time.perf_counter() - start
             losses.append(self.adapter.sync())  # the device is idle: only the read
@@ -227,12 +260,21 @@ class _Loop:
             self.step_seconds.append(self.step_estimate)
             self.measured_steps += count
             total += seconds
-        self.emit("phase", name="train", epoch=epoch, edge="end")
+            if self.position == self.steps_per_epoch:
+                if self.epoch == last:
+                    break
+                self.emit("phase", name="train", epoch=self.epoch, edge="end")
+                self.begin_epoch(self.epoch + 1)  # augmenting: the epoch's images load between two windows
+                self.adapter.sync()
+                self.emit("phase", name="train", epoch=self.epoch, edge="start")
+        self.emit("phase", name="train", epoch=self.epoch, edge="end")
         self.measured_seconds += total
         return total
 
     def evaluate(self, epoch: int, losses: list[float], epoch_seconds: float, train_started: float) -> None:
-        """The test set after the epoch (outside the timed windows), the epoch record, and time to the target."""
+        """The test set after epoch ``epoch`` (outside the timed windows), its record and time to the target. With
+        ``evaluate_every`` k > 1 this follows every k-th epoch and the last; the record's ``train_loss`` is the mean
+        of the windows' losses and ``timed_seconds`` the timed seconds since the evaluation before."""
         self.emit("phase", name="eval", epoch=epoch, edge="start")
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
         self.emit("phase", name="eval", epoch=epoch, edge="end")

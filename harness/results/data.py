@@ -147,9 +147,10 @@ class Run:
 
     @cached_property
     def epochs(self) -> pd.DataFrame:
-        """One row per trial and epoch: ``id``, ``row``, ``batch_size``, ``seed``, ``repeat``, ``epoch`` (0 is the
-        evaluation after warm-up when the worker made one), ``train_loss``, ``test_loss``, ``test_accuracy``
-        (fraction), ``timed_seconds``."""
+        """One row per trial and evaluation (every epoch, unless the spec's ``evaluate_every`` k > 1: then every k-th
+        and the last): ``id``, ``row``, ``batch_size``, ``seed``, ``repeat``, ``epoch`` (0-based, the epoch the
+        evaluation followed), ``train_loss``, ``test_loss``, ``test_accuracy`` (fraction), ``timed_seconds`` (since
+        the evaluation before)."""
         rows = [{"id": r["id"], "row": row_key(r), "batch_size": r["batch_size"], "seed": r.get("seed", 0),
                  "repeat": r["repeat"], **{k: e.get(k) for k in ("epoch", "train_loss", "test_loss", "test_accuracy",
                                                                   "timed_seconds")}}

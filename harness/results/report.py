@@ -88,9 +88,18 @@ def timing_mode(timing: dict[str, Any]) -> str:
                 "includes a sync per step)")
     if window == "auto":
         return (f"timed windows of about {timing.get('window_seconds', 1.0):g} s and at least "
-                f"{timing.get('min_window_steps', 10)} steps (at most an epoch), the device synchronized only at "
-                "their edges; step times are window means")
+                f"{timing.get('min_window_steps', 10)} steps (at most up to the next evaluation), the device "
+                "synchronized only at their edges; step times are window means")
     return f"timed windows of {window} steps, the device synchronized only at their edges; step times are window means"
+
+
+def _evaluation(spec: dict[str, Any]) -> str:
+    """When the test set was evaluated (``evaluate_every``, absent in runs before it: every epoch), in words."""
+    every = spec.get("evaluate_every", 1)
+    if every == 1:
+        return "evaluation after each epoch, not timed"
+    return (f"evaluation after every {every} epochs and the last, not timed; timed windows run on across the epochs "
+            "between")
 
 
 def header_lines(data: dict[str, Any]) -> list[str]:
@@ -110,7 +119,7 @@ def header_lines(data: dict[str, Any]) -> list[str]:
         f"- Frameworks: {_versions(records)}; harness {run.get('harness_version')} "
         f"(git {run.get('environment', {}).get('git', {}).get('commit', 'unknown')[:12]})",
         f"- Dataset: {spec['dataset']['name']}; {spec['epochs']} epochs of floor(N / batch size) full batches; "
-        f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); evaluation after each epoch, not timed",
+        f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); {_evaluation(spec)}",
         f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
         + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
         + f", weight decay {opt['weight_decay']}); {_execution(spec)}; "

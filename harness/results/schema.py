@@ -59,13 +59,15 @@ class Placement(_Open):
 
 
 class EpochMetrics(_Open):
-    """One epoch of a trial (``metrics.epochs``)."""
+    """One evaluation of a trial (``metrics.epochs``): after epoch ``epoch`` (0-based), which is every epoch unless
+    the spec's ``evaluate_every`` k > 1 (then every k-th and the last)."""
 
     epoch: int | None = None
-    train_loss: float | None = None
+    train_loss: float | None = Field(None, description="mean of the timed windows' losses since the evaluation before")
     test_loss: float | None = None
     test_accuracy: float | None = Field(None, description="fraction, 0..1")
-    timed_seconds: float | None = Field(None, description="seconds inside the epoch's timed windows")
+    timed_seconds: float | None = Field(None, description="seconds inside the timed windows since the "
+                                           "evaluation before (the epoch's, with an evaluation every epoch)")
 
 
 class TrialMetrics(_Open):

@@ -150,11 +150,11 @@ class TimingSpec(_Strict):
     work overlap inside a window as in a plain training loop.
 
     ``window``: ``auto`` (the default): windows of about ``window_seconds`` of work and at least
-    ``min_window_steps`` steps, at most the rest of the epoch; the step time of the last window (or of the warm-up)
-    sizes the next. ``step``: latency mode, a sync after every step: exact per-step percentiles, at the cost of the
-    overlap (throughput then includes a sync per step). An integer k: fixed windows of k steps. Step-time
-    percentiles are over windows (each window's duration over its steps). ``sync_every: k`` (the former name) is
-    read as ``window: k``, and ``sync_every: 1`` as ``window: step``.
+    ``min_window_steps`` steps, at most up to the next evaluation (``evaluate_every``); the step time of the last
+    window (or of the warm-up) sizes the next. ``step``: latency mode, a sync after every step: exact per-step
+    percentiles, at the cost of the overlap (throughput then includes a sync per step). An integer k: fixed windows
+    of k steps. Step-time percentiles are over windows (each window's duration over its steps). ``sync_every: k``
+    (the former name) is read as ``window: k``, and ``sync_every: 1`` as ``window: step``.
     """
 
     window: Literal["auto", "step"] | PositiveInt = "auto"
@@ -209,6 +209,9 @@ class Spec(_Strict):
     target_accuracy: time and epochs to reach this test accuracy (fraction) are reported per trial.
     augmentation: random crop and flip of the training images, drawn by the harness from (seed, epoch) and loaded
     to the device before each epoch (outside the timed windows), identical for every framework.
+    evaluate_every: the test set is evaluated after every k-th epoch and after the last (default 1: every epoch, as
+    Keras's ``validation_freq`` and Lightning's ``check_val_every_n_epoch`` count); timed windows run on across the
+    epochs in between (``harness.execution.worker``), which matters when an epoch is a few steps.
     seeds: several seeds instead of ``seed``, each its own trials (initial weights, batch order, augmentation and
     dropout all follow the seed): accuracy and loss are then reported as the mean over the seeds with a 95 %
     t-interval, the spread that the small-vs-large-batch question needs; ``repeats`` (the same seed again) measure
@@ -248,6 +251,7 @@ class Spec(_Strict):
     target_accuracy: float | None = Field(default=None, gt=0, le=1)
     after_oom: Literal["skip", "try"] = "skip"
     augmentation: bool = False
+    evaluate_every: int = Field(default=1, ge=1)
     precision: Precision = "fp32"
     compile: CompileMode = "default"
     variants: VariantsSpec | None = None

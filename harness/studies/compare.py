@@ -23,6 +23,11 @@ Without repeats or a history there is no noise estimate and the threshold alone 
 metric the summary states what the comparison could resolve: the smallest change it would call a regression in a
 cell with the runs' typical repeats, and about how many repeats a change of the threshold's size would need.
 ``benchmarks/compare_false_alarms.py`` measures the false-alarm and detection rates this rule gives on a machine.
+
+``compare_rows`` applies the same rule to two rows of one run: an interleaved A/B, where the baseline and the
+candidate are two framework entries of one spec (two interpreters, say) whose trials alternate. On a machine whose
+speed drifts from one run to the next by more than the change sought, that is the only design that can resolve it:
+the drift falls on both rows, and repeats shrink what is left.
 Cells present or ok on one side only are listed as such, never dropped.
 """
 
@@ -117,11 +122,48 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float
     """Rows for every cell of either run and every compared metric, and a summary (run names, devices, counts, and
     per metric what the comparison could resolve). Raises FileNotFoundError when a directory is not a run."""
     base_run, new_run = read_run(base_dir), read_run(new_dir)
-    base, new = read_trials(base_dir), read_trials(new_dir)
-    backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
-    metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
     past = history_medians(history_file, new_run.get("spec", {}).get("name"), history.device_name(new_run),
                            {Path(new_dir).name}, history_runs)
+    rows, summary = _compare(read_trials(base_dir), read_trials(new_dir), past, threshold_pct, alpha)
+    summary.update(base=Path(base_dir).name, new=Path(new_dir).name, base_device=base_run.get("device"),
+                   new_device=new_run.get("device"))
+    if base_run.get("spec", {}).get("name") != new_run.get("spec", {}).get("name"):
+        summary["warning"] = "the runs come from different specs"
+    return rows, summary
+
+
+def compare_rows(run_dir: str | Path, base_row: str, new_row: str, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+                 alpha: float = DEFAULT_ALPHA) -> tuple[list[Row], dict[str, Any]]:
+    """Two rows of one run against each other (an interleaved A/B: the baseline and the candidate as two framework
+    entries of one spec, e.g. two interpreters, whose trials alternate), cell by cell at each batch size, with the
+    same rule and noise model as ``compare_runs``. The machine's drift from one run to the next then falls on both
+    sides alike, so only the repeat-to-repeat noise is left to tell apart from a change; a history does not apply.
+    ``base_row``/``new_row``: row names as the report prints them (``harness.results.metrics.row_key``: the entry's
+    label, with its variant in parentheses). Raises FileNotFoundError when the directory is not a run and ValueError
+    naming the run's rows when a row is not in it or both are the same."""
+    records = read_trials(run_dir)
+    run = read_run(run_dir)
+    present = sorted({row_key(r) for r in records})
+    for name in (base_row, new_row):
+        if name not in present:
+            raise ValueError(f"{run_dir}: no row {name!r}; its rows: {', '.join(present) or 'none'}")
+    if base_row == new_row:
+        raise ValueError(f"give two different rows, not {base_row!r} twice")
+    common = f"{new_row} vs {base_row}"
+    base = [{**r, "label": common, "variant": ""} for r in records if row_key(r) == base_row]
+    new = [{**r, "label": common, "variant": ""} for r in records if row_key(r) == new_row]
+    rows, summary = _compare(base, new, [], threshold_pct, alpha)
+    name = Path(run_dir).name
+    summary.update(base=f"{name} [{base_row}]", new=f"{name} [{new_row}]", base_device=run.get("device"),
+                   new_device=run.get("device"), interleaved=True)
+    return rows, summary
+
+
+def _compare(base: list[dict[str, Any]], new: list[dict[str, Any]], past: list[dict[str, Any]],
+             threshold_pct: float, alpha: float) -> tuple[list[Row], dict[str, Any]]:
+    """The rows and the summary's counts for two sets of trial records (cells keyed by row and batch size)."""
+    backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
+    metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
     rows: list[Row] = []
     tests: list[_Test] = []
     for cell in sorted(_cells(base) | _cells(new), key=lambda c: (c[0], c[1])):
@@ -145,15 +187,11 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float
                                _history_spread(past, key, fw, bs)))
     resolvable = _judge(tests, metrics, threshold_pct, alpha)
     summary = {
-        "base": Path(base_dir).name, "new": Path(new_dir).name, "threshold_pct": threshold_pct, "alpha": alpha,
-        "base_device": base_run.get("device"), "new_device": new_run.get("device"),
-        "history_runs": len(past), "tests": _noisy(tests),
+        "threshold_pct": threshold_pct, "alpha": alpha, "history_runs": len(past), "tests": _noisy(tests),
         "regressions": sum(r.verdict == "regression" for r in rows), "resolvable": resolvable,
         "missing": [f"{r.framework} bs{r.batch_size}: {r.verdict}" for r in rows
                     if r.verdict in ("base only", "new only", "failed in base", "failed in new")],
     }
-    if base_run.get("spec", {}).get("name") != new_run.get("spec", {}).get("name"):
-        summary["warning"] = "the runs come from different specs"
     return rows, summary
 
 
@@ -244,6 +282,8 @@ def to_markdown(rows: list[Row], summary: dict[str, Any]) -> str:
              f"({summary['tests']} tests, at most {summary['alpha'] * 100:g} % chance of any false alarm where the "
              "noise model holds)",
              f"- Devices: {summary['base_device']} -> {summary['new_device']}"]
+    if summary.get("interleaved"):
+        lines.append("- Two rows of one run, their trials interleaved: the machine's drift between runs falls on both")
     if summary.get("warning"):
         lines.append(f"- Warning: {summary['warning']}")
     if summary["missing"]:
