@@ -119,15 +119,20 @@ def evaluate_interleaved(runs: Path, threshold: float) -> list[dict]:
              "any": sum(summary["regressions"] > 0 for _, summary in results), "caught": None,
              "resolvable": results[0][1].get("resolvable", {}) if results else {}}]
     for kind in ("slow10", "slow30"):
-        caught = anything = n = 0
-        for run, plain in itertools.product(rounds, ("A", "B")):
-            result, summary = compare_rows(run, plain, kind, threshold)
-            flagged = {r.batch_size for r in result if r.metric == "Throughput" and r.verdict == "regression"}
-            caught += len(flagged) == len({r.batch_size for r in result})
-            anything += summary["regressions"] > 0
-            n += 1
-        rows.append({"pairs": f"plain vs {kind[4:]} % slower, same run", "n": n, "any": anything, "caught": caught})
+        pairs = [compare_rows(run, plain, kind, threshold) for run, plain in itertools.product(rounds, ("A", "B"))]
+        rows.append(_detection(f"plain vs {kind[4:]} % slower, same run", pairs))
     return rows
+
+
+def _detection(label: str, pairs: list) -> dict:
+    """A table row from (rows, summary) comparisons of a plain and a slowed run: how many failed at all, and how many
+    called the throughput of every batch size a regression."""
+    caught = anything = 0
+    for result, summary in pairs:
+        flagged = {r.batch_size for r in result if r.metric == "Throughput" and r.verdict == "regression"}
+        caught += len(flagged) == len({r.batch_size for r in result})
+        anything += summary["regressions"] > 0
+    return {"pairs": label, "n": len(pairs), "any": anything, "caught": caught}
 
 
 def _interval(k: int, n: int) -> str:
@@ -167,14 +172,8 @@ def evaluate(runs: Path, threshold: float, with_history: bool) -> list[dict]:
     rows = [{"pairs": f"plain vs plain{label} (false alarms)", "n": n_pairs, "any": alarms, "caught": None,
              "resolvable": compare(plain[0], plain[1])[1].get("resolvable", {})}]
     for kind in ("slow10", "slow30"):
-        caught = anything = n = 0
-        for a, b in itertools.product(plain, [d[kind] for d in rounds]):
-            result, summary = compare(a, b)
-            flagged = {r.batch_size for r in result if r.metric == "Throughput" and r.verdict == "regression"}
-            caught += len(flagged) == len({r.batch_size for r in result})
-            anything += summary["regressions"] > 0
-            n += 1
-        rows.append({"pairs": f"plain vs {kind[4:]} % slower{label}", "n": n, "any": anything, "caught": caught})
+        pairs = [compare(a, b) for a, b in itertools.product(plain, [d[kind] for d in rounds])]
+        rows.append(_detection(f"plain vs {kind[4:]} % slower{label}", pairs))
     return rows
 
 
