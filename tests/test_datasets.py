@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -153,3 +155,21 @@ def test_token_spec_rules():
     with pytest.raises(ValueError):
         SyntheticTokens(name="synthetic_tokens", vocab=1)
     assert SyntheticTokens(name="synthetic_tokens", length=7, task="sorted").length == 7
+
+
+def test_digits_read_from_scikit_learns_file_equal_load_digits_and_skip_its_import(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    table = datasets.digits_table()
+    np.testing.assert_array_equal(table[:, :-1].reshape(-1, 8, 8), bunch.images)
+    np.testing.assert_array_equal(table[:, -1].astype(int), bunch.target)
+    direct = datasets.load(DigitsData(name="digits"))
+    monkeypatch.setattr(datasets, "DIGITS_FILE", datasets.DIGITS_FILE.with_name("no-such-file.csv.gz"))
+    fallback = datasets.load(DigitsData(name="digits"))  # through load_digits
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(direct, name), getattr(fallback, name))
+    code = ("import sys; from harness.neutral import datasets; from harness.spec import DigitsData; "
+            "d = datasets.load(DigitsData(name='digits')); print(len(d.y_train), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1438", "False"]
