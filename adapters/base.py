@@ -37,6 +37,20 @@ def micro_batch_size(batch_size: int, micro_batches: int) -> int:
     return batch_size // micro_batches
 
 
+def staged_start(order: np.ndarray | None, indices: np.ndarray) -> int | None:
+    """Where ``indices`` start in ``order`` (the epoch's order an adapter kept in ``Adapter.stage_epoch``) when they
+    are a contiguous int64 slice of that very array, as the harness's loop passes them; None otherwise (another
+    array, or a strided or differently typed view), and the adapter then converts ``indices`` itself. The memory
+    decides, not the values: while the adapter holds ``order``, its memory cannot belong to another array, and a
+    view of it at that place holds exactly ``order[start:start + len(indices)]``."""
+    if order is None or indices.dtype != np.int64 or indices.strides != (8,) or not len(indices):
+        return None
+    offset = indices.ctypes.data - order.ctypes.data
+    if offset < 0 or offset % 8 or offset // 8 + len(indices) > len(order):
+        return None
+    return offset // 8
+
+
 #: The layer kinds every adapter built before blocks existed (and options of none of them): conv2d with stride 1,
 #: "same" or "valid" padding and a bias, dense on flat inputs with relu or no activation, and the rest as they were.
 BASIC_LAYERS = frozenset({"conv2d", "maxpool2d", "avgpool2d", "global_avgpool2d", "batchnorm", "dropout", "flatten",

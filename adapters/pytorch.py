@@ -359,8 +359,7 @@ class PyTorchAdapter(Adapter):
             torch.cuda.synchronize(self.device)
 
     def sync(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.wait()
         return float("nan") if self._last_loss is None else float(self._last_loss.item())
 
     @torch.no_grad()

@@ -74,7 +74,7 @@ import tensorflow as tf  # noqa: E402
 from adapters import tensorflow_layers as L  # noqa: E402
 from adapters.tensorflow_training import DynamicLossScale, dense_gradients, make_update  # noqa: E402
 from adapters.base import (  # noqa: E402
-    ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size)
+    ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size, staged_start)
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 #: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep TF's (H, W, C) order:
@@ -438,12 +438,10 @@ class TensorFlowAdapter(Adapter):
     def _indices_tensor(self, indices: np.ndarray) -> tf.Tensor:
         """The staged tensor of ``indices`` when they are a staged step's slice of the epoch's order, else a new
         one."""
-        order = self._staged_order
-        if order is not None and indices.dtype == np.int64 and indices.strides == (8,):
-            offset = indices.ctypes.data - order.ctypes.data
-            staged = self._staged.get(offset // 8) if 0 <= offset < order.nbytes else None
-            if staged is not None and staged.shape[0] == len(indices):
-                return staged
+        start = staged_start(self._staged_order, indices)
+        staged = self._staged.get(start) if start is not None else None
+        if staged is not None and staged.shape[0] == len(indices):
+            return staged
         return tf.constant(indices, dtype=tf.int64)
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:

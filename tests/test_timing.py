@@ -285,3 +285,16 @@ def test_evaluate_every_is_checked_and_stated_in_the_report(tmp_path):
     assert {t.payload(spec)["trial"]["evaluate_every"] for t in plan(spec, "cpu")} == {3}
     assert _evaluation({}) == "evaluation after each epoch, not timed"
     assert "after every 5 epochs and the last" in _evaluation({"evaluate_every": 5})
+
+
+def test_staged_start_finds_a_slice_of_the_held_order_by_its_memory():
+    from adapters.base import staged_start
+
+    order = np.arange(100, dtype=np.int64)[::-1].copy()
+    assert staged_start(order, order[32:64]) == 32 and staged_start(order, order[5:7]) == 5
+    assert staged_start(order, order[96:100]) == 96
+    for other in (order[32:64].copy(), order[::2][:10], order[32:64].astype(np.int32), order[:0]):
+        assert staged_start(order, other) is None
+    assert staged_start(None, order[:4]) is None
+    wider = np.arange(200, dtype=np.int64)
+    assert staged_start(wider[:100], wider[90:110]) is None  # runs past the held order's end

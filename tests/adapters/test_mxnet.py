@@ -279,3 +279,37 @@ def test_inference_after_training_uses_the_running_statistics():
 
 def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
     kit.check_set_train_images(MXNetAdapter)
+
+
+def test_a_staged_epoch_gives_the_same_steps_through_slices_of_one_array(monkeypatch):
+    """stage_epoch wraps the epoch's order once (``nd.from_numpy``); a step whose indices are a slice of that order
+    uses a slice of it, anything else (a copy, a strided view) is wrapped on its own. Training through staged epochs,
+    the next staged while the last steps of the one before may still be queued, gives exactly the weights of
+    training without staging."""
+    from adapters import mxnet as adapter_module
+
+    wrapped = []
+    real = adapter_module.nd.from_numpy
+    monkeypatch.setattr(adapter_module.nd, "from_numpy", lambda *a, **k: wrapped.append(1) or real(*a, **k))
+    states = []
+    for staged in (False, True):
+        adapter, data, _ = kit.make(MXNetAdapter)
+        wrapped.clear()
+        for epoch in range(2):
+            order = datasets.epoch_order(len(data.y_train), 0, epoch)
+            if staged:
+                adapter.stage_epoch(order, 32)
+            for step in range(3):
+                adapter.train_step(order[step * 32:(step + 1) * 32])
+        adapter.sync()
+        assert len(wrapped) == (2 if staged else 6)  # once an epoch, or once a step
+        states.append(adapter.get_weights())
+    wrapped.clear()
+    for view in (order[64:96], order[65:97]):
+        np.testing.assert_array_equal(adapter._indices(view).asnumpy(), view)
+    assert not wrapped
+    for other in (order[64:96].copy(), order[::2][:32]):
+        np.testing.assert_array_equal(adapter._indices(other).asnumpy(), other)
+    assert len(wrapped) == 2
+    for name, value in states[0].items():
+        np.testing.assert_array_equal(states[1][name], value, err_msg=name)
