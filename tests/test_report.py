@@ -109,10 +109,27 @@ def test_mfu_left_out_for_cpu_and_unknown_devices():
     cpu = record("pytorch", 8)
     add_mfu(cpu)
     assert "mfu" not in cpu["metrics"]
+    assert "mfu_note" not in cpu["metrics"]  # a CPU has no peak to miss
     unknown = record("pytorch", 8, backend="nvml")
-    unknown["sampler"]["name"] = "Some Future GPU"
+    unknown["sampler"]["name"] = "NVIDIA L40S"  # not an L4: names match whole
     add_mfu(unknown)
     assert "mfu" not in unknown["metrics"]
+    assert unknown["metrics"]["mfu_note"] == "unknown device: no peak (NVIDIA L40S)"
+    t4 = record("pytorch", 8, backend="nvml")
+    t4["sampler"]["name"] = "Tesla T4"
+    add_mfu(t4, "bf16")  # the T4's entry has no bf16 peak
+    assert "mfu" not in t4["metrics"] and t4["metrics"]["mfu_note"] == "no bf16 peak for Tesla T4"
+
+
+def test_the_report_says_why_mfu_is_empty(tmp_path):
+    known, unknown = record("pytorch", 8, backend="nvml"), record("mxnet", 8, backend="nvml")
+    unknown["sampler"]["name"] = "NVIDIA RTX A1000"
+    for rec in (known, unknown):
+        add_mfu(rec)
+    text = report.write(make_run(tmp_path, [known, unknown], batch_sizes=(8,))).read_text()
+    section = text[text.index("## Model FLOPs utilization (%)"):]
+    section = section[:section.index("\n## ", 5)]
+    assert "| MXNet | n/a |" in section and "n/a: unknown device: no peak (NVIDIA RTX A1000)." in section
 
 
 def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
@@ -230,3 +247,44 @@ def test_mixed_precision_accuracy_against_fp32_per_batch_size(tmp_path):
     plain = [record("pytorch", 8), record("pytorch", 16)]
     (tmp_path / "b").mkdir()
     assert "Mixed precision" not in report.write(make_run(tmp_path / "b", plain, frameworks=("pytorch",))).read_text()
+
+
+GPM_STATS = {"sm_active_percent": 55.0, "sm_occupancy_percent": 30.0, "tensor_active_percent": 42.5,
+             "dram_bw_util_percent": 12.25}
+
+
+def _with_gpm(rec, scale=1.0):
+    rec["sampler"]["stats"].update({k: {"mean": v * scale, "median": v * scale, "max": v * scale, "count": 5,
+                                        "scope": "windows"} for k, v in GPM_STATS.items()})
+    return rec
+
+
+def test_gpm_rows_beside_gpu_use_and_mfu_where_trials_have_them(tmp_path):
+    """NVML GPM metrics (Hopper and newer) join the Ohio State layout after GPU use %, with MFU; a trial without them
+    (an older GPU) reads n/a, and each gets its own section."""
+    records = [_with_gpm(record("pytorch", 8, backend="nvml")), _with_gpm(record("pytorch", 16, backend="nvml"), 2),
+               record("mxnet", 8, backend="nvml"), record("mxnet", 16, backend="nvml")]
+    for rec in records:
+        add_mfu(rec)
+    data = report.build(make_run(tmp_path, records))
+    labels = [label for label, _ in tables.ohio_state_rows(data)]
+    assert labels[:7] == ["PyTorch GPU use %", "PyTorch SM active %", "PyTorch SM occupancy %",
+                          "PyTorch tensor active %", "PyTorch DRAM bandwidth %", "PyTorch MFU %",
+                          "PyTorch GPU memory MB"]
+    text = report.render_markdown(data)
+    assert "| PyTorch SM active % | 55.00 | 110.00 |" in text and "| MXNet SM active % | n/a | n/a |" in text
+    assert "| PyTorch DRAM bandwidth % | 12.25 | 24.50 |" in text
+    assert "## SM activity (mean) (%)" in text and "NVML_GPM_METRIC_SM_UTIL" in text
+    assert "NVML's GPM metrics" in text
+
+
+def test_no_gpm_rows_without_gpm_values(tmp_path):
+    nvml = [record("pytorch", 8, backend="nvml"), record("mxnet", 8, backend="nvml")]
+    data = report.build(make_run(tmp_path, nvml, batch_sizes=(8,)))
+    assert not {"sm_active", "sm_occupancy", "tensor_active", "dram_bw"} & {m.key for m in data["metrics"]}
+    text = report.render_markdown(data)
+    assert "SM active" not in text and "GPM" not in text and "MFU %" not in text  # no record has an MFU either
+    (tmp_path / "cpu").mkdir()
+    cpu = report.build(make_run(tmp_path / "cpu", [_with_gpm(record("pytorch", 8))], batch_sizes=(8,)))
+    assert [label for label, _ in tables.ohio_state_rows(cpu)] == [
+        "PyTorch CPU use %", "PyTorch RSS MB", "PyTorch accuracy after 10 epochs %"]

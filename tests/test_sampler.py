@@ -20,6 +20,9 @@ from harness.measure.host import HostBackend
 from harness.measure.nvml import NvmlBackend, nvml_visible_index
 from harness.measure.sampler import (DEFAULT_INTERVAL_S, MIN_EDGE_GAP_S, Sampler, interval_warning, make_backend,
                                      phase_stats)
+from tests.fakes.nvml import (GPM_ACTIVITY, GPM_ANY_TENSOR_UTIL, GPM_DRAM_BW_UTIL, GPM_SM_OCCUPANCY, GPM_SM_UTIL,
+                              MIG_UUID, UUID0, UUID1, DriverNotLoaded, FunctionNotFound, GpuIsLost, InvalidArgument,
+                              NoPermission, NotFound, NotSupported, Unknown, VersionMismatch, fake_nvml)
 
 BUSY = "import time\nx = bytearray(80_000_000)\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 
@@ -169,122 +172,16 @@ def test_interval_warning_below_50_ms_only():
     assert warning is not None and "\n" not in warning and warning.startswith("0.01 s is below 50 ms")
 
 
-# --- the fake NVML ---------------------------------------------------------------------------------------------------
-
-class NVMLError(Exception):
-    text = "NVML error"
-
-    def __init__(self, text=None):
-        super().__init__(text or self.text)
-
-
-def _error(name, text):
-    return type(name, (NVMLError,), {"text": text})
-
-
-NotSupported = _error("NVMLError_NotSupported", "Not Supported")
-NoPermission = _error("NVMLError_NoPermission", "Insufficient Permissions")
-FunctionNotFound = _error("NVMLError_FunctionNotFound", "Function Not Found")
-GpuIsLost = _error("NVMLError_GpuIsLost", "GPU is lost")
-Unknown = _error("NVMLError_Unknown", "Unknown Error")
-InvalidArgument = _error("NVMLError_InvalidArgument", "Invalid Argument")
-NotFound = _error("NVMLError_NotFound", "Not Found")
-DriverNotLoaded = _error("NVMLError_DriverNotLoaded", "Driver Not Loaded")
-VersionMismatch = _error("NVMLError_ArgumentVersionMismatch", "Argument Version Mismatch")
-
-UUID0 = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
-UUID1 = "GPU-8932aaaa-0000-4106-c12f-20bd9faed9f6"
-MIG_UUID = "MIG-0f3e2a71-3b0c-5d5e-9c1f-6c0c3b1f2d10"
-V2 = 0x02000028
-CLOCK_SM, TEMPERATURE_GPU = 1, 0
-
-
-def fake_nvml(fail=None, devices=(UUID0,), process_memory=(1_500_000_000, 500_000_000)):
-    """A stand-in for the pynvml module: every call the backend makes, with readings that identify which call (and
-    which argument) produced them. ``fail[call]``: an exception raised by every call, or a list consumed one per call
-    (None: that call succeeds; once the list is used up, calls succeed). ``nvml.pids``: the worker tree's PIDs that
-    the process list reports, paired with ``process_memory``; ``nvml.other_pid``: another process on the GPU."""
-    fail = dict(fail or {})
-    nvml = types.SimpleNamespace()
-    nvml.calls = {}
-    nvml.pids = []
-    nvml.other_pid = os.getpid()  # a real process, outside the worker's tree
-    nvml.energy_mj = lambda: 1_000_000 + 250 * nvml.calls["nvmlDeviceGetTotalEnergyConsumption"]
-    handles = {f"handle{i}": uuid for i, uuid in enumerate(devices)}
-    migs = {3: (1, 0, MIG_UUID)}  # slot index -> (GPU instance, compute instance, UUID)
-
-    def call(name, result):
-        def function(*args, **kwargs):
-            nvml.calls[name] = nvml.calls.get(name, 0) + 1
-            plan = fail.get(name)
-            if isinstance(plan, list):
-                error = plan.pop(0) if plan else None
-            else:
-                error = plan
-            if error is not None:
-                raise error
-            return result(*args, **kwargs)
-        return function
-
-    def memory(handle, version=None):
-        if version is not None:
-            assert version == V2
-            return call("nvmlDeviceGetMemoryInfo_v2", lambda: types.SimpleNamespace(used=3_000_000_000,
-                                                                                    reserved=200_000_000))()
-        return call("nvmlDeviceGetMemoryInfo", lambda: types.SimpleNamespace(used=3_200_000_000))()
-
-    def processes(handle):
-        mine = [types.SimpleNamespace(pid=pid, usedGpuMemory=m) for pid, m in zip(nvml.pids, process_memory)]
-        return [*mine, types.SimpleNamespace(pid=nvml.other_pid, usedGpuMemory=5)]
-
-    def by_index(index):
-        if index >= len(devices):
-            raise InvalidArgument()
-        return f"handle{index}"
-
-    def by_uuid(uuid):
-        for handle, known in handles.items():
-            if known == uuid:
-                return handle
-        if uuid == MIG_UUID:
-            return "mig-handle"
-        raise NotFound()
-
-    def mig_by_index(parent, index):
-        if index not in migs:
-            raise NotFound()
-        return "mig-handle"
-
-    for cls in (NVMLError, NotSupported, NoPermission, FunctionNotFound, GpuIsLost, Unknown, InvalidArgument,
-                NotFound, DriverNotLoaded, VersionMismatch):
-        setattr(nvml, cls.__name__, cls)
-    nvml.NVML_CLOCK_SM, nvml.NVML_TEMPERATURE_GPU, nvml.nvmlMemory_v2 = CLOCK_SM, TEMPERATURE_GPU, V2
-    functions = {
-        "nvmlInit": lambda: None, "nvmlShutdown": lambda: None,
-        "nvmlDeviceGetCount": lambda: len(devices),
-        "nvmlDeviceGetHandleByIndex": by_index, "nvmlDeviceGetHandleByUUID": by_uuid,
-        "nvmlDeviceGetUUID": lambda h: MIG_UUID if h == "mig-handle" else handles[h],
-        "nvmlDeviceGetName": lambda h: b"Fake GPU MIG 1g.10gb" if h == "mig-handle" else b"Fake GPU",
-        "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7, "nvmlDeviceGetMigDeviceHandleByIndex": mig_by_index,
-        "nvmlDeviceGetGpuInstanceId": lambda h: migs[3][0], "nvmlDeviceGetComputeInstanceId": lambda h: migs[3][1],
-        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=87, memory=40),
-        "nvmlDeviceGetComputeRunningProcesses": processes,
-        "nvmlDeviceGetPowerUsage": lambda h: 250_500,
-        "nvmlDeviceGetTotalEnergyConsumption": lambda h: nvml.energy_mj(),
-        "nvmlDeviceGetClockInfo": lambda h, kind: 1410 if kind == CLOCK_SM else 7777,
-        "nvmlDeviceGetTemperature": lambda h, sensor: 65 if sensor == TEMPERATURE_GPU else 7777,
-        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0x4,
-        "nvmlDeviceGetCurrentClocksThrottleReasons": lambda h: 0x40,
-    }
-    for name, function in functions.items():
-        setattr(nvml, name, call(name, function))
-    nvml.nvmlDeviceGetMemoryInfo = memory
-    return nvml
-
+# --- the NVML backend against the fake NVML (tests/fakes/nvml.py) ----------------------------------------------------
 
 EXPECTED = {"energy_mj": 1_000_250, "power_w": 250.5, "gpu_util_percent": 87.0, "mem_util_percent": 40.0,
             "device_memory_used_bytes": 3e9, "process_memory_bytes": 2e9, "sm_clock_mhz": 1410.0,
             "temperature_c": 65.0, "throttle_reasons": 0x4}
+# The GPM metrics over an interval of the fake GPU's default activity (tests/fakes/nvml.py GPM_ACTIVITY).
+GPM = {"sm_active_percent": GPM_ACTIVITY[GPM_SM_UTIL], "sm_occupancy_percent": GPM_ACTIVITY[GPM_SM_OCCUPANCY],
+       "tensor_active_percent": GPM_ACTIVITY[GPM_ANY_TENSOR_UTIL],
+       "dram_bw_util_percent": GPM_ACTIVITY[GPM_DRAM_BW_UTIL]}
+NO_GPM = dict.fromkeys(GPM)  # the first sample: no interval yet
 # Each NVML call and the metrics it feeds.
 CALLS = {
     "nvmlDeviceGetTotalEnergyConsumption": ("energy_mj",),
@@ -325,13 +222,16 @@ def backend_on(nvml, tree_pids=None, device=0):
 def test_nvml_backend_reads_every_metric_and_the_whole_worker_tree_memory(tree):
     nvml = fake_nvml()
     backend = backend_on(nvml, tree)
-    assert backend.sample() == EXPECTED  # 1.5 GB (worker) + 0.5 GB (its child); not the other process's 5 bytes
+    # 1.5 GB (worker) + 0.5 GB (its child); not the other process's 5 bytes
+    assert backend.sample() == {**EXPECTED, **NO_GPM}
+    time.sleep(0.11)  # GPM reads must be more than 100 ms apart
+    assert backend.sample() == {**EXPECTED, "energy_mj": 1_000_500, **GPM}
     backend.close()
-    assert nvml.calls["nvmlDeviceGetMemoryInfo_v2"] == 1 and "nvmlDeviceGetMemoryInfo" not in nvml.calls
+    assert nvml.calls["nvmlDeviceGetMemoryInfo_v2"] == 2 and "nvmlDeviceGetMemoryInfo" not in nvml.calls
     info = backend.describe()
     assert info["name"] == "Fake GPU" and info["uuid"] == UUID0 and info["mig"] is False
     assert info["memory_info_version"] == 2 and info["unavailable"] == {} and info["transient_errors"] == {}
-    assert set(info["metrics"]) == set(EXPECTED)
+    assert set(info["metrics"]) == set(EXPECTED) | set(GPM)
 
 
 def test_nvml_init_and_shutdown_balance(monkeypatch):
@@ -348,7 +248,8 @@ REASON_NAMES = {"nvmlDeviceGetMemoryInfo_v2": "nvmlDeviceGetMemoryInfo",
                 "nvmlDeviceGetTemperature": "nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)"}
 FALLBACKS = {"nvmlDeviceGetMemoryInfo_v2": "nvmlDeviceGetMemoryInfo",
              "nvmlDeviceGetCurrentClocksEventReasons": "nvmlDeviceGetCurrentClocksThrottleReasons"}
-VARYING = ("energy_mj", "process_memory_bytes")  # the counter advances; pid 4242 is not on the fake GPU
+# the counter advances; pid 4242 is not on the fake GPU; GPM values need a previous GPM sample 100 ms before
+VARYING = ("energy_mj", "process_memory_bytes", *GPM)
 
 
 @pytest.mark.parametrize("error", [NotSupported, NoPermission, FunctionNotFound])
@@ -468,6 +369,147 @@ def test_throttle_reasons_use_the_older_call_when_the_driver_lacks_the_new_one()
     assert backend_on(nvml).sample()["throttle_reasons"] == 0x40
 
 
+# --- GPM (Hopper and newer) -------------------------------------------------------------------------------------------
+
+def gpm_of(sample):
+    return {k: v for k, v in sample.items() if k in GPM}
+
+
+def test_gpm_metrics_come_from_the_last_two_samples():
+    """Each period reads one GPM sample; its values are nvmlGpmMetricsGet over the kept sample and the new one: none
+    in the first period, then the activity of each interval alone."""
+    nvml = fake_nvml()
+    backend = backend_on(nvml)
+    backend.gpm_min_interval_s = 0.0  # the fake GPU refreshes at once
+    assert gpm_of(backend.sample()) == NO_GPM
+    nvml.gpm_activity[GPM_SM_UTIL] = 80.0
+    assert gpm_of(backend.sample()) == {**GPM, "sm_active_percent": 80.0}
+    nvml.gpm_activity.update({GPM_SM_UTIL: 10.0, GPM_ANY_TENSOR_UTIL: 0.0})
+    assert gpm_of(backend.sample()) == {**GPM, "sm_active_percent": 10.0, "tensor_active_percent": 0.0}
+    assert nvml.calls["nvmlGpmSampleGet"] == 3 and nvml.calls["nvmlGpmMetricsGet"] == 2
+    assert nvml.calls["nvmlGpmQueryDeviceSupport"] == 1 and len(nvml.gpm_buffers) == 2  # two buffers, reused
+    backend.close()
+    assert all(b.freed for b in nvml.gpm_buffers) and nvml.calls["nvmlGpmSampleFree"] == 2
+
+
+def test_gpm_samples_are_read_more_than_100_ms_apart():
+    nvml = fake_nvml()
+    backend = backend_on(nvml)
+    assert gpm_of(backend.sample()) == NO_GPM
+    assert gpm_of(backend.sample()) == NO_GPM  # too soon: no read; the interval goes on
+    assert nvml.calls["nvmlGpmSampleGet"] == 1
+    time.sleep(0.12)
+    assert gpm_of(backend.sample()) == GPM
+    times = nvml.gpm_sample_times
+    assert len(times) == 2 and times[1] - times[0] > 0.1
+
+
+def test_gpm_on_a_gpu_older_than_hopper_is_unavailable_with_the_reason():
+    nvml = fake_nvml(gpm=False)  # nvmlGpmQueryDeviceSupport: isSupportedDevice 0
+    backend = backend_on(nvml)
+    first, second = backend.sample(), backend.sample()
+    for sample in (first, second):
+        assert not set(GPM) & set(sample) and sample["gpu_util_percent"] == 87.0
+    assert backend.unavailable == dict.fromkeys(
+        GPM, "nvmlGpmQueryDeviceSupport: isSupportedDevice 0 (GPM needs a Hopper or newer GPU)")
+    assert nvml.calls["nvmlGpmQueryDeviceSupport"] == 1 and "nvmlGpmSampleAlloc" not in nvml.calls
+    assert not set(GPM) & set(backend.describe()["metrics"])
+    backend.close()
+
+
+@pytest.mark.parametrize("call, error, reason", [
+    ("nvmlGpmQueryDeviceSupport", FunctionNotFound, "nvmlGpmQueryDeviceSupport: Function Not Found"),  # old driver
+    ("nvmlGpmSampleAlloc", FunctionNotFound, "nvmlGpmSampleAlloc: Function Not Found"),
+    ("nvmlGpmSampleGet", NoPermission, "nvmlGpmSampleGet: Insufficient Permissions"),  # profiling for admins only
+    ("nvmlGpmMetricsGet", NotSupported, "nvmlGpmMetricsGet: Not Supported"),
+])
+def test_gpm_refused_by_the_driver_is_unavailable_with_the_reason(call, error, reason):
+    nvml = fake_nvml(fail={call: error()})
+    backend = backend_on(nvml)
+    backend.gpm_min_interval_s = 0.0
+    samples = [backend.sample() for _ in range(3)]
+    assert backend.unavailable == dict.fromkeys(GPM, reason)
+    assert nvml.calls[call] == 1  # not asked again
+    assert all(not set(GPM) & set(s) for s in samples[1:]) and all(s["power_w"] == 250.5 for s in samples)
+    backend.close()
+    assert all(b.freed for b in nvml.gpm_buffers)
+
+
+def test_gpm_buffers_allocated_before_a_refusal_are_freed():
+    nvml = fake_nvml(fail={"nvmlGpmSampleAlloc": [None, NoPermission()]})  # the second buffer is refused
+    backend = backend_on(nvml)
+    assert not set(GPM) & set(backend.sample())
+    assert len(nvml.gpm_buffers) == 1 and nvml.gpm_buffers[0].freed
+    assert backend.unavailable["sm_active_percent"] == "nvmlGpmSampleAlloc: Insufficient Permissions"
+
+
+@pytest.mark.parametrize("missing", ["nvmlGpmQueryDeviceSupport", "c_nvmlGpmMetricsGet_t", "NVML_GPM_METRIC_SM_UTIL"])
+def test_bindings_without_gpm_mark_it_unavailable(missing):
+    nvml = fake_nvml()
+    delattr(nvml, missing)  # nvidia-ml-py older than GPM
+    backend = backend_on(nvml)
+    sample = backend.sample()
+    assert not set(GPM) & set(sample) and sample["gpu_util_percent"] == 87.0
+    assert set(backend.unavailable) == set(GPM)
+    assert all(r.startswith("nvidia-ml-py: ") and missing in r for r in backend.unavailable.values())
+    assert "nvmlGpmSampleAlloc" not in nvml.calls
+
+
+def test_a_gpm_metric_the_gpu_lacks_is_unavailable_alone():
+    nvml = fake_nvml(gpm_unsupported={GPM_DRAM_BW_UTIL})  # its nvmlReturn in nvmlGpmMetricsGet: Not Supported
+    backend = backend_on(nvml)
+    backend.gpm_min_interval_s = 0.0
+    backend.sample()
+    second, third = backend.sample(), backend.sample()
+    expected = {k: v for k, v in GPM.items() if k != "dram_bw_util_percent"}
+    assert gpm_of(second) == gpm_of(third) == expected
+    assert backend.unavailable == {"dram_bw_util_percent": "nvmlGpmMetricsGet(NVML_GPM_METRIC_DRAM_BW_UTIL): "
+                                                           "Not Supported"}
+
+
+def test_a_gpm_error_mid_run_drops_one_value_then_recovers():
+    nvml = fake_nvml(fail={"nvmlGpmSampleGet": [None, Unknown(), None]})
+    backend = backend_on(nvml)
+    backend.gpm_min_interval_s = 0.0
+    first, during, after = backend.sample(), backend.sample(), backend.sample()
+    assert gpm_of(first) == gpm_of(during) == NO_GPM and gpm_of(after) == GPM
+    assert backend.unavailable == {}
+    assert backend.describe()["transient_errors"] == dict.fromkeys(GPM, {"count": 1, "last": "NVMLError_Unknown: "
+                                                                                              "Unknown Error"})
+
+
+@pytest.mark.parametrize("entry", [MIG_UUID, f"MIG-{UUID0}/1/0"])
+def test_gpm_of_a_mig_device_reads_its_gpu_instance(monkeypatch, entry):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", entry)
+    nvml = fake_nvml()
+    backend, note = make_backend("cuda:0", nvml=nvml)
+    assert note is None and backend.mig
+    backend.attach(4242)
+    backend.gpm_min_interval_s = 0.0
+    backend.sample()
+    assert gpm_of(backend.sample()) == GPM
+    assert nvml.calls["nvmlGpmMigSampleGet"] == 2 and "nvmlGpmSampleGet" not in nvml.calls
+    assert {b.source for b in nvml.gpm_buffers} == {("handle0", 1)}  # the parent GPU, GPU instance 1
+    assert any("GPU instance" in n for n in backend.describe()["notes"])
+
+
+def test_gpm_of_a_mig_device_refused_is_unavailable_with_the_reason(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIG_UUID)
+    nvml = fake_nvml(fail={"nvmlGpmMigSampleGet": NotSupported()})
+    backend, _ = make_backend("cuda:0", nvml=nvml)
+    backend.attach(4242)
+    assert not set(GPM) & set(backend.sample())
+    assert backend.unavailable["sm_active_percent"] == "nvmlGpmMigSampleGet: Not Supported"
+
+
+def test_gpm_metrics_get_statistics_like_utilization():
+    samples = [{"t": 0.0, **NO_GPM, "gpu_util_percent": 90.0}, {"t": 0.2, **GPM, "gpu_util_percent": 90.0},
+               {"t": 0.4, **{**GPM, "sm_active_percent": 37.5}, "gpu_util_percent": 90.0}]
+    stats = phase_stats(samples, [(0.0, 0.5)])
+    assert stats["sm_active_percent"] == {"mean": 50.0, "median": 50.0, "max": 62.5, "count": 2, "scope": "windows"}
+    assert stats["dram_bw_util_percent"]["count"] == 2 and stats["gpu_util_percent"]["count"] == 3
+
+
 # --- no NVML, no device ---------------------------------------------------------------------------------------------
 
 def test_no_nvml_falls_back_to_host_with_a_note(monkeypatch):
@@ -504,6 +546,23 @@ def test_nvml_init_failure_falls_back_to_host(monkeypatch):
     backend, note = make_backend("cuda:0", nvml=nvml)
     assert isinstance(backend, HostBackend) and "DriverNotLoaded: Driver Not Loaded" in note
     assert "nvmlShutdown" not in nvml.calls  # nothing to shut down
+
+
+def test_machine_gpus_reads_the_fake_nvml():
+    from harness.measure.machine import gpus
+    from tests.fakes.nvml import DRIVER, MEMORY_TOTAL, POWER_LIMIT_MW
+
+    nvml = fake_nvml(devices=(UUID0, UUID1), name=b"NVIDIA H100 80GB HBM3")
+    info = gpus(nvml)
+    assert info["available"] is True and info["driver"] == DRIVER
+    assert [d["uuid"] for d in info["devices"]] == [UUID0, UUID1]
+    assert {d["name"] for d in info["devices"]} == {"NVIDIA H100 80GB HBM3"}
+    assert {d["memory_total_bytes"] for d in info["devices"]} == {MEMORY_TOTAL}
+    assert {d["power_limit_w"] for d in info["devices"]} == {POWER_LIMIT_MW / 1000}
+    assert nvml.calls["nvmlInit"] == nvml.calls["nvmlShutdown"] == 1
+    assert gpus(fake_nvml(fail={"nvmlInit": DriverNotLoaded()})) == {"available": False,
+                                                                     "reason": "NVMLError_DriverNotLoaded: Driver Not "
+                                                                               "Loaded"}
 
 
 # --- which device ---------------------------------------------------------------------------------------------------
@@ -744,6 +803,11 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
     assert energy["seconds"] == pytest.approx(metrics["measured_seconds"], rel=0.05)
     assert energy["joules_per_sample"] == pytest.approx(energy["joules"] / metrics["measured_samples"])
     assert info["stats"]["gpu_util_percent"]["mean"] == 87.0 and info["stats"]["power_w"]["scope"] == "windows"
+    # GPM values every period at least 100 ms after the last GPM read (interval 0.05 s: about every other sample)
+    gpm = info["stats"]["sm_active_percent"]
+    assert gpm["mean"] == 62.5 and 1 <= gpm["count"] < info["stats"]["gpu_util_percent"]["count"]
+    times = nvml.gpm_sample_times
+    assert len(times) >= 3 and all(b - a > 0.1 for a, b in zip(times, times[1:]))
     assert "energy_mj" not in info["stats"] and "throttle_reasons" not in info["stats"]
     assert info["throttle"]["share"] == {"sw_power_cap": 1.0}
     assert info["sample_cost_s"]["count"] == len(outcome.samples) and info["sample_cost_s"]["median"] < 0.05
@@ -893,3 +957,43 @@ def test_real_nvml_utilization_and_energy_while_training_and_idle(torch_child):
         samples = [{k: v for k, v in s.items() if k != "energy_mj"} for s in sampler.samples]
         integral = energy_over_windows(samples, [(float(busy_start), float(busy_end))])
         assert 0.5 < integral["joules"] / energy["joules"] < 2.0, (integral, energy)
+
+
+@pytest.mark.gpu
+def test_real_nvml_gpm_sm_activity_while_training_and_idle(torch_child):
+    """On Hopper and newer the GPM metrics have values, and SM activity is higher while a matmul loop runs than while
+    the GPU idles; on older GPUs each is unavailable with a reason."""
+    import pynvml
+
+    backend, note = make_backend("cuda:0")
+    assert note is None, note
+    parent = (pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(backend.handle) if backend.mig else backend.handle)
+    major, _ = pynvml.nvmlDeviceGetCudaComputeCapability(parent)
+    sampler = Sampler(backend, 0.2)  # GPM reads more than 100 ms apart every period
+    sampler.start(torch_child.pid)
+    try:
+        for _ in range(2):
+            torch_child.stdout.readline()
+            torch_child.stdin.write("\n")
+            torch_child.stdin.flush()
+        _, idle_start, idle_end = torch_child.stdout.readline().split()
+        _, busy_start, busy_end = torch_child.stdout.readline().split()
+    finally:
+        assert sampler.stop()
+    info = backend.describe()
+    backend.close()
+    gpm = ("sm_active_percent", "sm_occupancy_percent", "tensor_active_percent", "dram_bw_util_percent")
+    reasons = {m: info["unavailable"][m] for m in gpm if m in info["unavailable"]}
+    if major < 9:  # older than Hopper: no GPM
+        assert set(reasons) == set(gpm) and all(isinstance(r, str) and r for r in reasons.values()), reasons
+        return
+    if any("Permission" in r for r in reasons.values()):
+        pytest.skip(f"GPM needs profiling permission here: {reasons}")
+    assert not reasons, reasons
+    # each GPM value covers the period before its sample: leave the first half second of each phase out
+    idle = phase_stats(sampler.samples, [(float(idle_start) + 0.5, float(idle_end))])
+    busy = phase_stats(sampler.samples, [(float(busy_start) + 0.5, float(busy_end))])
+    for metric in gpm:
+        assert busy[metric]["count"] >= 5 and 0 <= busy[metric]["mean"] <= 100, (metric, busy[metric])
+    assert busy["sm_active_percent"]["mean"] > idle["sm_active_percent"]["mean"] + 20, (busy, idle)
+    assert idle["sm_active_percent"]["mean"] < 10, idle["sm_active_percent"]  # needs the GPU to itself

@@ -10,6 +10,17 @@ What it reads, per sample:
   ``energy_mj`` (nvmlDeviceGetTotalEnergyConsumption), ``sm_clock_mhz`` (nvmlDeviceGetClockInfo NVML_CLOCK_SM),
   ``temperature_c`` (nvmlDeviceGetTemperature NVML_TEMPERATURE_GPU) and ``throttle_reasons`` (the
   nvmlClocksEventReasons bitmask). Power, energy, clocks and temperature describe the whole board, every process on it.
+GPM metrics, Hopper and newer (nvmlGpmMetricsGet over two nvmlGpmSampleGet samples; nvmlGpmMigSampleGet for the GPU
+  instance of a MIG device; https://docs.nvidia.com/deploy/nvml-api/group__nvmlGpmFunctions.html), each in percent over
+  the interval since the previous sample that read GPM (a sample's own period, like psutil's cpu_percent):
+  ``sm_active_percent`` (NVML_GPM_METRIC_SM_UTIL: % of SMs busy, averaged over the interval), ``sm_occupancy_percent``
+  (NVML_GPM_METRIC_SM_OCCUPANCY: resident warps / the SMs' maximum), ``tensor_active_percent``
+  (NVML_GPM_METRIC_ANY_TENSOR_UTIL: % of time the SMs' tensor pipes did any tensor operation) and
+  ``dram_bw_util_percent`` (NVML_GPM_METRIC_DRAM_BW_UTIL: DRAM bandwidth used / its theoretical maximum). They are None
+  in the first sample (no interval yet) and in a sample less than GPM_MIN_INTERVAL_S after the last GPM read (the
+  reference: the interval "should be greater than 100ms due to the internal sample refresh rate"); that interval then
+  goes into the next sample's value. nvmlGpmQueryDeviceSupport's isSupportedDevice 0 (older than Hopper) marks them
+  unavailable, as do the errors below; a per-metric nvmlReturn marks that metric alone.
 Degradation, one metric at a time: NotSupported, NoPermission or FunctionNotFound (or bindings without the call) mark
 that metric unavailable for the rest of the run, with the reason, in ``describe()["unavailable"]``; any other error
 leaves that metric None in that one sample. Nothing is ever raised into the run.
@@ -29,6 +40,7 @@ Design decision (no GPU was available to measure it; it rests on the NVML docume
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Iterable
 
 import psutil
@@ -74,6 +86,14 @@ def nvml_visible_index(device: str, visible: str | None = None) -> int | str:
     return entries[index]
 
 
+#: GPM metric -> the nvmlGpmMetricId_t constant it reads (pynvml names them as nvml.h does).
+GPM_METRICS = {"sm_active_percent": "NVML_GPM_METRIC_SM_UTIL", "sm_occupancy_percent": "NVML_GPM_METRIC_SM_OCCUPANCY",
+               "tensor_active_percent": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+               "dram_bw_util_percent": "NVML_GPM_METRIC_DRAM_BW_UTIL"}
+#: Shortest interval between two GPM sample reads, seconds: the reference says it "should be greater than 100ms".
+GPM_MIN_INTERVAL_S = 0.1
+
+
 def _error_classes(nvml: Any, *names: str) -> tuple[type, ...]:
     return tuple(c for n in names if isinstance(c := getattr(nvml, n, None), type))
 
@@ -88,7 +108,7 @@ class NvmlBackend:
 
     name = "nvml"
     METRICS = ("energy_mj", "power_w", "gpu_util_percent", "mem_util_percent", "device_memory_used_bytes",
-               "process_memory_bytes", "sm_clock_mhz", "temperature_c", "throttle_reasons")
+               "process_memory_bytes", "sm_clock_mhz", "temperature_c", "throttle_reasons", *GPM_METRICS)
     DESCRIPTIONS = {
         "gpu_util_percent": "NVML utilization.gpu: % of the driver's last sample period (1/6 s..1 s) in which any "
                             "kernel ran (not SM occupancy)",
@@ -101,6 +121,14 @@ class NvmlBackend:
         "sm_clock_mhz": "current SM clock, MHz",
         "temperature_c": "GPU die temperature, degrees C",
         "throttle_reasons": "nvmlClocksEventReasons bitmask of why clocks are held below their maximum",
+        "sm_active_percent": "NVML GPM SM activity (NVML_GPM_METRIC_SM_UTIL): % of SMs busy, averaged over the "
+                             "interval since the previous GPM sample",
+        "sm_occupancy_percent": "NVML GPM SM occupancy (NVML_GPM_METRIC_SM_OCCUPANCY): % of the SMs' warp slots "
+                                "holding a resident warp, over the same interval",
+        "tensor_active_percent": "NVML GPM tensor-pipe activity (NVML_GPM_METRIC_ANY_TENSOR_UTIL): % of time the SMs' "
+                                 "tensor pipes ran any tensor operation, over the same interval",
+        "dram_bw_util_percent": "NVML GPM DRAM bandwidth utilization (NVML_GPM_METRIC_DRAM_BW_UTIL): % of the "
+                                "theoretical maximum DRAM bandwidth used, over the same interval",
     }
     # Errors that will not go away during a run: the metric is marked unavailable.
     PERMANENT = ("NVMLError_NotSupported", "NVMLError_NoPermission", "NVMLError_FunctionNotFound")
@@ -115,6 +143,9 @@ class NvmlBackend:
         self._pids: set[int] = set()
         self.selector = device
         self.mig = False
+        self.gpm_min_interval_s = GPM_MIN_INTERVAL_S
+        self._gpm: dict[str, Any] | None = None  # set up at the first sample: buffers, target, the kept sample
+        self._gpm_call = ""
         self.nvml.nvmlInit()
         try:
             self.handle = self._resolve(device)
@@ -288,9 +319,127 @@ class NvmlBackend:
             self._read(metric, _Named(read, call), out, *also)
             if metric == "gpu_util_percent" and "r" in rates:
                 out["mem_util_percent"] = float(rates["r"].memory)
+        self._gpm_sample(out)
         return out
 
+    # --- GPM (Hopper and newer) -------------------------------------------------------------------------------------
+    def _gpm_failed(self, call: str, err: BaseException, names: Iterable[str], out: dict[str, Any]) -> None:
+        """The module docstring's degradation for GPM metrics ``names`` after ``call`` raised ``err``."""
+        names = [n for n in names if n not in self.unavailable]
+        if isinstance(err, AttributeError):
+            reason = f"nvidia-ml-py: {err}"
+        elif isinstance(err, self._permanent):
+            reason = f"{call}: {err}"
+        else:
+            for name in names:
+                out[name] = None
+                entry = self.transient.setdefault(name, {"count": 0, "last": ""})
+                entry["count"] += 1
+                entry["last"] = f"{type(err).__name__}: {err}"
+            return
+        for name in names:
+            self.unavailable[name] = reason
+
+    def _gpm_setup(self) -> dict[str, Any]:
+        """Checks support and allocates the two sample buffers; raises as the NVML calls do, ``self._gpm_call`` naming
+        the call that raised."""
+        nvml = self.nvml
+        if self.mig:  # GPM of a MIG device: its parent GPU, for the MIG device's GPU instance
+            self._gpm_call = "nvmlDeviceGetDeviceHandleFromMigDeviceHandle"
+            parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self.handle)
+            self._gpm_call = "nvmlDeviceGetGpuInstanceId"
+            instance = int(nvml.nvmlDeviceGetGpuInstanceId(self.handle))
+        else:
+            parent, instance = self.handle, None
+        ids = {name: int(getattr(nvml, constant)) for name, constant in GPM_METRICS.items()}
+        self._gpm_call = "nvmlGpmQueryDeviceSupport"
+        if not nvml.nvmlGpmQueryDeviceSupport(parent).isSupportedDevice:
+            raise _GpmUnsupported("nvmlGpmQueryDeviceSupport: isSupportedDevice 0 (GPM needs a Hopper or newer GPU)")
+        nvml.c_nvmlGpmMetricsGet_t  # noqa: B018 - bindings without the struct fail here, before any allocation
+        self._gpm_call = "nvmlGpmSampleAlloc"
+        buffers: list[Any] = []
+        try:
+            for _ in range(2):
+                buffers.append(nvml.nvmlGpmSampleAlloc())
+        except BaseException:
+            for buffer in buffers:
+                nvml.nvmlGpmSampleFree(buffer)
+            raise
+        if self.mig:
+            self.notes.append("MIG device: the GPM metrics (sm_active_percent ...) cover its GPU instance, every "
+                              "compute instance in it (nvmlGpmMigSampleGet)")
+        return {"parent": parent, "instance": instance, "ids": ids, "buffers": buffers, "kept": None, "kept_t": 0.0}
+
+    def _gpm_read(self, gpm: dict[str, Any], buffer: Any) -> None:
+        if gpm["instance"] is None:
+            self.nvml.nvmlGpmSampleGet(gpm["parent"], buffer)
+        else:
+            self.nvml.nvmlGpmMigSampleGet(gpm["parent"], gpm["instance"], buffer)
+
+    def _gpm_sample(self, out: dict[str, Any]) -> None:
+        """Adds the GPM metrics over the interval since the kept GPM sample to ``out``, then keeps the new one."""
+        names = [n for n in GPM_METRICS if n not in self.unavailable]
+        if not names:
+            return
+        nvml = self.nvml
+        if self._gpm is None:
+            try:
+                self._gpm = self._gpm_setup()
+            except _GpmUnsupported as err:
+                self.unavailable.update({n: str(err) for n in names})
+                return
+            except Exception as err:  # noqa: BLE001 - sampling never raises into the run
+                self._gpm_failed(self._gpm_call, err, names, out)
+                return
+        gpm = self._gpm
+        now = time.monotonic()
+        if gpm["kept"] is not None and now - gpm["kept_t"] <= self.gpm_min_interval_s:
+            out.update({n: None for n in names})  # too soon after the last read: the next sample covers this time
+            return
+        fresh = next(b for b in gpm["buffers"] if b is not gpm["kept"])
+        call = "nvmlGpmSampleGet" if gpm["instance"] is None else "nvmlGpmMigSampleGet"
+        try:
+            self._gpm_read(gpm, fresh)
+        except Exception as err:  # noqa: BLE001
+            self._gpm_failed(call, err, names, out)
+            return
+        kept, gpm["kept"], gpm["kept_t"] = gpm["kept"], fresh, now
+        if kept is None:
+            out.update({n: None for n in names})  # the first sample: no interval yet
+            return
+        try:
+            request = nvml.c_nvmlGpmMetricsGet_t()
+            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(names)
+            request.sample1, request.sample2 = kept, fresh
+            for i, name in enumerate(names):
+                request.metrics[i].metricId = gpm["ids"][name]
+            result = nvml.nvmlGpmMetricsGet(request)
+        except Exception as err:  # noqa: BLE001
+            self._gpm_failed("nvmlGpmMetricsGet", err, names, out)
+            return
+        for i, name in enumerate(names):
+            metric = result.metrics[i]
+            if int(metric.nvmlReturn) == 0:
+                out[name] = float(metric.value)
+            else:
+                self._gpm_failed(f"nvmlGpmMetricsGet({GPM_METRICS[name]})", self._nvml_error(int(metric.nvmlReturn)),
+                                 [name], out)
+
+    def _nvml_error(self, code: int) -> Exception:
+        """The bindings' exception for an nvmlReturn_t value (pynvml: NVMLError(code) is that code's subclass)."""
+        try:
+            return self.nvml.NVMLError(code)
+        except Exception:  # noqa: BLE001
+            return RuntimeError(f"nvmlReturn {code}")
+
     def close(self) -> None:
+        for buffer in (self._gpm or {}).get("buffers", []):
+            try:
+                self.nvml.nvmlGpmSampleFree(buffer)
+            except Exception:  # noqa: BLE001 - NVML frees them at shutdown anyway
+                pass
+        self._gpm = None
         try:
             self.nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down a broken NVML is not worth an error
@@ -307,6 +456,10 @@ class NvmlBackend:
         if self.memory_note:
             info["memory_info_note"] = self.memory_note
         return info
+
+
+class _GpmUnsupported(Exception):
+    """nvmlGpmQueryDeviceSupport says the GPU has no GPM (older than Hopper)."""
 
 
 class _Named:

@@ -5,8 +5,9 @@ Every ``interval_s`` it asks its backend for one sample, a dict of metric -> num
 (the clock the worker stamps its phase events with; CLOCK_MONOTONIC is system-wide on Linux). Backends:
 
 - ``NvmlBackend`` (``harness.measure.nvml``; nvidia-ml-py, https://docs.nvidia.com/deploy/nvml-api/): GPU
-  utilization, device and per-process memory, power, energy, SM clock, temperature and throttle reasons; see there
-  for what each metric is and how a missing one degrades.
+  utilization, device and per-process memory, power, energy, SM clock, temperature and throttle reasons, and on Hopper
+  and newer the GPM metrics (SM activity, SM occupancy, tensor-pipe activity, DRAM bandwidth utilization, each over
+  the interval since the previous sample); see there for what each metric is and how a missing one degrades.
 - ``HostBackend`` (``harness.measure.host``; psutil), where there is no GPU: the worker process tree's CPU % (100 = one
   core busy) and resident memory (bytes).
 

@@ -23,6 +23,7 @@ class Metric:
     sampler_metric: str | None = None  # the sampler metric it reads, whose statistics carry a scope
     ci: bool = False  # show the 95% interval: of the median over repeats, or of the mean over seeds (over_seeds)
     over_seeds: bool = False  # with several seeds: the mean over seeds of each seed's median over its repeats
+    optional: bool = False  # reported only when some trial has a value (e.g. NVML GPM metrics: Hopper and newer)
 
 
 def row_key(record: dict[str, Any]) -> str:
@@ -70,6 +71,24 @@ def _mean_power(record: dict[str, Any]) -> float | None:
     power = read_path(record, "sampler", "energy", "mean_power_w")
     return power if power is not None else read_path(record, "sampler", "stats", "power_w", "mean")
 
+#: NVML GPM metrics (harness.measure.nvml; Hopper and newer, nvmlGpmMetricsGet), reported where a trial has them.
+GPM_METRICS = [
+    Metric("sm_active", "SM activity (mean)", "%", sampler_stat("sm_active_percent", "mean"), 2,
+           "mean over the timed windows of NVML GPM SM activity (NVML_GPM_METRIC_SM_UTIL): the % of SMs busy, averaged "
+           "over each sampling period; unlike GPU use %, a kernel on a few SMs reads low", "sm_active_percent",
+           optional=True),
+    Metric("sm_occupancy", "SM occupancy (mean)", "%", sampler_stat("sm_occupancy_percent", "mean"), 2,
+           "mean of NVML GPM SM occupancy (NVML_GPM_METRIC_SM_OCCUPANCY): resident warps as a % of the SMs' maximum",
+           "sm_occupancy_percent", optional=True),
+    Metric("tensor_active", "Tensor-pipe activity (mean)", "%", sampler_stat("tensor_active_percent", "mean"), 2,
+           "mean of NVML GPM tensor-pipe activity (NVML_GPM_METRIC_ANY_TENSOR_UTIL): % of time the SMs' tensor "
+           "pipes ran any tensor operation", "tensor_active_percent", optional=True),
+    Metric("dram_bw", "DRAM bandwidth utilization (mean)", "%", sampler_stat("dram_bw_util_percent", "mean"), 2,
+           "mean of NVML GPM DRAM bandwidth utilization (NVML_GPM_METRIC_DRAM_BW_UTIL): % of the theoretical "
+           "maximum DRAM bandwidth used", "dram_bw_util_percent", optional=True),
+]
+
+
 def metrics_for(backend: str) -> list[Metric]:
     """The metrics reported for a run whose sampler used ``backend`` ("nvml" or "host")."""
     common = [
@@ -111,6 +130,7 @@ def metrics_for(backend: str) -> list[Metric]:
                    "achieved training FLOP/s over the device's dense peak in the trial's precision (tf32, bf16 "
                    "and fp16 their Tensor Core peaks; harness.measure.peaks, each with its datasheet source); empty for "
                    "a device or precision not in the table"),
+            *GPM_METRICS,
             Metric("power", "Power (mean)", "W", _mean_power, 1,
                    "mean board power over the timed windows (energy / time where NVML's energy counter exists, else "
                    "the mean of NVML power samples)", "power_w"),

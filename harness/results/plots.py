@@ -68,7 +68,9 @@ def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
 SERIES_TITLES = {"cpu_percent": "CPU %", "rss_bytes": "RSS MB", "gpu_util_percent": "GPU use %",
                  "mem_util_percent": "memory use %", "device_memory_used_bytes": "device MB",
                  "process_memory_bytes": "process MB", "power_w": "power W", "sm_clock_mhz": "SM MHz",
-                 "temperature_c": "temperature C"}
+                 "temperature_c": "temperature C", "sm_active_percent": "SM active %",
+                 "sm_occupancy_percent": "SM occupancy %", "tensor_active_percent": "tensor active %",
+                 "dram_bw_util_percent": "DRAM bandwidth %"}
 
 
 def trial_figure(run_dir: Path, trial_id: str) -> Any | None:

@@ -17,7 +17,7 @@ import pandas as pd
 
 from harness.results import html
 from harness.results.memory_breakdown import memory_breakdown_section
-from harness.results.metrics import Metric, scaled, title
+from harness.results.metrics import GPM_METRICS, Metric, scaled, title
 from harness.results.plots import plot, plot_trial
 from harness.results.placement import side_by_side_section
 from harness.results.precision import precision_accuracy_section
@@ -26,6 +26,8 @@ from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, 
                                     memory_rows, metric_row, metric_table, noise_pairs, ohio_state_rows)
 
 __all__ = ["build", "render_markdown", "write"]
+
+GPM_KEYS = {m.key for m in GPM_METRICS}
 
 
 def _execution(spec: dict[str, Any]) -> str:
@@ -140,6 +142,13 @@ def header_lines(data: dict[str, Any]) -> list[str]:
         lines.append("GPU use % is NVML's utilization.gpu: the percentage of time, over the driver's sample period "
                      "(1/6 s to 1 s), during which at least one kernel was running. It is not SM occupancy: one tiny "
                      "kernel at a time reads as 100%. Achieved GFLOP/s says how much of the GPU did work.")
+        if any(m.key in GPM_KEYS for m in data["metrics"]):
+            lines.append("SM active %, SM occupancy %, tensor active % and DRAM bandwidth % are NVML's GPM metrics "
+                         "(Hopper and newer; nvmlGpmMetricsGet over two samples, each sampling period one interval): "
+                         "the % of SMs busy, resident warps as a % of the SMs' maximum, the % of time the tensor pipes "
+                         "ran any tensor operation, and DRAM bandwidth used as a % of its maximum; MFU % is achieved "
+                         "FLOP/s over the datasheet peak. n/a: that trial's GPU, driver or permissions did not provide "
+                         "it (see How the sampler fared).")
     else:
         lines.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
                      "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")

@@ -91,6 +91,37 @@ class TrialMetrics(_Open):
     epochs: list[EpochMetrics] = Field(default_factory=list)
 
 
+class MetricStats(_Open):
+    """One sampled metric over the trial's timed windows (``harness.measure.sampler.phase_stats``), in the metric's
+    own unit (``_percent``: percent, ``_bytes``: bytes, ``_w``: watts, ``_mhz``, ``_c``)."""
+
+    mean: float | None = None
+    median: float | None = None
+    max: float | None = None
+    count: int = Field(0, description="samples with a value that the statistics used")
+    scope: str | None = Field(None, description="windows (samples inside the timed windows and their end-edge "
+                                                "samples), span (windows shorter than the interval: the samples from "
+                                                "the first window's start to the last one's end) or none")
+
+
+class SamplerInfo(_Open):
+    """How the device was sampled during the trial (``sampler``; results/README.md lists every field)."""
+
+    backend: str | None = Field(None, description="nvml or host; null when the trial ran without a sampler")
+    interval_s: float | None = Field(None, description="seconds between periodic samples")
+    unavailable: dict[str, str] = Field(default_factory=dict, description="metric -> why the device, driver, "
+                                        "bindings or permissions did not provide it")
+    stats: dict[str, MetricStats] = Field(
+        default_factory=dict,
+        description="per sampled metric: host cpu_percent, rss_bytes; NVML gpu_util_percent, mem_util_percent, "
+                    "device_memory_used_bytes, process_memory_bytes, power_w, sm_clock_mhz, temperature_c, and on "
+                    "Hopper and newer the GPM metrics (nvmlGpmMetricsGet, "
+                    "https://docs.nvidia.com/deploy/nvml-api/group__nvmlGpmFunctions.html), percent over each "
+                    "sampling period: sm_active_percent (NVML_GPM_METRIC_SM_UTIL), sm_occupancy_percent "
+                    "(NVML_GPM_METRIC_SM_OCCUPANCY), tensor_active_percent (NVML_GPM_METRIC_ANY_TENSOR_UTIL), "
+                    "dram_bw_util_percent (NVML_GPM_METRIC_DRAM_BW_UTIL)")
+
+
 class TrialRecord(_Open):
     """One line of ``trials.jsonl``: one finished trial, whatever its status (results/README.md says what each
     field means)."""
@@ -115,7 +146,8 @@ class TrialRecord(_Open):
     wall_seconds: float = Field(description="the worker's whole life, seconds")
     returncode: int | None = None
     metrics: TrialMetrics = Field(default_factory=TrialMetrics)
-    sampler: dict[str, Any] = Field(default_factory=dict, description="the sampler's backend, statistics, energy")
+    sampler: SamplerInfo = Field(default_factory=SamplerInfo, description="the sampler's backend, statistics, "
+                                                                          "energy")
     versions: dict[str, Any] = Field(default_factory=dict)
     settings: dict[str, Any] = Field(default_factory=dict)
     finished: str | None = Field(None, description="UTC time the record was written, ISO 8601")

@@ -138,7 +138,7 @@ def compute(run: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any
     frameworks = frameworks or rows
     batch_sizes = [b for b in spec["batch_sizes"] if any(r["batch_size"] == b for r in records)] or spec["batch_sizes"]
     backend = next((r["sampler"].get("backend") for r in records if r.get("sampler", {}).get("backend")), "host")
-    metrics = metrics_for(backend)
+    metrics = [m for m in metrics_for(backend) if not m.optional or any(m.read(r) is not None for r in records)]
     tables = {m.key: metric_table(records, m, frameworks, batch_sizes) for m in metrics}
     marks = {m.key: span_cells(records, m) for m in metrics}
     cis = {m.key: ci_map(records, m, frameworks, batch_sizes) for m in metrics if m.ci}
@@ -146,16 +146,25 @@ def compute(run: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any
     return {"run": run, "records": records, "frameworks": frameworks, "batch_sizes": batch_sizes, "seeds": seeds,
             "backend": backend, "metrics": metrics, "tables": tables, "marks": marks, "cis": cis}
 
+#: Rows the Ohio State layout adds after "GPU use %" on runs whose trials have them: NVML GPM metrics (Hopper and
+#: newer) and MFU, so that utilization.gpu can be read against what the SMs did.
+UTIL_ROWS = (("sm_active", "SM active %"), ("sm_occupancy", "SM occupancy %"), ("tensor_active", "tensor active %"),
+             ("dram_bw", "DRAM bandwidth %"), ("mfu", "MFU %"))
+
+
 def ohio_state_rows(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    """The combined table of the thesis: per framework a use % row and a memory row, then the accuracy rows."""
+    """The combined table of the thesis: per framework a use % row (on a GPU followed by the UTIL_ROWS its trials
+    have values for) and a memory row, then the accuracy rows."""
     metrics = {m.key: m for m in data["metrics"]}
     epochs = data["run"]["spec"]["epochs"]
     util, memory = metrics["util"], metrics["memory"]
     util_label = "GPU use %" if data["backend"] == "nvml" else "CPU use %"
     memory_label = "GPU memory MB" if data["backend"] == "nvml" else "RSS MB"
+    extra = [(metrics[key], label) for key, label in UTIL_ROWS if key in metrics
+             and any(metrics[key].read(r) is not None for r in data["records"])]
     rows = []
     for fw in data["frameworks"]:
-        for metric, label in ((util, util_label), (memory, memory_label)):
+        for metric, label in ((util, util_label), *extra, (memory, memory_label)):
             rows.append((f"{title(fw)} {label}", metric_row(data, metric, fw, 2)))
     for fw in data["frameworks"]:
         rows.append((f"{title(fw)} accuracy after {epochs} epochs %", metric_row(data, metrics["accuracy"], fw, 2)))
