@@ -23,8 +23,8 @@ from adapters.base import (ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUna
 if TYPE_CHECKING:
     from harness.neutral.models import ModelInfo
 
-__all__ = ["Adapter", "BUILTIN", "BUILTIN_EXECUTION", "BUILTIN_SUPPORT", "DeviceUnavailable", "PRECISION_NOTES",
-           "available_names", "get", "unsupported"]
+__all__ = ["Adapter", "BUILTIN", "BUILTIN_ATTENTION", "BUILTIN_EXECUTION", "BUILTIN_SUPPORT", "DeviceUnavailable",
+           "PRECISION_NOTES", "attention", "available_names", "get", "unsupported"]
 
 BUILTIN: dict[str, str] = {
     "pytorch": "adapters.pytorch:PyTorchAdapter",
@@ -51,6 +51,19 @@ BUILTIN_EXECUTION: dict[str, tuple[dict[str, frozenset[str]], frozenset[str], st
     "mxnet": ({"fp32": BOTH, "fp16": CUDA}, frozenset({"eager", "compiled"}), "compiled"),
     "jax": ({"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}, frozenset({"compiled"}), "compiled"),
 }
+
+#: ATTENTION of each built-in adapter (what its attention keeps for the backward pass, for
+#: ``harness.neutral.memory.predict``): update it with the adapter's class attribute (tests/test_support.py checks).
+BUILTIN_ATTENTION: dict[str, str] = {"pytorch": "fused", "tensorflow": "unfused", "mxnet": "unfused", "jax": "unfused"}
+
+
+def attention(name: str) -> str:
+    """What the adapter ``name``'s attention keeps (``Adapter.ATTENTION``), without importing its framework: the
+    registry's for a built-in adapter, the contract's default ("unfused") for an adapter of ``HARNESS_ADAPTERS``
+    (its worker reads the class itself)."""
+    if name in BUILTIN_ATTENTION and name not in _extra():
+        return BUILTIN_ATTENTION[name]
+    return Adapter.ATTENTION
 
 
 #: Why a built-in adapter does not train in a precision (where the declaration alone would not say): appended to the

@@ -132,6 +132,11 @@ class Adapter(abc.ABC):
     #: trial); ``DEFAULT_COMPILE`` is the one ``compile: default`` selects (the framework's usual mode).
     COMPILE_MODES: ClassVar[dict[str, str]] = EAGER_ONLY
     DEFAULT_COMPILE: ClassVar[str] = "eager"
+    #: What this adapter's attention keeps for the backward pass, for the memory prediction
+    #: (``harness.neutral.memory.ATTENTIONS``): "unfused" (the softmax probabilities, heads x L x L per sample) or
+    #: "fused" (a kernel that keeps a log-sum-exp per head and query and recomputes the probabilities), the same on
+    #: every device kind and precision it trains in. Keep ``adapters.BUILTIN_ATTENTION`` equal to it.
+    ATTENTION: ClassVar[str] = "unfused"
 
     def compile_mode(self, compile: str) -> str:
         """The mode ``compile`` ("default", "eager", "compiled") selects in this adapter."""

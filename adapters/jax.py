@@ -108,6 +108,9 @@ class JaxAdapter(Adapter):
     PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}  # and adapters.BUILTIN_EXECUTION
     COMPILE_MODES = {"compiled": "jax.jit of the whole train step (XLA)"}
     DEFAULT_COMPILE = "compiled"
+    # jax.nn.dot_product_attention's implementation=None is its XLA path on every device (einsum, softmax, einsum;
+    # the cuDNN kernel only when asked for): the probabilities are kept; and adapters.BUILTIN_ATTENTION
+    ATTENTION = "unfused"
 
     def __init__(self) -> None:
         self.device: Any = None

@@ -143,6 +143,7 @@ class MXNetAdapter(Adapter):
     COMPILE_MODES = {"eager": "Gluon blocks run imperatively (not hybridized)",
                      "compiled": "hybridized: one cached symbolic graph (static_alloc, static_shape)"}
     DEFAULT_COMPILE = "compiled"
+    ATTENTION = "unfused"  # batch_dot, softmax, batch_dot (mxnet_layers.SelfAttention); and adapters.BUILTIN_ATTENTION
 
     def __init__(self) -> None:
         self.ctx = mx.cpu()

@@ -103,6 +103,11 @@ class PyTorchAdapter(Adapter):
     COMPILE_MODES = {"eager": "eager torch.nn modules",
                      "compiled": "torch.compile of the model (TorchInductor, mode 'default')"}
     DEFAULT_COMPILE = "eager"
+    # nn.MultiheadAttention(need_weights=False) in training calls scaled_dot_product_attention (causal: is_causal,
+    # no mask), which picks a fused kernel keeping a log-sum-exp: flash on the CPU and for 16-bit CUDA inputs,
+    # memory-efficient for float32 on CUDA (tests/test_flops.py measures the saved tensors).
+    # Keep adapters.BUILTIN_ATTENTION equal to it.
+    ATTENTION = "fused"
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")

@@ -108,6 +108,9 @@ class TensorFlowAdapter(Adapter):
     PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
     COMPILE_MODES = {"eager": "tf.function graphs without XLA", "compiled": "tf.function(jit_compile=True): XLA"}
     DEFAULT_COMPILE = "eager"
+    # Keras 3's TF dot_product_attention has no fused kernel (flash_attention raises): einsum, softmax, einsum, so the
+    # probabilities are kept (and, causal, a bool (B, heads, L, L) mask for tf.where); and adapters.BUILTIN_ATTENTION
+    ATTENTION = "unfused"
 
     def __init__(self) -> None:
         self.device = "/CPU:0"

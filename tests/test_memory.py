@@ -99,6 +99,13 @@ def test_a_decoder_by_hand():
     assert m.activations_per_sample == per_sample and m.activations == 3 * per_sample
     whats = [t.what for t in m.saved]
     assert "softmax probabilities" in whats and "token ids" in whats and "labels (int64)" in whats
+    # a fused kernel keeps one float32 log-sum-exp per head and query instead of the probabilities
+    fused = memory.predict(info, 3, OptimizerSpec(name="sgd"), attention="fused")
+    assert fused.attention == "fused" and m.attention == "unfused"
+    assert fused.activations_per_sample == per_sample - heads * length * length * FLOAT + heads * length * FLOAT
+    assert "log-sum-exp per head and query (float32)" in [t.what for t in fused.saved]
+    with pytest.raises(ValueError):
+        memory.predict(info, 3, OptimizerSpec(name="sgd"), attention="flash")
 
 
 def test_the_prediction_against_a_measured_peak_on_the_cpu(tmp_path):

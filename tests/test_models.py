@@ -24,7 +24,8 @@ def test_seed002_cnn_on_cifar10_by_hand():
     # conv: 2 x (32 x 32 output positions) x 32 filters x 27 = 1,769,472; dense: 2 x 8192 x 128 = 2,097,152;
     # dense: 2 x 128 x 10 = 2,560
     assert info.forward_flops_per_sample == 1_769_472 + 2_097_152 + 2_560 == 3_869_184
-    assert info.train_flops_per_sample == 3 * 3_869_184
+    # training: 3 x forward, less the conv's input gradient (its input is the images: nothing needs it)
+    assert info.train_flops_per_sample == 3 * 3_869_184 - 1_769_472 == 9_838_080
 
 
 def test_seed002_cnn_on_digits_by_hand():

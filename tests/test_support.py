@@ -26,13 +26,14 @@ RESIDUAL_CNN = [
 
 def declarations(target: str) -> dict[str, object]:
     """The support attributes an adapter class declares (SUPPORTED_LAYERS, SUPPORTED_TASKS, PRECISIONS,
-    COMPILE_MODES, DEFAULT_COMPILE), read from its module's source (importing it would import its framework): each
+    COMPILE_MODES, DEFAULT_COMPILE, ATTENTION), read from its module's source (importing it would import its framework): each
     assignment's expression evaluated among adapters.base's names; one it does not declare has the base class's
     value."""
     module, _, cls = target.partition(":")
     tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
-    names = ("SUPPORTED_LAYERS", "SUPPORTED_TASKS", "PRECISIONS", "COMPILE_MODES", "DEFAULT_COMPILE")
+    names = ("SUPPORTED_LAYERS", "SUPPORTED_TASKS", "PRECISIONS", "COMPILE_MODES", "DEFAULT_COMPILE",
+             "ATTENTION")
     found = {name: getattr(base.Adapter, name) for name in names}
     for statement in node.body:
         if isinstance(statement, ast.Assign) and isinstance(statement.targets[0], ast.Name):
@@ -67,6 +68,20 @@ def test_the_execution_table_equals_what_each_adapter_declares():
         assert found["PRECISIONS"] == precisions, name
         assert frozenset(found["COMPILE_MODES"]) == modes and found["DEFAULT_COMPILE"] == default, name
         assert precisions["fp32"] == base.BOTH and default in modes, name
+
+
+def test_the_attention_table_equals_what_each_adapter_declares(monkeypatch):
+    """adapters.BUILTIN_ATTENTION (what the max-batch search predicts memory with) against each class's ATTENTION,
+    one of the implementations the memory model knows; an adapter of HARNESS_ADAPTERS gets the contract's default."""
+    from harness.neutral import memory
+
+    assert set(adapters.BUILTIN_ATTENTION) == set(adapters.BUILTIN)
+    for name, target in adapters.BUILTIN.items():
+        assert declarations(target)["ATTENTION"] == adapters.BUILTIN_ATTENTION[name] == adapters.attention(name), name
+        assert adapters.BUILTIN_ATTENTION[name] in memory.ATTENTIONS, name
+    assert base.Adapter.ATTENTION in memory.ATTENTIONS
+    monkeypatch.setenv("HARNESS_ADAPTERS", "pytorch=tests.fault_adapter:FaultAdapter")
+    assert adapters.attention("pytorch") == adapters.attention("other") == base.Adapter.ATTENTION
 
 
 def _before_blocks(monkeypatch, *names: str) -> None:

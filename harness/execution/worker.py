@@ -365,13 +365,15 @@ def run(payload: dict[str, Any], events: Events) -> int:
         optimizer = base_optimizer.model_copy(update={"learning_rate": trial["learning_rate"]})
         adapter.build(info, models.initial_weights(info, trial["seed"]), optimizer)
         adapter.load(data)
-        adapter.sync()
+        adapter.wait()
         events.emit("ready", versions=adapter.versions(), settings=adapter.settings())
         metrics = train(adapter, data, trial, events.emit)
-        predicted = memory.predict(info, trial["batch_size"], optimizer, trial.get("accumulation_steps", 1))
+        predicted = memory.predict(info, trial["batch_size"], optimizer, trial.get("accumulation_steps", 1),
+                                   attention=adapter.ATTENTION)
         metrics.update({
             "memory_predicted": {part: getattr(predicted, part) for part in memory.PARTS} | {
-                "activations_per_sample": predicted.activations_per_sample, "total": predicted.total},
+                "activations_per_sample": predicted.activations_per_sample, "total": predicted.total,
+                "attention": predicted.attention},
             "parameter_count": info.parameter_count,
             "train_flops_per_sample": info.train_flops_per_sample,
             "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,

@@ -182,9 +182,16 @@ class ModelInfo:
         return int(sum(layer.forward_flops for layer in self.layers))
 
     @property
+    def backward_flops_per_sample(self) -> int:
+        """FLOPs of one sample's backward pass: every layer's weight gradients, and its input gradient unless its input
+        depends on no parameter (``backward_flops``; see ``harness.neutral.models``)."""
+        return _backward(self.layers, False)[0]
+
+    @property
     def train_flops_per_sample(self) -> int:
-        """FLOPs of one sample's training step: 3 x forward (see ``harness.neutral.models``)."""
-        return 3 * self.forward_flops_per_sample
+        """FLOPs of one sample's training step: forward plus backward (about 3 x forward; less by the input gradients
+        nothing needs, those of the first layers with parameters)."""
+        return self.forward_flops_per_sample + self.backward_flops_per_sample
 
     @property
     def softmax_output(self) -> bool:
@@ -208,6 +215,43 @@ class ModelInfo:
     def buffer_names(self) -> list[str]:
         """Names of all buffers in a stable order: ``"<name>.running_mean"``, ``"<name>.running_var"``."""
         return [name for layer in self.leaves() for name in layer.full_names(layer.buffers)]
+
+
+def input_gradient_flops(layer: LayerInfo) -> int:
+    """One sample's FLOPs of the gradient with respect to ``layer``'s input, which the backward pass skips when that
+    input depends on no parameter: a conv2d's or dense's forward FLOPs (the transposed product); attention's q/k/v
+    projection's, 2·L·D·3D for (L, D) (the gradients through its scores and output projection also feed its weight
+    gradients); 0 for every other kind (elementwise, lookups, reductions: not counted)."""
+    if layer.kind in ("conv2d", "dense"):
+        return layer.forward_flops
+    if layer.kind == "attention":
+        length, width = layer.input_shape
+        return 2 * length * width * 3 * width
+    return 0
+
+
+def backward_flops(layer: LayerInfo, input_gradient: bool) -> int:
+    """One sample's backward FLOPs of a plain layer (not a block): 2 x its forward FLOPs (the weight gradients and the
+    input gradient, each a product of the forward's size; attention's score and value products likewise, 4 products
+    for its 2), less ``input_gradient_flops`` when ``input_gradient`` is False (nothing upstream needs it)."""
+    return 2 * layer.forward_flops - (0 if input_gradient else input_gradient_flops(layer))
+
+
+def _backward(layers: tuple[LayerInfo, ...], needs_gradient: bool) -> tuple[int, bool]:
+    """(backward FLOPs of ``layers`` run in sequence, whether their output depends on a parameter) for an input that
+    does (``needs_gradient``) or does not: the model's input (images, token ids) does not, and neither does what
+    layers without parameters (pooling, relu, flatten, ...) make of it. A block's body and shortcut both see its
+    input; its output depends on a parameter if either side's does."""
+    total = 0
+    for layer in layers:
+        if layer.is_block:
+            body, body_depends = _backward(layer.body, needs_gradient)
+            shortcut, shortcut_depends = _backward(layer.shortcut, needs_gradient)
+            total, needs_gradient = total + body + shortcut, body_depends or shortcut_depends
+        else:
+            total += backward_flops(layer, needs_gradient)
+            needs_gradient = needs_gradient or bool(layer.params)
+    return total, needs_gradient
 
 
 def _options(layer: LayerInfo) -> list[str]:

@@ -1,6 +1,6 @@
 """The memory of a training step by data structure, predicted from the neutral model (bytes).
 
-``predict(info, batch_size, optimizer)`` splits what a training step holds into parameters, gradients, optimizer
+``predict(info, batch_size, optimizer, attention=...)`` splits what a training step holds into parameters, gradients, optimizer
 state, buffers, a gradient accumulator, and the activations saved for the backward pass: per sample (a sum over the
 saved tensors below) and for the batch. It is a model of what the frameworks keep, not a measurement: it leaves out
 the dataset resident on the device (``Data.nbytes``, recorded apart), the transient tensors of the backward pass
@@ -25,10 +25,14 @@ batchnorm               the input; its batch mean and inverse std (2 x C per bat
 layernorm               the input, and the mean and inverse std of every row (2 x L for (L, D), 2 for (F,))
 dropout                 the mask, 1 byte per value (PyTorch's bool mask)
 embedding               the token ids, int64 (the gather's backward scatters into the tables by them)
-attention               the input, q, k and v (3 x L x D), the softmax probabilities (heads x L x L) and the
-                        context (L x D, the output projection's input): unfused attention, as
-                        ``torch.nn.MultiheadAttention`` computes it in training; a flash kernel keeps heads x L
-                        log-sum-exp values instead of the probabilities
+attention               the input, q, k and v (3 x L x D), the context (L x D, the output projection's input),
+                        and by the implementation the adapter declares (``attention``, ``ATTENTIONS``;
+                        ``adapters.base.Adapter.ATTENTION``): ``unfused`` the softmax probabilities (heads x L x L;
+                        TensorFlow, MXNet, JAX's XLA path), ``fused`` a log-sum-exp per head and query, float32
+                        (heads x L, 4 bytes each; PyTorch's scaled_dot_product_attention flash and memory-efficient
+                        kernels, which recompute the probabilities in the backward pass). Not modelled: the
+                        bool heads x L x L causal mask TensorFlow's tf.where keeps, and the masked scores and
+                        exponentials JAX's jaxpr keeps beside the probabilities (what XLA keeps of them is its own)
 sequence_pool, flatten  nothing
 residual                the body's and the projection's own tensors; the addition keeps nothing; ``activation:
                         relu`` keeps its output
@@ -51,6 +55,9 @@ from typing import Any
 from harness.neutral.info import LayerInfo, ModelInfo
 
 INDEX_BYTES = 8  # int64 token ids, labels and argmax indices
+LOGSUMEXP_BYTES = 4  # a fused attention kernel's log-sum-exp value: float32 whatever the compute dtype
+#: What attention keeps for its backward pass (the module docstring's table): the probabilities, or a log-sum-exp.
+ATTENTIONS = ("unfused", "fused")
 #: The parts of ``MemoryBreakdown`` that add up to its total, in the order a report lists them.
 PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "accumulator", "activations")
 MASK_BYTES = 1  # a dropout mask value
@@ -73,7 +80,7 @@ class MemoryBreakdown:
     batch_size: samples per forward and backward pass (the spec's batch size, one micro-batch). parameters,
     gradients, optimizer_state, buffers (batchnorm's running statistics), accumulator: bytes, independent of the
     batch size. activations_per_sample: bytes saved for the backward pass per sample (the sum of ``saved``);
-    activations: for the batch. total: the sum of the parts."""
+    activations: for the batch. total: the sum of the parts. attention: the implementation assumed (``ATTENTIONS``)."""
 
     batch_size: int
     accumulation_steps: int
@@ -86,6 +93,7 @@ class MemoryBreakdown:
     activations_per_sample: int
     activations: int
     saved: tuple[SavedTensor, ...] = field(default=(), repr=False)
+    attention: str = "unfused"
 
     @property
     def fixed(self) -> int:
@@ -98,12 +106,14 @@ class MemoryBreakdown:
 
 
 def predict(info: ModelInfo, batch_size: int, optimizer: Any, accumulation_steps: int = 1,
-            dtype_bytes: int = 4) -> MemoryBreakdown:
+            dtype_bytes: int = 4, attention: str = "unfused") -> MemoryBreakdown:
     """The memory breakdown of a training step of ``batch_size`` samples per pass (see the module docstring).
 
     optimizer: a ``harness.spec.OptimizerSpec`` (its ``name`` and ``momentum``). accumulation_steps: micro-batches
     per optimizer step (the effective batch is accumulation_steps x batch_size). dtype_bytes: bytes of a float
-    value. Raises ValueError for a batch size or accumulation below 1."""
+    value. attention: what the framework's attention keeps, one of ``ATTENTIONS`` (the adapter's ``ATTENTION``,
+    ``adapters.BUILTIN_ATTENTION``). Raises ValueError for a batch size or accumulation below 1 or an unknown
+    attention."""
     if batch_size < 1 or accumulation_steps < 1:
         raise ValueError(f"batch_size {batch_size} and accumulation_steps {accumulation_steps} must be at least 1")
     count = info.parameter_count
@@ -113,15 +123,19 @@ def predict(info: ModelInfo, batch_size: int, optimizer: Any, accumulation_steps
         state = 2 * params
     else:
         state = params if getattr(optimizer, "momentum", 0.0) > 0 else 0
-    saved = saved_tensors(info, dtype_bytes)
+    saved = saved_tensors(info, dtype_bytes, attention)
     per_sample = sum(t.bytes_per_sample for t in saved)
     return MemoryBreakdown(batch_size, accumulation_steps, dtype_bytes, params, params, state, buffers,
-                           params if accumulation_steps > 1 else 0, per_sample, per_sample * batch_size, saved)
+                           params if accumulation_steps > 1 else 0, per_sample, per_sample * batch_size, saved,
+                           attention)
 
 
-def saved_tensors(info: ModelInfo, dtype_bytes: int = 4) -> tuple[SavedTensor, ...]:
-    """Every tensor the module docstring's table keeps, once each, in the order the forward pass makes them."""
-    walker = _Walker(dtype_bytes)
+def saved_tensors(info: ModelInfo, dtype_bytes: int = 4, attention: str = "unfused") -> tuple[SavedTensor, ...]:
+    """Every tensor the module docstring's table keeps, once each, in the order the forward pass makes them, with
+    ``attention`` (one of ``ATTENTIONS``) saying what attention keeps. Raises ValueError for another attention."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
+    walker = _Walker(dtype_bytes, attention)
     first = info.input_shape
     item = INDEX_BYTES if info.input is not None and info.input.kind == "tokens" else dtype_bytes
     walker.sizes["input"] = (_elements(first), item)
@@ -144,8 +158,8 @@ def _elements(shape: tuple[int, ...]) -> int:
 class _Walker:
     """Follows the forward pass, naming each tensor it makes, and records what each layer keeps (once per tensor)."""
 
-    def __init__(self, dtype_bytes: int):
-        self.item = dtype_bytes
+    def __init__(self, dtype_bytes: int, attention: str = "unfused"):
+        self.item, self.attention = dtype_bytes, attention
         self.sizes: dict[str, tuple[int, int]] = {}  # tensor -> (elements per sample, bytes per element)
         self.saved: dict[str, SavedTensor] = {}
 
@@ -196,7 +210,11 @@ class _Walker:
         elif kind == "attention":
             length, width = shape
             self.keep(f"{name}:qkv", "q, k and v", 3 * length * width)
-            self.keep(f"{name}:probabilities", "softmax probabilities", layer.spec.heads * length * length)
+            if self.attention == "fused":
+                self.keep(f"{name}:logsumexp", "log-sum-exp per head and query (float32)", layer.spec.heads * length,
+                          LOGSUMEXP_BYTES)
+            else:
+                self.keep(f"{name}:probabilities", "softmax probabilities", layer.spec.heads * length * length)
             self.keep(f"{name}:context", "context (the output projection's input)", length * width)
         out = self.make(name, "output", out_shape)
         if kind == "relu":

@@ -48,9 +48,16 @@ counts a quarter of a stride-1 one); attention counts its q/k/v projections 2·L
 weighted values 2·L·L·D and its output projection 2·L·D·D, a causal mask as the full L x L (dense kernels compute the
 masked half too); embedding lookups, pooling (max, average, global average, sequence), batchnorm, layernorm,
 dropout, activations, softmax, the residual addition and bias adds are not counted (elementwise, lookups or
-reductions, O(1) per value). A training step is counted as 3 x the forward pass (forward, plus the backward pass's
-gradient with respect to the activations and with respect to the weights; the convention of Kaplan et al. 2020 and
-PaLM's MFU, which slightly overcounts the first layer, whose input gradient is not needed).
+reductions, O(1) per value). A training step is the forward pass plus the backward pass, which computes for every
+product of the forward pass two of its size: the gradient with respect to the weights and the one with respect to
+the input (Kaplan et al. 2020's and PaLM's 3 x forward), except the input gradients nothing needs: those of the
+layers whose input depends on no parameter (the images, or what pooling and activations made of them: the first
+conv2d or dense, or a residual block's first body layer and its projection; of attention, its q/k/v projection's;
+``info.backward_flops``). This is what ``torch.utils.flop_counter
+.FlopCounterMode`` counts for a PyTorch training step (tests/test_flops.py), with two deliberate differences: the
+backward of attention's scores and weighted values is counted as its 4 products, not the fused kernels' 5 (flash
+attention recomputes the scores: hardware FLOPs, not model FLOPs), and not left out where the counter has no
+formula (PyTorch's CPU flash kernel, ``_scaled_dot_product_flash_attention_for_cpu``).
 """
 
 from __future__ import annotations

@@ -177,6 +177,9 @@ def metric_section(data: dict[str, Any], metric: Metric) -> list[str]:
     unit = f" ({metric.unit})" if metric.unit else ""
     lines = [f"## {metric.title}{unit}", "", metric.meaning + ".", "", markdown_table(rows, data["batch_sizes"]), ""]
     lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
+    # why cells read n/a, where a record says so (metrics.<key>_note, e.g. mfu_note: "unknown device: no peak (...)")
+    empty = sorted({str(n) for r in data["records"] if (n := (r.get("metrics") or {}).get(f"{metric.key}_note"))})
+    lines += [f"n/a: {'; '.join(empty)}.", ""] if empty else []
     if metric.ci and data["cis"][metric.key]:
         pairs = noise_pairs(data, metric)
         spread = (f"Cells show the mean over {len(data['seeds'])} seeds [95% t-interval of that mean] of each seed's "

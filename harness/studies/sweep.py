@@ -72,14 +72,18 @@ def _identity(trial: Trial) -> dict[str, Any]:
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
     """Adds ``metrics.mfu`` (fraction), ``peak_flops`` (FLOP/s) and ``peak_source`` for a GPU trial whose device
     (the name NVML reported) is in harness.measure.peaks, against the peak of the trial's ``precision`` (mixed
-    precision: the low precision's, where the matrix work runs); leaves them out otherwise (CPU trials, unknown
-    devices or precisions)."""
+    precision: the low precision's, where the matrix work runs). A GPU trial whose device or precision is not in the
+    table gets ``metrics.mfu_note`` instead, e.g. "unknown device: no peak (NVIDIA L40S)" (``peaks.missing``); a
+    CPU trial neither."""
     achieved = record["metrics"].get("achieved_flops")
     if not achieved or not record["device"].startswith("cuda"):
         return
-    peak = peaks.lookup(record.get("sampler", {}).get("name"), precision)
+    name = record.get("sampler", {}).get("name")
+    peak = peaks.lookup(name, precision)
     if peak is not None:
         record["metrics"].update({"mfu": achieved / peak[0], "peak_flops": peak[0], "peak_source": peak[1]})
+    else:
+        record["metrics"]["mfu_note"] = peaks.missing(name, precision)
 
 
 def spec_differences(old: Any, new: Any, path: str = "") -> list[str]:

@@ -187,8 +187,11 @@ class _Search:
         parameters, gradients, optimizer state, buffers and accumulator (and the resident dataset with
         ``with_dataset``); per sample = the activations saved for the backward pass plus the probe's data per batch
         sample. Its limit against the cap is ``neutral_limit``."""
+        from adapters import attention  # the registry imports no framework
+
         spec, result = self.spec, self.result
-        predicted = memory.predict(model_info(spec), 1, spec.optimizer, spec.accumulation_steps)
+        predicted = memory.predict(model_info(spec), 1, spec.optimizer, spec.accumulation_steps,
+                                   attention=attention(result.framework))
         fixed = predicted.fixed + (result.dataset_bytes or 0)
         per_sample = predicted.activations_per_sample + result.probe_data_bytes_per_sample
         result.neutral = MemoryModel(float(fixed), float(per_sample), 0.0, 0)
