@@ -2,9 +2,15 @@
 
 An adapter runs in the worker process of one trial. The harness calls, in this order: ``prepare`` (device, threads,
 seed, allocator settings: before any framework op), ``build`` (the model from the canonical weights), ``load`` (the
-dataset to the device, once), then per epoch ``stage_epoch`` and ``train_step`` many times with ``sync`` at the edges
-of every timed window, and ``evaluate``. Timing is never done inside an adapter: the loop in ``harness.execution.worker`` times every framework with the
-same code.
+dataset to the device, once), then per epoch ``stage_epoch`` and ``train_step`` many times with ``wait`` at the edges
+of every timed window and ``read_loss`` after each end edge, outside the clock, and ``evaluate``. Timing is never done
+inside an adapter: the loop in ``harness.execution.worker`` times every framework with the same code.
+
+The training loss: every ``train_step`` adds its loss to a running sum that stays on the device (a float32 scalar
+tensor, variable or array, added to inside the step's own queued work: no read back, no sync per step) and counts the
+step on the host; ``read_loss`` waits, reads the sum once and restarts it. The loop's ``train_loss`` of an epoch is
+thus the mean over every one of its steps, whatever the window sizes, so frameworks of different speed report the
+same number for the same steps.
 
 What an adapter builds is declared, not discovered by failing: ``SUPPORTED_LAYERS`` (layer kinds and layer options,
 the vocabulary of ``harness.neutral.models.requirements``) and ``SUPPORTED_TASKS``. A trial whose model needs
@@ -208,16 +214,30 @@ class Adapter(abc.ABC):
         """One optimizer step on the training samples ``indices`` (int64 (B,)). With ``micro_batches`` k > 1 (gradient
         accumulation), the B samples are k consecutive micro-batches of B / k, whose gradients are accumulated (as the
         mean over all B samples) before the one optimizer step. May return before the device has finished: the
-        harness calls ``sync`` at the edges of timed windows."""
+        harness calls ``wait`` at the edges of timed windows. Adds the step's loss (float32, the mean over the B
+        samples; with micro-batches the mean of the k micro-batches' means) to the device-resident sum that
+        ``read_loss`` reads, and counts the step; reads nothing back."""
+
+    def read_loss(self) -> tuple[float, int]:
+        """The loss read: waits until all queued device work is done and returns (the mean loss of the train_steps
+        since the previous read, how many steps that is), then restarts the sum and the count; (nan, 0) when no step
+        ran since. One scalar copy whatever the number of steps; the float32 sum's rounding is at most about n x 6e-8
+        relative for n steps (in practice sqrt(n) x 6e-8: 2e-6 for 1000 steps). ``sync`` is the same read. Default,
+        for an adapter that keeps only its last step's loss (the contract before sums): (``sync()``, 1)."""
+        return self.sync(), 1
 
     @abc.abstractmethod
     def sync(self) -> float:
-        """Waits until all queued device work is done and returns the loss of the last train_step (nan if none)."""
+        """``read_loss``'s mean alone: waits until all queued device work is done and returns the mean loss of the
+        train_steps since the previous read (after a single step, that step's loss; nan if none), restarting the sum.
+        Kept for callers of the older contract, where it returned the last step's loss: read after every step, the
+        two are the same."""
 
     def wait(self) -> None:
-        """Waits until all queued device work is done, without reading anything back: the end edge of a timed
-        window, after which the worker stops the clock and reads the loss with ``sync``. The default is ``sync``
-        itself (the read inside the window); an adapter whose loss read costs more than a copy overrides it."""
+        """Waits until all queued device work is done, without reading anything back or restarting the loss sum:
+        the edges of a timed window, after whose end the worker stops the clock and reads the loss with
+        ``read_loss``. The default is ``sync`` itself (a read inside the window, which restarts the sum): an adapter
+        that keeps a sum must override it."""
         self.sync()
 
     @abc.abstractmethod

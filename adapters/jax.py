@@ -24,8 +24,9 @@ folded with the layer index): each framework's own draws, as documented for the 
 
 The train step gathers the batch from the resident dataset by indices on the device (the dataset is an argument of
 the jitted function, not a constant, so ``set_train_images`` swaps it without a retrace) and donates the training
-state (``donate_argnums``; https://docs.jax.dev/en/latest/faq.html#buffer-donation). ``sync`` is
-``block_until_ready`` on the last loss (https://docs.jax.dev/en/latest/async_dispatch.html).
+state (``donate_argnums``; https://docs.jax.dev/en/latest/faq.html#buffer-donation) with the running loss sum, which
+the jitted step carries (``_summed_step``). ``wait`` is ``block_until_ready`` on that sum, an output of the last step
+(https://docs.jax.dev/en/latest/async_dispatch.html).
 
 Memory: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set before JAX is imported (otherwise JAX maps 75 % of GPU memory
 at its first use, the trap TensorFlow's memory growth avoids; https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
@@ -115,7 +116,8 @@ class JaxAdapter(Adapter):
     def __init__(self) -> None:
         self.device: Any = None
         self._gpu = False
-        self._last_loss: jax.Array | None = None
+        self._loss_sum: jax.Array | None = None  # float32 (), on the device, carried through the jitted step
+        self._loss_steps = 0  # the steps in it since the last read
         self._layers: list[L.Layer] = []
         self._dropouts = 0
         self.tokens = self.next_token = False
@@ -177,7 +179,7 @@ class JaxAdapter(Adapter):
         ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``, and the optimizer."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         self._layers, self._perms, self._transforms, self._steps = [], {}, {}, {}
-        self._last_loss = None
+        self._loss_sum, self._loss_steps = None, 0
         params: dict[str, np.ndarray] = {}
         stats: dict[str, np.ndarray] = {}
         flatten_from: tuple[int, int, int] | None = None
@@ -302,6 +304,13 @@ class JaxAdapter(Adapter):
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, stats, key, None), loss
 
+    def _summed_step(self, micro_batches: int, state: tuple[Any, ...], loss_sum: jax.Array, x_all: jax.Array,
+                     y_all: jax.Array, indices: jax.Array) -> tuple[tuple[Any, ...], jax.Array]:
+        """``_step``, and ``loss_sum`` (float32 ()) plus its loss, inside the same executable: the running sum that
+        ``read_loss`` reads never costs a dispatch or a read of its own."""
+        state, loss = self._step(micro_batches, state, x_all, y_all, indices)
+        return state, loss_sum + loss
+
     def _infer(self, params: Params, stats: Params, x: jax.Array) -> jax.Array:
         """Logits in inference mode (running statistics, no dropout: the key is not drawn from)."""
         return self._forward(params, stats, x, False, self._key)[0]
@@ -340,30 +349,41 @@ class JaxAdapter(Adapter):
         key = (len(indices), micro_batches)
         if key not in self._steps:
             # The state is donated on a GPU; XLA's CPU client cannot reuse donated buffers (it would warn each time).
-            self._steps[key] = jax.jit(functools.partial(self._step, micro_batches),
-                                       donate_argnums=(0,) if self._gpu else ())
+            self._steps[key] = jax.jit(functools.partial(self._summed_step, micro_batches),
+                                       donate_argnums=(0, 1) if self._gpu else ())
         # Plain numpy into the jitted step: jit copies it to the device of the committed data. jnp.asarray first
         # would block the host until the queued steps are nearly done (measured: 2.2 vs 1.2 ms of host time per
         # step at batch 64 on the CPU, benchmarks/harness_vs_loop.py), losing the overlap of dispatch and compute.
         idx = np.asarray(indices, dtype=np.int32)
         state = (self.params, self.opt_state, self.stats, self._key, self._scaler)
-        (self.params, self.opt_state, self.stats, self._key, self._scaler), self._last_loss = self._steps[key](
-            state, self.x_train, self.y_train, idx)
+        if self._loss_sum is None:  # the first step: the sum starts (committed to the device, as the step returns it)
+            self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self.device)
+        (self.params, self.opt_state, self.stats, self._key, self._scaler), self._loss_sum = self._steps[key](
+            state, self._loss_sum, self.x_train, self.y_train, idx)
+        self._loss_steps += 1
 
     def wait(self) -> None:
         """Blocks until the last step's outputs are ready (one jitted executable: its outputs complete together;
-        https://docs.jax.dev/en/latest/async_dispatch.html), without copying the loss to the host."""
-        if self._last_loss is None:
-            self.sync()
-        else:
-            self._last_loss.block_until_ready()
-
-    def sync(self) -> float:
-        if self._last_loss is None:
+        https://docs.jax.dev/en/latest/async_dispatch.html; the loss sum is one of them), without copying anything to
+        the host; before the first step, until the parameters are."""
+        if self._loss_sum is None:
             for leaf in jax.tree_util.tree_leaves(self.params):
                 leaf.block_until_ready()
-            return float("nan")
-        return float(self._last_loss.block_until_ready())
+        else:
+            self._loss_sum.block_until_ready()
+
+    def read_loss(self) -> tuple[float, int]:
+        """``wait``, then the sum copied to the host (``float``) and a new zero sum put on the device."""
+        self.wait()
+        steps, self._loss_steps = self._loss_steps, 0
+        if not steps or self._loss_sum is None:
+            return float("nan"), 0
+        total = float(self._loss_sum)
+        self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self.device)
+        return total / steps, steps
+
+    def sync(self) -> float:
+        return self.read_loss()[0]
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         n = int(self.x_test.shape[0])

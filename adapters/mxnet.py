@@ -3,7 +3,7 @@ device, NCHW images and (N, L, D) sequences; the blocks Gluon lacks (residual, e
 pooling) are ``adapters.mxnet_layers``'.
 
 MXNet runs every operator asynchronously on its engine's worker threads; errors and results surface at the next
-synchronisation point, so ``sync`` is ``mx.nd.waitall`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
+synchronisation point, so ``wait`` is ``mx.nd.waitall`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
 ndarray/ndarray.html#mxnet.ndarray.waitall). The CPU thread count is fixed when libmxnet loads, from ``OMP_NUM_THREADS``
 (or ``MXNET_OMP_MAX_THREADS``; unset, half the logical CPUs on x86), and cannot be changed afterwards (see ``prepare``).
 MXNet exposes no allocator peak counters, so ``memory_stats`` is empty, and no per-process GPU memory cap, so a
@@ -148,7 +148,10 @@ class MXNetAdapter(Adapter):
     def __init__(self) -> None:
         self.ctx = mx.cpu()
         self._threads_requested: int | None = None
-        self._last_loss: mx.nd.NDArray | None = None
+        # the losses since the last read, on the device: (B, k) -> float32 (B,) per-sample sums for k = 1, (1,) sums
+        # over the B samples for k > 1 micro-batches; each step's loss is the key's sum / B. And the steps in them.
+        self._loss_sums: dict[tuple[int, int], mx.nd.NDArray] = {}
+        self._loss_steps = 0
         # the blocks that hold parameters, by canonical layer name ("0", "3.1", "3.shortcut_bn"), and every parameter
         # and buffer by canonical full name: (Gluon parameter, trained), in info.param_names()/buffer_names() order
         self._layers: dict[str, nn.HybridBlock] = {}
@@ -274,6 +277,7 @@ class MXNetAdapter(Adapter):
         self._params = net.collect_params()
         self._grad_req = "write"
         self.trainer = gluon.Trainer(self._params, opt, kvstore=None)
+        self._loss_sums, self._loss_steps = {}, 0
         if self._amp_dtype is not None:
             amp.init_trainer(self.trainer)  # dynamic loss scaling (see _scaled)
 
@@ -388,7 +392,8 @@ class MXNetAdapter(Adapter):
         steps the Trainer with ``batch_size = len(indices)``: the backward pass of the per-sample loss vector gives the
         gradient of the sum, which ``Trainer.step`` rescales by 1 / batch_size, so the update uses the mean gradient
         (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/trainer.html#mxnet.gluon.Trainer.step).
-        Returns once the work is queued; an error in it (an out-of-memory one too) is raised by the next ``sync``.
+        Returns once the work is queued; an error in it (an out-of-memory one too) is raised by the next ``wait`` or
+        loss read. The loss goes into the per-sample running sum (``_loss_sums``) with one queued operator a step.
 
         With ``micro_batches`` k > 1 (gradient accumulation) the parameters' ``grad_req`` is ``add``: the gradients
         are zeroed, each micro-batch of B / k runs forward and backward on its own (adding the gradient of its summed
@@ -414,7 +419,7 @@ class MXNetAdapter(Adapter):
             if before:
                 self._fix_running_variances(before, len(indices))
             self.trainer.step(len(indices))
-            self._last_loss = loss  # per sample; its mean is taken in sync, not queued as an operator every step
+            self._add_loss((len(indices), 1), loss)  # per sample: no mean queued every step
             return
         micro = micro_batch_size(len(indices), micro_batches)
         self._set_grad_req("add")
@@ -431,7 +436,20 @@ class MXNetAdapter(Adapter):
                 self._fix_running_variances(before, micro)
             sums.append(loss.sum())
         self.trainer.step(len(indices))  # the sum over all B samples, rescaled by 1 / B: the mean gradient
-        self._last_loss = nd.add_n(*sums) / len(indices)  # shape (1,): its mean in sync is itself
+        key = (len(indices), micro_batches)
+        held = self._loss_sums.get(key)
+        self._loss_sums[key] = nd.add_n(*sums) if held is None else nd.add_n(held, *sums)  # (1,): / B when read
+        self._loss_steps += 1
+
+    def _add_loss(self, key: tuple[int, int], loss: mx.nd.NDArray) -> None:
+        """Adds a step's per-sample ``loss`` (float32 (B,)) into the running sum of ``key``: one queued operator
+        (``+=``, or a copy at the first step after a read), nothing waited for; counts the step."""
+        held = self._loss_sums.get(key)
+        if held is None:
+            self._loss_sums[key] = loss.copy()
+        else:
+            held += loss
+        self._loss_steps += 1
 
     def _scaled(self, loss: mx.nd.NDArray) -> mx.nd.NDArray:
         """``loss`` (float32 (B,)) as backward should see it, inside ``autograd.record``: itself, or with AMP (fp16)
@@ -477,13 +495,23 @@ class MXNetAdapter(Adapter):
             self._grad_req = req
 
     def wait(self) -> None:
-        """``nd.waitall``: every operator queued on the engine is done. The loss is read by ``sync``, after the clock
-        (its mean is one more operator and engine round trip)."""
+        """``nd.waitall``: every operator queued on the engine is done. The loss is read by ``read_loss``, after the
+        clock (its sum is one more operator and engine round trip)."""
         nd.waitall()
 
     def sync(self) -> float:
+        return self.read_loss()[0]
+
+    def read_loss(self) -> tuple[float, int]:
+        """``wait``, then each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a
+        trial) / B; the sums are dropped."""
         self.wait()
-        return float("nan") if self._last_loss is None else float(self._last_loss.mean().asscalar())
+        steps, self._loss_steps = self._loss_steps, 0
+        sums, self._loss_sums = self._loss_sums, {}
+        if not steps:
+            return float("nan"), 0
+        total = sum(float(held.sum().asscalar()) / key[0] for key, held in sums.items())
+        return total / steps, steps
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Outside ``autograd.record`` Gluon runs in inference mode. Batches of ``batch_size`` and a smaller last one

@@ -111,7 +111,8 @@ class PyTorchAdapter(Adapter):
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self._last_loss: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None  # float32 (), on the device: the losses since the last read
+        self._loss_steps = 0  # the steps in it
         self._tensors: dict[str, tuple[nn.Module, str, bool]] = {}  # canonical name -> (module, attribute, trained)
         self.tokens = self.next_token = False
         self._memory_limit: dict[str, Any] = {}  # what _apply_memory_limit applied, for settings()
@@ -173,6 +174,7 @@ class PyTorchAdapter(Adapter):
         (``self._params``, ``self._buffers``) for ``get_weights`` and ``get_buffers``."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         self._tensors: dict[str, tuple[nn.Module, str, bool]] = {}
+        self._loss_sum, self._loss_steps = None, 0
         self.next_token = info.task == "next_token"
         self.tokens = info.task != "image_classification"
         self.net = nn.Sequential(*[self._layer(layer) for layer in info.layers])
@@ -343,18 +345,25 @@ class PyTorchAdapter(Adapter):
                 loss = self._loss(self.model(x), y)
             self._backward(loss)
             self._step()
-            self._last_loss = loss.detach()
+            self._add_loss(loss)
+            self._loss_steps += 1
             return
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
-        total = torch.zeros((), device=self.device)
         for part in idx.chunk(micro_batches):
             with self._autocast():
                 loss = self._loss(self.model(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
                 loss = loss / micro_batches
             self._backward(loss)
-            total += loss.detach()
+            self._add_loss(loss)  # k adds of mean / k: the step adds the mean over its B samples
         self._step()
-        self._last_loss = total
+        self._loss_steps += 1
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        """Adds ``loss`` (a scalar tensor) to the running sum on the device, detached: one queued ``add_``, no read
+        back (the sum is made at the first step)."""
+        if self._loss_sum is None:
+            self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._loss_sum.add_(loss.detach())
 
     def wait(self) -> None:
         """``torch.cuda.synchronize`` on a GPU; nothing on the CPU, where eager and compiled steps run their kernels
@@ -363,9 +372,18 @@ class PyTorchAdapter(Adapter):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def sync(self) -> float:
+    def read_loss(self) -> tuple[float, int]:
+        """``wait``, then the sum's ``.item()`` (one scalar copy) and ``zero_`` (queued, before the next step)."""
         self.wait()
-        return float("nan") if self._last_loss is None else float(self._last_loss.item())
+        steps, self._loss_steps = self._loss_steps, 0
+        if not steps or self._loss_sum is None:
+            return float("nan"), 0
+        total = float(self._loss_sum.item())
+        self._loss_sum.zero_()
+        return total / steps, steps
+
+    def sync(self) -> float:
+        return self.read_loss()[0]
 
     @torch.no_grad()
     def evaluate(self, batch_size: int) -> tuple[float, float]:

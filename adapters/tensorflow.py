@@ -51,8 +51,10 @@ The optimizer is PyTorch's (``torch.optim.SGD`` / ``Adam``, coupled L2 weight de
 agree for a constant learning rate, but its Adam adds epsilon to sqrt(v) before the bias correction where PyTorch adds
 it after (see ``make_update``), and the spec makes the optimizer identical in every framework.
 
-Sync reads the last loss with ``.numpy()``, after ``tf.test.experimental.sync_devices()`` on a GPU
+``wait`` reads the last step's loss with ``.numpy()``, after ``tf.test.experimental.sync_devices()`` on a GPU
 (https://www.tensorflow.org/api_docs/python/tf/test/experimental/sync_devices); on the CPU, eager TF is synchronous.
+Each step's function also adds its loss to a float32 ``tf.Variable`` (``assign_add``), which ``read_loss`` reads and
+zeroes.
 GPU memory growth is on unless ``options`` turn it off or set a memory limit
 (https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth; see ``_configure_gpu_memory``), and the allocator peak
 comes from ``tf.config.experimental.get_memory_info`` after ``reset_memory_stats``
@@ -115,7 +117,9 @@ class TensorFlowAdapter(Adapter):
     def __init__(self) -> None:
         self.device = "/CPU:0"
         self._gpu = False
-        self._last_loss: tf.Tensor | None = None
+        self._last_loss: tf.Tensor | None = None  # the last step's loss (what ``wait`` reads to know it is done)
+        self._loss_sum: tf.Variable | None = None  # float32 (), on the device: the losses since the last read
+        self._loss_steps = 0  # the steps in it
         # canonical name -> (the variables holding it, the function of their values that gives the canonical array)
         self._params: dict[str, L.Held] = {}
         self._buffers: dict[str, L.Held] = {}  # batchnorm's running statistics, the same way
@@ -235,6 +239,8 @@ class TensorFlowAdapter(Adapter):
             self._variables = [v for variables, _ in self._params.values() for v in variables]
             self._update = make_update(optimizer, self._variables)
             self._loss_scale = DynamicLossScale() if self._compute == tf.float16 else None
+            # added to inside the train step's function (assign_add), read and zeroed by read_loss
+            self._loss_sum, self._loss_steps = tf.Variable(0.0, dtype=tf.float32, trainable=False, name="loss_sum"), 0
         if self.tokens:
             input_spec = tf.TensorSpec((None, *info.input_shape), tf.int64)
             label_spec = tf.TensorSpec((None, *info.input_shape) if self.next_token else (None,), tf.int64)
@@ -366,6 +372,7 @@ class TensorFlowAdapter(Adapter):
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
                 scaled = loss if self._loss_scale is None else self._loss_scale.scale_loss(loss)
             self._apply(self._gradients(tape, scaled))
+            self._loss_sum.assign_add(tf.cast(loss, tf.float32))
             return loss
 
     def _gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> list[tf.Tensor]:
@@ -406,6 +413,7 @@ class TensorFlowAdapter(Adapter):
             _, loss, *grads = tf.while_loop(lambda i, *_: i < k, body, start, parallel_iterations=1,
                                             maximum_iterations=k)
             self._apply(grads)  # in fp16 a non-finite gradient of any micro-batch makes its sum non-finite
+            self._loss_sum.assign_add(tf.cast(loss, tf.float32))  # the mean of the k micro-batches' means
             return loss
 
     def load(self, data: Any) -> None:
@@ -469,18 +477,34 @@ class TensorFlowAdapter(Adapter):
             self._train_fns[key], self._train_calls[key] = function, function.get_concrete_function()
             self._compilations += function.experimental_get_tracing_count()
             fn = self._train_calls[key]
-        self._last_loss = fn(self._indices_tensor(indices))
+        self._last_loss = fn(self._indices_tensor(indices))  # the function also adds it to the loss sum
+        self._loss_steps += 1
 
     def compilations(self) -> int | None:
         """Tracings of train step functions (``tf.function.experimental_get_tracing_count``; in the compiled mode each
         traced graph is also XLA-compiled once, on its first call)."""
         return self._compilations
 
-    def sync(self) -> float:
-        """Blocks until queued work is done; returns the last step's loss (nan before the first step)."""
+    def wait(self) -> None:
+        """Blocks until queued work is done: ``sync_devices`` on a GPU, then the last step's loss copied to the host
+        (``.numpy()``, the window's end edge as before sums; nothing is restarted)."""
         if self._gpu:
             tf.test.experimental.sync_devices()
-        return float("nan") if self._last_loss is None else float(self._last_loss.numpy())
+        if self._last_loss is not None:
+            self._last_loss.numpy()
+
+    def read_loss(self) -> tuple[float, int]:
+        """``wait``, then the sum variable's value (``.numpy()``) and ``assign(0)``."""
+        self.wait()
+        steps, self._loss_steps = self._loss_steps, 0
+        if not steps or self._loss_sum is None:
+            return float("nan"), 0
+        total = float(self._loss_sum.numpy())
+        self._loss_sum.assign(0.0)
+        return total / steps, steps
+
+    def sync(self) -> float:
+        return self.read_loss()[0]
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """(mean cross-entropy, accuracy in [0, 1]) over the test set (over every position of every sequence for a

@@ -13,12 +13,20 @@ from harness.results.report import timing_mode
 from harness.spec import SpecError, TimingSpec, load
 
 
+def step_loss(step: int) -> float:
+    """The loss of the run's ``step``-th train step (0-based) in ``RecordingAdapter``: falling, with a sawtooth, so
+    that the losses read at different steps average to different numbers."""
+    return 2.0 / (1.0 + 0.1 * step) + 0.3 * (step % 3)
+
+
 class RecordingAdapter:
-    """Just what the loop calls, recording the order of steps and syncs; a step takes ``step_s`` of wall time."""
+    """Just what the loop calls, recording the order of steps, waits and loss reads; a step takes ``step_s`` of wall
+    time and has the loss ``step_loss`` of its place in the run, which ``read_loss`` averages as the contract says."""
 
     def __init__(self, step_s: float = 0.0, read_s: float = 0.0):
         self.step_s, self.read_s, self.calls = step_s, read_s, []
         self.order, self.batch, self.unstaged = None, None, 0
+        self.steps, self.unread = 0, []  # steps so far; the losses since the last read
 
     def stage_epoch(self, order, batch_size):
         self.calls.append("stage")
@@ -33,15 +41,21 @@ class RecordingAdapter:
             self.unstaged += 1  # not a slice of the staged order
         if self.step_s:
             time.sleep(self.step_s)
+        self.unread.append(step_loss(self.steps))
+        self.steps += 1
 
     def wait(self):
         self.calls.append("wait")
 
-    def sync(self):
-        self.calls.append("sync")
+    def read_loss(self):
+        self.calls.append("read")
         if self.read_s:
             time.sleep(self.read_s)  # a slow loss read
-        return 0.5
+        losses, self.unread = self.unread, []
+        return (float(np.mean(losses)) if losses else float("nan")), len(losses)
+
+    def sync(self):
+        return self.read_loss()[0]
 
     def evaluate(self, batch_size):
         self.calls.append("eval")
@@ -58,8 +72,9 @@ class RecordingAdapter:
 
 
 def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, warmup: int = 0, step_s: float = 0.0,
-           read_s: float = 0.0, evaluate_every: int = 1, augmentation: bool = False, events: list | None = None):
-    adapter = RecordingAdapter(step_s, read_s)
+           read_s: float = 0.0, evaluate_every: int = 1, augmentation: bool = False, events: list | None = None,
+           adapter_cls: type = RecordingAdapter):
+    adapter = adapter_cls(step_s, read_s)
     data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 8, 8, 1)))
     trial = {"batch_size": batch, "epochs": epochs, "warmup_steps": warmup, "seed": 0,
              "timing": TimingSpec.model_validate(timing).model_dump(mode="json"), "evaluate_every": evaluate_every,
@@ -71,10 +86,10 @@ def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, war
 
 
 def _timed_windows(calls: list[str]) -> list[int]:
-    """Steps between consecutive syncs up to the last evaluation (warm-up steps are the first group when any)."""
+    """Steps between consecutive waits up to the last evaluation (warm-up steps are the first group when any)."""
     last_eval = len(calls) - 1 - calls[::-1].index("eval")
     timed = calls[:last_eval]
-    start = len(timed) - 1 - timed[::-1].index("sync")  # the sync closing the last window
+    start = len(timed) - 1 - timed[::-1].index("read")  # the loss read after the last window
     windows, count = [], 0
     for call in timed[:start + 1]:
         if call == "step":
@@ -177,11 +192,11 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
 
 def test_each_epoch_is_staged_before_its_first_step():
     """stage_epoch once per epoch, before the epoch's warm-up and timed steps (so outside every timed window: a
-    sync comes between it and the first step's window), with the samples per optimizer step."""
+    wait comes between it and the first step's window), with the samples per optimizer step."""
     calls, _ = _train({"window": 5}, epochs=3, warmup=2)
     assert calls.count("stage") == 3
     starts = [i for i, call in enumerate(calls) if call == "stage"]
-    assert all(calls[i + 1] == "sync" for i in starts[1:])  # after an epoch's evaluation, a sync opens the next
+    assert all(calls[i + 1] == "wait" for i in starts[1:])  # after an epoch's evaluation, a wait opens the next
     assert "step" not in calls[:starts[0]] and calls[starts[0] + 1:].count("step") == 3 * 22
 
 
@@ -208,20 +223,21 @@ def test_the_report_states_the_mode():
 
 
 def test_the_loss_read_is_outside_the_clock():
-    """Each window's clock stops at ``wait`` (the device is done); the loss is read by ``sync`` after it, and the
-    next window's clock starts after the read: a slow read (50 ms a window) leaves the 2 ms steps' time alone."""
+    """Each window's clock stops at ``wait`` (the device is done); the loss is read by ``read_loss`` after it, and
+    the next window's clock starts after the read: a slow read (50 ms a window) leaves the 2 ms steps' time alone."""
     calls, metrics = _train({"window": 5}, samples=80, batch=4, step_s=0.002, read_s=0.05)
     assert _timed_windows(calls) == [5] * 4
     timed = calls[calls.index("step"):]
-    assert all(timed[i + 1] == "sync" for i, call in enumerate(timed) if call == "wait")  # read after each wait
+    ends = [i for i, call in enumerate(timed) if call == "wait" and "step" in timed[i - 1:i]]  # window end edges
+    assert len(ends) == 4 and all(timed[i + 1] == "read" for i in ends)  # the read right after each end edge
     assert 0.002 <= metrics["step_time_median_s"] < 0.0045 and max(metrics["epochs"][0]["timed_seconds"], 0) < 0.1
 
 
 def _windows_between_syncs(calls: list[str]) -> list[list[str]]:
-    """The calls between consecutive syncs or waits (a timed window's steps, and any staging inside it)."""
+    """The calls between consecutive waits or reads (a timed window's steps, and any staging inside it)."""
     out, current = [], []
     for call in calls:
-        if call in ("sync", "wait"):
+        if call in ("read", "wait"):
             if "step" in current:
                 out.append(current)
             current = []
@@ -298,3 +314,58 @@ def test_staged_start_finds_a_slice_of_the_held_order_by_its_memory():
     assert staged_start(None, order[:4]) is None
     wider = np.arange(200, dtype=np.int64)
     assert staged_start(wider[:100], wider[90:110]) is None  # runs past the held order's end
+
+
+class LastStepAdapter(RecordingAdapter):
+    """The contract before loss sums: a read gives the last step's loss, as one step (``Adapter.read_loss``'s
+    default for an adapter that keeps no sum), so the loop averages the losses at the windows' ends."""
+
+    def read_loss(self):
+        last = self.unread[-1] if self.unread else float("nan")
+        super().read_loss()
+        return last, 1
+
+
+class NanStepAdapter(RecordingAdapter):
+    """Step 10's loss alone is NaN (inside a window of 5, not at its end), as a one-off overflow would be."""
+
+    def train_step(self, indices, micro_batches=1):
+        super().train_step(indices, micro_batches)
+        if self.steps == 11:
+            self.unread[-1] = float("nan")
+
+
+TIMINGS = [{"window": "step"}, {"window": 3}, {"window": 7},
+           {"window": "auto", "window_seconds": 0.006, "min_window_steps": 2}]
+
+
+def test_train_loss_is_the_mean_over_every_step_whatever_the_windows():
+    """22 steps an epoch, 5 of them warm-up: every evaluation's train_loss is the mean of step_loss over every step
+    since the evaluation before, warm-up included (train_loss_steps of them), whether the loop reads after every
+    step, every 3 or 7, or in ~6 ms windows of 1 ms steps (as a faster or slower framework would). The loop before
+    loss sums averaged the losses at the windows' ends: LastStepAdapter shows its answer moving with the windows by
+    far more than the tolerance, so this test fails on it."""
+    exact = [np.mean([step_loss(i) for i in range(22 * e, 22 * (e + 1))]) for e in range(3)]
+    for timing in TIMINGS:
+        _, metrics = _train(timing, epochs=3, warmup=5, step_s=0.001 if timing["window"] == "auto" else 0.0)
+        assert [e["train_loss_steps"] for e in metrics["epochs"]] == [22, 22, 22], timing
+        assert [e["train_loss"] for e in metrics["epochs"]] == pytest.approx(exact, rel=1e-12), timing
+        assert metrics["final_train_loss"] == metrics["epochs"][-1]["train_loss"]
+        _, metrics = _train(timing, epochs=3, warmup=5, evaluate_every=2)
+        assert [(e["epoch"], e["train_loss_steps"]) for e in metrics["epochs"]] == [(1, 44), (2, 22)], timing
+        assert metrics["epochs"][0]["train_loss"] == pytest.approx(np.mean(exact[:2]), rel=1e-12)
+    old = {timing["window"]: _train(timing, epochs=3, warmup=5, adapter_cls=LastStepAdapter)[1]["epochs"][0]
+           for timing in TIMINGS[:3]}
+    for window in ("step", 3, 7):  # even one read per step missed the warm-up's steps but its last
+        assert abs(old[window]["train_loss"] / exact[0] - 1) > 0.01, window
+    assert abs(old[3]["train_loss"] / old[7]["train_loss"] - 1) > 0.01
+    assert old[3]["train_loss_steps"] == 1 + 6  # the warm-up's read and six windows' (a last step each)
+
+
+def test_a_nonfinite_step_inside_a_window_is_caught():
+    """A NaN loss at a step that ends no window: the window's mean is NaN, so the epoch's train_loss is and the
+    trial's nonfinite_loss is true (read at the windows' ends alone, the NaN was invisible)."""
+    _, metrics = _train({"window": 5}, adapter_cls=NanStepAdapter)
+    assert metrics["nonfinite_loss"] is True and np.isnan(metrics["final_train_loss"])
+    _, metrics = _train({"window": 5})
+    assert metrics["nonfinite_loss"] is False and np.isfinite(metrics["final_train_loss"])

@@ -25,6 +25,14 @@ which are loaded between windows. A window's edges drain the device's queue: the
 nothing queued behind it, so epochs of a few steps with an evaluation after each are timed in short windows that pay
 this refill every time (digits at batch 512: 2 steps an epoch).
 
+The training loss: every adapter adds each step's loss to a running sum on its device inside the step (no read back,
+no sync per step; ``adapters.base.Adapter.read_loss``), and the loop reads it, with the number of steps it holds, at
+the end of the warm-up of each epoch and at the end edge of every timed window, after the clock has stopped. An
+evaluation's ``train_loss`` is the mean loss over every optimizer step since the evaluation before (the epoch's, with an
+evaluation every epoch), warm-up steps included: they train like the others, and a plain loop's epoch loss counts
+them; ``train_loss_steps`` is how many steps that is (the epoch's steps, for the built-in adapters). So it does not
+depend on where windows end, which differs between frameworks of different speed.
+
 The trial's first step runs alone, synced on both sides, and its time is ``first_step_seconds``: what tracing,
 compilation (``compile: compiled``), kernel autotuning and first allocations cost, never inside the throughput (it is
 a warm-up step; a trial without warm-up has no such figure). The framework's own count of train step graphs
@@ -154,7 +162,7 @@ class _Loop:
 
     def run(self) -> dict[str, Any]:
         train_started = time.perf_counter()
-        self.adapter.sync()
+        self.adapter.wait()
         if self.warm:
             self.adapter.reset_memory_stats()
             self.compilations_warm = self.adapter.compilations()
@@ -163,9 +171,9 @@ class _Loop:
         first = 0
         while first < self.epochs:  # the epochs up to the next evaluation: a segment
             last = min(self.epochs, (first // self.evaluate_every + 1) * self.evaluate_every) - 1
-            losses: list[float] = []
+            losses: list[tuple[float, int]] = []  # the loss reads: (mean, steps)
             seconds = self.train_segment(first, last, losses)
-            self.nonfinite = self.nonfinite or not all(math.isfinite(x) for x in losses)
+            self.nonfinite = self.nonfinite or not all(math.isfinite(mean) for mean, steps in losses if steps)
             self.evaluate(last, losses, seconds, train_started)
             first = last + 1
         return self.metrics()
@@ -178,7 +186,7 @@ class _Loop:
         if self.augmentation:
             self.augment(epoch)
 
-    def train_segment(self, first: int, last: int, losses: list[float]) -> float:
+    def train_segment(self, first: int, last: int, losses: list[tuple[float, int]]) -> float:
         """Epochs ``first`` to ``last``: what is left of warm-up, then timed windows; returns their seconds."""
         self.begin_epoch(first)
         while not self.warm:
@@ -193,23 +201,23 @@ class _Loop:
         """This epoch's augmented training images, loaded to the device outside the timed windows."""
         self.emit("phase", name="augment", epoch=epoch, edge="start")
         self.adapter.set_train_images(augment(self.data.x_train, self.seed, epoch))
-        self.adapter.sync()
+        self.adapter.wait()
         self.emit("phase", name="augment", epoch=epoch, edge="end")
 
-    def warm_up(self, epoch: int, order: np.ndarray, losses: list[float]) -> int:
+    def warm_up(self, epoch: int, order: np.ndarray, losses: list[tuple[float, int]]) -> int:
         """The warm-up steps still left, at the start of this epoch; returns the position after them."""
         count = min(self.warmup - epoch * self.steps_per_epoch, self.steps_per_epoch)
-        self.adapter.sync()
+        self.adapter.wait()
         start = time.perf_counter()
         first = 0
         if epoch == 0 and count:  # the trial's first step alone: tracing, compilation, autotuning, first allocations
             self.step(order, 0)
-            self.adapter.sync()
+            self.adapter.wait()
             self.first_step_seconds = time.perf_counter() - start
             first = 1
         for position in range(first, count):
             self.step(order, position)
-        losses.append(self.adapter.sync())
+        losses.append(self.adapter.read_loss())  # the warm-up steps' mean, the first step's included
         if count:  # compilation included: an estimate on the high side, so the first window errs short
             self.step_estimate = (time.perf_counter() - start) / count
         if epoch * self.steps_per_epoch + count == self.warmup:
@@ -231,15 +239,15 @@ class _Loop:
                                                                          / self.step_estimate))
         return left if left - steps < least else steps
 
-    def timed(self, last: int, losses: list[float]) -> float:
+    def timed(self, last: int, losses: list[tuple[float, int]]) -> float:
         """The rest of the segment in timed windows, synced at both edges; returns their seconds. Without
         augmentation a window runs on across the ends of epochs before ``last`` (the next epoch's order is made and
         staged inside it, as a training loop shuffles between epochs); with it, a window ends with its epoch (the
         augmented images are loaded between). Each window's clock stops when the device has done its work
-        (``Adapter.wait``); the loss is read after that, outside the clock, and the next window's clock starts after
-        the read (reading a loss is the harness's own work: in MXNet a mean operator and an engine round trip, about
-        0.5 ms on this project's CPU)."""
-        self.adapter.sync()
+        (``Adapter.wait``); the loss is read after that (``Adapter.read_loss``: the mean of the window's steps and
+        their count), outside the clock, and the next window's clock starts after the read (reading a loss is the
+        harness's own work: in MXNet a sum operator and an engine round trip, about 0.5 ms on this project's CPU)."""
+        self.adapter.wait()
         self.emit("phase", name="train", epoch=self.epoch, edge="start")
         total = 0.0
         while True:
@@ -255,7 +263,7 @@ class _Loop:
                 self.position += 1
             self.adapter.wait()
             seconds = time.perf_counter() - start
-            losses.append(self.adapter.sync())  # the device is idle: only the read
+            losses.append(self.adapter.read_loss())  # the device is idle: only the read
             self.step_estimate = seconds / count
             self.step_seconds.append(self.step_estimate)
             self.measured_steps += count
@@ -265,16 +273,19 @@ class _Loop:
                     break
                 self.emit("phase", name="train", epoch=self.epoch, edge="end")
                 self.begin_epoch(self.epoch + 1)  # augmenting: the epoch's images load between two windows
-                self.adapter.sync()
+                self.adapter.wait()
                 self.emit("phase", name="train", epoch=self.epoch, edge="start")
         self.emit("phase", name="train", epoch=self.epoch, edge="end")
         self.measured_seconds += total
         return total
 
-    def evaluate(self, epoch: int, losses: list[float], epoch_seconds: float, train_started: float) -> None:
+    def evaluate(self, epoch: int, losses: list[tuple[float, int]], epoch_seconds: float,
+                 train_started: float) -> None:
         """The test set after epoch ``epoch`` (outside the timed windows), its record and time to the target. With
-        ``evaluate_every`` k > 1 this follows every k-th epoch and the last; the record's ``train_loss`` is the mean
-        of the windows' losses and ``timed_seconds`` the timed seconds since the evaluation before."""
+        ``evaluate_every`` k > 1 this follows every k-th epoch and the last. ``losses``: the loss reads since the
+        evaluation before, (mean, steps) each; the record's ``train_loss`` is their mean weighted by steps, the mean
+        over every step (``train_loss_steps`` of them; nan when none), and ``timed_seconds`` the timed seconds since
+        the evaluation before."""
         self.emit("phase", name="eval", epoch=epoch, edge="start")
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
         self.emit("phase", name="eval", epoch=epoch, edge="end")
@@ -283,7 +294,9 @@ class _Loop:
             # wall_seconds: from the first step to the end of this evaluation, everything included.
             self.reached = {"epochs": epoch + 1, "training_seconds": self.measured_seconds,
                             "wall_seconds": time.perf_counter() - train_started}
-        record = {"epoch": epoch, "train_loss": float(np.mean(losses)) if losses else math.nan,
+        steps = sum(count for _, count in losses)
+        train_loss = sum(mean * count for mean, count in losses if count) / steps if steps else math.nan
+        record = {"epoch": epoch, "train_loss": train_loss, "train_loss_steps": steps,
                   "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_seconds": epoch_seconds}
         self.epoch_records.append(record)
         self.emit("epoch", **record)

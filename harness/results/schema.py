@@ -63,7 +63,10 @@ class EpochMetrics(_Open):
     the spec's ``evaluate_every`` k > 1 (then every k-th and the last)."""
 
     epoch: int | None = None
-    train_loss: float | None = Field(None, description="mean of the timed windows' losses since the evaluation before")
+    train_loss: float | None = Field(None, description="mean loss over every optimizer step since the evaluation "
+                                     "before, warm-up steps included (records without train_loss_steps: the mean of "
+                                     "the losses of the timed windows' last steps)")
+    train_loss_steps: int | None = Field(None, description="the optimizer steps train_loss averages")
     test_loss: float | None = None
     test_accuracy: float | None = Field(None, description="fraction, 0..1")
     timed_seconds: float | None = Field(None, description="seconds inside the timed windows since the "

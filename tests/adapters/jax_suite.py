@@ -15,7 +15,7 @@ from jax import lax
 from adapters.jax import JaxAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
-from tests.adapters import kit, reference, scenarios
+from tests.adapters import kit, loss_runs, reference, scenarios
 
 
 def test_learns_digits_on_cpu():
@@ -52,6 +52,16 @@ def test_the_train_step_compiles_once_per_shape():
     adapter.sync()
     assert adapter.settings()["train_step_compilations"] == {"32x1": 1, "64x2": 1}
     assert adapter.compilations() == 2  # what the worker reads after warm-up and at the end
+
+
+def test_the_epoch_loss_is_every_steps_mean_whatever_the_windows():
+    """The loss sum carried through the jitted step: the loop's epoch loss is the mean over every step in fast and
+    in slowed windows (``loss_runs``), with gradient accumulation too, and restarting the sum at each read compiles
+    nothing new (the worker counts no recompilation)."""
+    runs = loss_runs.check_windows_do_not_change_the_loss(JaxAdapter)
+    accumulated = loss_runs.loop(JaxAdapter, {"window": 7}, batch=16, accumulation=2)
+    assert accumulated["steps"] == [44, 44]
+    np.testing.assert_allclose(accumulated["train_loss"], runs["fast"]["train_loss"], rtol=1e-5, atol=0)
 
 
 def test_oom_is_classified_by_status_and_type():

@@ -16,7 +16,7 @@ import numpy as np
 
 from harness.neutral import datasets, models
 from harness.spec import ModelSpec, OptimizerSpec, SyntheticData, SyntheticTokens
-from tests.adapters import kit
+from tests.adapters import kit, loss_runs
 
 SGD = OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9, weight_decay=1e-3)
 # epsilon 1e-4: large enough that Keras's/MXNet's placement (added to sqrt(v) before the bias correction) instead of
@@ -130,6 +130,10 @@ def run(adapter_cls) -> dict[str, np.ndarray]:
         adapter, data, _ = kit.make(adapter_cls, optimizer=SGD, model=_without_dropout(model))
         keep(f"norm-ten-{model_name}", kit.train_on(adapter, kit.batches(len(data.y_train), BATCH, 10),
                                                     keep=(0, 1, 10)))
+    # the epoch losses the harness's loop reports, reading every 3 steps and slowed in auto windows (loss_runs)
+    for name, cls, timing in (("fast", adapter_cls, loss_runs.FAST),
+                              ("slow", loss_runs.slowed(adapter_cls), loss_runs.SLOW)):
+        out[f"loop-train-loss|{name}|"] = np.asarray(loss_runs.loop(cls, timing)["train_loss"])
     return out
 
 
