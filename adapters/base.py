@@ -176,6 +176,13 @@ class Adapter(abc.ABC):
     def versions(self) -> dict[str, str]:
         """Framework and runtime versions, e.g. {"torch": "2.13.0", "cuda": "13.0"}."""
 
+    def device_problem(self, device: str) -> str | None:
+        """Why the framework, as installed in this interpreter, cannot train on ``device`` ("cpu", "cuda:N"), in one
+        line (e.g. "PyTorch 2.13.0+cpu sees no CUDA device (a CPU-only build)"), or None when it can. Asks the
+        framework's own device query without creating a context or taking memory; the environment probe calls it
+        before a run starts and ``prepare`` raises DeviceUnavailable with it. Default: None (the CPU always works)."""
+        return None
+
     @abc.abstractmethod
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
         """Selects the device ("cpu" or "cuda:N"), the CPU thread counts (intra-op ``threads``, inter-op 1; None keeps

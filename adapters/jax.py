@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import os
 from typing import Any
 
@@ -139,6 +140,21 @@ class JaxAdapter(Adapter):
                 pass
         return out
 
+    def device_problem(self, device: str) -> str | None:
+        """jax.devices("gpu") (https://docs.jax.dev/en/latest/_autosummary/jax.devices.html) raises RuntimeError
+        when no GPU backend is installed or none initialises (a CPU-only jaxlib without the CUDA plugin). It starts
+        the GPU backend: the probe sets XLA_PYTHON_CLIENT_PREALLOCATE=false so that this takes no memory."""
+        if not device.startswith("cuda"):
+            return None
+        try:
+            devices = jax.devices("gpu")
+        except RuntimeError as err:
+            if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+                return f"JAX {jax.__version__} sees no GPU (a CPU-only build: no CUDA plugin installed)"
+            return f"JAX {jax.__version__} sees no GPU ({str(err).splitlines()[0][:160]})"
+        index = int(device.partition(":")[2] or 0)
+        return None if index < len(devices) else f"JAX sees {len(devices)} GPU(s); {device} is not one"
+
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
         self._precision = (self.options or {}).get("precision", "fp32")
         self._compute = L.POLICIES[self._precision]
@@ -146,14 +162,9 @@ class JaxAdapter(Adapter):
         jax.config.update("jax_default_matmul_precision", self._compute.precision.name.lower())
         if device.startswith("cuda"):
             self._apply_memory_limit()
-            try:
-                devices = jax.devices("gpu")
-            except RuntimeError as err:
-                raise DeviceUnavailable(f"JAX {jax.__version__} sees no GPU ({err})") from None
-            index = int(device.partition(":")[2] or 0)
-            if index >= len(devices):
-                raise DeviceUnavailable(f"JAX sees {len(devices)} GPU(s); {device} is not one")
-            self.device, self._gpu = devices[index], True
+            if (problem := self.device_problem(device)) is not None:
+                raise DeviceUnavailable(problem)
+            self.device, self._gpu = jax.devices("gpu")[int(device.partition(":")[2] or 0)], True
         else:
             self.device = jax.devices("cpu")[0]
         self._seed = seed

@@ -183,6 +183,17 @@ class MXNetAdapter(Adapter):
             out["mkldnn"] = "enabled"  # oneDNN kernels for convolution, pooling and dense on the CPU
         return out
 
+    def device_problem(self, device: str) -> str | None:
+        """mx.context.num_gpus() (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/mxnet/context/): 0 in
+        a CPU-only wheel (``mxnet``; the CUDA builds are ``mxnet-cuXXX``) or without a driver."""
+        if not device.startswith("cuda"):
+            return None
+        gpus = mx.context.num_gpus()
+        if gpus == 0:
+            return f"MXNet {mx.__version__} sees no CUDA device (a CPU-only build, or no driver)"
+        index = int(device.partition(":")[2] or 0)
+        return None if index < gpus else f"MXNet sees {gpus} CUDA device(s); {device} is not one"
+
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
         """``device``: "cpu" -> ``mx.cpu()``; "cuda:N" -> ``mx.gpu(N)``. Raises DeviceUnavailable when this MXNet
         build sees no GPU (``mx.context.num_gpus()`` is 0 on a CPU-only wheel) or N is out of range.
@@ -196,12 +207,9 @@ class MXNetAdapter(Adapter):
         ``MXNET_CPU_WORKER_NTHREADS`` (default 1).
         """
         if device.startswith("cuda"):
-            gpus = mx.context.num_gpus()
-            if gpus == 0:
-                raise DeviceUnavailable(f"MXNet {mx.__version__} sees no CUDA device (a CPU-only build?)")
+            if (problem := self.device_problem(device)) is not None:
+                raise DeviceUnavailable(problem)
             index = int(device.partition(":")[2] or 0)
-            if index >= gpus:
-                raise DeviceUnavailable(f"MXNet sees {gpus} CUDA device(s); {device} is not one")
             # fp32 means fp32, as in the PyTorch adapter: MXNet has no TF32 switch of its own, and cuDNN 8's default
             # math mode allows TF32 on Ampere and later. cuBLAS and cuDNN read NVIDIA_TF32_OVERRIDE when MXNet creates
             # their handles, at its first GPU operator, after this; a value the launcher set is kept.

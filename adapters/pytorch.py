@@ -128,13 +128,22 @@ class PyTorchAdapter(Adapter):
             out["cudnn"] = str(torch.backends.cudnn.version())
         return out
 
+    def device_problem(self, device: str) -> str | None:
+        """torch.cuda.is_available and device_count (https://pytorch.org/docs/stable/cuda.html): neither creates a
+        CUDA context. torch.version.cuda is None in a CPU-only build."""
+        if not device.startswith("cuda"):
+            return None
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"a CUDA {torch.version.cuda} build"
+            return f"PyTorch {torch.__version__} sees no CUDA device ({build})"
+        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        return None if index < count else f"PyTorch sees {count} CUDA device(s); {device} is not one"
+
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
         if device.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise DeviceUnavailable(f"PyTorch {torch.__version__} sees no CUDA device (a CPU-only build?)")
+            if (problem := self.device_problem(device)) is not None:
+                raise DeviceUnavailable(problem)
             index = int(device.partition(":")[2] or 0)
-            if index >= torch.cuda.device_count():
-                raise DeviceUnavailable(f"PyTorch sees {torch.cuda.device_count()} CUDA device(s); {device} is not one")
             torch.cuda.set_device(index)
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);
             # tf32 asks for it.

@@ -150,6 +150,20 @@ class TensorFlowAdapter(Adapter):
             out["cudnn"] = str(build["cudnn_version"])
         return out
 
+    def device_problem(self, device: str) -> str | None:
+        """tf.config.list_physical_devices("GPU") (https://www.tensorflow.org/api_docs/python/tf/config/
+        list_physical_devices): lists GPUs without creating the TF context (so ``prepare`` can still configure them);
+        tf.sysconfig.get_build_info()["is_cuda_build"] tells a CPU-only build (tensorflow-cpu)."""
+        if not device.startswith("cuda"):
+            return None
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            cuda_build = tf.sysconfig.get_build_info().get("is_cuda_build", False)
+            why = "no GPU was found by this CUDA build" if cuda_build else "a CPU-only build"
+            return f"TensorFlow {tf.__version__} sees no GPU ({why})"
+        index = int(device.partition(":")[2] or 0)
+        return None if index < len(gpus) else f"TensorFlow sees {len(gpus)} GPU(s); {device} is not one"
+
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
         """Must run before any TF op in the process: TF fixes visible devices, memory growth and thread pools when its
         context starts, and raises RuntimeError for a later change (repeating the same settings is allowed). For
@@ -159,14 +173,10 @@ class TensorFlowAdapter(Adapter):
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/enable_tensor_float_32_execution). Raises
         DeviceUnavailable when TF sees no such GPU (a CPU-only build such as tensorflow-cpu, or no driver)."""
         if device.startswith("cuda"):
+            if (problem := self.device_problem(device)) is not None:
+                raise DeviceUnavailable(problem)
             gpus = tf.config.list_physical_devices("GPU")
-            if not gpus:
-                cuda_build = tf.sysconfig.get_build_info().get("is_cuda_build", False)
-                why = "no GPU was found by this CUDA build" if cuda_build else "this is a CPU-only build"
-                raise DeviceUnavailable(f"TensorFlow {tf.__version__} sees no GPU ({why})")
             index = int(device.partition(":")[2] or 0)
-            if index >= len(gpus):
-                raise DeviceUnavailable(f"TensorFlow sees {len(gpus)} GPU(s); {device} is not one")
             tf.config.set_visible_devices([gpus[index]], "GPU")
             self._configure_gpu_memory(gpus[index])
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);

@@ -4,7 +4,8 @@ The parsers of every subcommand and the dispatch to the studies and results that
 here. Imports are made inside the commands so that ``--help`` and a bad argument answer at once.
 
 Exit status: 0 on success (a sweep whose trials failed still succeeds: failures are results); 2 for a bad spec or
-bad arguments, with one line on standard error and no traceback; 1 when ``compare`` finds a regression.
+bad arguments, with one line on standard error and no traceback; 1 when ``compare`` finds a regression; 3 when a
+``run`` had no trial that ended ok and at least one in error, crashed or timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_NOTHING_RAN = 3
 
 
 def _int_list(text: str) -> list[int | str]:
@@ -71,7 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     create = envs_sub.add_parser("create", help="create (or keep, when up to date) envs/<framework> from "
                                                 "requirements/<framework>-cpu.txt or -gpu.txt")
     create.add_argument("frameworks", nargs="*", help="default: every built-in framework")
-    create.add_argument("--gpu", action="store_true", help="use requirements/<framework>-gpu.txt (CUDA builds)")
+    build = create.add_mutually_exclusive_group()
+    build.add_argument("--gpu", action="store_true", help="use requirements/<framework>-gpu.txt (CUDA builds) "
+                                                          "whatever the machine")
+    build.add_argument("--cpu", action="store_true", help="use requirements/<framework>-cpu.txt (CPU builds) "
+                                                          "whatever the machine")
+    create.add_argument("--dry-run", action="store_true", help="say which requirements would be installed where, "
+                                                               "and change nothing")
     create.add_argument("--dir", default=None, help="where the environments go (default: envs/ beside the harness)")
     return parser
 
@@ -81,10 +89,23 @@ def _envs_create(args: argparse.Namespace) -> int:
     from harness.spec import ROOT
 
     envs_dir = Path(args.dir) if args.dir else ROOT / "envs"
+    gpu, why = environments.choose_build(args.gpu, args.cpu)
+    frameworks = args.frameworks or environments.default_frameworks()
+    try:  # every name first: an unknown one is one line, before anything is made
+        for framework in frameworks:
+            environments.requirements_for(framework, gpu)
+    except ValueError as err:
+        print(f"harness envs create: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"harness envs create: {'CUDA' if gpu else 'CPU'} builds (requirements/<framework>-"
+          f"{'gpu' if gpu else 'cpu'}.txt): {why}", file=sys.stderr)
     lines = []
-    for framework in args.frameworks or environments.default_frameworks():
+    for framework in frameworks:
+        if args.dry_run:
+            print(environments.plan_create(framework, envs_dir, gpu))
+            continue
         try:
-            python, made = environments.create(framework, envs_dir, gpu=args.gpu)
+            python, made = environments.create(framework, envs_dir, gpu=gpu)
         except ValueError as err:
             print(f"harness envs create: {err}", file=sys.stderr)
             return EXIT_USAGE
@@ -94,7 +115,8 @@ def _envs_create(args: argparse.Namespace) -> int:
             return 1
         print(f"{framework}: {python} ({'created' if made else 'up to date'})", file=sys.stderr)
         lines.append(environments.spec_entry(framework, python))
-    print("frameworks:\n" + "\n".join(lines))
+    if lines:
+        print("frameworks:\n" + "\n".join(lines))
     return 0
 
 
@@ -298,6 +320,20 @@ def _run(args: argparse.Namespace) -> int:
     data = report.build(run_dir)
     _print_summary(data, _summary_console())
     print(f"run directory: {run_dir}\nreport: {path}")
+    return _run_status(run_dir)
+
+
+def _run_status(run_dir: Path) -> int:
+    """EXIT_NOTHING_RAN when no trial ended ok and at least one ended in error, crashed or timeout (a broken
+    environment, driver or adapter: a nightly job must notice); else 0, whatever else failed (an OOM, a skipped or
+    unsupported trial is a result)."""
+    from harness.results.store import read_trials
+
+    statuses = {r["status"] for r in read_trials(run_dir)}
+    if "ok" not in statuses and statuses & {"error", "crashed", "timeout"}:
+        failed = ", ".join(sorted(statuses & {"error", "crashed", "timeout"}))
+        print(f"harness run: no trial ended ok ({failed}): exit {EXIT_NOTHING_RAN}", file=sys.stderr)
+        return EXIT_NOTHING_RAN
     return 0
 
 

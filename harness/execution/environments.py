@@ -24,13 +24,14 @@ PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing Tensor
 LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"}  # module -> distribution
 DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}}  # what loading a dataset needs in the worker
 
-# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS MODULE...`` (the modules it must find: the
+# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS DEVICE MODULE...`` (the modules it must find: the
 # light dependencies and what the dataset needs; the registry travels as an argument: a container does not inherit
-# the environment). Standard library first, then the light dependencies, then
-# the adapter (which imports the framework, as a trial would). One marked JSON line on standard output.
+# the environment). Standard library first, then the light dependencies, then the adapter (which imports the
+# framework, as a trial would) and, for a GPU, whether the framework can use it (Adapter.device_problem). One marked
+# JSON line on standard output.
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, os, platform, sys, traceback
-root, name, registry, modules = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+root, name, registry, device, modules = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
 # What is installed in this interpreter: its own paths, not the current directory or the harness's folder (whose
 # egg-info an editable install leaves there).
 own = [p for p in sys.path if p and os.path.abspath(p) not in (os.getcwd(), os.path.abspath(root))]
@@ -46,7 +47,10 @@ if not out["missing"]:
     out["numpy"] = numpy.__version__
     try:
         import adapters
-        out["versions"] = adapters.get(name)().versions()
+        adapter = adapters.get(name)()
+        out["versions"] = adapter.versions()
+        if device != "cpu":
+            out["device_problem"] = adapter.device_problem(device)
     except BaseException as exc:
         out["framework_error"] = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
         out["framework_missing"] = isinstance(exc, ImportError)
@@ -63,24 +67,29 @@ _CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
-          timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+          timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu") -> dict[str, Any]:
     """Starts ``entry``'s interpreter once and returns what it reports: ``python_version``, ``executable``,
     ``numpy``, ``versions`` (the adapter's: framework, CUDA, cuDNN where built in), ``packages`` (every installed
     distribution as ``name==version``, the environment's ``pip freeze``), and ``argv`` (the prefix). Results are
     kept for the life of this process (one probe per entry and run). needed: further modules the trial needs
-    there (module -> distribution, e.g. scikit-learn for the digits dataset).
+    there (module -> distribution, e.g. scikit-learn for the digits dataset). device: "cpu" or "cuda:N"; for a GPU
+    the report's ``device_problem`` is why the framework cannot use it (``Adapter.device_problem``), or None.
 
     Raises ValueError with a one-line reason when the prefix cannot start, exits without a report, lacks numpy,
-    pydantic, PyYAML or a needed module, or cannot import the framework."""
+    pydantic, PyYAML or a needed module, or cannot import the framework. A framework that cannot use ``device`` is
+    not an error here: ``probe_entries`` decides."""
     argv = entry.argv()
     needed = needed or {}
-    key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), tuple(sorted(needed)))
+    key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), device, tuple(sorted(needed)))
     if key in _CACHE:
         return _CACHE[key]
     shown = " ".join(argv)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    # JAX's GPU backend, started by its device query, would otherwise map 75 % of the GPU's memory
+    # (https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     try:
-        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], *LIGHT_DEPENDENCIES,
+        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], device, *LIGHT_DEPENDENCIES,
                                *needed], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
                               env=env)
     except (FileNotFoundError, PermissionError) as err:
@@ -110,10 +119,24 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     return info
 
 
-def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Probes every framework entry of ``spec``; returns what run.json records per entry: label, name, python and
-    command as given, and the probe's report (python_version, executable, platform, numpy, versions, packages,
-    argv). Raises SpecError ``FILE: frameworks.N: reason`` for the first that fails."""
+def gpu_fix(entry: FrameworkEntry) -> str:
+    """What makes ``entry``'s interpreter able to use a GPU: ``harness envs create --gpu NAME`` for an environment
+    under envs/, else a CUDA build of the framework installed there (requirements/NAME-gpu.txt)."""
+    python = Path(entry.python) if entry.python and not entry.command else None
+    if python is not None and python.parent.parent.parent == ROOT / "envs":
+        return f"make a GPU environment with `harness envs create --gpu {python.parent.parent.name}`"
+    gpu_file = requirements_file(entry.name, gpu=True)
+    what = (f"the CUDA build of requirements/{gpu_file.name}" if gpu_file.exists()
+            else f"a CUDA build of {entry.name}")
+    return f"install {what} in that interpreter"
+
+
+def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu") -> list[dict[str, Any]]:
+    """Probes every framework entry of ``spec`` for ``device`` (the spec's, resolved: "cpu" or "cuda:N"); returns
+    what run.json records per entry: label, name, python and command as given, and the probe's report
+    (python_version, executable, platform, numpy, versions, packages, argv). Raises SpecError ``FILE: frameworks.N:
+    reason`` for the first that fails, also when its framework cannot use ``device`` (a CPU-only build on a GPU
+    machine), naming the command that makes a GPU environment."""
     out = []
     for i, entry in enumerate(spec.entries):
         if entry.python and not entry.command and ("/" in entry.python) and not Path(entry.python).exists():
@@ -122,11 +145,15 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, An
                 hint = f"; create it with `harness envs create {Path(entry.python).parent.parent.name}` (or make envs)"
             raise SpecError(file, f"frameworks.{i}", f"no interpreter at {entry.python}{hint}")
         try:
-            info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name))
+            info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name), device=device)
         except ValueError as err:
             raise SpecError(file, f"frameworks.{i}", str(err)) from None
+        if info.get("device_problem"):
+            where = info.get("executable") or " ".join(info["argv"])
+            raise SpecError(file, f"frameworks.{i}", f"{entry.row} in {where} cannot use {device}: "
+                                                     f"{info['device_problem']}; {gpu_fix(entry)} (or set device: cpu)")
         out.append({"label": entry.row, "name": entry.name, "python": entry.python, "command": entry.command,
-                    **{k: v for k, v in info.items() if k not in ("traceback", "missing")}})
+                    **{k: v for k, v in info.items() if k not in ("traceback", "missing", "device_problem")}})
     return out
 
 
@@ -135,6 +162,55 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str]) -> list[dict[str, An
 def requirements_file(framework: str, gpu: bool = False) -> Path:
     """``requirements/<framework>-cpu.txt`` or ``-gpu.txt`` in the harness's folder."""
     return ROOT / "requirements" / f"{framework}-{'gpu' if gpu else 'cpu'}.txt"
+
+
+def choose_build(gpu: bool = False, cpu: bool = False, gpu_info: dict[str, Any] | None = None) -> tuple[bool, str]:
+    """Which builds ``envs create`` installs: (True for CUDA builds, why, in words). ``--gpu`` / ``--cpu`` decide
+    when given; else CUDA builds when NVML sees an NVIDIA GPU (``harness.measure.machine.gpus``, or ``gpu_info`` in
+    its shape), CPU builds otherwise."""
+    if gpu:
+        return True, "--gpu given"
+    if cpu:
+        return False, "--cpu given"
+    from harness.measure.machine import gpus
+
+    info = gpus() if gpu_info is None else gpu_info
+    if info.get("available"):
+        names = sorted({d["name"] for d in info.get("devices", [])})
+        count = len(info.get("devices", []))
+        return True, f"NVML sees {count} NVIDIA GPU(s) ({', '.join(names)}); --cpu builds CPU ones instead"
+    return False, f"NVML sees no NVIDIA GPU ({info.get('reason', 'none found')}); --gpu builds CUDA ones instead"
+
+
+def plan_create(framework: str, envs_dir: Path, gpu: bool) -> str:
+    """One line: what ``create(framework, envs_dir, gpu)`` would do (keep, make, or remake and why). Raises
+    ValueError as ``create`` does for a framework without a requirements file."""
+    requirements = requirements_for(framework, gpu)
+    target = envs_dir / framework
+    shown = requirements.relative_to(ROOT)
+    stamp = target / ".harness-stamp"
+    if not (target / "bin" / "python").exists():
+        return f"{framework}: would create {target} from {shown}"
+    if stamp.exists() and _stamp_matches(stamp, requirements):
+        return f"{framework}: {target} is up to date ({shown})"
+    before = stamp.read_text().splitlines()[1:2] if stamp.exists() else []
+    return (f"{framework}: would remake {target} from {shown}" +
+            (f" (it was made from {before[0]})" if before else " (made from other requirements or Python)"))
+
+
+def requirements_for(framework: str, gpu: bool) -> Path:
+    """``requirements_file(framework, gpu)``; raises ValueError naming the frameworks that have one when it is
+    missing."""
+    requirements = requirements_file(framework, gpu)
+    if not requirements.exists():
+        known = sorted({p.name.rsplit("-", 1)[0] for p in requirements.parent.glob("*-cpu.txt")})
+        raise ValueError(f"no {requirements.relative_to(ROOT)}; environments can be made for {', '.join(known)}")
+    return requirements
+
+
+def _stamp_matches(stamp: Path, requirements: Path) -> bool:
+    lines = stamp.read_text().splitlines()
+    return bool(lines) and lines[0].strip() == _stamp(requirements)
 
 
 def _stamp(requirements: Path) -> str:
@@ -148,17 +224,15 @@ def _stamp(requirements: Path) -> str:
 
 def create(framework: str, envs_dir: Path, gpu: bool = False, log: Any = None) -> tuple[Path, bool]:
     """Makes (or keeps, when it was made from the same requirements and Python) ``envs_dir/<framework>``: a virtual
-    environment with the framework's requirements (uv where it is installed, else venv and pip). Returns (its
+    environment with the framework's requirements, ``-gpu.txt`` (CUDA builds) when ``gpu`` else ``-cpu.txt`` (uv
+    where it is installed, else venv and pip); its ``.harness-stamp`` says which, so a switch remakes it. Returns (its
     python, whether it was made now). Raises ValueError for a framework without a requirements file and
     subprocess.CalledProcessError when an install fails."""
-    requirements = requirements_file(framework, gpu)
-    if not requirements.exists():
-        known = sorted({p.name.rsplit("-", 1)[0] for p in requirements.parent.glob("*-cpu.txt")})
-        raise ValueError(f"no {requirements.relative_to(ROOT)}; environments can be made for {', '.join(known)}")
+    requirements = requirements_for(framework, gpu)
     target = envs_dir / framework
     python = target / "bin" / "python"
     stamp = target / ".harness-stamp"
-    if python.exists() and stamp.exists() and stamp.read_text().strip() == _stamp(requirements):
+    if python.exists() and stamp.exists() and _stamp_matches(stamp, requirements):
         return python, False
     if target.exists():
         shutil.rmtree(target)
@@ -172,7 +246,9 @@ def create(framework: str, envs_dir: Path, gpu: bool = False, log: Any = None) -
         subprocess.run([sys.executable, "-m", "venv", str(target)], check=True, stdout=out)
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r",
                         str(requirements)], check=True, stdout=out)
-    stamp.write_text(_stamp(requirements) + "\n")
+    # First line: the digest that decides; second: which build, for people (a switch of --gpu/--cpu remakes it).
+    stamp.write_text(f"{_stamp(requirements)}\n{requirements.relative_to(ROOT)} ({'CUDA' if gpu else 'CPU'} "
+                     f"builds)\n")
     return python, True
 
 

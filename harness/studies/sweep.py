@@ -251,9 +251,9 @@ def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> t
     """A new run directory and its run.json contents (the machine, each framework entry's environment as its probe
     reported it, the resolved device, the planned trials). Raises SpecError, with nothing written, when an entry's
     interpreter fails its probe."""
-    frameworks = probe_entries(spec, spec_path or "spec")
     env = machine.collect()
     device = resolve_device(spec.device, env["gpu"])
+    frameworks = probe_entries(spec, spec_path or "spec", device)
     run_dir = create_run_dir(out_root, spec.name)
     run_info = {
         "schema_version": SCHEMA_VERSION,
@@ -278,7 +278,7 @@ def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None) -> tuple[Pa
     if differences:
         raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
                                                  f"started with in {', '.join(differences[:8])}")
-    frameworks = probe_entries(spec, spec_path or "spec")
+    frameworks = probe_entries(spec, spec_path or "spec", run_info.get("device") or resolve_device(spec.device))
     drop_torn_tail(run_dir / "trials.jsonl")
     run_info.setdefault("frameworks", frameworks)
     if run_info.get("interrupted"):

@@ -28,11 +28,11 @@ def run(args: argparse.Namespace) -> int:
         # One check of what the search runs: this entry alone, on the device asked for; then its interpreter's probe.
         searched = {**spec.model_dump(mode="json"), "frameworks": [entry.model_dump(exclude_none=True)],
                     **({"device": args.device} if args.device is not None else {})}
-        environments.probe_entries(planning.checked_spec(searched, args.spec), args.spec)
+        device = args.device or resolve_device(spec.device)
+        environments.probe_entries(planning.checked_spec(searched, args.spec), args.spec, device)
     except SpecError as err:
         print(str(err), file=sys.stderr)
         return 2
-    device = args.device or resolve_device(spec.device)
     settings = {"memory_limit_mb": args.memory_limit_mb, "margin": args.margin, "tolerance": args.tolerance,
                 "initial_sizes": args.initial_sizes, "max_batch": args.max_batch, "timeout_s": args.timeout,
                 "with_dataset": args.with_dataset}
