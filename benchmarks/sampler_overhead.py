@@ -10,6 +10,8 @@ the same repeat (paired ratios), and the table shows the median ratio with its m
     .venv/bin/python benchmarks/sampler_overhead.py                        # pytorch, batch 16 and 256, 5 repeats
     .venv/bin/python benchmarks/sampler_overhead.py --frameworks all --repeats 3
     .venv/bin/python benchmarks/sampler_overhead.py --device cuda:0        # on a GPU machine: the NVML backend
+    python3 benchmarks/sampler_overhead.py --device cuda:0 --frameworks pytorch,jax --python jax=/opt/jax/bin/python \
+        --json overhead.json                                               # workers in other interpreters; JSON too
 
 Without a GPU the sampler runs its host backend (psutil); with ``--device cuda:N`` it runs NVML. The sampler is a
 thread in the launcher's process, so what it can cost the worker is CPU time (and, with NVML, driver calls); the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 import sys
@@ -40,7 +43,7 @@ from harness.measure.sampler import DEFAULT_INTERVAL_S  # noqa: E402
 from harness.plan import available_cpus, plan  # noqa: E402
 from harness.spec import Spec  # noqa: E402
 
-FRAMEWORKS = ("pytorch", "tensorflow", "mxnet")
+FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 TINY_CNN = [
     {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
     {"type": "maxpool2d", "pool_size": 2},
@@ -50,9 +53,13 @@ TINY_CNN = [
 TRAIN_SAMPLES = 1438  # digits: 1797 images, 80 % for training (harness.neutral.datasets)
 
 
+PYTHONS: dict[str, str] = {}  # framework -> the interpreter its workers run in (--python); default: this one
+
+
 def make_spec(framework: str, batch_size: int, epochs: int, threads: int, device: str) -> Spec:
+    entry: Any = {"name": framework, "python": PYTHONS[framework]} if framework in PYTHONS else framework
     return Spec.model_validate({
-        "name": "sampler-overhead", "frameworks": [framework], "model": {"layers": TINY_CNN},
+        "name": "sampler-overhead", "frameworks": [entry], "model": {"layers": TINY_CNN},
         "dataset": {"name": "digits"}, "batch_sizes": [batch_size], "epochs": epochs, "warmup_steps": 2,
         "optimizer": {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9}, "cpu_threads": threads,
         "device": device, "timeout_s": 600,
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frameworks", default="pytorch",
-                        help="comma-separated, from pytorch,tensorflow,mxnet, or 'all' (default: pytorch)")
+                        help="comma-separated, from pytorch,tensorflow,mxnet,jax, or 'all' (default: pytorch)")
     parser.add_argument("--batch-sizes", default="16,256", help="a small and a large batch (default: 16,256)")
     parser.add_argument("--intervals", default=f"{DEFAULT_INTERVAL_S},0.01",
                         help=f"sampled intervals in seconds, compared with no sampler (default: {DEFAULT_INTERVAL_S},"
@@ -134,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed training per trial, set through the epoch count (default: 1.5)")
     parser.add_argument("--threads", type=int, default=None, help="worker CPU threads (default: every available CPU)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
+    parser.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PYTHON",
+                        help="the interpreter a framework's workers run in (default: this one); repeatable")
+    parser.add_argument("--json", metavar="FILE", help="also write the table's cells as JSON")
+    parser.add_argument("--epochs", type=int, help="epochs per trial, instead of calibrating to --target-seconds")
     args = parser.parse_args(argv)
+    for item in args.python:
+        name, _, python = item.partition("=")
+        if not python:
+            parser.error(f"--python takes FRAMEWORK=PYTHON, not {item!r}")
+        PYTHONS[name] = python
 
     frameworks = list(FRAMEWORKS) if args.frameworks == "all" else args.frameworks.split(",")
     unknown = set(frameworks) - set(FRAMEWORKS)
@@ -153,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     epochs = {}
     for framework, batch in cells:
-        epochs[(framework, batch)] = calibrate(framework, batch, threads, args.device, args.target_seconds)
+        epochs[(framework, batch)] = args.epochs or calibrate(framework, batch, threads, args.device,
+                                                              args.target_seconds)
         log(f"calibrated {framework} batch {batch}: {epochs[(framework, batch)]} epochs")
     runs: dict[tuple[str, int, float | None], list[dict[str, Any]]] = {
         (f, b, c): [] for f, b in cells for c in configs}
@@ -179,7 +196,28 @@ def main(argv: list[str] | None = None) -> int:
           "sampler busy = time inside backend calls / the trial's wall time (the CPU the sampler thread needs, "
           "whatever else runs on the machine)\n")
     print(summarize(runs, intervals, cells, epochs))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "repeats": args.repeats, "threads": threads,
+                                               "backends": sorted(map(str, backends)),
+                                               "cells": cells_json(runs, intervals, cells)}, indent=2))
     return 0
+
+
+def cells_json(runs: dict[tuple[str, int, float | None], list[dict[str, Any]]], intervals: list[float],
+               cells: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """One entry per framework, batch size and sampled interval: the paired ratios (sampled / none, per repeat),
+    their median, and the trials that did not end ok."""
+    out = []
+    for framework, batch in cells:
+        base = runs[(framework, batch, None)]
+        for interval in intervals:
+            sampled = runs[(framework, batch, interval)]
+            ratios = [s["throughput"] / b["throughput"] for s, b in zip(sampled, base)
+                      if s["status"] == b["status"] == "ok"]
+            out.append({"framework": framework, "batch_size": batch, "interval_s": interval, "ratios": ratios,
+                        "median_ratio": float(np.median(ratios)) if ratios else None,
+                        "failed": [f"{r['status']}: {r['reason']}" for r in base + sampled if r["status"] != "ok"]})
+    return out
 
 
 if __name__ == "__main__":

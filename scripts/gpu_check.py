@@ -1,0 +1,356 @@
+"""The GPU path in one command (run through scripts/gpu-check.sh): install, environment, ``pytest -m gpu``, an
+Ohio-State-shaped sweep, ``harness max-batch`` per framework and the sampler-overhead benchmark, each a subprocess
+with its own time limit and log, each failure recorded without stopping the others. Standard library only: it runs
+before the harness's dependencies are installed. Writes under ``--out``: ``summary.json`` (every step's status,
+seconds and figures), ``summary.md``, ``env.json`` (``harness env``), ``logs/<step>.log``, ``runs/`` (the run
+directories, with report.md and report.html) and ``gpu-check.yaml`` (the spec it ran). Exit 0 when no step failed,
+1 otherwise, 2 for bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# The modules the harness and its GPU tests import (requirements/gpu-check.txt), by import name.
+NEEDED = ("numpy", "pydantic", "yaml", "psutil", "pandas", "tabulate", "matplotlib", "rich", "markdown", "sklearn",
+          "scipy", "pynvml", "pytest", "hypothesis")
+CNN = [{"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "activation": "relu",
+        "kernel_init": "he_uniform"},
+       {"type": "maxpool2d", "pool_size": 2}, {"type": "flatten"},
+       {"type": "dense", "units": 128, "activation": "relu", "kernel_init": "he_uniform"},
+       {"type": "dense", "units": 10}]
+# Sizes: the GPU's (the issue's study: batch 4..1024, 2 epochs, 2 repeats) and --allow-cpu's (the same steps, tiny).
+SIZES = {
+    "gpu": {"batch_sizes": [4, 8, 16, 32, 64, 128, 256, 512, 1024], "epochs": 2, "repeats": 2, "warmup_steps": 5,
+            "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 4096, "test_size": 1024},
+            "timeout_s": 240, "max_batch_args": [],
+            "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "2"]},
+    "cpu": {"batch_sizes": [4, 16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
+            "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
+            "timeout_s": 120, "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "32"],
+            "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"]},
+}
+# Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
+LIMITS = {"install": 120, "environment": 60, "gpu_tests": 180, "sweep": 330, "max_batch": 150,
+          "sampler_overhead": 200}
+
+
+def _absolute(python: str) -> str:
+    """A path with a folder in it made absolute (the spec lives elsewhere); a bare name (python3) stays, found on
+    PATH as the entry's own interpreter."""
+    return str(Path(python).absolute()) if os.sep in python else python
+
+
+class Check:
+    """The steps' shared state: where things go, the interpreter, the environment children get, the summary."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.out = Path(args.out).resolve()
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self.python = _absolute(args.interpreter)
+        self.allow_cpu = args.allow_cpu
+        self.frameworks = [f for f in args.frameworks.split(",") if f]
+        self.pythons = {f: self.python for f in self.frameworks}
+        for item in args.entry_python:
+            name, _, python = item.partition("=")
+            self.pythons[name] = _absolute(python)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.deadline = time.monotonic() + args.budget_s
+        self.device = "cpu" if args.allow_cpu else "cuda:0"
+        self.sizes = SIZES["cpu" if args.allow_cpu else "gpu"]
+        self.summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                        "python": self.python, "device": self.device, "allow_cpu": args.allow_cpu,
+                                        "frameworks": self.frameworks, "steps": {}}
+
+    def run(self, step: str, argv: list[str], limit: float | None = None) -> tuple[int | None, str]:
+        """Runs ``argv`` in the checkout with this check's environment, its output in logs/<step>.log; returns (exit
+        status or None after its time limit, the output)."""
+        limit = max(5.0, min(limit or LIMITS[step], self.deadline - time.monotonic()))
+        log = self.out / "logs" / f"{step}.log"
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=limit)
+            code, text = done.returncode, done.stdout
+        except subprocess.TimeoutExpired as err:
+            code = None
+            text = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+            text += f"\n[gpu-check: stopped after its limit of {limit:.0f} s]\n"
+        with log.open("a", encoding="utf-8") as f:
+            f.write(f"$ {' '.join(argv)}\n{text}\n")
+        return code, text
+
+    def record(self, step: str, status: str, started: float, **figures: Any) -> None:
+        entry = {"status": status, "seconds": round(time.monotonic() - started, 1), **figures}
+        self.summary["steps"][step] = entry
+        shown = entry.get("reason") or ""
+        print(f"gpu-check: {step}: {status} in {entry['seconds']} s{': ' + shown if shown else ''}", file=sys.stderr,
+              flush=True)
+
+    def harness(self, step: str, *args: str, limit: float | None = None) -> tuple[int | None, str]:
+        return self.run(step, [self.python, "-m", "harness", *args], limit)
+
+
+def tail(text: str, lines: int = 1) -> str:
+    kept = [x.strip() for x in text.splitlines() if x.strip()]
+    return " | ".join(kept[-lines:])[:400]
+
+
+def step_install(check: Check, wheels: str | None) -> None:
+    """Installs requirements/gpu-check.txt from ``wheels`` (no index) into the interpreter; where it refuses (an
+    externally managed Python, a read-only site), every wheel goes into OUT/site, put on PYTHONPATH for every later
+    step and worker. Without ``wheels`` it only checks that the modules are there."""
+    started = time.monotonic()
+    probe = [check.python, "-c", "import importlib.util as u, sys; "
+             f"print(','.join(m for m in {NEEDED!r} if u.find_spec(m) is None))"]
+    if wheels:
+        code, text = check.run("install", [check.python, "-m", "pip", "install", "--no-index", "--find-links",
+                                           str(Path(wheels).resolve()), "-r", "requirements/gpu-check.txt"])
+        where = "the interpreter"
+        if code != 0:
+            site = check.out / "site"
+            files = sorted(str(p) for p in Path(wheels).resolve().glob("*.whl"))
+            code, text = check.run("install", [check.python, "-m", "pip", "install", "--no-index", "--no-deps",
+                                               "--upgrade", "--target", str(site), *files])
+            check.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), check.env.get("PYTHONPATH")]))
+            where = f"{site} (on PYTHONPATH; the interpreter refused)"
+        if code != 0:
+            check.record("install", "failed", started, reason=f"pip failed: {tail(text)}")
+            return
+    code, text = check.run("install", probe)
+    missing = [m for m in text.strip().splitlines()[-1].split(",") if m] if code == 0 and text.strip() else []
+    if code != 0:
+        check.record("install", "failed", started, reason=f"{check.python} did not start: {tail(text)}")
+    elif missing:
+        check.record("install", "failed", started, reason=f"missing modules {', '.join(missing)}: give --wheels "
+                                                          "(requirements/gpu-check.txt says how to download them)")
+    else:
+        check.record("install", "ok", started, reason=f"installed into {where}" if wheels else "all present")
+
+
+def step_environment(check: Check) -> bool:
+    """``harness env`` into env.json; True when the check can go on (a GPU, or --allow-cpu)."""
+    started = time.monotonic()
+    code, text = check.harness("environment", "env")
+    try:
+        env = json.loads(text[text.index("{"):]) if code == 0 else None
+    except ValueError:
+        env = None
+    if env is None:
+        check.record("environment", "failed", started, reason=f"harness env failed: {tail(text)}")
+        return False
+    (check.out / "env.json").write_text(json.dumps(env, indent=2), encoding="utf-8")
+    gpu = env.get("gpu", {})
+    figures = {"gpus": [d.get("name") for d in gpu.get("devices", [])], "driver": gpu.get("driver")}
+    if not gpu.get("available") and not check.allow_cpu:
+        check.record("environment", "failed", started, reason=f"NVML sees no GPU ({gpu.get('reason')}); "
+                                                              "--allow-cpu runs the steps on the CPU", **figures)
+        return False
+    check.record("environment", "ok", started, **figures)
+    return True
+
+
+def gpu_test_files() -> list[str]:
+    """The test files that hold gpu-marked tests: only these are collected, since other files import frameworks a
+    GPU box may lack (TensorFlow, MXNet)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                  if "mark.gpu" in p.read_text(encoding="utf-8"))
+
+
+def step_gpu_tests(check: Check) -> None:
+    """``pytest -m gpu``; with --allow-cpu only collected (they need a GPU), reported as not run."""
+    started = time.monotonic()
+    files = gpu_test_files()
+    if check.allow_cpu:
+        code, text = check.run("gpu_tests", [check.python, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
+                                             "-p", "no:cacheprovider", *files])
+        found = re.search(r"(\d+)/\d+ tests collected|(\d+) tests? collected", text)
+        count = int(next(g for g in found.groups() if g)) if found else 0
+        status = "not run" if code == 0 and count else "failed"
+        check.record("gpu_tests", status, started, collected=count,
+                     reason=f"{count} gpu tests collected; not run without a GPU" if status == "not run"
+                     else f"collection failed: {tail(text)}")
+        return
+    xml = check.out / "pytest-gpu.xml"
+    code, text = check.run("gpu_tests", [check.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                         f"--junitxml={xml}", *files])
+    results: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+    if xml.exists():
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            kind = ("failed" if case.find("failure") is not None or case.find("error") is not None
+                    else "skipped" if case.find("skipped") is not None else "passed")
+            results[kind].append(name)
+    status = "ok" if code == 0 and results["passed"] and not results["failed"] else "failed"
+    check.record("gpu_tests", status, started, **results,
+                 reason="" if status == "ok" else f"pytest exit {code}: {tail(text)}")
+
+
+def sweep_spec(check: Check) -> Path:
+    """The Ohio State study's shape: the specs/cnn.yaml model on synthetic CIFAR-shaped data, PyTorch and JAX in
+    the given interpreters (JSON, which is YAML)."""
+    sizes = check.sizes
+    spec = {"name": "gpu-check", "description": "scripts/gpu-check.sh: the Ohio State layout on synthetic CIFAR-shaped "
+                                                "data",
+            "frameworks": [{"name": f, "python": check.pythons[f]} for f in check.frameworks],
+            "model": {"layers": CNN}, "dataset": sizes["dataset"], "batch_sizes": sizes["batch_sizes"],
+            "epochs": sizes["epochs"], "repeats": sizes["repeats"], "warmup_steps": sizes["warmup_steps"],
+            "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9}, "seed": 0, "device": check.device,
+            "sampler": {"interval_s": 0.1}, "timeout_s": sizes["timeout_s"]}
+    if "cpu_threads" in sizes:
+        spec["cpu_threads"] = sizes["cpu_threads"]
+    path = check.out / "gpu-check.yaml"
+    path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
+    return path
+
+
+def _cells(run_dir: Path) -> list[dict[str, Any]]:
+    """Per trial: the figures the Ohio State layout shows (throughput, utilization, SM activity where NVML's GPM
+    gives it, memory, energy per sample, MFU), straight from trials.jsonl."""
+    out = []
+    for line in (run_dir / "trials.jsonl").read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        metrics, sampler = r.get("metrics", {}), r.get("sampler", {})
+        stats = sampler.get("stats") or {}
+
+        def stat(key: str, which: str = "mean") -> Any:
+            value = stats.get(key)
+            return value.get(which) if isinstance(value, dict) else None
+
+        out.append({"label": r.get("label"), "batch_size": r.get("batch_size"), "repeat": r.get("repeat"),
+                    "status": r.get("status"), "reason": (r.get("reason") or "")[:200],
+                    "throughput": metrics.get("throughput"), "mfu": metrics.get("mfu"),
+                    "gpu_util_percent": stat("gpu_util_percent"), "sm_active_percent": stat("sm_active_percent"),
+                    "tensor_active_percent": stat("tensor_active_percent"),
+                    "process_memory_max_bytes": stat("process_memory_bytes", "max"),
+                    "device_memory_max_bytes": stat("device_memory_used_bytes", "max"),
+                    "framework_memory": metrics.get("memory") or {},
+                    "energy_per_sample_j": (sampler.get("energy") or {}).get("joules_per_sample")})
+    return out
+
+
+def step_sweep(check: Check) -> None:
+    started = time.monotonic()
+    spec = sweep_spec(check)
+    code, text = check.harness("sweep", "run", str(spec), "--out", str(check.out / "runs"), "--no-progress")
+    found = re.search(r"^run directory: (.+)$", text, re.M)
+    if not found:
+        check.record("sweep", "failed", started, reason=f"exit {code}: {tail(text)}")
+        return
+    run_dir = Path(found.group(1).strip())
+    cells = _cells(run_dir)
+    ok = sum(c["status"] == "ok" for c in cells)
+    reports = [str(p) for p in (run_dir / "report.md", run_dir / "report.html") if p.exists()]
+    status = "ok" if code == 0 and ok == len(cells) and len(reports) == 2 else "failed"
+    failed = sorted({f"{c['label']} {c['batch_size']}: {c['status']} {c['reason']}" for c in cells
+                     if c["status"] != "ok"})
+    check.record("sweep", status, started, run_dir=str(run_dir), reports=reports, trials=len(cells), ok=ok,
+                 cells=cells, reason="" if status == "ok" else f"exit {code}; " + "; ".join(failed[:4]))
+
+
+def step_max_batch(check: Check) -> None:
+    """``harness max-batch`` per framework, against the device's memory (the CPU: a 400 MB cap, sizes to 64)."""
+    started = time.monotonic()
+    spec = check.out / "gpu-check.yaml"
+    results, problems = {}, []
+    for framework in check.frameworks:
+        code, text = check.harness("max_batch", "max-batch", str(spec), "--framework", framework, "--out",
+                                   str(check.out / "runs"), *check.sizes["max_batch_args"],
+                                   limit=LIMITS["max_batch"])
+        found = re.search(r"^written to (.+)$", text, re.M)
+        if code != 0 or not found:
+            problems.append(f"{framework}: exit {code}: {tail(text)}")
+            continue
+        result = json.loads((Path(found.group(1).strip()) / "run.json").read_text(encoding="utf-8"))["result"]
+        confirmed = sum(p["batch_size"] == result["limit"] and p["status"] == "ok" for p in result["probes"])
+        results[framework] = {"status": result["status"], "limit": result["limit"], "recommended":
+                              result["recommended"], "cap_bytes": result["cap_bytes"], "cap_source": result["cap_source"],
+                              "probes": len(result["probes"]), "limit_ok_in_probes": confirmed,
+                              "run_dir": found.group(1).strip()}
+        if result["limit"] is None or confirmed < 2:
+            problems.append(f"{framework}: no limit confirmed by a second probe ({result['status']})")
+    check.record("max_batch", "failed" if problems else "ok", started, results=results, reason="; ".join(problems))
+
+
+def step_sampler_overhead(check: Check) -> None:
+    started = time.monotonic()
+    out = check.out / "sampler_overhead.json"
+    pythons = [a for f in check.frameworks if check.pythons[f] != check.python
+               for a in ("--python", f"{f}={check.pythons[f]}")]
+    code, text = check.run("sampler_overhead", [check.python, "benchmarks/sampler_overhead.py", "--device",
+                                                check.device, "--frameworks", ",".join(check.frameworks),
+                                                "--intervals", "0.1", "--json", str(out), *pythons,
+                                                *check.sizes["overhead_args"]])
+    if code != 0 or not out.exists():
+        check.record("sampler_overhead", "failed", started, reason=f"exit {code}: {tail(text)}")
+        return
+    cells = json.loads(out.read_text(encoding="utf-8"))["cells"]
+    missing = [f"{c['framework']} {c['batch_size']}" for c in cells if c["median_ratio"] is None]
+    # the goal (at most 0.5 % slower) is a figure to read, not a pass condition: one machine's noise decides it
+    check.record("sampler_overhead", "failed" if missing else "ok", started, cells=cells,
+                 reason=f"no paired ratio for {', '.join(missing)}" if missing else "")
+
+
+def write_markdown(check: Check) -> None:
+    lines = [f"# GPU check ({check.summary['started']}, device {check.device})", "",
+             "| step | status | seconds | detail |", "| --- | --- | ---: | --- |"]
+    for name, step in check.summary["steps"].items():
+        lines.append(f"| {name} | {step['status']} | {step['seconds']} | {step.get('reason', '')} |")
+    sweep = check.summary["steps"].get("sweep", {})
+    if sweep.get("cells"):
+        lines += ["", "| row | batch | repeat | status | samples/s | GPU use % | SM active % | MFU |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+        for c in sweep["cells"]:
+            def fmt(v: Any, f: str) -> str:
+                return "" if v is None else format(v, f)
+            lines.append(f"| {c['label']} | {c['batch_size']} | {c['repeat']} | {c['status']} "
+                         f"| {fmt(c['throughput'], ',.0f')} | {fmt(c['gpu_util_percent'], '.1f')} "
+                         f"| {fmt(c['sm_active_percent'], '.1f')} | {fmt(c['mfu'], '.4f')} |")
+    (check.out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for everything the check writes")
+    parser.add_argument("--wheels", help="a folder of wheels for requirements/gpu-check.txt (installed without an "
+                                         "index)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run the same steps on the CPU with tiny sizes")
+    parser.add_argument("--frameworks", default="pytorch,jax", help="default: pytorch,jax")
+    parser.add_argument("--entry-python", action="append", default=[], metavar="FRAMEWORK=PYTHON",
+                        help="the interpreter of one framework's entry (default: the check's own)")
+    parser.add_argument("--interpreter", default=os.environ.get("HARNESS_CHECK_PYTHON", "python3"),
+                        help="the interpreter that runs the harness and, by default, every entry (gpu-check.sh's "
+                             "--python)")
+    parser.add_argument("--budget-s", type=float, default=570, help="wall-time budget for all steps (default 570)")
+    args = parser.parse_args(argv)
+    check = Check(args)
+    print(f"gpu-check: device {check.device}, interpreter {check.python}, output {check.out}", file=sys.stderr)
+    step_install(check, args.wheels)
+    if step_environment(check):
+        for step in (step_gpu_tests, step_sweep, step_max_batch, step_sampler_overhead):
+            try:
+                step(check)
+            except Exception as err:  # noqa: BLE001 - one step's surprise must not stop the others
+                check.record(step.__name__[5:], "failed", time.monotonic(), reason=f"{type(err).__name__}: {err}")
+    check.summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    failed = [name for name, step in check.summary["steps"].items() if step["status"] == "failed"]
+    check.summary["failed"] = failed
+    (check.out / "summary.json").write_text(json.dumps(check.summary, indent=2), encoding="utf-8")
+    write_markdown(check)
+    print(f"gpu-check: {'failed: ' + ', '.join(failed) if failed else 'every step passed'}; {check.out}/summary.json",
+          file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""scripts/gpu-check.sh, proven on the CPU before it meets a GPU: --allow-cpu runs every step with tiny sizes (the
+entries in this test's interpreters), writes summary.json, summary.md, env.json and the run's reports, and a failing
+step leaves the others running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+JAX = ROOT / "envs" / "jax" / "bin" / "python"
+
+
+def gpu_check(out, *args, timeout=400):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--python", sys.executable, "--allow-cpu",
+                           "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_report(tmp_path):
+    if not JAX.exists():
+        pytest.fail("envs/jax is missing: make envs")
+    wheels = tmp_path / "wheels"  # every requirement is already installed: pip needs no wheel for it
+    wheels.mkdir()
+    done = gpu_check(tmp_path / "out", "--wheels", str(wheels), "--entry-python", f"jax={JAX}")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    steps = summary["steps"]
+    assert done.returncode == 0, (done.stderr[-3000:], summary)
+    assert list(steps) == ["install", "environment", "gpu_tests", "sweep", "max_batch", "sampler_overhead"]
+    assert steps["install"]["status"] == "ok" and steps["environment"]["status"] == "ok"
+    assert steps["gpu_tests"]["status"] == "not run" and steps["gpu_tests"]["collected"] >= 4  # never a pass
+    sweep = steps["sweep"]
+    assert sweep["status"] == "ok" and sweep["trials"] == sweep["ok"] == 4  # 2 frameworks x 2 batch sizes
+    assert {c["label"] for c in sweep["cells"]} == {"pytorch", "jax"}
+    assert all(c["throughput"] > 0 for c in sweep["cells"])
+    assert [p.rsplit("/", 1)[1] for p in sweep["reports"]] == ["report.md", "report.html"]
+    for framework in ("pytorch", "jax"):
+        found = steps["max_batch"]["results"][framework]
+        assert found["limit"] and found["limit_ok_in_probes"] >= 2
+    cells = steps["sampler_overhead"]["cells"]
+    assert {c["framework"] for c in cells} == {"pytorch", "jax"} and all(c["ratios"] for c in cells)
+    assert json.loads((tmp_path / "out" / "env.json").read_text())["python"]
+    assert "| sweep | ok |" in (tmp_path / "out" / "summary.md").read_text()
+    spec = json.loads((tmp_path / "out" / "gpu-check.yaml").read_text())
+    assert spec["frameworks"] == [{"name": "pytorch", "python": sys.executable}, {"name": "jax", "python": str(JAX)}]
+
+
+def test_a_failing_step_leaves_the_others_running_and_the_check_exits_1(tmp_path):
+    done = gpu_check(tmp_path, "--frameworks", "nosuch", timeout=200)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert done.returncode == 1
+    statuses = {name: step["status"] for name, step in summary["steps"].items()}
+    assert statuses == {"install": "ok", "environment": "ok", "gpu_tests": "not run", "sweep": "failed",
+                        "max_batch": "failed", "sampler_overhead": "failed"}
+    assert summary["failed"] == ["sweep", "max_batch", "sampler_overhead"]
+    assert "nosuch" in summary["steps"]["sweep"]["reason"]
