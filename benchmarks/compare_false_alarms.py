@@ -13,8 +13,9 @@ Then every pair is compared with ``harness.studies.compare.compare_runs`` at the
 - false alarms: a plain run against every other plain run (A_i vs B_j and A_i vs A_j, i != j: the same round or
   hours apart, as a nightly against its last good run), an alarm being any regression in the comparison (the
   nightly's exit 1);
-- each twice: without a history (only the repeats inside the two runs measure the noise) and with a history of every
-  plain run (``--history``: the run-to-run spread of the cells' medians joins the noise, as in the nightly job);
+- each twice: without a history (the repeats inside the two runs and the assumed run-to-run drift, ``--drift-pct``:
+  the comparison's default, or 0 for the repeats alone) and with a history of every plain run (``--history``: the
+  run-to-run spread of the cells' medians joins the noise, as in the nightly job);
 - detection: a plain run against every slowed run; "caught" means the throughput of both batch sizes was called a
   regression, "any" that the comparison failed at all.
 
@@ -26,6 +27,9 @@ slowed row, all inside each run (``compare_rows``). Use more repeats here: a cel
 repeat-to-repeat spread, and on this project's 2-core VM 16 repeats at batch 128 caught the 30 % slowdown in 8 of 8
 comparisons where 8 repeats missed it in one cell of six (README, "Nightly runs").
 
+It also prints the run-to-run drift the plain runs show: the spread of their cells' medians (log scale) beyond
+what their repeats explain, sqrt(s_medians^2 - (pi / 2) s_repeats^2 / r), the figure the drift default rests on.
+
 The table gives each rate with its count and a 95 % Clopper-Pearson interval (scipy.stats.binomtest); pairs that
 share a run are not independent, so read the intervals as optimistic. The runs are kept in ``--runs`` so that the
 comparison can be re-evaluated (``--evaluate-only``) without running them again.
@@ -33,6 +37,7 @@ comparison can be re-evaluated (``--evaluate-only``) without running them again.
     .venv/bin/python benchmarks/compare_false_alarms.py                  # 6 rounds: 24 runs, about 10 minutes
     .venv/bin/python benchmarks/compare_false_alarms.py --rounds 10 --repeats 5
     .venv/bin/python benchmarks/compare_false_alarms.py --evaluate-only --runs /tmp/compare-runs
+    .venv/bin/python benchmarks/compare_false_alarms.py --evaluate-only --runs /tmp/compare-runs --drift-pct 0
     .venv/bin/python benchmarks/compare_false_alarms.py --interleaved --rounds 4 --repeats 16 --batch-sizes 128 --runs /tmp/ab16
 """
 
@@ -50,9 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.planted import REGISTRATION, REGISTRATION_ALL  # noqa: E402
 from harness.plan import checked_spec  # noqa: E402
-from harness.studies.compare import DEFAULT_THRESHOLD_PCT, compare_rows, compare_runs  # noqa: E402
+from harness.studies.compare import (  # noqa: E402
+    DEFAULT_DRIFT_PCT, DEFAULT_THRESHOLD_PCT, MEDIAN_SE, compare_rows, compare_runs)
 from harness.studies.sweep import run_spec  # noqa: E402
 
 KINDS = {"A": 0.0, "B": 0.0, "slow10": 0.10, "slow30": 0.30}
@@ -79,6 +84,8 @@ def spec_for(repeats: int, batch_sizes: list[int], interleaved: bool = False):
 
 
 def collect(runs: Path, rounds: int, repeats: int, batch_sizes: list[int]) -> None:
+    from benchmarks.planted import REGISTRATION  # here, not above: --evaluate-only needs no adapter
+
     os.environ["HARNESS_ADAPTERS"] = REGISTRATION
     os.environ["PYTHONPATH"] = str(ROOT)
     spec = spec_for(repeats, batch_sizes)
@@ -99,6 +106,8 @@ def collect(runs: Path, rounds: int, repeats: int, batch_sizes: list[int]) -> No
 
 def collect_interleaved(runs: Path, rounds: int, repeats: int, batch_sizes: list[int]) -> None:
     """One run a round, its four rows side by side (``AB_ROWS``)."""
+    from benchmarks.planted import REGISTRATION_ALL
+
     os.environ["HARNESS_ADAPTERS"] = REGISTRATION_ALL
     os.environ["PYTHONPATH"] = str(ROOT)
     os.environ["HARNESS_PLANTED_SLOWDOWN"] = "0"
@@ -157,16 +166,43 @@ def history_of_plain_runs(runs: Path, plain: list[str]) -> Path:
     return path
 
 
-def evaluate(runs: Path, threshold: float, with_history: bool) -> list[dict]:
+def measured_drift(runs: Path) -> dict:
+    """The run-to-run drift of the plain runs' throughput: the pooled spread of each cell's run medians (log),
+    the part of it the repeats explain ((pi / 2) s^2 / r for a median of r repeats spread s), and what is left."""
+    import numpy as np
+
+    from harness.results.metrics import metrics_for
+    from harness.results.stats import log_spread
+    from harness.results.store import read_trials
+    from harness.results.tables import cell_values
+
+    rounds = json.loads((runs / "index.json").read_text())["rounds"]
+    plain = [read_trials(d[k]) for d in rounds for k in ("A", "B")]
+    metric = next(m for m in metrics_for("host") if m.key == "throughput")
+    sizes = sorted({r["batch_size"] for r in plain[0]})
+    cells = [[cell_values(run, metric, "planted", bs) for run in plain] for bs in sizes]
+    medians = log_spread([[float(np.median(v)) for v in runs_ if v] for runs_ in cells])
+    within = log_spread([v for runs_ in cells for v in runs_])
+    repeats = float(np.median([len(v) for runs_ in cells for v in runs_]))
+    if medians is None or within is None:
+        return {}
+    explained = MEDIAN_SE * within[0] / repeats ** 0.5
+    left = max(0.0, medians[0] ** 2 - explained ** 2) ** 0.5
+    return {"runs": len(plain), "repeats": repeats, "medians_pct": 100 * np.expm1(medians[0]),
+            "within_pct": 100 * np.expm1(within[0]), "explained_pct": 100 * np.expm1(explained),
+            "drift_pct": 100 * np.expm1(left)}
+
+
+def evaluate(runs: Path, threshold: float, with_history: bool, drift_pct: float = DEFAULT_DRIFT_PCT) -> list[dict]:
     """False-alarm and detection counts over every pair (see the module docstring); ``with_history``: each
-    comparison also gets the run-to-run spread of the plain runs."""
+    comparison also gets the run-to-run spread of the plain runs; ``drift_pct``: the drift assumed without one."""
     rounds = json.loads((runs / "index.json").read_text())["rounds"]
     plain = [d[k] for d in rounds for k in ("A", "B")]
     history_file = history_of_plain_runs(runs, plain) if with_history else None
-    label = " with history" if with_history else ""
+    label = " with history" if with_history else f", drift {drift_pct:g} % assumed"
 
     def compare(a: str, b: str):
-        return compare_runs(a, b, threshold, history_file=history_file)
+        return compare_runs(a, b, threshold, history_file=history_file, drift_pct=drift_pct)
 
     alarms = sum(compare(a, b)[1]["regressions"] > 0 for a, b in itertools.combinations(plain, 2))
     n_pairs = len(plain) * (len(plain) - 1) // 2
@@ -185,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-sizes", default="32,128")
     parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD_PCT)
+    parser.add_argument("--drift-pct", type=float, default=DEFAULT_DRIFT_PCT,
+                        help="the run-to-run drift compare assumes without a history (0: the repeats alone)")
     parser.add_argument("--evaluate-only", action="store_true", help="compare the runs already in --runs")
     parser.add_argument("--interleaved", action="store_true",
                         help="one run a round with plain and slowed rows side by side, compared inside the run")
@@ -196,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         collect_runs(runs, args.rounds, args.repeats, [int(b) for b in args.batch_sizes.split(",")])
     interleaved = json.loads((runs / "index.json").read_text()).get("interleaved", False)
     rows = (evaluate_interleaved(runs, args.threshold) if interleaved else
-            evaluate(runs, args.threshold, with_history=False) + evaluate(runs, args.threshold, with_history=True))
+            evaluate(runs, args.threshold, False, args.drift_pct) + evaluate(runs, args.threshold, True))
     n_rounds = len(json.loads((runs / "index.json").read_text())["rounds"])
     print(f"{n_rounds} rounds of {'one run of 4 rows' if interleaved else '4 runs'}; threshold {args.threshold:g} %\n")
     print("| pairs | n | compare failed (any regression) | 95 % interval | slowed throughput caught at every batch "
@@ -210,9 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row.get("resolvable", {}).get("Throughput"):
             r = row["resolvable"]["Throughput"]
-            spreads = ", ".join(f"{k} {r[k]:.1f} %" for k in ("within_pct", "between_pct") if r.get(k) is not None)
+            spreads = ", ".join(f"{k} {r[k]:.1f} %" for k in ("within_pct", "between_pct", "drift_pct")
+                                if r.get(k) is not None)
             print(f"\n{row['pairs']}: the first pair's comparison could resolve throughput changes of "
                   f"{r['pct']:.0f} % or more ({spreads}; {r['repeats']} repeats)")
+    drift = {} if interleaved else measured_drift(runs)
+    if drift:
+        print(f"\nrun-to-run drift of the {drift['runs']} plain runs' throughput: cell medians spread "
+              f"{drift['medians_pct']:.1f} %, their {drift['repeats']:g} repeats (spread {drift['within_pct']:.1f} %) "
+              f"explain {drift['explained_pct']:.1f} %, the drift beyond them {drift['drift_pct']:.1f} %")
     return 0
 
 

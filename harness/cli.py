@@ -163,6 +163,9 @@ def _results_parsers(sub: Any) -> None:
                               "this device joins the noise")
     compare.add_argument("--history-runs", type=int, default=10, metavar="N",
                          help="how many of the newest history runs (default 10)")
+    compare.add_argument("--drift-pct", type=float, default=None, metavar="PCT",
+                         help="without a history: the run-to-run drift of throughput assumed between the two runs "
+                              "(default 5, measured on a shared 2-core VM; 0: the repeats alone are the noise)")
     compare.add_argument("--out", help="write the Markdown here (default: NEW_RUN/compare-<base run>.md; with --rows "
                                        "RUN/compare-rows.md)")
     export = sub.add_parser("export", help="a run's tidy tables as CSV, Parquet or JSON files")
@@ -346,15 +349,16 @@ def _compare(args: argparse.Namespace) -> int:
         if not 0 < args.alpha < 1:
             raise ValueError(f"--alpha must be between 0 and 1, not {args.alpha:g}")
         if args.rows:
-            if args.new_run or args.history:
-                raise ValueError("--rows compares two rows of one run: give one run and no --history")
+            if args.new_run or args.history or args.drift_pct is not None:
+                raise ValueError("--rows compares two rows of one run: give one run and no --history or --drift-pct")
             rows, summary = compare_rows(args.base_run, *args.rows, args.threshold, alpha=args.alpha)
             default_out = Path(args.base_run) / "compare-rows.md"
         else:
             if not args.new_run:
                 raise ValueError("give two runs, or one run and --rows BASE_ROW NEW_ROW")
             rows, summary = compare_runs(args.base_run, args.new_run, args.threshold, alpha=args.alpha,
-                                         history_file=args.history, history_runs=args.history_runs)
+                                         history_file=args.history, history_runs=args.history_runs,
+                                         **({} if args.drift_pct is None else {"drift_pct": args.drift_pct}))
             default_out = Path(args.new_run) / f"compare-{Path(args.base_run).name}.md"
     except (FileNotFoundError, ValueError) as err:
         print(f"harness compare: {err}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The regression rule of ``harness compare`` on constructed runs with known noise: few false alarms between runs
 of the same distribution, large changes caught, changes inside the noise not, the run-to-run spread of a history
-joining the noise, and the statement of what a comparison can resolve."""
+joining the noise (and, without one, an assumed drift), and the statement of what a comparison can resolve.
+Tests of the within-run part alone pass ``drift_pct=0``."""
 
 from __future__ import annotations
 
@@ -13,18 +14,19 @@ import numpy as np
 import pytest
 
 from harness.results import store
-from harness.studies.compare import compare_runs, resolvable_lines, to_markdown
+from harness.studies.compare import DEFAULT_DRIFT_PCT, compare_runs, resolvable_lines, to_markdown
 from tests.test_report import record
 
 FRAMEWORKS, BATCH_SIZES = ("pytorch", "mxnet"), (8, 16, 32, 64)
 
 
-def make_run(path, throughput, repeats=3, accuracy=lambda fw, bs, r: 0.9):
+def make_run(path, throughput, repeats=3, accuracy=lambda fw, bs, r: 0.9, frameworks=FRAMEWORKS,
+             batch_sizes=BATCH_SIZES):
     """A run directory whose cell (fw, bs), repeat r has throughput(fw, bs, r)."""
     path.mkdir(parents=True)
     records = [record(fw, bs, r, throughput=throughput(fw, bs, r), accuracy=accuracy(fw, bs, r))
-               for r in range(repeats) for fw in FRAMEWORKS for bs in BATCH_SIZES]
-    spec = {"name": "t", "frameworks": list(FRAMEWORKS), "batch_sizes": list(BATCH_SIZES)}
+               for r in range(repeats) for fw in frameworks for bs in batch_sizes]
+    spec = {"name": "t", "frameworks": list(frameworks), "batch_sizes": list(batch_sizes)}
     store.write_json(path / "run.json", {"spec": spec, "device": "cpu", "environment": {},
                                          "planned_trials": [r["id"] for r in records]})
     for rec in records:
@@ -60,7 +62,8 @@ def test_a_large_change_is_caught_and_one_inside_the_noise_is_not(tmp_path):
     rng = np.random.default_rng(1)
     base = make_run(tmp_path / "base", noisy(rng))
     new = make_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5, ("mxnet", 32): 0.88}))
-    rows, summary = compare_runs(base, new)
+    assert regressions(compare_runs(base, new)[0]) == {("pytorch", 16, "Throughput")}
+    rows, summary = compare_runs(base, new, drift_pct=0)  # the repeats alone
     assert regressions(rows) == {("pytorch", 16, "Throughput")}
     row = next(r for r in rows if (r.framework, r.batch_size, r.metric) == ("mxnet", 32, "Throughput"))
     assert row.verdict == "same" and row.score < row.needed  # more than the 5 % threshold, less than the noise
@@ -77,7 +80,7 @@ def test_quiet_cells_resolve_small_changes(tmp_path):
     rng = np.random.default_rng(2)
     base = make_run(tmp_path / "base", noisy(rng, spread=0.005))
     new = make_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("mxnet", 8): 0.92}))
-    rows, summary = compare_runs(base, new)
+    rows, summary = compare_runs(base, new, drift_pct=0)  # e.g. a machine known not to drift
     assert regressions(rows) == {("mxnet", 8, "Throughput")}
     assert summary["resolvable"]["Throughput"]["pct"] == 5.0  # the threshold, not the noise, is the limit
 
@@ -98,7 +101,7 @@ def test_the_run_to_run_spread_of_a_history_joins_the_noise(tmp_path):
     rng = np.random.default_rng(4)
     base = make_run(tmp_path / "base", noisy(rng, spread=0.005))
     new = make_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("pytorch", 64): 0.8}))
-    assert regressions(compare_runs(base, new)[0]) == {("pytorch", 64, "Throughput")}
+    assert regressions(compare_runs(base, new, drift_pct=0)[0]) == {("pytorch", 64, "Throughput")}
     history_file = tmp_path / "history.jsonl"
     for i in range(8):  # earlier runs whose medians swing by 25 % from run to run
         cells = {f"{fw}/{bs}": {"throughput": 1000.0 * bs / 8 * math.exp(rng.normal(0, 0.25)), "status": "ok"}
@@ -114,13 +117,18 @@ def test_the_run_to_run_spread_of_a_history_joins_the_noise(tmp_path):
     assert compare_runs(base, new, history_file=history_file, history_runs=0)[1]["history_runs"] == 0
 
 
-def test_without_repeats_the_threshold_decides_and_says_so(tmp_path):
+def test_without_repeats_the_drift_decides_and_says_so(tmp_path):
     base = make_run(tmp_path / "base", lambda fw, bs, r: 1000.0, repeats=1)
-    new = make_run(tmp_path / "new", lambda fw, bs, r: 900.0 if (fw, bs) == ("mxnet", 16) else 1000.0, repeats=1)
+    slowed = {("mxnet", 16): 0.9, ("pytorch", 8): 0.5}
+    new = make_run(tmp_path / "new", lambda fw, bs, r: 1000.0 * slowed.get((fw, bs), 1.0), repeats=1)
     rows, summary = compare_runs(base, new)
-    assert regressions(rows) == {("mxnet", 16, "Throughput")}
+    assert regressions(rows) == {("pytorch", 8, "Throughput")}  # 10 % is inside a 5 % drift between two runs
+    assert all(r.noise.endswith("(drift only, no repeats)") for r in rows if r.metric == "Throughput")
+    assert summary["tests"] == 8 and summary["resolvable"]["Throughput"]["within_pct"] is None
+    rows, summary = compare_runs(base, new, drift_pct=0)  # no drift assumed: the threshold alone, as it says
+    assert regressions(rows) == {("mxnet", 16, "Throughput"), ("pytorch", 8, "Throughput")}
     assert {r.noise for r in rows if r.metric == "Throughput"} == {"threshold only (no repeats)"}
-    assert summary["tests"] == 0 and summary["resolvable"] == {}
+    assert summary["tests"] == 0 and summary["resolvable"] == {} and summary["drift_pct"] is None
 
 
 def test_an_accuracy_drop_with_identical_repeats_is_decided_by_the_threshold(tmp_path):
@@ -185,7 +193,7 @@ def test_two_rows_of_one_run_cancel_the_drift_between_runs(tmp_path):
 
     rng = np.random.default_rng(7)
     runs = [make_ab_run(tmp_path / f"r{i}", rng, drift=0.2) for i in range(12)]
-    between = sum(compare_runs(a, b)[1]["regressions"] > 0 for a, b in zip(runs[::2], runs[1::2]))
+    between = sum(compare_runs(a, b, drift_pct=0)[1]["regressions"] > 0 for a, b in zip(runs[::2], runs[1::2]))
     within = sum(compare_rows(run, "A", "B")[1]["regressions"] > 0 for run in runs)
     assert between >= 2 and within <= 1, (between, within)
     for i in range(5):
@@ -209,3 +217,80 @@ def test_rows_on_the_command_line(tmp_path):
     assert proc.returncode == 2 and "give one run" in proc.stderr
     proc = cli(run)
     assert proc.returncode == 2 and "give two runs, or one run and --rows" in proc.stderr
+
+
+def two_runs(tmp_path, change, spread=0.025, repeats=5, name="", history=None):
+    """The user's case from issue 27: one framework at batch 32 and 64, ``repeats`` repeats spread by exactly
+    ``spread`` (log standard deviation) in both runs, every cell of the new run ``change`` (-0.082: 8.2 % slower)."""
+    pattern = np.arange(repeats) - (repeats - 1) / 2
+    pattern = pattern / pattern.std(ddof=1) * spread
+    kw = dict(repeats=repeats, frameworks=("pytorch",), batch_sizes=(32, 64))
+    base = make_run(tmp_path / f"base{name}", lambda fw, bs, r: 100.0 * bs * math.exp(pattern[r]), **kw)
+    new = make_run(tmp_path / f"new{name}", lambda fw, bs, r: 100.0 * bs * (1 + change) * math.exp(pattern[r]), **kw)
+    return base, new
+
+
+def test_two_runs_minutes_apart_do_not_call_a_drift_of_the_whole_run_a_regression(tmp_path):
+    """-8.2 % at both batch sizes, repeats spread 2.5 %: about 4 standard errors of the repeats alone (the old rule
+    called it a regression), inside what the default run-to-run drift (5 %) allows; the output says so."""
+    base, new = two_runs(tmp_path, -0.082)
+    rows, summary = compare_runs(base, new, drift_pct=0)
+    assert regressions(rows) == {("pytorch", 32, "Throughput"), ("pytorch", 64, "Throughput")}
+    assert all(r.score > 4 for r in rows if r.metric == "Throughput")
+    rows, summary = compare_runs(base, new)
+    assert regressions(rows) == set() and summary["regressions"] == 0
+    assert DEFAULT_DRIFT_PCT == 5.0 and summary["drift_pct"] == pytest.approx(DEFAULT_DRIFT_PCT)
+    row = next(r for r in rows if r.metric == "Throughput")
+    assert row.change_pct == pytest.approx(-8.2) and row.score < row.needed and row.noise.endswith(", with drift")
+    resolvable = summary["resolvable"]["Throughput"]
+    assert resolvable["drift_pct"] == pytest.approx(5.0) and 8.2 < resolvable["pct"] < 40
+    assert resolvable["repeats_for_threshold"] == 0  # no number of repeats beats the drift
+    text = to_markdown(rows, summary)
+    assert "Without a history: between-run drift floor 5.0 % assumed" in text
+    assert "no number of repeats resolves 5 %" in text
+    # a lower floor, for a machine known to drift less, resolves less
+    assert compare_runs(base, new, drift_pct=1.0)[1]["regressions"] == 2
+    with pytest.raises(ValueError, match="0 or more percent"):
+        compare_runs(base, new, drift_pct=-1)
+
+
+def test_a_30_percent_drop_is_still_a_regression_without_a_history(tmp_path):
+    base, new = two_runs(tmp_path, -0.30)
+    rows, summary = compare_runs(base, new)
+    assert regressions(rows) == {("pytorch", 32, "Throughput"), ("pytorch", 64, "Throughput")}
+    assert summary["drift_pct"] is not None
+
+
+def test_with_a_history_its_spread_replaces_the_assumed_drift(tmp_path):
+    """A history whose run medians spread 1 %: its spread is the between-run noise (as before the drift floor), so
+    the -8.2 % change is a regression again and no drift is assumed; a history of one run has no spread yet."""
+    rng = np.random.default_rng(9)
+    base, new = two_runs(tmp_path, -0.082)
+    history_file = tmp_path / "history.jsonl"
+    for i in range(8):
+        cells = {f"pytorch/{bs}": {"throughput": 100.0 * bs * math.exp(rng.normal(0, 0.01)), "status": "ok"}
+                 for bs in (32, 64)}
+        store.append_line(history_file, {"run": f"old{i}", "spec": "t", "device": None, "cells": cells})
+    rows, summary = compare_runs(base, new, history_file=history_file)
+    assert regressions(rows) == {("pytorch", 32, "Throughput"), ("pytorch", 64, "Throughput")}
+    assert summary["history_runs"] == 8 and summary["drift_pct"] is None
+    assert summary["resolvable"]["Throughput"]["between_pct"] < 2
+    assert "drift floor" not in to_markdown(rows, summary)
+    assert all(not r.noise.endswith("with drift") for r in rows)
+    rows, summary = compare_runs(base, new, history_file=history_file, history_runs=1)
+    assert regressions(rows) == set() and summary["drift_pct"] == pytest.approx(5.0)
+
+
+def test_drift_on_the_command_line(tmp_path):
+    base, new = two_runs(tmp_path, -0.082)
+    cli = lambda *args: subprocess.run([sys.executable, "-m", "harness", "compare", *map(str, args)],
+                                       capture_output=True, text=True, timeout=120)
+    proc = cli(base, new)
+    assert proc.returncode == 0 and "0 regression(s)" in proc.stdout
+    assert "Without a history: between-run drift floor 5.0 % assumed" in proc.stdout
+    proc = cli(base, new, "--drift-pct", "0")
+    assert proc.returncode == 1 and "2 regression(s)" in proc.stdout and "drift floor" not in proc.stdout
+    proc = cli(base, new, "--drift-pct", "-3")
+    assert proc.returncode == 2 and "0 or more percent" in proc.stderr
+    proc = cli(base, "--rows", "pytorch", "pytorch", "--drift-pct", "2")
+    assert proc.returncode == 2 and "no --history or --drift-pct" in proc.stderr

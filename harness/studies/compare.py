@@ -12,14 +12,24 @@ A cell's value is the median over its ok repeats (as in the report), and the cha
 - Noise between runs, with a history file: the spread of the cell's run medians over the last ``history_runs`` runs
   of the same spec on the same device, pooled and moderated the same way. Repeats measure the noise inside one run;
   the machine also drifts from one run to the next, and only a history sees that.
-- The standard error of the log change is the larger of sqrt(pi / 2) x s_within x sqrt(1 / n_base + 1 / n_new)
-  (sqrt(pi / 2): a median's standard error over a mean's, for normal noise) and sqrt(2) x s_between.
+- Noise between runs, without a history (throughput only): a run-to-run drift ``d`` of a whole run's speed,
+  assumed, not measured (``drift_pct``, default ``DEFAULT_DRIFT_PCT``; ``--drift-pct``). Two runs minutes apart differ
+  by more than their repeats do, and two runs alone cannot tell a shift of the whole run from a change of the code.
+  No part of a run measures the machine apart from the code (timed warm-up work runs the code under test), so the
+  default is a floor measured on this project's shared 2-core VM (README "Nightly runs"): quiet runs' medians spread
+  2 to 3 %, an earlier set's run-level drift was about 7 %, a loaded spell's 16 % (which also widens the repeats);
+  5 % covers the quiet drift with room and leaves the planted 30 % slowdown mostly caught. At 0 the rule is the
+  within-run one alone; a machine that measured its own drift can pass it, or build a history.
+- The standard error of the log change: with a history, the larger of sqrt(pi / 2) x s_within x sqrt(1 / n_base +
+  1 / n_new) (sqrt(pi / 2): a median's standard error over a mean's, for normal noise) and sqrt(2) x s_between (a
+  spread of run medians holds the repeats' noise); without one, sqrt(within part^2 + 2 d^2) (the drift adds to it).
 - The change is beyond the noise when its log exceeds t(1 - alpha / m, df) standard errors, where m is the number of
   (cell, metric) tests in the comparison that noise could fail (a standard error above zero; Bonferroni): where the
   noise model holds, the chance that a comparison of two runs of the same code raises any false alarm is at most
   ``alpha`` (5 % by default), however many cells it has.
 
-Without repeats or a history there is no noise estimate and the threshold alone decides; the row says so. For each
+Without repeats the drift alone is the noise of throughput, and a metric with neither repeats, a history nor a
+drift (accuracy, memory) is decided by the threshold alone; the row says so. For each
 metric the summary states what the comparison could resolve: the smallest change it would call a regression in a
 cell with the runs' typical repeats, and about how many repeats a change of the threshold's size would need.
 ``benchmarks/compare_false_alarms.py`` measures the false-alarm and detection rates this rule gives on a machine.
@@ -52,6 +62,8 @@ COMPARED = {"throughput": True, "accuracy": True, "memory": False, "allocator_pe
 DEFAULT_THRESHOLD_PCT = 5.0
 DEFAULT_ALPHA = 0.05  # the chance of any false alarm in a comparison of two runs of the same code
 DEFAULT_HISTORY_RUNS = 10
+DEFAULT_DRIFT_PCT = 5.0  # assumed run-to-run drift without a history (module docstring)
+DRIFTING = {"throughput"}  # metrics that move with the machine's speed from one run to the next
 PRIOR_DF = 4  # degrees of freedom the pooled spread lends each cell's own (stats.moderated)
 MEDIAN_SE = math.sqrt(math.pi / 2)
 
@@ -83,17 +95,24 @@ class _Test:
     n_new: int
     within: tuple[float, int] | None  # (s, df) of log values, moderated
     between: tuple[float, int] | None
+    drift: float = 0.0  # assumed run-to-run drift (log scale) when there is no history spread
 
     def standard_error(self) -> float | None:
-        parts = []
-        if self.within is not None:
-            parts.append(MEDIAN_SE * self.within[0] * math.sqrt(1 / self.n_base + 1 / self.n_new))
+        within = (None if self.within is None else
+                  MEDIAN_SE * self.within[0] * math.sqrt(1 / self.n_base + 1 / self.n_new))
         if self.between is not None:
-            parts.append(math.sqrt(2) * self.between[0])
-        return max(parts) if parts else None
+            return max(within or 0.0, math.sqrt(2) * self.between[0])
+        if self.drift > 0:
+            return math.sqrt((within or 0.0) ** 2 + 2 * self.drift ** 2)
+        return within
 
-    def df(self) -> int:
-        return max(part[1] for part in (self.within, self.between) if part is not None)
+    def drifting(self) -> bool:
+        """Whether the assumed drift is part of this test's noise."""
+        return self.between is None and self.drift > 0
+
+    def df(self) -> float:
+        dfs = [part[1] for part in (self.within, self.between) if part is not None]
+        return max(dfs) if dfs else math.inf  # the drift alone is assumed, not estimated
 
 
 def _cells(records: list[dict[str, Any]]) -> set[tuple[str, int]]:
@@ -118,13 +137,19 @@ def history_medians(history_file: str | Path | None, spec_name: str, device: str
 
 def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float = DEFAULT_THRESHOLD_PCT,
                  alpha: float = DEFAULT_ALPHA, history_file: str | Path | None = None,
-                 history_runs: int = DEFAULT_HISTORY_RUNS) -> tuple[list[Row], dict[str, Any]]:
+                 history_runs: int = DEFAULT_HISTORY_RUNS,
+                 drift_pct: float = DEFAULT_DRIFT_PCT) -> tuple[list[Row], dict[str, Any]]:
     """Rows for every cell of either run and every compared metric, and a summary (run names, devices, counts, and
-    per metric what the comparison could resolve). Raises FileNotFoundError when a directory is not a run."""
+    per metric what the comparison could resolve). ``drift_pct``: the run-to-run drift assumed where no history
+    spread is known (module docstring). Raises FileNotFoundError when a directory is not a run, ValueError for a
+    negative ``drift_pct``."""
+    if not drift_pct >= 0:
+        raise ValueError(f"the drift must be 0 or more percent, not {drift_pct:g}")
     base_run, new_run = read_run(base_dir), read_run(new_dir)
     past = history_medians(history_file, new_run.get("spec", {}).get("name"), history.device_name(new_run),
                            {Path(new_dir).name}, history_runs)
-    rows, summary = _compare(read_trials(base_dir), read_trials(new_dir), past, threshold_pct, alpha)
+    rows, summary = _compare(read_trials(base_dir), read_trials(new_dir), past, threshold_pct, alpha,
+                             math.log1p(drift_pct / 100))
     summary.update(base=Path(base_dir).name, new=Path(new_dir).name, base_device=base_run.get("device"),
                    new_device=new_run.get("device"))
     if base_run.get("spec", {}).get("name") != new_run.get("spec", {}).get("name"):
@@ -160,7 +185,7 @@ def compare_rows(run_dir: str | Path, base_row: str, new_row: str, threshold_pct
 
 
 def _compare(base: list[dict[str, Any]], new: list[dict[str, Any]], past: list[dict[str, Any]],
-             threshold_pct: float, alpha: float) -> tuple[list[Row], dict[str, Any]]:
+             threshold_pct: float, alpha: float, drift: float = 0.0) -> tuple[list[Row], dict[str, Any]]:
     """The rows and the summary's counts for two sets of trial records (cells keyed by row and batch size)."""
     backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
     metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
@@ -184,10 +209,11 @@ def _compare(base: list[dict[str, Any]], new: list[dict[str, Any]], past: list[d
             row = Row(fw, bs, metric.title, b, n, (n - b) / b * 100 if b else None, "", "same")
             rows.append(row)
             tests.append(_Test(key, row, len(b_values), len(n_values), log_spread([b_values, n_values]),
-                               _history_spread(past, key, fw, bs)))
+                               _history_spread(past, key, fw, bs), drift if key in DRIFTING else 0.0))
     resolvable = _judge(tests, metrics, threshold_pct, alpha)
     summary = {
         "threshold_pct": threshold_pct, "alpha": alpha, "history_runs": len(past), "tests": _noisy(tests),
+        "drift_pct": math.expm1(drift) * 100 if any(t.drifting() for t in tests) else None,
         "regressions": sum(r.verdict == "regression" for r in rows), "resolvable": resolvable,
         "missing": [f"{r.framework} bs{r.batch_size}: {r.verdict}" for r in rows
                     if r.verdict in ("base only", "new only", "failed in base", "failed in new")],
@@ -237,23 +263,37 @@ def _judge(tests: list[_Test], metrics: dict[str, Metric], threshold_pct: float,
             beyond = row.score > row.needed
             row.noise = (f"{row.score:.1f} se, needs {row.needed:.1f}" if math.isfinite(row.score)
                          else "no spread in repeats")
+            if t.drifting():
+                row.noise += ", with drift" if t.within is not None else " (drift only, no repeats)"
         row.verdict = ("regression" if worse and beyond else "improvement" if better and beyond else "same")
     for key, metric in metrics.items():
         mine = [t for t in tests if t.key == key and t.standard_error() is not None]
         if not mine:
             continue
         n = int(np.median([min(t.n_base, t.n_new) for t in mine]))
-        needed = float(scipy_stats.t.ppf(1 - alpha / count, int(np.median([t.df() for t in mine]))))
+        needed = float(scipy_stats.t.ppf(1 - alpha / count, float(np.median([t.df() for t in mine]))))
         se = float(np.median([t.standard_error() for t in mine]))
         within, between = pooled_within[key], pooled_between[key]
+        drift = max((t.drift for t in mine if t.drifting()), default=0.0)
         resolvable[metric.title] = {
             "pct": max(threshold_pct, math.expm1(needed * se) * 100), "repeats": n, "cells": len(mine),
             "within_pct": None if within is None else math.expm1(within[0]) * 100,
             "between_pct": None if between is None else math.expm1(between[0]) * 100,
-            "repeats_for_threshold": (None if within is None or within[0] == 0 else
-                                      math.ceil(2 * (needed * MEDIAN_SE * within[0] / limit) ** 2)),
+            "drift_pct": math.expm1(drift) * 100 if drift else None,
+            "repeats_for_threshold": _repeats_for(limit / needed, None if within is None else within[0], drift),
         }
     return resolvable
+
+
+def _repeats_for(se_limit: float, within: float | None, drift: float) -> int | None:
+    """Repeats a side for a standard error of ``se_limit``: 2 x (pi / 2) s^2 / r + 2 d^2 <= se_limit^2 (0 when
+    the drift alone already exceeds it: no number of repeats gets there)."""
+    room = se_limit ** 2 - 2 * drift ** 2
+    if room <= 0:
+        return 0
+    if within is None or within == 0:
+        return None
+    return math.ceil(2 * MEDIAN_SE ** 2 * within ** 2 / room)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -263,12 +303,23 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def resolvable_lines(summary: dict[str, Any]) -> list[str]:
     """One line per metric: what this comparison could tell apart from noise, and what it would take."""
     lines = []
+    if summary.get("drift_pct") is not None:
+        lines.append(f"- Without a history: between-run drift floor {summary['drift_pct']:.1f} % assumed for "
+                     "throughput (runs minutes apart differ by more than their repeats, and two runs cannot tell a "
+                     "shift of the whole run from a change; --drift-pct sets it, --history measures it, --rows "
+                     "cancels it)")
     for title, r in summary.get("resolvable", {}).items():
         spreads = [f"repeat-to-repeat spread {r['within_pct']:.1f} %" if r.get("within_pct") is not None else "",
                    f"run-to-run spread {r['between_pct']:.1f} % over {summary['history_runs']} history runs"
-                   if r.get("between_pct") is not None else ""]
-        more = (f"; {summary['threshold_pct']:g} % would take about {r['repeats_for_threshold']} repeats"
-                if r.get("repeats_for_threshold") and r["pct"] > summary["threshold_pct"] else "")
+                   if r.get("between_pct") is not None else "",
+                   f"assumed drift {r['drift_pct']:.1f} %" if r.get("drift_pct") is not None else ""]
+        if r.get("repeats_for_threshold") == 0 and r["pct"] > summary["threshold_pct"]:
+            more = (f"; no number of repeats resolves {summary['threshold_pct']:g} % against the assumed drift: "
+                    "a history or an interleaved run (--rows) can")
+        elif r.get("repeats_for_threshold") and r["pct"] > summary["threshold_pct"]:
+            more = f"; {summary['threshold_pct']:g} % would take about {r['repeats_for_threshold']} repeats"
+        else:
+            more = ""
         lines.append(f"- {title}: changes under {r['pct']:.1f} % cannot be told apart from noise on this machine "
                      f"with {r['repeats']} repeat(s) ({'; '.join(filter(None, spreads))}; {r['cells']} cells){more}")
     return lines
