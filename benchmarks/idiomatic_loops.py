@@ -291,7 +291,7 @@ def run_mxnet(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     import builtins
     import warnings
 
-    with warnings.catch_warnings():  # MXNet 1.9.1 needs numpy's removed aliases (as adapters/mxnet.py restores)
+    with warnings.catch_warnings():  # MXNet 1.9.1 needs numpy's removed aliases (as adapters/mxnet/runtime.py restores)
         warnings.simplefilter("ignore")
         for alias in ("bool", "int", "float", "complex", "object", "str"):
             if not hasattr(np, alias):
@@ -364,7 +364,7 @@ def run_mxnet(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------------------- JAX
 
 def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    # The same thread setting as adapters/jax.py: with one thread, XLA's Eigen pool off (before jax is imported).
+    # The same thread setting as adapters/jax/adapter.py: with one thread, XLA's Eigen pool off (before jax is imported).
     if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from adapters.pytorch import PyTorchAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
 
 REGISTRATION = "planted=benchmarks.planted:PlantedSlowdown"
 #: Fixed slowdowns under names of their own, for one run that holds plain and slowed entries side by side
@@ -29,9 +29,9 @@ class PlantedSlowdown(PyTorchAdapter):
         self.slowdown = (self.fixed if self.fixed is not None
                          else float(os.environ.get("HARNESS_PLANTED_SLOWDOWN", "0") or 0))
 
-    def train_step(self, indices, micro_batches=1):
+    def train_step(self, indices, micro_batches=1, position=None):
         start = time.perf_counter()
-        super().train_step(indices, micro_batches)  # synchronous on the CPU
+        super().train_step(indices, micro_batches, position)  # synchronous on the CPU
         if self.slowdown:
             deadline = time.perf_counter() + self.slowdown * (time.perf_counter() - start)
             while time.perf_counter() < deadline:

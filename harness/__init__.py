@@ -1,4 +1,5 @@
-"""harness: train the same model under PyTorch, TensorFlow and MXNet across batch sizes, and measure it honestly.
+"""harness: train the same model under each framework of the adapters registry (PyTorch, TensorFlow, MXNet, JAX)
+across batch sizes, and measure it honestly.
 
 The core package never imports a framework; adapters (the top-level ``adapters`` package) do, in worker processes.
 """

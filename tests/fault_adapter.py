@@ -85,7 +85,7 @@ class FaultAdapter(Adapter):
         p = np.exp(z)
         return p / p.sum(axis=1, keepdims=True)
 
-    def train_step(self, indices, micro_batches=1):  # the loop is the same with accumulation: it is ignored
+    def train_step(self, indices, micro_batches=1, position=None):  # the loop is the same with accumulation: it is ignored
         self._maybe_fault(len(indices))
         x, y = self.x[indices], self.y[indices]
         p = self._probs(x)
@@ -102,9 +102,6 @@ class FaultAdapter(Adapter):
         mean = self.loss_sum / self.loss_steps if self.loss_steps else float("nan")
         steps, self.loss_sum, self.loss_steps = self.loss_steps, 0.0, 0
         return mean, steps
-
-    def sync(self):
-        return self.read_loss()[0]
 
     def evaluate(self, batch_size):
         p = self._probs(self.xt)

@@ -26,9 +26,9 @@ import itertools
 import numpy as np
 import pytest
 
-from adapters.mxnet import MXNetAdapter
-from adapters.pytorch import PyTorchAdapter
-from adapters.tensorflow import TensorFlowAdapter
+from adapters.mxnet.adapter import MXNetAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
+from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from adapters.pytorch import PyTorchAdapter  # noqa: E402
+from adapters.pytorch.adapter import PyTorchAdapter  # noqa: E402
 
 BATCH = 2
 

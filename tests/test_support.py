@@ -3,7 +3,9 @@ plan time for the built-in adapters (no framework imported), in the worker for t
 
 from __future__ import annotations
 
-import ast
+import dataclasses
+
+import pytest
 
 import adapters
 from adapters import base
@@ -12,7 +14,7 @@ from harness.plan import checked_spec, unsupported_reason
 from harness.results import report, store
 from harness.spec import ModelSpec
 from harness.studies import sweep
-from tests.conftest import ROOT, TINY_CNN, base_spec
+from tests.conftest import TINY_CNN, base_spec
 from tests.fault_adapter import FaultAdapter
 
 RESIDUAL_CNN = [
@@ -24,71 +26,70 @@ RESIDUAL_CNN = [
 ]
 
 
-def declarations(target: str) -> dict[str, object]:
-    """The support attributes an adapter class declares (SUPPORTED_LAYERS, SUPPORTED_TASKS, PRECISIONS,
-    COMPILE_MODES, DEFAULT_COMPILE, ATTENTION), read from its module's source (importing it would import its framework): each
-    assignment's expression evaluated among adapters.base's names; one it does not declare has the base class's
-    value."""
-    module, _, cls = target.partition(":")
-    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
-    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
-    names = ("SUPPORTED_LAYERS", "SUPPORTED_TASKS", "PRECISIONS", "COMPILE_MODES", "DEFAULT_COMPILE",
-             "ATTENTION")
-    found = {name: getattr(base.Adapter, name) for name in names}
-    for statement in node.body:
-        if isinstance(statement, ast.Assign) and isinstance(statement.targets[0], ast.Name):
-            name = statement.targets[0].id
-            if name in names:
-                found[name] = eval(compile(ast.Expression(statement.value), module, "eval"), vars(base))
-    return found
-
-
-def declared(target: str) -> tuple[frozenset[str], frozenset[str]]:
-    """The SUPPORTED_LAYERS and SUPPORTED_TASKS an adapter class declares (``declarations``)."""
-    found = declarations(target)
-    return found["SUPPORTED_LAYERS"], found["SUPPORTED_TASKS"]
-
-
-def test_the_registry_table_equals_what_each_adapter_declares():
-    assert set(adapters.BUILTIN_SUPPORT) == set(adapters.BUILTIN)
-    for name, target in adapters.BUILTIN.items():
-        assert declared(target) == adapters.BUILTIN_SUPPORT[name], name
-    # every built-in adapter builds every layer and task (each proven equal to PyTorch in tests/adapters/)
-    everything = (base.ALL_LAYERS, base.ALL_TASKS)
-    assert all(support == everything for support in adapters.BUILTIN_SUPPORT.values())
-
-
-def test_the_execution_table_equals_what_each_adapter_declares():
-    """adapters.BUILTIN_EXECUTION (what the plan decides from) against each class's PRECISIONS, COMPILE_MODES and
-    DEFAULT_COMPILE; every adapter trains in fp32 on both device kinds and has its default among its modes."""
-    assert set(adapters.BUILTIN_EXECUTION) == set(adapters.BUILTIN)
-    for name, target in adapters.BUILTIN.items():
-        found = declarations(target)
-        precisions, modes, default = adapters.BUILTIN_EXECUTION[name]
-        assert found["PRECISIONS"] == precisions, name
-        assert frozenset(found["COMPILE_MODES"]) == modes and found["DEFAULT_COMPILE"] == default, name
-        assert precisions["fp32"] == base.BOTH and default in modes, name
-
-
-def test_the_attention_table_equals_what_each_adapter_declares(monkeypatch):
-    """adapters.BUILTIN_ATTENTION (what the max-batch search predicts memory with) against each class's ATTENTION,
-    one of the implementations the memory model knows; an adapter of HARNESS_ADAPTERS gets the contract's default."""
+def test_every_declaration_is_complete_and_its_adapter_class_takes_it():
+    """Each registry record names its framework, title, distributions and a module:Class path inside its own package;
+    every adapter trains in fp32 on both device kinds, declares its default mode among its modes, every layer and
+    task (each proven equal to PyTorch in tests/adapters/) and an attention the memory model knows. The class a path
+    names takes its class-level facts from that record (checked where the framework is installed: tests/adapters,
+    and JAX's in its own environment by tests/adapters/jax_suite.py)."""
     from harness.neutral import memory
 
-    assert set(adapters.BUILTIN_ATTENTION) == set(adapters.BUILTIN)
-    for name, target in adapters.BUILTIN.items():
-        assert declarations(target)["ATTENTION"] == adapters.BUILTIN_ATTENTION[name] == adapters.attention(name), name
-        assert adapters.BUILTIN_ATTENTION[name] in memory.ATTENTIONS, name
-    assert base.Adapter.ATTENTION in memory.ATTENTIONS
+    assert list(adapters.BUILTIN) == ["pytorch", "tensorflow", "mxnet", "jax"]
+    for name, record in adapters.BUILTIN.items():
+        assert record.name == name and record.title and record.distributions, name
+        assert record.adapter.startswith(f"adapters.{name}.adapter:"), record.adapter
+        assert record.precisions["fp32"] == base.BOTH and record.default_compile in record.compile_modes, name
+        assert (record.layers, record.tasks) == (base.ALL_LAYERS, base.ALL_TASKS), name
+        assert record.attention in memory.ATTENTIONS and record.attention == adapters.attention(name), name
+        assert set(record.notes) <= set(record.precisions) | {"bf16", "tf32"}, name
+
+
+def test_a_declaration_that_contradicts_itself_is_refused():
+    record = adapters.BUILTIN["mxnet"]
+    for change, words in (({"default_compile": "eager", "compile_modes": {"compiled": "x"}}, "default mode"),
+                          ({"adapter": "adapters.mxnet.adapter"}, "not module:Class"),
+                          ({"cpu_allocator_cap": {"X": "{mib}"}}, "go together")):
+        with pytest.raises(ValueError, match=words):
+            dataclasses.replace(record, **change)
+
+
+def test_an_adapter_class_takes_its_facts_from_its_declaration():
+    """A class that names a record has exactly the record's facts; one that sets its own attributes gets a record
+    made of them; a subclass of either keeps its parent's."""
+    record = dataclasses.replace(adapters.BUILTIN["mxnet"], name="planted", precisions={"fp32": base.CPU},
+                                 notes={"fp16": "never"})
+
+    class Declared(FaultAdapter, declaration=record):
+        pass
+
+    assert Declared.name == "planted" and Declared.declaration is record
+    assert (Declared.PRECISIONS, Declared.COMPILE_MODES, Declared.DEFAULT_COMPILE) == (
+        record.precisions, record.compile_modes, "compiled")
+    assert Declared().unsupported_execution("fp32", "default", "cuda:0") == (
+        "the planted adapter does not train in fp32 on cuda (only on cpu)")
+    assert Declared().unsupported_execution("fp16", "default", "cpu").endswith(": never")
+
+    class Sub(Declared):
+        pass
+
+    assert Sub.declaration is record and Sub.name == "planted"
+    assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.layers == base.BASIC_LAYERS
+    assert FaultAdapter.declaration.adapter == "tests.fault_adapter:FaultAdapter"
+
+
+def test_an_adapter_of_harness_adapters_has_no_declaration_here(monkeypatch):
     monkeypatch.setenv("HARNESS_ADAPTERS", "pytorch=tests.fault_adapter:FaultAdapter")
+    assert adapters.declaration("pytorch") is None and adapters.declaration("other") is None
     assert adapters.attention("pytorch") == adapters.attention("other") == base.Adapter.ATTENTION
+    assert adapters.declaration("mxnet") is adapters.BUILTIN["mxnet"]
 
 
 def _before_blocks(monkeypatch, *names: str) -> None:
-    """The registry table as it was before TensorFlow and MXNet built blocks: for ``names``, the basic layers and
-    image classification only (a built-in adapter that lacks something, decided at plan time)."""
+    """The registry as it was before TensorFlow and MXNet built blocks: for ``names``, the basic layers and image
+    classification only (a built-in adapter that lacks something, decided at plan time)."""
     for name in names:
-        monkeypatch.setitem(adapters.BUILTIN_SUPPORT, name, (base.BASIC_LAYERS, base.IMAGE_TASKS))
+        monkeypatch.setitem(adapters.BUILTIN, name, dataclasses.replace(
+            adapters.BUILTIN[name], layers=base.BASIC_LAYERS, tasks=base.IMAGE_TASKS))
 
 
 def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):

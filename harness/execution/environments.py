@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.execution.bootstrap import PROBE_PREFIX
-from harness.spec import BUILTIN_FRAMEWORKS, ROOT, FrameworkEntry, Spec, SpecError
+from harness.spec import ROOT, FrameworkEntry, Spec, SpecError
 
 PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing TensorFlow alone takes seconds
 LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"}  # module -> distribution
@@ -66,6 +66,12 @@ def _probe_code() -> str:
 _CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
+def _declared_environment() -> dict[str, str]:
+    import adapters  # the registry imports no framework
+
+    return {key: value for record in adapters.records() for key, value in record.environment.items()}
+
+
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
           timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu") -> dict[str, Any]:
     """Starts ``entry``'s interpreter once and returns what it reports: ``python_version``, ``executable``,
@@ -84,10 +90,9 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     if key in _CACHE:
         return _CACHE[key]
     shown = " ".join(argv)
-    # JAX's GPU backend, started by its device query, would otherwise map 75 % of the GPU's memory
-    # (https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    # the adapters' declared defaults (log levels; JAX's GPU backend, started by its device query, would otherwise map
+    # 75 % of the GPU's memory), a value of the caller's environment first
+    env = {**_declared_environment(), **os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], device, *LIGHT_DEPENDENCIES,
                                *needed], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
@@ -262,4 +267,7 @@ def spec_entry(framework: str, python: Path) -> str:
 
 
 def default_frameworks() -> list[str]:
-    return list(BUILTIN_FRAMEWORKS)
+    """The built-in adapters' names, in the registry's order."""
+    import adapters  # the registry imports no framework
+
+    return [record.name for record in adapters.records()]

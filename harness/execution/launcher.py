@@ -70,28 +70,33 @@ def worker_env(threads: int | None, base: dict[str, str] | None = None,
 
 def worker_settings(threads: int | None, base: dict[str, str] | None = None,
                     allocator: dict[str, Any] | None = None) -> dict[str, str]:
-    """The variables the harness sets for a worker: thread counts for every framework's runtime (read at import, so
-    the bootstrap sets them before any framework is imported), the allocator variables a spec sets
-    (PYTORCH_CUDA_ALLOC_CONF, MXNET_GPU_MEM_POOL_TYPE), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match
-    NVML's (unless ``base`` sets another order), and the extra adapters of HARNESS_ADAPTERS. They travel in the
-    payload too, since a container does not inherit the launcher's environment."""
+    """The variables the harness sets for a worker, for every built-in adapter's declaration alike
+    (``adapters.records``): thread counts (read at import, so the bootstrap sets them before any framework is
+    imported: OpenMP's, MKL's, OpenBLAS's and each declaration's ``thread_environment``), the allocator variables a
+    spec sets (each declaration's ``allocator_environment``), each declaration's ``environment`` defaults (a value
+    in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match NVML's (unless ``base`` sets
+    another order), and the extra adapters of HARNESS_ADAPTERS. They travel in the payload too, since a container
+    does not inherit the launcher's environment."""
+    import adapters  # the registry of declarations: imports no framework
+
     base = dict(os.environ if base is None else base)
     env: dict[str, str] = {}
     allocator = allocator or {}
-    if allocator.get("pytorch_cuda_alloc_conf"):
-        env["PYTORCH_CUDA_ALLOC_CONF"] = allocator["pytorch_cuda_alloc_conf"]
-    if allocator.get("mxnet_gpu_mem_pool_type"):
-        env["MXNET_GPU_MEM_POOL_TYPE"] = allocator["mxnet_gpu_mem_pool_type"]
+    records = adapters.records()
+    for record in records:
+        env.update({variable: str(allocator[option]) for option, variable in record.allocator_environment.items()
+                    if allocator.get(option)})
     env["CUDA_DEVICE_ORDER"] = base.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    env["TF_CPP_MIN_LOG_LEVEL"] = base.get("TF_CPP_MIN_LOG_LEVEL", "2")
+    for record in records:
+        env.update({variable: base.get(variable, value) for variable, value in record.environment.items()})
     env["PYTHONUNBUFFERED"] = "1"
     if base.get("HARNESS_ADAPTERS"):
         env["HARNESS_ADAPTERS"] = base["HARNESS_ADAPTERS"]
     if threads is not None:
-        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
-            env[name] = str(threads)
-        env["TF_NUM_INTEROP_THREADS"] = "1"
-        env["MXNET_CPU_WORKER_NTHREADS"] = "1"
+        env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads)))
+        for record in records:
+            env.update({variable: value.replace("{threads}", str(threads))
+                        for variable, value in record.thread_environment.items()})
     return env
 
 

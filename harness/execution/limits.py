@@ -24,8 +24,9 @@ small batch trains and evaluates under the cap; a large one fails with the frame
 - TensorFlow: the process limit alone makes TensorFlow abort: its convolution kernels (Eigen's tensor contraction)
   allocate their workspace with ``new`` on an op thread, and a failing allocation there throws ``std::bad_alloc``
   that nothing catches (``terminate called after throwing an instance of 'std::bad_alloc'``, SIGABRT) in most
-  over-limit runs. So TensorFlow's CPU tensors are put in a BFC allocator capped at the limit
-  (``TF_CPU_ALLOCATOR_USE_BFC=true``, ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` = the limit in MiB, rounded down; read when
+  over-limit runs. So TensorFlow's CPU tensors are put in a BFC allocator capped at the limit (its declaration's
+  ``cpu_allocator_cap``:
+  ``TF_CPU_ALLOCATOR_USE_BFC=true``, ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` = the limit in MiB, rounded down; read when
   TensorFlow creates its CPU device, i.e. after import and before the first op, which is why the limit is applied
   before ``prepare``): a tensor beyond it raises ``ResourceExhaustedError`` ("OOM when allocating tensor"), after
   the BFC allocator's own retry wait of about 10 s. For TensorFlow the limit therefore counts **tensor bytes**
@@ -55,7 +56,6 @@ from __future__ import annotations
 import atexit
 import os
 import resource
-import sys
 from typing import Any, Callable
 
 MIB = 1 << 20
@@ -104,18 +104,21 @@ def _set_data_limit(cap: int) -> int:
     return cap
 
 
-def apply_cpu_memory_limit(limit_bytes: int, framework: str | None = None,
-                           emit: Callable[..., Any] | None = None) -> dict[str, Any]:
+def apply_cpu_memory_limit(limit_bytes: int, declaration: Any = None, emit: Callable[..., Any] | None = None,
+                           allocator_peak: Callable[[], int | None] | None = None) -> dict[str, Any]:
     """Caps this process's memory at ``limit_bytes`` beyond what it holds now (see the module docstring for what
     that means per framework); call it after the framework is imported and before any framework op.
 
-    framework: the adapter's name ("tensorflow" gets the BFC tensor cap, everything else the process limit).
-    emit: the worker's ``Events.emit``; when given, a ``memory_limit`` event is emitted now and a ``memory_peak``
-    event when the process exits: ``peak_bytes`` and its ``source`` (see peak_estimate), ``at_exit`` and ``baseline``
-    (process_memory() then and before the cap) and ``tensorflow_bfc_peak_bytes``.
-    Returns what was applied (the ``memory_limit`` event's fields): ``mechanism``, ``limit_bytes``, ``baseline``
-    (process_memory() before the cap), ``rlimit_data_bytes`` (the soft RLIMIT_DATA set), ``peak_reset`` (whether
-    VmHWM was reset) and, for TensorFlow, ``tf_cpu_bfc_limit_mib``.
+    declaration: the adapter's ``adapters.declaration.Declaration`` (None: the process limit alone); one with a
+    ``cpu_allocator_cap`` gets that tensor cap (its variables set now, "{mib}" the limit in MiB rounded down) and
+    the process limit as a backstop. allocator_peak: reads that allocator's peak bytes
+    (``Adapter.cpu_allocator_peak``). emit: the worker's ``Events.emit``; when given, a ``memory_limit`` event is
+    emitted now and a ``memory_peak`` event when the process exits: ``peak_bytes`` and its ``source`` (see
+    peak_estimate), ``at_exit`` and ``baseline`` (process_memory() then and before the cap) and
+    ``cpu_allocator_peak_bytes``. Returns what was applied (the ``memory_limit`` event's fields): ``mechanism``,
+    ``limit_bytes``, ``baseline`` (process_memory() before the cap), ``rlimit_data_bytes`` (the soft RLIMIT_DATA
+    set), ``peak_reset`` (whether VmHWM was reset) and, with a tensor cap, ``cpu_allocator_limit_mib``. Raises
+    ValueError for a limit below 1 byte and OSError where /proc/self/status has no VmData.
     """
     limit_bytes = int(limit_bytes)
     if limit_bytes <= 0:
@@ -125,12 +128,12 @@ def apply_cpu_memory_limit(limit_bytes: int, framework: str | None = None,
     if data is None:
         raise OSError("cannot read VmData from /proc/self/status: the CPU memory limit needs Linux")
     info: dict[str, Any] = {"limit_bytes": limit_bytes, "baseline": baseline}
-    if framework == "tensorflow":
+    capped = _capped_allocator(declaration)
+    if capped:
         mib = max(1, limit_bytes // MIB)
-        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-        os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(mib)
-        info["mechanism"] = "tensorflow cpu BFC allocator limit + RLIMIT_DATA backstop"
-        info["tf_cpu_bfc_limit_mib"] = mib
+        os.environ.update({k: v.replace("{mib}", str(mib)) for k, v in declaration.cpu_allocator_cap.items()})
+        info["mechanism"] = f"{capped} limit + RLIMIT_DATA backstop"
+        info["cpu_allocator_limit_mib"] = mib
         info["rlimit_data_bytes"] = _set_data_limit(data + TF_BACKSTOP_FACTOR * limit_bytes + TF_BACKSTOP_EXTRA_BYTES)
     else:
         info["mechanism"] = "RLIMIT_DATA"
@@ -138,27 +141,25 @@ def apply_cpu_memory_limit(limit_bytes: int, framework: str | None = None,
     info["peak_reset"] = reset_peak_rss()
     if emit is not None:
         emit("memory_limit", **info)
-        atexit.register(_report_peak, emit, framework, baseline, info["peak_reset"])
+        atexit.register(_report_peak, emit, capped, allocator_peak if capped else None, baseline,
+                        info["peak_reset"])
     return info
 
 
-def _tensorflow_cpu_peak() -> int | None:
-    """Peak bytes of TensorFlow's CPU BFC allocator since it was created (None where TF is not loaded or keeps no
-    statistics)."""
-    tf = sys.modules.get("tensorflow")
-    if tf is None:
-        return None
-    try:
-        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-    except Exception:  # noqa: BLE001 - no BFC allocator on the CPU, or TF already shutting down
-        return None
+def _capped_allocator(declaration: Any) -> str:
+    """The name of the declaration's capped CPU allocator, "<framework> <allocator>" ("tensorflow cpu BFC
+    allocator"), or "" without one."""
+    if declaration is None or not declaration.cpu_allocator_cap:
+        return ""
+    return f"{declaration.name} {declaration.cpu_allocator}"
 
 
-def peak_estimate(mechanism_is_tf: bool, baseline: dict[str, int], now: dict[str, int], peak_reset: bool,
+def peak_estimate(capped: str, baseline: dict[str, int], now: dict[str, int], peak_reset: bool,
                   tensor_peak: int | None) -> tuple[int | None, str]:
     """The best available measure of the peak of what the cap counts since it was applied, with its source.
 
-    TensorFlow (BFC cap): the allocator's own peak (``tensor_peak``), exact. Otherwise RLIMIT_DATA caps private
+    A capped tensor allocator (``capped``, its name; "" for none): the allocator's own peak (``tensor_peak``),
+    exact. Otherwise RLIMIT_DATA caps private
     memory (VmData), whose peak the kernel does not keep; the estimate is the larger of
 
     - the peak growth of private resident memory: VmHWM since the reset, less the baseline VmRSS, less the growth of
@@ -168,8 +169,8 @@ def peak_estimate(mechanism_is_tf: bool, baseline: dict[str, int], now: dict[str
     - the VmData growth at exit: what a pooled allocator such as MXNet's keeps is its peak; an allocator that gives
       memory back (glibc's mmap'd chunks, PyTorch) makes this an underestimate.
     """
-    if mechanism_is_tf and tensor_peak is not None:
-        return tensor_peak, "tensorflow cpu BFC allocator peak"
+    if capped and tensor_peak is not None:
+        return tensor_peak, f"{capped} peak"
     rss_growth = None
     if now.get("rss_peak_bytes") is not None and peak_reset:
         paged = sum(now.get(k, 0) - baseline.get(k, 0) for k in ("rss_file_bytes", "rss_shmem_bytes"))
@@ -183,12 +184,13 @@ def peak_estimate(mechanism_is_tf: bool, baseline: dict[str, int], now: dict[str
     return data_growth, "VmData growth at exit"
 
 
-def _report_peak(emit: Callable[..., Any], framework: str | None, baseline: dict[str, int], peak_reset: bool) -> None:
+def _report_peak(emit: Callable[..., Any], capped: str, allocator_peak: Callable[[], int | None] | None,
+                 baseline: dict[str, int], peak_reset: bool) -> None:
     try:
         now = process_memory()
-        tensor_peak = _tensorflow_cpu_peak() if framework == "tensorflow" else None
-        peak, source = peak_estimate(framework == "tensorflow", baseline, now, peak_reset, tensor_peak)
+        tensor_peak = allocator_peak() if allocator_peak is not None else None
+        peak, source = peak_estimate(capped, baseline, now, peak_reset, tensor_peak)
         emit("memory_peak", peak_bytes=peak, source=source, at_exit=now, baseline=baseline,
-             tensorflow_bfc_peak_bytes=tensor_peak)
+             cpu_allocator_peak_bytes=tensor_peak)
     except Exception:  # noqa: BLE001 - no memory left even for this, or the events pipe is gone: nothing to report
         pass

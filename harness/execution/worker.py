@@ -155,10 +155,7 @@ class _Loop:
 
     def step(self, order: np.ndarray, position: int) -> None:
         indices = order[position * self.batch:(position + 1) * self.batch]
-        if self.accumulation == 1:
-            self.adapter.train_step(indices)
-        else:
-            self.adapter.train_step(indices, micro_batches=self.accumulation)
+        self.adapter.train_step(indices, micro_batches=self.accumulation, position=position)
 
     def run(self) -> dict[str, Any]:
         train_started = time.perf_counter()
@@ -342,6 +339,17 @@ class _Loop:
         }
 
 
+def adapter_options(adapter: Any, spec: Any, trial: dict[str, Any], precision: str, mode: str) -> dict[str, Any]:
+    """``Adapter.options``: the allocator options of the spec that the adapter's declaration names
+    (``Declaration.allocator_options``; none for an adapter without one), the trial's memory limit, precision and
+    execution mode."""
+    declared = getattr(adapter, "declaration", None)
+    allocator = {option: getattr(spec.allocator, option) for option in
+                 (declared.allocator_options if declared is not None else ())}
+    return {**allocator, "memory_limit_bytes": trial.get("memory_limit_bytes"), "precision": precision,
+            "compile": mode}
+
+
 def run(payload: dict[str, Any], events: Events) -> int:
     """Runs one trial end to end and reports it through ``events``. Returns the process exit status."""
     adapter = None
@@ -361,14 +369,13 @@ def run(payload: dict[str, Any], events: Events) -> int:
         if trial["device"] == "cpu" and trial.get("memory_limit_bytes"):
             from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
 
-            apply_cpu_memory_limit(trial["memory_limit_bytes"], trial["framework"], emit=events.emit)
+            apply_cpu_memory_limit(trial["memory_limit_bytes"], getattr(adapter, "declaration", None),
+                                   emit=events.emit, allocator_peak=adapter.cpu_allocator_peak)
         precision, compile = trial.get("precision", "fp32"), trial.get("compile", "default")
         if (why := adapter.unsupported_execution(precision, compile, trial["device"])) is not None:
             raise Unsupported(why)  # before the framework touches the device
         mode = adapter.compile_mode(compile)  # "default" resolved to the adapter's own mode
-        adapter.options = {"tensorflow_memory_growth": spec.allocator.tensorflow_memory_growth,
-                           "memory_limit_bytes": trial.get("memory_limit_bytes"), "precision": precision,
-                           "compile": mode}
+        adapter.options = adapter_options(adapter, spec, trial, precision, mode)
         adapter.prepare(trial["device"], trial["threads"], trial["seed"])
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
         if (why := adapter.unsupported(info)) is not None:  # before the data is loaded and anything is built

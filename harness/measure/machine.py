@@ -1,7 +1,7 @@
 """What a run ran on: Python, CPU, memory, installed framework versions, GPUs and driver, the harness's git commit.
 
-Framework versions come from package metadata (``importlib.metadata``), so collecting them imports no framework; the
-worker also reports the versions its framework says at run time.
+Framework versions (the distributions each adapter declares) come from package metadata (``importlib.metadata``), so
+collecting them imports no framework; the worker also reports the versions its framework says at run time.
 """
 
 from __future__ import annotations
@@ -16,13 +16,29 @@ from typing import Any
 
 import psutil
 
-PACKAGES = ("torch", "tensorflow", "tensorflow-cpu", "keras", "mxnet", "numpy", "nvidia-ml-py", "scikit-learn")
+import adapters  # the registry of declarations: imports no framework
+
+#: Distributions that change the numbers besides the frameworks' own.
+PACKAGES = ("numpy", "nvidia-ml-py", "scikit-learn")
+#: Variables of the launcher's environment recorded with the run besides the adapters' allocator variables.
+ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def packages() -> tuple[str, ...]:
+    """The distributions whose installed versions a run records: each built-in adapter's, then ``PACKAGES``."""
+    return tuple(d for record in adapters.records() for d in record.distributions) + PACKAGES
+
+
+def recorded_environment() -> tuple[str, ...]:
+    """The variables ``collect`` records: ``ENVIRONMENT``, each adapter's allocator and recorded variables."""
+    return ENVIRONMENT + tuple(v for record in adapters.records()
+                               for v in (*record.allocator_environment.values(), *record.recorded_environment))
 
 
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages that change the numbers; absent ones are left out."""
     out = {}
-    for name in PACKAGES:
+    for name in packages():
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -101,9 +117,7 @@ def collect() -> dict[str, Any]:
         "packages": package_versions(),
         "gpu": gpus(),
         "git": git_commit(),
-        "env": {k: v for k, v in os.environ.items() if k in (
-            "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "TF_FORCE_GPU_ALLOW_GROWTH", "MXNET_GPU_MEM_POOL_TYPE",
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "env": {k: v for k, v in os.environ.items() if k in recorded_environment()},
     }
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-FRAMEWORK_TITLES = {"pytorch": "PyTorch", "tensorflow": "TensorFlow", "mxnet": "MXNet", "jax": "JAX"}
+import adapters  # the registry of declarations: imports no framework
+
 MB = 1e6
 
 
@@ -34,8 +35,11 @@ def row_key(record: dict[str, Any]) -> str:
     return f"{row} ({variant})" if variant else row
 
 def title(key: str) -> str:
+    """A row's title: a built-in framework's name as its declaration writes it ("pytorch" -> "PyTorch"), any other
+    label as it is, with the variant kept."""
     framework, _, variant = key.partition(" (")
-    return FRAMEWORK_TITLES.get(framework, framework) + (f" ({variant}" if variant else "")
+    record = adapters.BUILTIN.get(framework)
+    return (record.title if record else framework) + (f" ({variant}" if variant else "")
 
 def read_path(record: dict[str, Any], *path: str) -> Any:
     value: Any = record

@@ -19,13 +19,13 @@ import yaml
 from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from harness.spec.base import SpecError, _Strict
-from harness.spec.frameworks import (BUILTIN_FRAMEWORKS, ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries,
+from harness.spec.frameworks import (ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries,
                                      select_frameworks)
 from harness.spec.layers import (GELU, Activation, Attention, AvgPool2D, BatchNorm, Conv2D, Dense, DenseActivation,
                                  Dropout, Embedding, Flatten, GlobalAvgPool2D, Initializer, Layer, LayerNorm, MaxPool2D,
                                  ModelSpec, PlainLayer, ReLU, Residual, SequencePool, Softmax)
 
-__all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BUILTIN_FRAMEWORKS", "BatchNorm", "Cifar10Data",
+__all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data",
            "CompileMode", "Precision",
            "Conv2D", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding", "Flatten",
            "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "Initializer", "Layer", "LayerNorm",

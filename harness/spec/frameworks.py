@@ -13,7 +13,6 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from harness.spec.base import _Strict
 
-BUILTIN_FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 # The folder that holds the harness package (the repository root in a checkout): ``{root}`` in a framework entry.
 ROOT = Path(__file__).resolve().parent.parent.parent
 

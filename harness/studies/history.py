@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import adapters  # the registry of declarations: imports no framework
 from harness.results import tables
 from harness.results.metrics import row_key
 from harness.results.store import append_line, read_lines
@@ -42,8 +43,9 @@ def summary_row(run_dir: str | Path) -> dict[str, Any]:
             cells[f"{fw}/{bs}"] = cell
     env = run.get("environment", {})
     versions: dict[str, str] = {}
+    framework_keys = {k for record in adapters.records() for k in record.version_keys}
     for r in data["records"]:
-        versions.update({k: v for k, v in r.get("versions", {}).items() if k in ("torch", "tensorflow", "mxnet")})
+        versions.update({k: v for k, v in r.get("versions", {}).items() if k in framework_keys})
     return {"run": Path(run_dir).name, "spec": run["spec"]["name"], "started": run.get("started"),
             "commit": env.get("git", {}).get("commit"),
             "device": device_name(run),

@@ -72,7 +72,7 @@ def copy_task_trains(adapter_cls):
         order = datasets.epoch_order(len(data.y_train), 0, epoch)
         for step in range(len(order) // 32):
             adapter.train_step(order[step * 32:(step + 1) * 32])
-        adapter.sync()
+        adapter.read_loss()
     loss, accuracy = adapter.evaluate(64)
     assert loss < loss_before - 1.0 and accuracy > 0.9 * datasets.accuracy_ceiling(TOKENS), (loss, accuracy)
     return adapter

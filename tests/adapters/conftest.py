@@ -12,6 +12,6 @@ from tests.adapters import scenarios
 def pytorch_block_runs() -> dict[str, np.ndarray]:
     """``scenarios.run_blocks`` of PyTorch, the reference every other framework's block runs are compared with
     (computed once for the session)."""
-    from adapters.pytorch import PyTorchAdapter
+    from adapters.pytorch.adapter import PyTorchAdapter
 
     return scenarios.run_blocks(PyTorchAdapter)

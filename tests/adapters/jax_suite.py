@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from adapters.jax import JaxAdapter
+from adapters.jax.adapter import JaxAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit, loss_runs, reference, scenarios
@@ -49,7 +49,7 @@ def test_the_train_step_compiles_once_per_shape():
     for batch in kit.batches(len(data.y_train), 32, 5):
         adapter.train_step(batch)
     adapter.train_step(np.arange(64), micro_batches=2)
-    adapter.sync()
+    adapter.read_loss()
     assert adapter.settings()["train_step_compilations"] == {"32x1": 1, "64x2": 1}
     assert adapter.compilations() == 2  # what the worker reads after warm-up and at the end
 
@@ -248,7 +248,7 @@ def test_fp16_dynamic_loss_scaling_on_the_cpu():
     adapter._scaler = scaler(2.0 ** 40, 7)
     before = jax.tree_util.tree_map(np.asarray, (adapter.params, adapter.opt_state))
     adapter.train_step(steps[10])
-    adapter.sync()
+    adapter.read_loss()
     after = jax.tree_util.tree_map(np.asarray, (adapter.params, adapter.opt_state))
     leaves = zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before))
     assert all(np.array_equal(new, old) for new, old in leaves)
@@ -260,3 +260,10 @@ def test_fp16_dynamic_loss_scaling_on_the_cpu():
     assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (2048.0, 0)
     assert adapter.settings()["loss_scale"] == 2048.0
     assert adapter.settings()["train_step_compilations"] == {"32x1": 1}
+
+
+def test_the_registry_record_names_this_class_and_the_class_takes_it():
+    import adapters
+
+    assert adapters.get("jax") is JaxAdapter and JaxAdapter.declaration is adapters.BUILTIN["jax"]
+    assert JaxAdapter.name == "jax" and JaxAdapter.COMPILE_MODES == adapters.BUILTIN["jax"].compile_modes

@@ -64,9 +64,10 @@ def train_epochs(adapter, data, epochs: int, batch_size: int, seed: int = 0) -> 
     return means
 
 
-def train_on(adapter, steps: list[np.ndarray], keep: tuple[int, ...] = (),
-             micro_batches: int = 1) -> tuple[list[float], dict[int, dict[str, np.ndarray]]]:
-    """One train_step per batch in ``steps`` (of ``micro_batches`` micro-batches each), synced after each. Returns the
+def train_on(adapter, steps: list[np.ndarray], keep: tuple[int, ...] = (), micro_batches: int = 1,
+             staged: bool = False) -> tuple[list[float], dict[int, dict[str, np.ndarray]]]:
+    """One train_step per batch in ``steps`` (of ``micro_batches`` micro-batches each), the loss read after each;
+    ``staged``: the steps are the epoch the adapter staged (``stage_epoch``), each told its position. Returns the
     loss of every step and the canonical state after each step count in ``keep`` (0: before the first step): the
     weights (``get_weights``) and the buffers (``get_buffers``, batchnorm's running statistics) in one dict."""
     losses: list[float] = []
@@ -74,11 +75,8 @@ def train_on(adapter, steps: list[np.ndarray], keep: tuple[int, ...] = (),
     if 0 in keep:
         kept[0] = {**adapter.get_weights(), **adapter.get_buffers()}
     for count, batch in enumerate(steps, start=1):
-        if micro_batches == 1:
-            adapter.train_step(batch)
-        else:
-            adapter.train_step(batch, micro_batches=micro_batches)
-        losses.append(adapter.sync())
+        adapter.train_step(batch, micro_batches=micro_batches, position=count - 1 if staged else None)
+        losses.append(adapter.read_loss()[0])
         if count in keep:
             kept[count] = {**adapter.get_weights(), **adapter.get_buffers()}
     return losses, kept
@@ -196,7 +194,7 @@ def check_allocator_options_on_cpu(adapter_cls) -> None:
     adapter.build(info, models.initial_weights(info, 0), SGD)
     adapter.load(data)
     adapter.train_step(batches(len(data.y_train), 32, 1)[0])
-    assert np.isfinite(adapter.sync())
+    assert np.isfinite(adapter.read_loss()[0])
     settings = adapter.settings()
     assert not {"memory_limit_bytes", "memory_limit", "memory_growth"} & set(settings), settings
     assert adapter_cls.options == {}  # the instance's options, not the class default, were set

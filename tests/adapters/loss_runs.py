@@ -31,8 +31,8 @@ def slowed(adapter_cls: type, seconds: float = SLOW_STEP_S) -> type:
     time each (fewer of them fit in an auto window)."""
 
     class Slowed(adapter_cls):
-        def train_step(self, indices, micro_batches=1):
-            super().train_step(indices, micro_batches)
+        def train_step(self, indices, micro_batches=1, position=None):
+            super().train_step(indices, micro_batches, position)
             time.sleep(seconds)
 
     Slowed.__name__ = f"Slowed{adapter_cls.__name__}"

@@ -15,7 +15,7 @@ import pytest
 from adapters.base import DeviceUnavailable
 
 # mx through the adapter, which makes it importable on numpy >= 1.24
-from adapters.mxnet import MXNetAdapter, _running_var_is_biased, mx
+from adapters.mxnet.adapter import MXNetAdapter, _running_var_is_biased, mx
 from harness.neutral import datasets
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
@@ -59,7 +59,7 @@ def _two_steps(optimizer):
     grads = []
     for batch in batches:
         adapter.train_step(batch)
-        assert np.isfinite(adapter.sync())
+        assert np.isfinite(adapter.read_loss()[0])
         grads.append(_grads(adapter, len(batch)))
         weights.append({k: v.astype(np.float64) for k, v in adapter.get_weights().items()})
     return adapter, data, info, batches, weights, grads
@@ -115,7 +115,7 @@ def test_adam_is_pytorchs_coupled_weight_decay_and_epsilon_after_the_bias_correc
 
 def test_evaluation_is_independent_of_batch_shape_and_interleaves_with_training():
     adapter, data, info = kit.make(MXNetAdapter)
-    assert np.isnan(adapter.sync())  # no step yet
+    assert np.isnan(adapter.read_loss()[0])  # no step yet
     kit.train_epochs(adapter, data, epochs=1, batch_size=32)
     weights = adapter.get_weights()
     logits = kit.numpy_forward(info, weights, data.x_test)
@@ -130,7 +130,7 @@ def test_evaluation_is_independent_of_batch_shape_and_interleaves_with_training(
         assert acc == pytest.approx(ref_acc, abs=0.5 / n), batch_size
         # training between evaluations still works on its own shape
         adapter.train_step(datasets.epoch_order(len(data.y_train), 1, batch_size)[:32])
-        assert np.isfinite(adapter.sync())
+        assert np.isfinite(adapter.read_loss()[0])
         weights = adapter.get_weights()
         logits = kit.numpy_forward(info, weights, data.x_test)
         shifted = logits - logits.max(axis=1, keepdims=True)
@@ -144,14 +144,14 @@ def test_train_step_queues_its_work_without_waiting_for_the_device():
     adapter, data, _ = kit.make(MXNetAdapter)
     batch = datasets.epoch_order(len(data.y_train), 0, 0)[:32]
     adapter.train_step(batch)
-    adapter.sync()  # the first step builds and plans the graph
+    adapter.read_loss()[0]  # the first step builds and plans the graph
     a = mx.nd.ones((1500, 1500))
     mx.nd.waitall()
     start = time.perf_counter()
     busy = [mx.nd.dot(a, a) for _ in range(6)]  # queued CPU work: tens to hundreds of milliseconds
     adapter.train_step(batch)
     queued = time.perf_counter() - start
-    loss = adapter.sync()
+    loss = adapter.read_loss()[0]
     total = time.perf_counter() - start
     assert np.isfinite(loss) and busy[-1].shape == (1500, 1500)
     # A train_step that synchronised (mx.nd.array's copy does, on the CPU) would take about as long as the whole.
@@ -200,7 +200,7 @@ def test_tensor_over_the_size_limit_is_not_oom():
 
 _CPU_ALLOCATION_FAILURE = textwrap.dedent("""
     import json, re, resource
-    from adapters.mxnet import MXNetAdapter, mx
+    from adapters.mxnet.adapter import MXNetAdapter, mx
     mx.nd.ones((1,)).asnumpy()  # start the engine's threads before limiting the address space
     vm = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
     resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))
@@ -260,14 +260,14 @@ def test_cpu_batchnorm_kernel_updates_with_the_biased_variance():
 def test_switching_between_plain_and_accumulated_steps():
     """grad_req switches between write (plain steps) and add (accumulation) as the steps ask; gradients are zeroed
     before each accumulated step. The same mixed sequence gives PyTorch's parameters."""
-    from adapters.pytorch import PyTorchAdapter
+    from adapters.pytorch.adapter import PyTorchAdapter
 
     mx_adapter, data, _ = kit.make(MXNetAdapter)
     torch_adapter = kit.make(PyTorchAdapter)[0]
     for batch, k in zip(kit.batches(len(data.y_train), 32, 5), (4, 1, 2, 2, 1)):
         for adapter in (mx_adapter, torch_adapter):
             adapter.train_step(batch, micro_batches=k)
-        np.testing.assert_allclose(mx_adapter.sync(), torch_adapter.sync(), rtol=1e-5)
+        np.testing.assert_allclose(mx_adapter.read_loss()[0], torch_adapter.read_loss()[0], rtol=1e-5)
     expected = torch_adapter.get_weights()
     for name, value in mx_adapter.get_weights().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -282,11 +282,11 @@ def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced
 
 
 def test_a_staged_epoch_gives_the_same_steps_through_slices_of_one_array(monkeypatch):
-    """stage_epoch wraps the epoch's order once (``nd.from_numpy``); a step whose indices are a slice of that order
-    uses a slice of it, anything else (a copy, a strided view) is wrapped on its own. Training through staged epochs,
+    """stage_epoch wraps the epoch's order once (``nd.from_numpy``); a step told its position uses that step's slice
+    of it, a step without one is wrapped on its own. Training through staged epochs,
     the next staged while the last steps of the one before may still be queued, gives exactly the weights of
     training without staging."""
-    from adapters import mxnet as adapter_module
+    from adapters.mxnet import adapter as adapter_module
 
     wrapped = []
     real = adapter_module.nd.from_numpy
@@ -300,16 +300,24 @@ def test_a_staged_epoch_gives_the_same_steps_through_slices_of_one_array(monkeyp
             if staged:
                 adapter.stage_epoch(order, 32)
             for step in range(3):
-                adapter.train_step(order[step * 32:(step + 1) * 32])
-        adapter.sync()
+                adapter.train_step(order[step * 32:(step + 1) * 32], position=step if staged else None)
+        adapter.read_loss()
         assert len(wrapped) == (2 if staged else 6)  # once an epoch, or once a step
         states.append(adapter.get_weights())
     wrapped.clear()
-    for view in (order[64:96], order[65:97]):
-        np.testing.assert_array_equal(adapter._indices(view).asnumpy(), view)
+    np.testing.assert_array_equal(adapter._indices(order[64:96], 2).asnumpy(), order[64:96])
     assert not wrapped
+    np.testing.assert_array_equal(adapter._indices(order[65:97], None).asnumpy(), order[65:97])
+    assert len(wrapped) == 1
     for other in (order[64:96].copy(), order[::2][:32]):
-        np.testing.assert_array_equal(adapter._indices(other).asnumpy(), other)
-    assert len(wrapped) == 2
+        np.testing.assert_array_equal(adapter._indices(other, None).asnumpy(), other)
+    assert len(wrapped) == 3
     for name, value in states[0].items():
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
+
+
+def test_the_registry_record_names_this_class_and_the_class_takes_it():
+    import adapters
+
+    assert adapters.get("mxnet") is MXNetAdapter and MXNetAdapter.declaration is adapters.BUILTIN["mxnet"]
+    assert MXNetAdapter.name == "mxnet" and MXNetAdapter.PRECISIONS == adapters.BUILTIN["mxnet"].precisions

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.mxnet import MXNetAdapter
+from adapters.mxnet.adapter import MXNetAdapter
 from tests.adapters import block_checks, scenarios
 
 def test_a_resnet_with_a_projection_shortcut_gives_the_reference_logits():

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapters.mxnet import MXNetAdapter, amp, mx, nd
+from adapters.mxnet.adapter import MXNetAdapter, amp, mx, nd
 from harness.neutral import datasets, models
 from tests.adapters import kit, scenarios
 
@@ -134,7 +134,7 @@ def test_bf16_fails_in_mxnet_itself_as_the_reason_says():
 _FP16_PLUMBING = """
 import json
 from adapters.base import BOTH
-from adapters.mxnet import MXNetAdapter, mx  # adapters.mxnet first: it makes mxnet importable on this numpy
+from adapters.mxnet.adapter import MXNetAdapter, mx  # adapters.mxnet first: it makes mxnet importable on this numpy
 from tests.adapters import kit
 out = {}
 for mode in ("eager", "compiled"):
@@ -146,7 +146,7 @@ for mode in ("eager", "compiled"):
     weights = sorted({w.dtype.name for w in adapter.get_weights().values()})
     try:
         adapter.train_step(kit.batches(len(data.y_train), 32, 1)[0])
-        adapter.sync()
+        adapter.read_loss()
         error = ""
     except mx.base.MXNetError as exc:
         error = str(exc)

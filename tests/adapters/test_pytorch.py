@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from adapters.pytorch import PyTorchAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
 from tests.adapters import kit
 
 
@@ -73,3 +73,10 @@ def test_inference_after_training_uses_the_running_statistics():
 
 def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
     kit.check_set_train_images(PyTorchAdapter)
+
+
+def test_the_registry_record_names_this_class_and_the_class_takes_it():
+    import adapters
+
+    assert adapters.get("pytorch") is PyTorchAdapter and PyTorchAdapter.declaration is adapters.BUILTIN["pytorch"]
+    assert PyTorchAdapter.name == "pytorch" and PyTorchAdapter.PRECISIONS == adapters.BUILTIN["pytorch"].precisions

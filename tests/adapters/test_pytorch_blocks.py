@@ -5,7 +5,7 @@ transformer; causal attention does not look ahead; the next-token loss trains.""
 
 from __future__ import annotations
 
-from adapters.pytorch import PyTorchAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
 from tests.adapters import block_checks
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.pytorch import PyTorchAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit, reference, scenarios

@@ -6,8 +6,8 @@ import pytest
 import tensorflow as tf
 
 from adapters.base import DeviceUnavailable
-from adapters.pytorch import PyTorchAdapter
-from adapters.tensorflow import TensorFlowAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
+from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
@@ -41,7 +41,7 @@ def test_trains_exactly_like_pytorch(optimizer):
         batch = order[step * 32:(step + 1) * 32]
         tf_adapter.train_step(batch)
         torch_adapter.train_step(batch)
-        np.testing.assert_allclose(tf_adapter.sync(), torch_adapter.sync(), rtol=1e-4)
+        np.testing.assert_allclose(tf_adapter.read_loss()[0], torch_adapter.read_loss()[0], rtol=1e-4)
     initial = models.initial_weights(info, 0)
     expected = torch_adapter.get_weights()
     held = tf_adapter.get_weights()
@@ -52,7 +52,7 @@ def test_trains_exactly_like_pytorch(optimizer):
 
 def test_train_and_evaluate_never_retrace():
     adapter, data, _ = kit.make(TensorFlowAdapter)
-    assert np.isnan(adapter.sync())  # no step yet
+    assert np.isnan(adapter.read_loss()[0])  # no step yet
     kit.train_epochs(adapter, data, epochs=1, batch_size=32)
     for batch_size in (256, 100, 7):  # 360 test images: a smaller last batch every time
         loss, accuracy = adapter.evaluate(batch_size)
@@ -61,7 +61,7 @@ def test_train_and_evaluate_never_retrace():
     assert adapter._eval_fn.experimental_get_tracing_count() == 1
     for batch in kit.batches(len(data.y_train), 32, 3):  # gradient accumulation: one more function, traced once
         adapter.train_step(batch, micro_batches=4)
-        assert np.isfinite(adapter.sync())
+        assert np.isfinite(adapter.read_loss()[0])
     assert adapter._train_fns[(32, 4)].experimental_get_tracing_count() == 1
     assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
 
@@ -148,9 +148,9 @@ def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced
 
 
 def test_a_staged_epoch_gives_the_same_steps_with_its_own_index_tensors():
-    """stage_epoch puts one index tensor per step on the device; a step whose indices are that step's slice of the
-    order uses it (the same tensor object), anything else (a copy, a slice that starts elsewhere, another length)
-    is converted. Training through the staged tensors gives exactly the weights of training without them."""
+    """stage_epoch puts one index tensor per step on the device; a step told its position uses that step's tensor
+    (the same object), a step without one, or of another length, is converted. Training through the staged tensors
+    gives exactly the weights of training without them."""
     states = []
     for staged in (False, True):
         adapter, data, _ = kit.make(TensorFlowAdapter)
@@ -158,14 +158,22 @@ def test_a_staged_epoch_gives_the_same_steps_with_its_own_index_tensors():
         if staged:
             adapter.stage_epoch(order, 32)
             assert len(adapter._staged) == len(order) // 32
-            assert adapter._indices_tensor(order[64:96]) is adapter._staged[64]
-            for other in (order[64:96].copy(), order[65:97], order[64:80]):
-                tensor = adapter._indices_tensor(other)
-                assert all(tensor is not t for t in adapter._staged.values())
+            assert adapter._indices_tensor(order[64:96], 2) is adapter._staged[2]
+            for other, position in ((order[64:96].copy(), None), (order[65:97], None), (order[64:80], 2)):
+                tensor = adapter._indices_tensor(other, position)
+                assert all(tensor is not t for t in adapter._staged)
                 np.testing.assert_array_equal(tensor.numpy(), other)
         for step in range(5):
-            adapter.train_step(order[step * 32:(step + 1) * 32])
-        adapter.sync()
+            adapter.train_step(order[step * 32:(step + 1) * 32], position=step if staged else None)
+        adapter.read_loss()
         states.append(adapter.get_weights())
     for name, value in states[0].items():
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
+
+
+def test_the_registry_record_names_this_class_and_the_class_takes_it():
+    import adapters
+
+    record = adapters.BUILTIN["tensorflow"]
+    assert adapters.get("tensorflow") is TensorFlowAdapter and TensorFlowAdapter.declaration is record
+    assert TensorFlowAdapter.name == "tensorflow" and TensorFlowAdapter.PRECISIONS == record.precisions

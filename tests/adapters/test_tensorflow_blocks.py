@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from adapters.base import ALL_LAYERS, ALL_TASKS
-from adapters.tensorflow import TensorFlowAdapter
+from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import datasets, models
 from harness.spec import ModelSpec, SyntheticData
 from tests.adapters import block_checks, kit, reference, scenarios

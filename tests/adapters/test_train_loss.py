@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.mxnet import MXNetAdapter
-from adapters.pytorch import PyTorchAdapter
-from adapters.tensorflow import TensorFlowAdapter
+from adapters.mxnet.adapter import MXNetAdapter
+from adapters.pytorch.adapter import PyTorchAdapter
+from adapters.tensorflow.adapter import TensorFlowAdapter
 from tests.adapters import loss_runs
 
 FRAMEWORKS = {"pytorch": PyTorchAdapter, "tensorflow": TensorFlowAdapter, "mxnet": MXNetAdapter}

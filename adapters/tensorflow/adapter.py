@@ -1,6 +1,6 @@
 """TensorFlow adapter: raw ``tf.Variable``s and ``tf.nn`` ops in ``tf.function``s (XLA in the "compiled" mode only),
 data resident on the device, NHWC for images, (B, L, D) for sequences. The layers are in
-``adapters.tensorflow_layers``.
+``adapters.tensorflow.layers``.
 
 Layouts: conv kernels are HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in, out) (``weight.T``), and the
 first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
@@ -8,7 +8,7 @@ first dense layer after flattening an (H, W, C) tensor has its input rows permut
 data itself is never permuted (a batchnorm over those flat features has its gamma, beta and running statistics permuted
 the same way). A flatten whose features reach no dense layer through elementwise layers and batchnorms only (a
 residual block, a layernorm or the output come first) transposes to channel-first order instead. Batchnorm is
-``FusedBatchNormV3`` on NHWC (see ``tensorflow_layers.batchnorm``), its running statistics non-trainable variables.
+``FusedBatchNormV3`` on NHWC (see ``layers.batchnorm``), its running statistics non-trainable variables.
 Every parameter and buffer is kept under its canonical name ("3.1.weight", "4.shortcut_bn.running_var", ...) with
 the variables that hold it and the inverse of its conversion, from which ``get_weights`` and ``get_buffers`` rebuild
 the canonical arrays.
@@ -41,7 +41,7 @@ model with TF32 on (``enable_tensor_float_32_execution(True)``); "bf16" on the C
 mixed precision, the policy of every framework in the harness. Parameters, batchnorm's statistics and the
 optimizer state stay float32 (master weights); convolutions, dense layers, the embedding's output and attention's
 projections and score / value products compute in the low precision; batchnorm, layer normalisation, softmax and the
-loss in float32; the logits are returned float32 (see ``adapters.tensorflow_layers`` for how: Keras's
+loss in float32; the logits are returned float32 (see ``adapters.tensorflow.layers`` for how: Keras's
 "mixed_bfloat16" / "mixed_float16" policy for its two layers, ``tf.cast`` at the raw ops). fp16 adds dynamic loss
 scaling (``DynamicLossScale``): the adapter's optimizer is not a Keras one, so Keras's ``LossScaleOptimizer`` does
 not apply.
@@ -73,10 +73,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silence
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from adapters import tensorflow_layers as L  # noqa: E402
-from adapters.tensorflow_training import DynamicLossScale, dense_gradients, make_update  # noqa: E402
-from adapters.base import (  # noqa: E402
-    ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size, staged_start)
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters.tensorflow import DECLARATION  # noqa: E402
+from adapters.tensorflow import layers as L  # noqa: E402
+from adapters.tensorflow.training import DynamicLossScale, dense_gradients, make_update  # noqa: E402
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 #: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep TF's (H, W, C) order:
@@ -102,18 +102,7 @@ def _default_threads() -> int:
         return os.cpu_count() or 1
 
 
-class TensorFlowAdapter(Adapter):
-    name = "tensorflow"
-    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = ALL_TASKS
-    # keep adapters.BUILTIN_EXECUTION equal to these three
-    PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
-    COMPILE_MODES = {"eager": "tf.function graphs without XLA", "compiled": "tf.function(jit_compile=True): XLA"}
-    DEFAULT_COMPILE = "eager"
-    # Keras 3's TF dot_product_attention has no fused kernel (flash_attention raises): einsum, softmax, einsum, so the
-    # probabilities are kept (and, causal, a bool (B, heads, L, L) mask for tf.where); and adapters.BUILTIN_ATTENTION
-    ATTENTION = "unfused"
-
+class TensorFlowAdapter(Adapter, declaration=DECLARATION):
     def __init__(self) -> None:
         self.device = "/CPU:0"
         self._gpu = False
@@ -129,8 +118,7 @@ class TensorFlowAdapter(Adapter):
         self._train_fns: dict[tuple[int, int], Any] = {}  # (batch size, micro-batches) -> traced train step
         self._compilations = 0  # tracings of train step functions (see compilations)
         self._train_calls: dict[tuple[int, int], Any] = {}  # the same -> its concrete function, what a step calls
-        self._staged: dict[int, tf.Tensor] = {}  # this epoch's index batches on the device, by their start in it
-        self._staged_order: np.ndarray | None = None  # that epoch's order (stage_epoch)
+        self._staged: list[tf.Tensor] = []  # this epoch's index batches on the device, by the step's position
         self._compute = tf.float32  # the compute dtype (build, from options["precision"])
         self._jit = False  # XLA (build, from options["compile"])
         self._loss_scale: DynamicLossScale | None = None  # fp16 only
@@ -341,7 +329,7 @@ class TensorFlowAdapter(Adapter):
 
     def _add_keras_layer(self, layer: Any, weights: dict[str, np.ndarray]) -> L.Layer:
         """Layernorm or attention: Keras's layer with its variables set from the canonical weights, those variables
-        registered under the canonical names (``tensorflow_layers.layer_norm``, ``.multi_head_attention``)."""
+        registered under the canonical names (``layers.layer_norm``, ``.multi_head_attention``)."""
         spec, name = layer.spec, layer.name
         canonical = {local: _f32(weights[f"{name}.{local}"]) for local in layer.params}
         if layer.kind == "layernorm":
@@ -448,24 +436,20 @@ class TensorFlowAdapter(Adapter):
         """Moves the epoch's index batches to the device now, one int64 tensor per step (``Adapter.stage_epoch``):
         a concrete function called with a numpy array converts it at every call, which measured about 80 us more
         per call than a tensor argument on the CPU (benchmarks/harness_vs_loop.py; 10 % of a step of the digits CNN
-        at batch 64). ``train_step`` uses the staged tensor when its ``indices`` are that step's slice of ``order``
-        (the same memory), else converts them."""
+        at batch 64). ``train_step`` uses the staged tensor of its ``position``, or converts ``indices`` without one."""
         order = np.ascontiguousarray(order, dtype=np.int64)
         with tf.device(self.device):
-            self._staged = {start: tf.constant(order[start:start + batch_size])
-                            for start in range(0, len(order) - batch_size + 1, batch_size)}
-        self._staged_order = order  # held, so that its memory (the key of every staged slice) stays this array's
+            self._staged = [tf.constant(order[start:start + batch_size])
+                            for start in range(0, len(order) - batch_size + 1, batch_size)]
 
-    def _indices_tensor(self, indices: np.ndarray) -> tf.Tensor:
-        """The staged tensor of ``indices`` when they are a staged step's slice of the epoch's order, else a new
-        one."""
-        start = staged_start(self._staged_order, indices)
-        staged = self._staged.get(start) if start is not None else None
+    def _indices_tensor(self, indices: np.ndarray, position: int | None) -> tf.Tensor:
+        """The staged tensor of step ``position`` of the epoch (``stage_epoch``), else a new one of ``indices``."""
+        staged = self._staged[position] if position is not None and 0 <= position < len(self._staged) else None
         if staged is not None and staged.shape[0] == len(indices):
             return staged
         return tf.constant(indices, dtype=tf.int64)
 
-    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """One step on ``indices`` (int64 (B,)): gather, forward, ``tf.GradientTape`` gradients and the optimizer
         update in one ``tf.function``, traced on the first call with each (B, micro_batches) and never again. With
         ``micro_batches`` k > 1 the gradients of k micro-batches of B / k are summed inside that function
@@ -487,7 +471,7 @@ class TensorFlowAdapter(Adapter):
             self._train_fns[key], self._train_calls[key] = function, function.get_concrete_function()
             self._compilations += function.experimental_get_tracing_count()
             fn = self._train_calls[key]
-        self._last_loss = fn(self._indices_tensor(indices))  # the function also adds it to the loss sum
+        self._last_loss = fn(self._indices_tensor(indices, position))  # the function also adds it to the loss sum
         self._loss_steps += 1
 
     def compilations(self) -> int | None:
@@ -512,9 +496,6 @@ class TensorFlowAdapter(Adapter):
         total = float(self._loss_sum.numpy())
         self._loss_sum.assign(0.0)
         return total / steps, steps
-
-    def sync(self) -> float:
-        return self.read_loss()[0]
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """(mean cross-entropy, accuracy in [0, 1]) over the test set (over every position of every sequence for a
@@ -564,6 +545,15 @@ class TensorFlowAdapter(Adapter):
         if not self._gpu:
             return {}
         return {"allocator_peak_bytes": int(tf.config.experimental.get_memory_info("GPU:0")["peak"])}
+
+    def cpu_allocator_peak(self) -> int | None:
+        """The CPU BFC allocator's peak bytes since it was created (``get_memory_info("CPU:0")["peak"]``), which TF
+        keeps only when the worker's memory limit put CPU tensors in a BFC allocator
+        (``DECLARATION.cpu_allocator_cap``); None otherwise, or when TF is already shutting down."""
+        try:
+            return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+        except Exception:  # noqa: BLE001 - no BFC allocator on the CPU, or TF already shutting down
+            return None
 
     def settings(self) -> dict[str, Any]:
         """Threads, data format, the precision ("precision", "compute_dtype"), the execution mode ("compile",

@@ -1,6 +1,6 @@
 """MXNet adapter: Gluon ``HybridSequential`` hybridized with ``static_alloc``/``static_shape``, data resident on the
 device, NCHW images and (N, L, D) sequences; the blocks Gluon lacks (residual, embedding, attention, sequence
-pooling) are ``adapters.mxnet_layers``'.
+pooling) are ``adapters.mxnet.layers``'.
 
 MXNet runs every operator asynchronously on its engine's worker threads; errors and results surface at the next
 synchronisation point, so ``wait`` is ``mx.nd.waitall`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
@@ -18,8 +18,8 @@ https://mxnet.apache.org/versions/1.9.1/api/faq/env_var).
 
 Precisions (``PRECISIONS``): fp32 everywhere, and fp16 on a CUDA GPU through MXNet's AMP (``mxnet.contrib.amp``,
 https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.html; see
-``adapters.mxnet_training.init_amp`` for what it casts and where that differs from the shared policy). Not declared, with the reason ``unsupported_execution`` gives
-(``adapters.PRECISION_NOTES``, which the reasons quote):
+``adapters.mxnet.training.init_amp`` for what it casts and where that differs from the shared policy). Not declared, with the reason ``unsupported_execution`` gives
+(the declaration's ``notes``, which the reasons quote):
 
 - bf16 (checked on MXNet 1.9.1 with its oneDNN 2.4.4, on an AMD EPYC with AVX2 and no AVX-512): ``amp.init(
   target_dtype="bfloat16")`` then one training step of a conv + dense net, hybridized or not, fails in the first
@@ -41,35 +41,18 @@ https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.ht
 
 from __future__ import annotations
 
-import builtins
 import importlib.metadata
 import os
 import platform
 import re
-import warnings
 from typing import Any
 
 import numpy as np
 
-# MXNet 1.9.1 is the last release (the project was retired to the Apache Attic in 2023) and it references the numpy
-# aliases that numpy 1.24 removed (np.bool, np.int, np.float, np.complex, np.object, np.str) at import time. Restore
-# the missing ones, as the builtins they always aliased, before importing it. Probing them warns (FutureWarning on
-# numpy 1.25+), hence the filter; importing MXNet itself raises DeprecationWarnings from numpy and distutils.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", FutureWarning)
-    warnings.simplefilter("ignore", DeprecationWarning)
-    for _alias in ("bool", "int", "float", "complex", "object", "str"):
-        if not hasattr(np, _alias):
-            setattr(np, _alias, getattr(builtins, _alias))
-    import mxnet as mx
-    from mxnet import autograd, gluon, nd
-    from mxnet.contrib import amp
-    from mxnet.gluon import nn
-
-from adapters import mxnet_layers as layers  # after mxnet: its blocks subclass Gluon's (see that module)
-from adapters import mxnet_training as training  # after mxnet, likewise
-from adapters.base import (ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size,
-                           staged_start)
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.mxnet import DECLARATION
+from adapters.mxnet import layers, training
+from adapters.mxnet.runtime import amp, autograd, gluon, mx, nd, nn
 from harness.neutral.models import initial_buffers
 
 # What libmxnet saw when it loaded (during the import above): its OpenMP thread count is derived from these once.
@@ -134,17 +117,7 @@ def _omp_threads() -> int:
     return max(_CPUS_AT_IMPORT // 2, 1) if x86 else _CPUS_AT_IMPORT
 
 
-class MXNetAdapter(Adapter):
-    name = "mxnet"
-    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = ALL_TASKS
-    # keep adapters.BUILTIN_EXECUTION equal to these three
-    PRECISIONS = {"fp32": BOTH, "fp16": CUDA}
-    COMPILE_MODES = {"eager": "Gluon blocks run imperatively (not hybridized)",
-                     "compiled": "hybridized: one cached symbolic graph (static_alloc, static_shape)"}
-    DEFAULT_COMPILE = "compiled"
-    ATTENTION = "unfused"  # batch_dot, softmax, batch_dot (mxnet_layers.SelfAttention); and adapters.BUILTIN_ATTENTION
-
+class MXNetAdapter(Adapter, declaration=DECLARATION):
     def __init__(self) -> None:
         self.ctx = mx.cpu()
         self._threads_requested: int | None = None
@@ -165,7 +138,7 @@ class MXNetAdapter(Adapter):
         self._amp_dtype: str | None = None  # AMP's target dtype ("float16"), None without AMP
         self._hybridized = True
         self._staged: mx.nd.NDArray | None = None  # this epoch's order on the device (stage_epoch)
-        self._staged_order: np.ndarray | None = None  # that order, held: its memory identifies the staged slices
+        self._staged_batch = 0  # its samples per step
 
     def versions(self) -> dict[str, str]:
         out = {"mxnet": mx.__version__}
@@ -232,7 +205,7 @@ class MXNetAdapter(Adapter):
         Conv2D weights are OIHW and Dense weights (out, in): MXNet's own layouts, so the canonical arrays are copied
         in unchanged; so are batchnorm's and layernorm's gamma and beta, batchnorm's running statistics (from
         ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``), the embedding tables
-        and attention's projections (``adapters.mxnet_layers.params``). A trailing softmax is folded into
+        and attention's projections (``adapters.mxnet.layers.params``). A trailing softmax is folded into
         ``SoftmaxCrossEntropyLoss`` on the logits. Batchnorm is ``nn.BatchNorm(axis=1)`` with MXNet's momentum = 1 -
         the canonical one; where its kernel updates the running variance with the biased batch variance (the CPU's;
         see ``_running_var_is_biased``), ``train_step`` corrects it to the canonical unbiased update
@@ -241,7 +214,7 @@ class MXNetAdapter(Adapter):
         ``compiled`` mode (``options["compile"]``, the default) the net is hybridized with ``static_alloc=True,
         static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/hybrid_block.html);
         ``eager`` leaves it imperative. ``options["precision"]`` fp16 initialises AMP first
-        (``adapters.mxnet_training.init_amp``); a precision or mode this adapter lacks on the device raises ValueError. In the compiled mode a new input shape
+        (``adapters.mxnet.training.init_amp``); a precision or mode this adapter lacks on the device raises ValueError. In the compiled mode a new input shape
         (evaluation's batches, ``predict``) re-plans the cached graph, which costs tens of microseconds for this model
         (measured on 1.9.1; memory stays flat however often the shapes alternate), so training, evaluation and
         ``predict`` share the one graph and need no padding.
@@ -249,7 +222,7 @@ class MXNetAdapter(Adapter):
         Optimizers, with PyTorch's semantics (``harness.spec.OptimizerSpec``; https://mxnet.apache.org/versions/1.9.1/
         api/python/docs/api/optimizer/index.html): ``sgd`` is MXNet's own, ``state = momentum * state + lr * (grad +
         wd * weight); weight -= state``, PyTorch's update scaled by lr, identical for a constant learning rate.
-        ``adam`` is ``adapters.mxnet_training.PyTorchAdam``: MXNet's ``adam_update`` kernel with epsilon rescaled
+        ``adam`` is ``adapters.mxnet.training.PyTorchAdam``: MXNet's ``adam_update`` kernel with epsilon rescaled
         each step so that it lands where PyTorch puts it (see that class). In both, ``wd`` is an L2 term added to the gradient (coupled), like
         ``weight_decay`` in torch.optim.SGD/Adam. ``multi_precision`` is off (it only matters for float16 weights)
         and ``lazy_update`` is off (it only matters for row_sparse gradients).
@@ -379,13 +352,13 @@ class MXNetAdapter(Adapter):
         the gather that reads them then 157 us, against 8 us for a slice and 33 us for its gather; one call an epoch
         instead of one a step (at batch 64 on digits 0.3 ms of a 4 ms step went to indices before this)."""
         order = np.ascontiguousarray(order, dtype=np.int64)
-        self._staged, self._staged_order = self._wrap(order), order
+        self._staged, self._staged_batch = self._wrap(order), batch_size
 
-    def _indices(self, indices: np.ndarray) -> mx.nd.NDArray:
-        """``indices`` as an int64 NDArray on the device: a slice of the staged epoch when they are a staged slice
-        (``adapters.base.staged_start``; the staged NDArray is set whenever its order is), else their own."""
-        start = staged_start(self._staged_order, indices)
-        if start is not None:
+    def _indices(self, indices: np.ndarray, position: int | None) -> mx.nd.NDArray:
+        """``indices`` as an int64 NDArray on the device: step ``position``'s slice of the staged epoch
+        (``stage_epoch``), else their own."""
+        start = None if position is None or self._staged is None else position * self._staged_batch
+        if start is not None and len(indices) == self._staged_batch and start + len(indices) <= self._staged.shape[0]:
             return self._staged[start:start + len(indices)]
         return self._wrap(indices)
 
@@ -395,7 +368,7 @@ class MXNetAdapter(Adapter):
         idx = nd.from_numpy(np.array(indices, dtype=np.int64), zero_copy=True)
         return idx if self.ctx.device_type == "cpu" else idx.as_in_context(self.ctx)
 
-    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """Gathers the batch on the device (``nd.take``), runs forward and backward under ``autograd.record`` and
         steps the Trainer with ``batch_size = len(indices)``: the backward pass of the per-sample loss vector gives the
         gradient of the sum, which ``Trainer.step`` rescales by 1 / batch_size, so the update uses the mean gradient
@@ -407,14 +380,14 @@ class MXNetAdapter(Adapter):
         are zeroed, each micro-batch of B / k runs forward and backward on its own (adding the gradient of its summed
         loss), and one ``Trainer.step(B)`` applies the sum rescaled by 1 / B, the mean over all B samples.
 
-        The indices are a slice of the epoch's staged order (``stage_epoch``) when they are one; others go in through
+        The indices are the slice of the epoch's staged order (``stage_epoch``) at ``position`` when it is given; others go in through
         ``nd.from_numpy`` (zero-copy DLPack, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/ndarray/
         ndarray.html#mxnet.ndarray.from_numpy), not ``nd.array``: on the CPU, ``nd.array`` copies synchronously after
         waiting for every operator already queued on the CPU (``NDArray::WaitToWrite`` pushes an empty write to the
         CPU queue and waits for it), which would make every step wait for the previous one. ``from_numpy`` only wraps
         the memory, so it is given a private copy, which MXNet keeps alive until the gather has read it. In fp16 the
         backward pass starts from the loss times AMP's loss scale (``_scaled``)."""
-        idx = self._indices(indices)
+        idx = self._indices(indices, position)
         if micro_batches == 1:
             self._set_grad_req("write")
             x = nd.take(self.x_train, idx)
@@ -506,9 +479,6 @@ class MXNetAdapter(Adapter):
         """``nd.waitall``: every operator queued on the engine is done. The loss is read by ``read_loss``, after the
         clock (its sum is one more operator and engine round trip)."""
         nd.waitall()
-
-    def sync(self) -> float:
-        return self.read_loss()[0]
 
     def read_loss(self) -> tuple[float, int]:
         """``wait``, then each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a

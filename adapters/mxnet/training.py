@@ -1,15 +1,12 @@
 """The MXNet adapter's training machinery, apart from its model: MXNet's AMP for fp16 (once per process) and the
-optimizers with PyTorch's semantics. Imported by ``adapters.mxnet`` only; importing it imports that module first, which
-makes MXNet importable on numpy >= 1.24."""
+optimizers with PyTorch's semantics. Imported by ``adapters.mxnet.adapter`` only."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-import adapters.mxnet  # noqa: F401  (restores numpy's removed aliases before mxnet is imported; see that module)
-import mxnet as mx
-from mxnet.contrib import amp
+from adapters.mxnet.runtime import amp, mx
 
 #: The AMP target dtype of each precision this adapter trains in (None: no AMP).
 _AMP_DTYPES = {"fp32": None, "fp16": "float16"}
@@ -32,7 +29,7 @@ def init_amp(precision: str) -> str | None:
     policy: ``BatchNorm`` is dtype-neutral in AMP, so it takes the float16 output of a convolution (its gamma, beta and
     running statistics stay float32 in MXNet's fp16 BatchNorm); so are pooling, relu, gelu, reshapes and dropout;
     attention's score product is float16 (both inputs come from a float16 dense layer), its softmax and the product
-    with v float32 (the causal mask is float32, see ``adapters.mxnet_layers.SelfAttention``); the logits are the
+    with v float32 (the causal mask is float32, see ``adapters.mxnet.layers.SelfAttention``); the logits are the
     float16 output of the last dense layer, widened to float32 by the loss and by ``predict``. The loss is scaled
     dynamically (``amp.init_trainer``, ``amp.scale_loss``; ``train_step``)."""
     global _amp_target

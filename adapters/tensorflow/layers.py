@@ -1,11 +1,11 @@
-"""The TensorFlow adapter's layers (``adapters.tensorflow``): each canonical layer kind as a function
+"""The TensorFlow adapter's layers (``adapters.tensorflow.adapter``): each canonical layer kind as a function
 ``(x, training) -> y`` over ``tf.nn`` ops and the adapter's ``tf.Variable``s, NHWC for images and (B, L, D) for
-sequences, weights in the layouts ``adapters.tensorflow`` converts them to. Imported by ``adapters.tensorflow`` only
+sequences, weights in the layouts ``adapters.tensorflow.adapter`` converts them to. Imported by that module only
 (it is not an adapter of its own).
 
 Where TensorFlow has no op for a layer, the layer is Keras's own, built once with its variables set from the
 canonical weights and called inside the adapter's ``tf.function``s (its variables are plain ``tf.Variable``s that
-the adapter's tape and optimizer take with the others; see ``adapters.tensorflow``): layer normalisation is
+the adapter's tape and optimizer take with the others; see ``adapters.tensorflow.adapter``): layer normalisation is
 ``keras.layers.LayerNormalization`` (https://keras.io/api/layers/normalization_layers/layer_normalization/) and
 self-attention ``keras.layers.MultiHeadAttention`` (https://keras.io/api/layers/attention_layers/multi_head_attention/).
 ``tf.nn`` has neither: no layer-norm op and no attention op.
@@ -103,7 +103,7 @@ def dropout(rate: float) -> Layer:
 def flatten(features: int, channels_first: bool) -> Layer:
     """(N, H, W, C) -> (N, features) in TF's own (H, W, C) order, or, with ``channels_first``, transposed to (N, C,
     H, W) first: the canonical order, for a flatten whose features reach no dense layer that could absorb the order
-    in its rows (see ``adapters.tensorflow``). A (B, L, D) sequence flattens position-major, the canonical order."""
+    in its rows (see the adapter). A (B, L, D) sequence flattens position-major, the canonical order."""
     if channels_first:
         return lambda x, training: tf.reshape(tf.transpose(x, (0, 3, 1, 2)), (-1, features))
     return lambda x, training: tf.reshape(x, (-1, features))
@@ -154,7 +154,7 @@ def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias:
 def embedding(token: tf.Variable, position: tf.Variable, compute: tf.DType = tf.float32) -> Layer:
     """(B, L) int64 ids -> (B, L, D) in ``compute``: ``tf.nn.embedding_lookup`` of the token table (vocab, D)
     (https://www.tensorflow.org/api_docs/python/tf/nn/embedding_lookup) plus the position table (L, D), in float32,
-    then cast. Its gradient is ``tf.IndexedSlices``, which the train step makes dense (``adapters.tensorflow``)."""
+    then cast. Its gradient is ``tf.IndexedSlices``, which the train step makes dense (see the adapter)."""
     return lambda x, training: to(tf.nn.embedding_lookup(token, x) + position, compute)
 
 

@@ -7,7 +7,7 @@ Layouts are TensorFlow's (both compute NHWC): conv kernels HWIO (``weight.transp
 statistics permuted the same way); the data is never permuted. ``get_weights`` / ``get_buffers`` invert this.
 Layernorm, embedding and attention keep the canonical layouts as they are (attention: ``jax.nn.dot_product_attention``
 between the canonical fused in-projection and the output projection). Residual blocks compose their body and
-shortcut; the layers themselves are in ``adapters.jax_layers``. Token models take int32 ids (B, L); a next-token
+shortcut; the layers themselves are in ``adapters.jax.layers``. Token models take int32 ids (B, L); a next-token
 model's loss is the mean cross-entropy over every position.
 
 Why no flax: the model is a handful of ``lax`` ops over canonical parameters, which is exactly what a framework-neutral
@@ -38,7 +38,7 @@ launcher sets before this module is imported), Eigen's thread pool is turned off
 
 Execution: one mode, "compiled" (``jax.jit`` of the whole train step, XLA); JAX has no eager training loop worth
 measuring, so ``compile: eager`` is unsupported. Precision (``options["precision"]``, default fp32; the layers'
-``jax_layers.Compute``): fp32 means fp32: every conv and dot at ``lax.Precision.HIGHEST`` and
+``adapters.jax.layers.Compute``): fp32 means fp32: every conv and dot at ``lax.Precision.HIGHEST`` and
 ``jax_default_matmul_precision`` "highest" (on NVIDIA GPUs JAX's DEFAULT uses TF32 for float32 operands;
 https://docs.jax.dev/en/latest/_autosummary/jax.lax.Precision.html). tf32 (GPUs): the same float32 computation at
 DEFAULT precision, which is TF32 there. bf16 (CPU and GPUs) and fp16 (GPUs), mixed precision with the policy every
@@ -76,9 +76,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from adapters import jax_layers as L  # noqa: E402
-from adapters.base import (ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable,  # noqa: E402
-                           micro_batch_size)
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
+from adapters.jax import DECLARATION  # noqa: E402
+from adapters.jax import layers as L  # noqa: E402
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
 
 Params = L.Params
@@ -103,17 +103,7 @@ def _oom_types() -> tuple[type, ...]:
     return tuple(t for t in found if isinstance(t, type))
 
 
-class JaxAdapter(Adapter):
-    name = "jax"
-    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = ALL_TASKS
-    PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}  # and adapters.BUILTIN_EXECUTION
-    COMPILE_MODES = {"compiled": "jax.jit of the whole train step (XLA)"}
-    DEFAULT_COMPILE = "compiled"
-    # jax.nn.dot_product_attention's implementation=None is its XLA path on every device (einsum, softmax, einsum;
-    # the cuDNN kernel only when asked for): the probabilities are kept; and adapters.BUILTIN_ATTENTION
-    ATTENTION = "unfused"
-
+class JaxAdapter(Adapter, declaration=DECLARATION):
     def __init__(self) -> None:
         self.device: Any = None
         self._gpu = False
@@ -355,7 +345,9 @@ class JaxAdapter(Adapter):
         sizes = [getattr(step, "_cache_size", None) for step in self._steps.values()]
         return None if any(size is None for size in sizes) else sum(size() for size in sizes)
 
-    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
+        """One step (``_summed_step``, jitted once per (B, micro_batches)); ``indices`` go in as numpy at every step
+        (``position`` is not needed)."""
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         key = (len(indices), micro_batches)
         if key not in self._steps:
@@ -392,9 +384,6 @@ class JaxAdapter(Adapter):
         total = float(self._loss_sum)
         self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self.device)
         return total / steps, steps
-
-    def sync(self) -> float:
-        return self.read_loss()[0]
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         n = int(self.x_test.shape[0])

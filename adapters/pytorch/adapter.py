@@ -15,8 +15,8 @@ the device's list says) in float32; fp16 adds ``torch.amp.GradScaler`` (dynamic 
 the gradients, skip the step and lower the scale on inf/nan). fp16 autocast on the CPU is left out (``PRECISIONS``):
 the mixed-precision recipes target GPUs, and a CPU run in fp16 answers no question this tool asks.
 
-Sync is ``torch.cuda.synchronize`` on a GPU (https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution);
-on the CPU, PyTorch ops are synchronous. Allocator peaks come from ``torch.cuda.max_memory_allocated`` /
+``wait`` is ``torch.cuda.synchronize`` on a GPU
+(https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution); on the CPU, PyTorch ops are synchronous. Allocator peaks come from ``torch.cuda.max_memory_allocated`` /
 ``max_memory_reserved`` after ``reset_peak_memory_stats`` (https://pytorch.org/docs/stable/torch_cuda_memory.html). A
 ``memory_limit_bytes`` option caps the caching allocator on a GPU (``_apply_memory_limit``). The canonical batchnorm
 is PyTorch's own (momentum convention and unbiased running variance), so ``nn.BatchNorm1d/2d`` need no adjustment.
@@ -33,82 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.base import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.pytorch import DECLARATION
+from adapters.pytorch import layers as L
 from harness.neutral.models import initial_buffers
 
 
-def _activated(module: nn.Module, spec: Any) -> nn.Module:
-    """``module`` followed by its spec's activation (relu, gelu in its exact erf form, or none)."""
-    activation = getattr(spec, "activation", "none")
-    if activation == "none":
-        return module
-    return nn.Sequential(module, nn.ReLU() if activation == "relu" else nn.GELU())
-
-
-class _Residual(nn.Module):
-    """y = activation(body(x) + shortcut(x)); an empty shortcut is the identity."""
-
-    def __init__(self, body: nn.Sequential, shortcut: nn.Sequential, relu: bool):
-        super().__init__()
-        self.body, self.shortcut, self.relu = body, shortcut, relu
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.body(x) + self.shortcut(x)
-        return F.relu(out) if self.relu else out
-
-
-class _Embedding(nn.Module):
-    """Token plus learned position embedding: (B, L) int64 ids -> (B, L, D)."""
-
-    def __init__(self, vocab: int, length: int, dim: int):
-        super().__init__()
-        self.token, self.position = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.token(ids) + self.position.weight[:ids.shape[1]]
-
-
-class _SelfAttention(nn.Module):
-    """``nn.MultiheadAttention`` as self-attention on (B, L, D), its weights in the canonical layout as they are
-    (in_proj_weight (3D, D): q, k, v rows; out_proj); causal with a boolean mask of the keys after each query
-    (https://pytorch.org/docs/stable/generated/torch.nn.MultiheadAttention.html)."""
-
-    def __init__(self, dim: int, heads: int, causal_length: int | None):
-        super().__init__()
-        self.mha = nn.MultiheadAttention(dim, heads, batch_first=True)
-        mask = None if causal_length is None else torch.triu(
-            torch.ones(causal_length, causal_length, dtype=torch.bool), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mha(x, x, x, need_weights=False, attn_mask=self.mask, is_causal=self.mask is not None)[0]
-
-
-class _SequencePool(nn.Module):
-    """(B, L, D) -> (B, D): the mean over positions, or the last position."""
-
-    def __init__(self, mode: str):
-        super().__init__()
-        self.mode = mode
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean(dim=1) if self.mode == "mean" else x[:, -1]
-
-
-class PyTorchAdapter(Adapter):
-    name = "pytorch"
-    SUPPORTED_LAYERS = ALL_LAYERS  # keep adapters.BUILTIN_SUPPORT equal to these two
-    SUPPORTED_TASKS = ALL_TASKS
-    PRECISIONS = {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}  # and BUILTIN_EXECUTION to these three
-    COMPILE_MODES = {"eager": "eager torch.nn modules",
-                     "compiled": "torch.compile of the model (TorchInductor, mode 'default')"}
-    DEFAULT_COMPILE = "eager"
-    # nn.MultiheadAttention(need_weights=False) in training calls scaled_dot_product_attention (causal: is_causal,
-    # no mask), which picks a fused kernel keeping a log-sum-exp: flash on the CPU and for 16-bit CUDA inputs,
-    # memory-efficient for float32 on CUDA (tests/test_flops.py measures the saved tensors).
-    # Keep adapters.BUILTIN_ATTENTION equal to it.
-    ATTENTION = "fused"
-
+class PyTorchAdapter(Adapter, declaration=DECLARATION):
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self._loss_sum: torch.Tensor | None = None  # float32 (), on the device: the losses since the last read
@@ -228,7 +159,7 @@ class PyTorchAdapter(Adapter):
         """One canonical layer or block as a module (``torch.nn``'s own layers; softmax folds into the loss)."""
         spec, kind = layer.spec, layer.kind
         if kind == "residual":
-            return _Residual(nn.Sequential(*[self._layer(child) for child in layer.body]),
+            return L.Residual(nn.Sequential(*[self._layer(child) for child in layer.body]),
                              nn.Sequential(*[self._layer(child) for child in layer.shortcut]),
                              spec.activation == "relu")
         plain = {"weight": "weight", "bias": "bias"}
@@ -237,9 +168,9 @@ class PyTorchAdapter(Adapter):
                        else spec.padding)  # an integer: that many zeros on every side, as PyTorch pads
             conv = nn.Conv2d(layer.input_shape[0], spec.filters, spec.kernel_size, stride=spec.stride,
                              padding=padding, bias=spec.use_bias)
-            return _activated(self._keep(layer, conv, {k: v for k, v in plain.items() if k in layer.params}), spec)
+            return L.activated(self._keep(layer, conv, {k: v for k, v in plain.items() if k in layer.params}), spec)
         if kind == "dense":  # on (B, F), or per position on (B, L, D): nn.Linear acts on the last axis
-            return _activated(self._keep(layer, nn.Linear(layer.input_shape[-1], spec.units), plain), spec)
+            return L.activated(self._keep(layer, nn.Linear(layer.input_shape[-1], spec.units), plain), spec)
         if kind == "batchnorm":
             # momentum is PyTorch's own convention (the weight of the new batch), running_var is updated with the
             # unbiased batch variance: the canonical semantics, natively (harness.spec.BatchNorm).
@@ -250,11 +181,11 @@ class PyTorchAdapter(Adapter):
             return self._keep(layer, nn.LayerNorm(layer.input_shape[-1], eps=spec.epsilon), plain)
         if kind == "embedding":
             length, dim = layer.output_shape
-            return self._keep(layer, _Embedding(spec.vocab, length, dim),
+            return self._keep(layer, L.Embedding(spec.vocab, length, dim),
                               {"token.weight": "token.weight", "position.weight": "position.weight"})
         if kind == "attention":
             length, dim = layer.input_shape
-            module = _SelfAttention(dim, spec.heads, length if spec.causal else None)
+            module = L.SelfAttention(dim, spec.heads, length if spec.causal else None)
             return self._keep(layer, module, {
                 "in_proj.weight": "mha.in_proj_weight", "in_proj.bias": "mha.in_proj_bias",
                 "out_proj.weight": "mha.out_proj.weight", "out_proj.bias": "mha.out_proj.bias"})
@@ -265,7 +196,7 @@ class PyTorchAdapter(Adapter):
         if kind == "global_avgpool2d":
             return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())  # (N, C, 1, 1) -> (N, C)
         if kind == "sequence_pool":
-            return _SequencePool(spec.mode)
+            return L.SequencePool(spec.mode)
         if kind == "dropout":
             return nn.Dropout(spec.rate)
         if kind == "flatten":
@@ -326,9 +257,10 @@ class PyTorchAdapter(Adapter):
         """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place."""
         self.x_train.copy_(torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))))
 
-    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
-        """One optimizer step (``_train_step``); in the compiled mode the graphs TorchDynamo captures in it are
-        counted (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read around the step so that the graphs
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
+        """One optimizer step (``_train_step``; ``indices`` are converted at every step, ``position`` is not
+        needed); in the compiled mode the graphs TorchDynamo captures in it are counted
+        (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read around the step so that the graphs
         of evaluation are not counted)."""
         if self._dynamo_counters is None:
             self._train_step(indices, micro_batches)
@@ -390,9 +322,6 @@ class PyTorchAdapter(Adapter):
         total = float(self._loss_sum.item())
         self._loss_sum.zero_()
         return total / steps, steps
-
-    def sync(self) -> float:
-        return self.read_loss()[0]
 
     @torch.no_grad()
     def evaluate(self, batch_size: int) -> tuple[float, float]:

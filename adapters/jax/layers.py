@@ -1,6 +1,6 @@
-"""The JAX adapter's layers (``adapters.jax``): each canonical layer kind as a function
+"""The JAX adapter's layers (``adapters.jax.adapter``): each canonical layer kind as a function
 ``(params, stats, x, train, key) -> (y, updated stats)`` over ``jax.lax`` and ``jax.nn`` ops, NHWC for images and
-(B, L, D) for sequences, weights in the layouts ``adapters.jax`` converts them to. Imported by ``adapters.jax`` only
+(B, L, D) for sequences, weights in the layouts ``adapters.jax.adapter`` converts them to. Imported by that module only
 (it is not an adapter of its own).
 
 Precision (``Compute``, one per harness precision in ``POLICIES``): the layers that multiply (conv, dense, attention's

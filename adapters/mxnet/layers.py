@@ -1,9 +1,8 @@
-"""The MXNet adapter's blocks for the layers Gluon 1.9.1 has no block of its own for (``adapters.mxnet``): the residual
-block, token plus position embedding, multi-head self-attention and sequence pooling, as ``HybridBlock``s that
+"""The MXNet adapter's blocks for the layers Gluon 1.9.1 has no block of its own for (``adapters.mxnet.adapter``): the
+residual block, token plus position embedding, multi-head self-attention and sequence pooling, as ``HybridBlock``s that
 hybridize with the rest of the net. Images are NCHW and sequences (B, L, D); every weight is held in the canonical
 layout (``harness.neutral.models``), so ``params`` maps each canonical local name to its Gluon ``Parameter`` as it
-is. Imported by ``adapters.mxnet`` only (it is not an adapter of its own); importing it imports that module first,
-which makes MXNet importable on numpy >= 1.24.
+is. Imported by ``adapters.mxnet.adapter`` only.
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import adapters.mxnet  # noqa: F401  (restores numpy's removed aliases before mxnet is imported; see that module)
-from mxnet.gluon import nn
+from adapters.mxnet.runtime import nn
 
 # Added to the score of every key after the query under a causal mask: exp(-1e30 - max) is exactly 0 in float32, as
 # exp(-inf) is (the score itself is absorbed: s - 1e30 == -1e30), without an inf that a 0 x inf would turn into nan.

@@ -1,0 +1,99 @@
+"""What a framework's adapter declares about itself, in a record readable without importing the framework.
+
+Each ``adapters/<framework>/__init__.py`` holds one ``Declaration``; ``adapters/__init__.py`` collects them, and the
+adapter class takes its class-level facts from it (``Adapter.__init_subclass__``), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from harness.neutral.info import TASKS
+
+#: The layer kinds every adapter built before blocks existed (and options of none of them): conv2d with stride 1,
+#: "same" or "valid" padding and a bias, dense on flat inputs with relu or no activation, and the rest as they were.
+BASIC_LAYERS = frozenset({"conv2d", "maxpool2d", "avgpool2d", "global_avgpool2d", "batchnorm", "dropout", "flatten",
+                          "dense", "relu", "softmax"})
+#: Image classification only: NHWC float32 images in, one label per sample.
+IMAGE_TASKS = frozenset({"image_classification"})
+#: Every layer kind and layer option of the neutral model (``harness.neutral.info.requirements``'s vocabulary).
+ALL_LAYERS = BASIC_LAYERS | frozenset({
+    "residual", "layernorm", "gelu", "embedding", "attention", "sequence_pool", "conv2d.stride", "conv2d.padding",
+    "conv2d.no_bias", "dense.gelu", "dense.sequence", "attention.causal"})
+#: Every task: images, sequence classification and next-token prediction.
+ALL_TASKS = frozenset(TASKS)
+
+#: Device kinds, for ``Declaration.precisions``.
+CPU, CUDA, BOTH = frozenset({"cpu"}), frozenset({"cuda"}), frozenset({"cpu", "cuda"})
+#: What an adapter declares by default: fp32 on the CPU and on CUDA GPUs, one execution mode.
+FP32_ONLY = MappingProxyType({"fp32": BOTH})
+EAGER_ONLY = MappingProxyType({"eager": "the framework's usual execution"})
+
+#: Why a built-in adapter does not train in fp16 on the CPU (quoted in the ``unsupported`` reason).
+FP16_NOTE = ("fp16 with dynamic loss scaling is declared for CUDA GPUs only, by the harness's choice: the recipe "
+             "exists for Tensor Cores, and a CPU run in fp16 answers no question this tool asks (README, precision)")
+
+
+def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One framework's facts, for the plan, the launcher, the worker and the report.
+
+    name: the adapter's name in specs ("pytorch"). title: its name in reports ("PyTorch"). adapter: the class,
+    "module:Class" (importing that module imports the framework). distributions: the installed distributions whose
+    versions the run records (``harness.measure.machine``) and whose keys of ``Adapter.versions`` the report shows
+    ("tensorflow-cpu" is the key "tensorflow_cpu"). precisions: precision ("fp32", "tf32", "bf16", "fp16") -> the
+    device kinds ("cpu", "cuda") it trains in there. compile_modes: mode ("eager", "compiled") -> what it means in
+    this framework, in words; default_compile: the mode ``compile: default`` selects. layers, tasks: the layer kinds
+    and options, and the tasks, it builds (``harness.neutral.info.requirements``'s vocabulary). attention: what its
+    attention keeps for the backward pass ("unfused" or "fused", ``harness.neutral.memory.ATTENTIONS``).
+    environment: worker environment variables and their defaults (a value the launcher's environment sets wins).
+    thread_environment: variables set when a trial fixes the CPU thread count, "{threads}" standing for it.
+    allocator_environment: ``harness.spec.AllocatorSpec`` field -> the variable a set value goes to.
+    allocator_options: ``AllocatorSpec`` fields the worker passes to ``Adapter.options``. recorded_environment:
+    further variables of the launcher's environment that change this framework's numbers (recorded with the run).
+    cpu_allocator_cap: variables that cap the framework's CPU tensor allocator (read when it creates its CPU
+    device), "{mib}" standing for the cap in MiB (2^20 bytes); empty: the worker's process limit alone
+    (``harness.execution.limits``). cpu_allocator: that allocator's name in the limit's records ("cpu BFC allocator").
+    notes: precision -> why the adapter does not train in it where ``precisions`` alone would not say.
+    """
+
+    name: str
+    title: str
+    adapter: str
+    distributions: tuple[str, ...] = ()
+    precisions: Mapping[str, frozenset[str]] = field(default_factory=lambda: FP32_ONLY)
+    compile_modes: Mapping[str, str] = field(default_factory=lambda: EAGER_ONLY)
+    default_compile: str = "eager"
+    layers: frozenset[str] = BASIC_LAYERS
+    tasks: frozenset[str] = IMAGE_TASKS
+    attention: str = "unfused"
+    environment: Mapping[str, str] = field(default_factory=dict)
+    thread_environment: Mapping[str, str] = field(default_factory=dict)
+    allocator_environment: Mapping[str, str] = field(default_factory=dict)
+    allocator_options: tuple[str, ...] = ()
+    recorded_environment: tuple[str, ...] = ()
+    cpu_allocator_cap: Mapping[str, str] = field(default_factory=dict)
+    cpu_allocator: str = ""
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("precisions", "compile_modes", "environment", "thread_environment", "allocator_environment",
+                     "cpu_allocator_cap", "notes"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        if ":" not in self.adapter:
+            raise ValueError(f"{self.name}: adapter {self.adapter!r} is not module:Class")
+        if self.default_compile not in self.compile_modes:
+            raise ValueError(f"{self.name}: default mode {self.default_compile!r} is not among its compile_modes")
+        if bool(self.cpu_allocator_cap) != bool(self.cpu_allocator):
+            raise ValueError(f"{self.name}: cpu_allocator_cap and cpu_allocator go together")
+
+    @property
+    def version_keys(self) -> tuple[str, ...]:
+        """The keys of ``Adapter.versions`` that name this framework's distributions ("-" as "_")."""
+        return tuple(d.replace("-", "_") for d in self.distributions)

@@ -1,0 +1,24 @@
+"""PyTorch: its declaration (importing this module imports no framework); the adapter is ``adapters.pytorch.adapter``,
+its blocks ``adapters.pytorch.layers``."""
+
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+
+DECLARATION = Declaration(
+    name="pytorch",
+    title="PyTorch",
+    adapter="adapters.pytorch.adapter:PyTorchAdapter",
+    distributions=("torch",),
+    precisions={"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA},
+    compile_modes={"eager": "eager torch.nn modules",
+                   "compiled": "torch.compile of the model (TorchInductor, mode 'default')"},
+    default_compile="eager",
+    layers=ALL_LAYERS,
+    tasks=ALL_TASKS,
+    # nn.MultiheadAttention(need_weights=False) in training calls scaled_dot_product_attention (causal: is_causal,
+    # no mask), which picks a fused kernel keeping a log-sum-exp: flash on the CPU and for 16-bit CUDA inputs,
+    # memory-efficient for float32 on CUDA (tests/test_flops.py measures the saved tensors).
+    attention="fused",
+    # https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf
+    allocator_environment={"pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF"},
+    notes={"fp16": FP16_NOTE},
+)

@@ -1,0 +1,28 @@
+"""TensorFlow (Keras 3 layers): its declaration (importing this module imports no framework); the adapter is
+``adapters.tensorflow.adapter``, its layers ``adapters.tensorflow.layers``, its update and loss scaling
+``adapters.tensorflow.training``."""
+
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+
+DECLARATION = Declaration(
+    name="tensorflow",
+    title="TensorFlow",
+    adapter="adapters.tensorflow.adapter:TensorFlowAdapter",
+    distributions=("tensorflow", "tensorflow-cpu", "keras"),
+    precisions={"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA},
+    compile_modes={"eager": "tf.function graphs without XLA", "compiled": "tf.function(jit_compile=True): XLA"},
+    default_compile="eager",
+    layers=ALL_LAYERS,
+    tasks=ALL_TASKS,
+    # Keras 3's TF dot_product_attention has no fused kernel (flash_attention raises): einsum, softmax, einsum, so the
+    # probabilities are kept (and, causal, a bool (B, heads, L, L) mask for tf.where)
+    attention="unfused",
+    environment={"TF_CPP_MIN_LOG_LEVEL": "2"},  # silences TF's C++ INFO and WARNING logs
+    thread_environment={"TF_NUM_INTRAOP_THREADS": "{threads}", "TF_NUM_INTEROP_THREADS": "1"},
+    allocator_options=("tensorflow_memory_growth",),
+    recorded_environment=("TF_FORCE_GPU_ALLOW_GROWTH",),
+    # read when TF creates its CPU device: see harness.execution.limits
+    cpu_allocator_cap={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "{mib}"},
+    cpu_allocator="cpu BFC allocator",
+    notes={"fp16": FP16_NOTE},
+)
