@@ -3,10 +3,13 @@ intervals over repeats, noise pairs, the GPU (NVML) layout with memory layers, M
 
 from __future__ import annotations
 
+from html.parser import HTMLParser
+
 import numpy as np
 import pytest
 
-from harness.results import report, store, tables
+from harness.results import html, report, store, tables
+from harness.results.sections import BulletList, Images, Lines, Paragraph, Section, batch_table, to_markdown
 from harness.results.stats import median_ci, overlaps
 from harness.studies.sweep import add_mfu
 
@@ -288,3 +291,75 @@ def test_no_gpm_rows_without_gpm_values(tmp_path):
     cpu = report.build(make_run(tmp_path / "cpu", [_with_gpm(record("pytorch", 8))], batch_sizes=(8,)))
     assert [label for label, _ in tables.ohio_state_rows(cpu)] == [
         "PyTorch CPU use %", "PyTorch RSS MB", "PyTorch accuracy after 10 epochs %"]
+
+
+class _Rendered(HTMLParser):
+    """The text of every heading and every table cell of an HTML page (plots' SVG left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headings: list[str] = []
+        self.cells: list[str] = []
+        self._text: list[str] | None = None
+        self._svg = 0
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self._svg += tag == "svg"
+        if tag in ("td", "th", "h1", "h2", "h3", "h4"):
+            self._text = []
+
+    def handle_endtag(self, tag: str) -> None:
+        self._svg -= tag == "svg"
+        if tag in ("td", "th", "h1", "h2", "h3", "h4") and self._text is not None:
+            (self.cells if tag in ("td", "th") else self.headings).append(" ".join("".join(self._text).split()))
+            self._text = None
+
+    def handle_data(self, data: str) -> None:
+        if self._text is not None and not self._svg:
+            self._text.append(data)
+
+
+def same_content(markdown: str, page: str) -> tuple[list[str], list[str]]:
+    """The headings and table cells of ``markdown`` that ``page`` lacks (the plots section is PNG links only)."""
+    seen = _Rendered()
+    seen.feed(page)
+    markdown = markdown.split("\n## Plots\n")[0]
+    headings = [line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")]
+    cells = [" ".join(cell.replace("`", "").replace("\\*", "*").split()) for line in markdown.splitlines()
+             if line.startswith("| ") and not line.startswith("| ---") for cell in line[2:-2].split(" | ")]
+    html_cells = {cell.replace("|", "/") for cell in seen.cells}  # Markdown writes a | in a cell as /
+    return [h for h in headings if h not in seen.headings], sorted({c for c in cells if c not in html_cells})
+
+
+def test_markdown_and_html_are_rendered_from_the_same_sections(tmp_path):
+    """report.md and report.html are two renderings of one list of sections: every heading and every table cell of
+    the Markdown is a heading or a cell of the HTML, on a GPU run with a failed trial, GPM rows and a sampler note."""
+    records = [_with_gpm(record("pytorch", 8, backend="nvml")), record("pytorch", 16, backend="nvml"),
+               record("mxnet", 8, backend="nvml"), record("mxnet", 16, status="oom", backend="nvml",
+                                                          reason="out | of memory")]
+    records[2]["sampler"]["unavailable"] = {"sm_active": "no GPM on this GPU"}
+    for rec in records:
+        add_mfu(rec)
+    run_dir = make_run(tmp_path, records)
+    text = report.write(run_dir).read_text()
+    page = (run_dir / "report.html").read_text()
+    assert same_content(text, page) == ([], [])
+    assert "| mxnet-bs16-r0 | oom | out / of memory |" in text and "<td class=\"l\">out | of memory</td>" in page
+    data = report.build(run_dir)
+    data["run"]["run_dir"] = str(run_dir)
+    computed = report.sections(data)
+    assert to_markdown(computed) == text
+    assert [s.title for s in computed][:3] == ["t: 4 of 4 trials", "The Ohio State layout", "Memory, layer by layer"]
+    # the check can fail: a page without one section's table misses its cells
+    broken = page.replace(html.block_html(computed[1].blocks[0]), "")
+    assert same_content(text, broken)[1]
+
+
+def test_the_markdown_renderer_writes_each_block_type():
+    sections = [Section("a", "Title", (BulletList(("one", "two `x`")), Lines(("l1", "l2"))), level=1),
+                Section("b", "Part", (Paragraph("text"), batch_table([("row", ["1", "a|b"])], [8, 16]),
+                                      Images((("alt", "plots/a.png"),))))]
+    assert to_markdown(sections) == ("# Title\n\n- one\n- two `x`\n\nl1\nl2\n\n## Part\n\ntext\n\n"
+                                     "| batch size | 8 | 16 |\n| --- | ---: | ---: |\n| row | 1 | a/b |\n\n"
+                                     "![alt](plots/a.png)\n")
+    assert html.inline("a `b<c>` [d](e.png) \\* f") == 'a <code>b&lt;c&gt;</code> <a href="e.png">d</a> * f'

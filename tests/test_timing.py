@@ -35,10 +35,11 @@ class RecordingAdapter:
     def set_train_images(self, images):
         self.calls.append("images")
 
-    def train_step(self, indices, micro_batches=1):
+    def train_step(self, indices, micro_batches=1, position=None):
         self.calls.append("step")
-        if not (np.shares_memory(indices, self.order) and len(indices) == self.batch):
-            self.unstaged += 1  # not a slice of the staged order
+        if position is None or not np.shares_memory(
+                indices, self.order[position * self.batch:(position + 1) * self.batch]) or len(indices) != self.batch:
+            self.unstaged += 1  # not its position's slice of the staged order
         if self.step_s:
             time.sleep(self.step_s)
         self.unread.append(step_loss(self.steps))
@@ -53,9 +54,6 @@ class RecordingAdapter:
             time.sleep(self.read_s)  # a slow loss read
         losses, self.unread = self.unread, []
         return (float(np.mean(losses)) if losses else float("nan")), len(losses)
-
-    def sync(self):
-        return self.read_loss()[0]
 
     def evaluate(self, batch_size):
         self.calls.append("eval")
@@ -140,9 +138,9 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
     steps = []
     stall = adapter.train_step
 
-    def train_step(indices, micro_batches=1):
+    def train_step(indices, micro_batches=1, position=None):
         steps.append(1)
-        stall(indices, micro_batches)
+        stall(indices, micro_batches, position)
         if len(steps) == 30:  # the 28th timed step (after 2 warm-up steps): inside the sixth window of 5
             time.sleep(0.2)
 
@@ -155,9 +153,10 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
     from harness.results.report import slow_window_notes
 
     record = {"id": "x-bs4-r0", "status": "ok", "metrics": metrics}
-    (title, _, text, _) = slow_window_notes({"records": [record]})
-    assert title == "## Slow windows and recompilations" and "x-bs4-r0 (1 of 10 windows, the slowest" in text
-    assert slow_window_notes({"records": [{**record, "metrics": {**metrics, "slow_windows": 0}}]}) == []
+    section = slow_window_notes({"records": [record]})
+    assert section.title == "Slow windows and recompilations"
+    assert "x-bs4-r0 (1 of 10 windows, the slowest" in section.blocks[0].text
+    assert slow_window_notes({"records": [{**record, "metrics": {**metrics, "slow_windows": 0}}]}) is None
 
 
 def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_the_report():
@@ -167,9 +166,9 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
     adapter = RecordingAdapter()
     adapter.count, steps, step = 0, [], adapter.train_step
 
-    def train_step(indices, micro_batches=1):
+    def train_step(indices, micro_batches=1, position=None):
         steps.append(1)
-        step(indices, micro_batches)
+        step(indices, micro_batches, position)
         if len(steps) in (1, 20):
             adapter.count += 1
 
@@ -182,7 +181,9 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
     from harness.results.report import slow_window_notes
 
     record = {"id": "x-bs4-r0", "status": "ok", "metrics": {**metrics, "slow_windows": 0}}
-    text = "\n".join(slow_window_notes({"records": [record]}))
+    from harness.results.sections import to_markdown
+
+    text = to_markdown([slow_window_notes({"records": [record]})])
     assert "Recompilations inside the timed windows" in text and "x-bs4-r0 (1 after warm-up, 1 during it)" in text
     del adapter.compilations
     adapter.compilations = lambda: None
@@ -303,22 +304,9 @@ def test_evaluate_every_is_checked_and_stated_in_the_report(tmp_path):
     assert "after every 5 epochs and the last" in _evaluation({"evaluate_every": 5})
 
 
-def test_staged_start_finds_a_slice_of_the_held_order_by_its_memory():
-    from adapters.base import staged_start
-
-    order = np.arange(100, dtype=np.int64)[::-1].copy()
-    assert staged_start(order, order[32:64]) == 32 and staged_start(order, order[5:7]) == 5
-    assert staged_start(order, order[96:100]) == 96
-    for other in (order[32:64].copy(), order[::2][:10], order[32:64].astype(np.int32), order[:0]):
-        assert staged_start(order, other) is None
-    assert staged_start(None, order[:4]) is None
-    wider = np.arange(200, dtype=np.int64)
-    assert staged_start(wider[:100], wider[90:110]) is None  # runs past the held order's end
-
-
 class LastStepAdapter(RecordingAdapter):
-    """The contract before loss sums: a read gives the last step's loss, as one step (``Adapter.read_loss``'s
-    default for an adapter that keeps no sum), so the loop averages the losses at the windows' ends."""
+    """An adapter that keeps no sum: a read gives the last step's loss, as one step, so the loop averages the
+    losses at the windows' ends."""
 
     def read_loss(self):
         last = self.unread[-1] if self.unread else float("nan")
@@ -329,8 +317,8 @@ class LastStepAdapter(RecordingAdapter):
 class NanStepAdapter(RecordingAdapter):
     """Step 10's loss alone is NaN (inside a window of 5, not at its end), as a one-off overflow would be."""
 
-    def train_step(self, indices, micro_batches=1):
-        super().train_step(indices, micro_batches)
+    def train_step(self, indices, micro_batches=1, position=None):
+        super().train_step(indices, micro_batches, position)
         if self.steps == 11:
             self.unread[-1] = float("nan")
 

@@ -1,23 +1,25 @@
-"""``report.html``: the report as one self-contained page that opens offline. Everything report.md says (its Markdown
-turned into HTML by Python-Markdown, https://python-markdown.github.io/extensions/tables/), every metric against
-batch size as inline SVG whose points name their row, batch size and value on hover (an SVG <title>), a table of
-every trial with its status and reason, each trial's sampled time series (inline SVG, warm-up and timed windows
-shaded) and the machine and environment. No script, stylesheet, font or image is fetched: the styles are inline and
-the plots are SVG elements of the page.
+"""``report.html``: the report as one self-contained page that opens offline. The report's sections
+(``harness.results.sections``, the same ones report.md is rendered from) as HTML, every metric against batch size as
+inline SVG whose points name their row, batch size and value on hover (an SVG <title>), a table of every trial with
+its status and reason, each trial's sampled time series (inline SVG, warm-up and timed windows shaded) and the
+machine and environment. No script, stylesheet, font or image is fetched: the styles are inline and the plots are
+SVG elements of the page.
 
-``render_pair`` puts two runs side by side (a nightly against its baseline): compare's verdicts, each metric of both
-runs in one plot, and each run's Ohio State table.
+``render_pair`` puts two runs side by side (a nightly against its baseline): compare's verdicts (its Markdown, turned
+into HTML by Python-Markdown), each metric of both runs in one plot, and each run's header and Ohio State table.
 """
 
 from __future__ import annotations
 
 import html
 import io
+import re
 from pathlib import Path
 from typing import Any
 
 from harness.results.metrics import row_key, title
 from harness.results.plots import metric_figure, trial_figure
+from harness.results.sections import Block, BulletList, Images, Lines, Paragraph, Section, Table
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -25,7 +27,7 @@ h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2e
 table { border-collapse: collapse; margin: .8em 0; font-size: 13px; }
 th, td { border: 1px solid #ddd; padding: 3px 8px; } th { background: #f4f4f4; }
 td:not(:first-child) { text-align: right; font-variant-numeric: tabular-nums; }
-tr.bad td { background: #fff0f0; } code { background: #f4f4f4; padding: 0 3px; }
+tr.bad td { background: #fff0f0; } td.l, th.l { text-align: left; } code { background: #f4f4f4; padding: 0 3px; }
 .plots { display: flex; flex-wrap: wrap; gap: 12px; } .plots svg { width: 560px; height: auto; }
 .trial svg { width: 640px; height: auto; } details { margin: .3em 0; } summary { cursor: pointer; }
 .pair { display: grid; grid-template-columns: 1fr 1fr; gap: 16px; } .pair > div { overflow-x: auto; }
@@ -50,9 +52,58 @@ def svg(fig: Any, tips: dict[str, str] | None = None) -> str:
 
 
 def _markdown(text: str) -> str:
+    """Markdown written elsewhere (compare's verdicts) as HTML."""
     import markdown
 
     return markdown.markdown(text, extensions=["tables"], output_format="html")
+
+
+_INLINE = re.compile(r"`([^`]+)`|\[([^\]]+)\]\(([^)\s]+)\)")
+
+
+def inline(text: str) -> str:
+    """Text of a block (``harness.results.sections``: `code` spans, [text](link) links, ``\\*``) as HTML."""
+    out, at = [], 0
+    for match in _INLINE.finditer(text):
+        out.append(html.escape(text[at:match.start()], quote=False).replace("\\*", "*"))
+        code, label, link = match.groups()
+        out.append(f"<code>{html.escape(code, quote=False)}</code>" if code is not None else
+                   f"<a href=\"{html.escape(link)}\">{html.escape(label, quote=False)}</a>")
+        at = match.end()
+    return "".join(out) + html.escape(text[at:], quote=False).replace("\\*", "*")
+
+
+def _table(table: Table) -> str:
+    def cells(tag: str, row: tuple[str, ...]) -> str:
+        return "".join(f"<{tag} class=\"l\">{inline(c)}</{tag}>" if i and a == "left" else f"<{tag}>{inline(c)}</{tag}>"
+                       for i, (c, a) in enumerate(zip(row, table.align)))
+
+    classes = [f" class=\"{c}\"" if c else "" for c in table.row_classes] + [""] * len(table.rows)
+    body = "".join(f"<tr{classes[i]}>{cells('td', row)}</tr>" for i, row in enumerate(table.rows))
+    return f"<table><thead><tr>{cells('th', table.header)}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def block_html(block: Block) -> str:
+    """One block of a section as HTML."""
+    if isinstance(block, Paragraph):
+        return f"<p>{inline(block.text)}</p>"
+    if isinstance(block, Lines):
+        return "<p>" + "<br>\n".join(inline(line) for line in block.lines) + "</p>"
+    if isinstance(block, BulletList):
+        return "<ul>" + "".join(f"<li>{inline(item)}</li>" for item in block.items) + "</ul>"
+    if isinstance(block, Images):
+        return "".join(f"<p><a href=\"{html.escape(path)}\">{html.escape(alt, quote=False)}</a></p>"
+                       for alt, path in block.images)
+    return _table(block)
+
+
+def section_html(section: Section, level: int | None = None, prefix: str = "") -> str:
+    """A section as HTML: its heading (at ``level``, default the section's own; id: ``prefix`` and the section's
+    key) and its blocks."""
+    h = level or section.level
+    anchor = prefix + re.sub(r"[^a-z0-9]+", "-", section.key.lower()).strip("-")
+    return "\n".join([f"<h{h} id=\"{anchor}\">{html.escape(section.title, quote=False)}</h{h}>",
+                      *(block_html(b) for b in section.blocks)])
 
 
 def _page(heading: str, body: list[str]) -> str:
@@ -90,20 +141,27 @@ def environment_table(run: dict[str, Any]) -> str:
     return "<table id=\"environment\">" + "".join(rows) + "</table>"
 
 
-def render(data: dict[str, Any], run_dir: Path) -> str:
-    """The whole report.html of one run (``data``: ``harness.results.tables.compute``'s result)."""
-    from harness.results.report import render_markdown
+def render(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None) -> str:
+    """The whole report.html of one run (``data``: ``harness.results.tables.compute``'s result; ``sections``:
+    ``harness.results.report.sections(data)``, computed here when not given). Every section but the plot links, with
+    the plots of every metric after the Ohio State layout."""
+    if sections is None:
+        from harness.results.report import sections as compute_sections
 
-    text = render_markdown(data).split("\n## Plots")[0]
-    heading, _, rest = text.partition("\n")
-    top, mark, details = rest.partition("\n## Memory, layer by layer")  # the plots follow the Ohio State layout
-    body = [f"<h1>{html.escape(heading.lstrip('# '))}</h1>", _markdown(top),
-            "<h2 id=\"plots\">Every metric against batch size</h2>",
-            "<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">"]
-    for metric in data["metrics"]:
-        fig, tips = metric_figure(data, metric)
-        body.append(svg(fig, tips))
-    body += ["</div>", _markdown(mark + details), "<h2 id=\"trials-heading\">Trials</h2>", trials_table(data),
+        sections = compute_sections(data)
+    body = []
+    for section in sections:
+        if section.key == "plots":  # report.md's links to the PNGs: here the plots are inline
+            continue
+        body.append(section_html(section))
+        if section.key == "ohio_state":
+            body += ["<h2 id=\"plots\">Every metric against batch size</h2>",
+                     "<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">"]
+            for metric in data["metrics"]:
+                fig, tips = metric_figure(data, metric)
+                body.append(svg(fig, tips))
+            body.append("</div>")
+    body += ["<h2 id=\"trials-heading\">Trials</h2>", trials_table(data),
              "<h2>Each trial over time</h2><p>Sampled metrics against seconds since the worker started; warm-up "
              "grey, timed windows green.</p>"]
     for record in data["records"]:
@@ -111,12 +169,13 @@ def render(data: dict[str, Any], run_dir: Path) -> str:
         if fig is not None:
             body.append(f"<details class=\"trial\"><summary>{html.escape(record['id'])}</summary>{svg(fig)}</details>")
     body += ["<h2>Machine and environment</h2>", environment_table(data["run"])]
-    return _page(heading.lstrip("# "), body)
+    return _page(sections[0].title if sections else "report", body)
 
 
-def write(data: dict[str, Any], run_dir: Path) -> Path:
+def write(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None) -> Path:
+    """Writes ``report.html`` into the run directory (see ``render``) and returns its path."""
     path = Path(run_dir) / "report.html"
-    path.write_text(render(data, Path(run_dir)), encoding="utf-8")
+    path.write_text(render(data, Path(run_dir), sections), encoding="utf-8")
     return path
 
 
@@ -157,8 +216,8 @@ def pair_figure(base: dict[str, Any], new: dict[str, Any], key: str) -> tuple[An
 def render_pair(base_dir: Path, new_dir: Path, comparison_markdown: str) -> str:
     """Two runs side by side: compare's verdicts (its Markdown), each metric of both runs in one plot, and each run's
     header and Ohio State table in two columns."""
-    from harness.results.report import header_lines
-    from harness.results.tables import build, markdown_table, ohio_state_rows
+    from harness.results.report import header_section, ohio_state_section
+    from harness.results.tables import build
 
     base, new = build(base_dir), build(new_dir)
     heading = f"{Path(base_dir).name} (base) against {Path(new_dir).name} (new)"
@@ -171,9 +230,8 @@ def render_pair(base_dir: Path, new_dir: Path, comparison_markdown: str) -> str:
             body.append(svg(*drawn))
     body.append("</div><h2>The Ohio State layout</h2><div class=\"pair\">")
     for name, data, path in (("base", base, base_dir), ("new", new, new_dir)):
-        table = markdown_table(ohio_state_rows(data), data["batch_sizes"])
-        body.append(f"<div><h3>{name}: {html.escape(Path(path).name)}</h3>"
-                    + _markdown("\n".join(header_lines(data)) + "\n\n" + table) + "</div>")
+        header, ohio = header_section(data), ohio_state_section(data)
+        body.append(f"<div><h3>{name}: {html.escape(Path(path).name)}</h3>" + section_html(header, 4, f"{name}-")
+                    + "\n".join(block_html(b) for b in ohio.blocks) + "</div>")
     body.append("</div>")
     return _page(heading, body)
-

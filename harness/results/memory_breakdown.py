@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from harness.results.metrics import MB, Metric, read_path, scaled, title
-from harness.results.tables import format_cell, markdown_table, metric_table
+from harness.results.sections import Paragraph, Section, batch_table
+from harness.results.tables import format_cell, metric_table
 
 PART_TITLES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
                "buffers": "buffers (batchnorm running statistics)", "accumulator": "gradient accumulator",
@@ -40,11 +41,11 @@ def _difference(record: dict[str, Any]) -> float | None:
     return (measured - predicted - (read_path(record, "metrics", "data_bytes") or 0)) / MB
 
 
-def memory_breakdown_section(data: dict[str, Any]) -> list[str]:
-    """The section, or nothing for a run whose records predate the prediction."""
+def memory_breakdown_section(data: dict[str, Any]) -> Section | None:
+    """The section, or None for a run whose records predate the prediction."""
     records, sizes, frameworks = data["records"], data["batch_sizes"], data["frameworks"]
     if not any(read_path(r, "metrics", "memory_predicted") for r in records):
-        return []
+        return None
     rows = []
     for part in (*PART_TITLES, "data"):
         path = ("metrics", "data_bytes") if part == "data" else ("metrics", "memory_predicted", part)
@@ -58,12 +59,12 @@ def memory_breakdown_section(data: dict[str, Any]) -> list[str]:
             table = metric_table(records, Metric(label, label, "MB", read, 2, ""), [fw], sizes)
             rows.append((f"{title(fw)} {label}", [format_cell(v, 2) for v in table.loc[fw]]))
     rows.extend(_growth_rows(records, frameworks, sizes))
-    return ["## Memory by data structure (MB)", "",
-            "Predicted from the model for one training step (harness.neutral.memory: parameters, gradients, "
-            "optimizer state, buffers, the gradient accumulator and the activations each layer keeps for the "
-            "backward pass, float32), the same for every framework; then, per framework, the measured peak and the "
-            "difference. " + NOTE[data["backend"]] + " " + GROWTH, "",
-            markdown_table(rows, sizes), ""]
+    return Section("memory_breakdown", "Memory by data structure (MB)", (
+        Paragraph("Predicted from the model for one training step (harness.neutral.memory: parameters, gradients, "
+                  "optimizer state, buffers, the gradient accumulator and the activations each layer keeps for the "
+                  "backward pass, float32), the same for every framework; then, per framework, the measured peak "
+                  "and the difference. " + NOTE[data["backend"]] + " " + GROWTH),
+        batch_table(rows, sizes)))
 
 
 GROWTH = ("The growth rows divide what the measured peak grew by from the smallest batch size by what the prediction "

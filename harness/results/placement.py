@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.results.sections import Paragraph, Section, simple_table
+
 
 def overlaps(records: list[dict[str, Any]]) -> dict[str, dict[str, list[str]]]:
     """Per trial id, the ids of the trials that ran at the same time on the same node, split into ``device`` (the
@@ -24,24 +26,23 @@ def overlaps(records: list[dict[str, Any]]) -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def side_by_side_section(data: dict[str, Any]) -> list[str]:
+def side_by_side_section(data: dict[str, Any]) -> Section | None:
     """"Trials side by side": how the run placed its trials (executor, slots) and, where trials overlapped, which
     shared a GPU (their throughput and memory figures are not those of a GPU to itself) and which shared a node's
-    CPUs (pinned to disjoint cores, they still share memory bandwidth, caches, the launcher and the sampler)."""
+    CPUs (pinned to disjoint cores, they still share memory bandwidth, caches, the launcher and the sampler). None
+    when no trials overlapped."""
     shared = overlaps(data["records"])
     if not shared:
-        return []
+        return None
     executors = data["run"].get("executors") or []
     how = "; ".join(_executor_words(e) for e in executors) or "several trials at once"
-    lines = ["## Trials side by side", "",
-             f"This run placed trials with {how}. Trials that ran at the same time on one machine disturb each "
-             "other's figures: where host contention matters, set `exclusive: true` in the spec (one trial at a "
-             "time).", "", "| trial | shared a GPU with | shared the node's CPUs with |", "| --- | --- | --- |"]
-    for record in data["records"]:
-        if record["id"] in shared:
-            both = shared[record["id"]]
-            lines.append(f"| {record['id']} | {', '.join(both['device']) or '-'} | {', '.join(both['node']) or '-'} |")
-    return lines + [""]
+    rows = [[r["id"], ", ".join(shared[r["id"]]["device"]) or "-", ", ".join(shared[r["id"]]["node"]) or "-"]
+            for r in data["records"] if r["id"] in shared]
+    return Section("side_by_side", "Trials side by side", (
+        Paragraph(f"This run placed trials with {how}. Trials that ran at the same time on one machine disturb each "
+                  "other's figures: where host contention matters, set `exclusive: true` in the spec (one trial at a "
+                  "time)."),
+        simple_table(["trial", "shared a GPU with", "shared the node's CPUs with"], rows)))
 
 
 def _executor_words(executor: dict[str, Any]) -> str:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from harness.results.metrics import row_key, title
+from harness.results.sections import Block, Paragraph, Section, batch_table
 from harness.results.stats import overlaps
-from harness.results.tables import markdown_table, metric_table
+from harness.results.tables import metric_table
 
 REFERENCE = "fp32"
 
@@ -33,18 +34,18 @@ def _verdict(a: tuple[float, float] | None, b: tuple[float, float] | None) -> st
     return "" if overlap is None else " (within noise)" if overlap else " (beyond noise)"
 
 
-def precision_accuracy_section(data: dict[str, Any]) -> list[str]:
+def precision_accuracy_section(data: dict[str, Any]) -> Section | None:
     """Per pair of rows that differ only in precision (``precision_pairs``): at each batch size the change of test
     accuracy in percentage points (the other precision's cell minus fp32's, each the report's accuracy cell: the
     median over ok repeats, or the mean over seeds), marked within/beyond noise where both cells have 95% intervals;
     then per pair the change of the curve itself: the accuracy drop from the smallest to the largest batch size that
-    both precisions ran, in each precision. Empty when no two rows differ only in precision."""
+    both precisions ran, in each precision. None when no two rows differ only in precision."""
     metric = next(m for m in data["metrics"] if m.key == "accuracy")
     sizes, records = data["batch_sizes"], data["records"]
     cis = data["cis"].get("accuracy", {})
     pairs = precision_pairs(records)
     if not pairs:
-        return []
+        return None
     rows, curves, changes = [], [], []
     for reference, other, precision in pairs:
         table = metric_table(records, metric, [reference, other], sizes)
@@ -64,15 +65,15 @@ def precision_accuracy_section(data: dict[str, Any]) -> list[str]:
             curves.append(f"{title(other)}: from batch size {lo} to {hi} accuracy moves {a_hi - a_lo:+.2f} points "
                           f"in {REFERENCE} and {b_hi - b_lo:+.2f} in {precision} (the curve's slope changes by "
                           f"{(b_hi - b_lo) - (a_hi - a_lo):+.2f} points)")
-    lines = ["## Mixed precision and accuracy", "",
-             "Test accuracy after the last epoch in each precision minus the same row in fp32 (same framework, "
-             "execution mode, optimizer and seeds), in percentage points, per batch size. With repeats or seeds, "
-             "'within noise' means the two cells' 95% intervals overlap. bf16 and fp16 are mixed precision: fp32 "
-             "master weights and optimizer state, low-precision matrix work, the loss in fp32.", "",
-             markdown_table(rows, sizes), ""]
+    blocks: list[Block] = [Paragraph("Test accuracy after the last epoch in each precision minus the same row in "
+                                     "fp32 (same framework, execution mode, optimizer and seeds), in percentage points, per "
+                                     "batch size. With repeats or seeds, 'within noise' means the two cells' 95% "
+                                     "intervals overlap. bf16 and fp16 are mixed precision: fp32 master weights and "
+                                     "optimizer state, low-precision matrix work, the loss in fp32."),
+                           batch_table(rows, sizes)]
     if curves:
-        lines += ["Does it move the accuracy-vs-batch-size curve? " + "; ".join(curves) + ".", ""]
+        blocks.append(Paragraph("Does it move the accuracy-vs-batch-size curve? " + "; ".join(curves) + "."))
     if changes:
         _, change, row, bs = max(changes)
-        lines += [f"Largest change: {change:+.2f} points ({row}, batch size {bs}).", ""]
-    return lines
+        blocks.append(Paragraph(f"Largest change: {change:+.2f} points ({row}, batch size {bs})."))
+    return Section("precision", "Mixed precision and accuracy", tuple(blocks))

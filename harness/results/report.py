@@ -1,5 +1,5 @@
-"""Run directory -> ``report.md`` (tables in the Ohio State layout, memory layers, every metric, the batch-size
-studies the spec turned on, how the sampler fared) and ``plots/*.png``.
+"""Run directory -> the report's sections (``harness.results.sections``: computed once), rendered as ``report.md``
+and ``report.html`` (``harness.results.html``), and ``plots/*.png``.
 
 Every table has one row per framework and one column per batch size, like the tables of the Ohio State thesis quoted
 in seed 002, so the two can be put side by side. A cell is the median over the repeats that ended ``ok``; a cell
@@ -18,14 +18,16 @@ import pandas as pd
 from harness.results import html
 from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import GPM_METRICS, Metric, scaled, title
-from harness.results.plots import plot, plot_trial
 from harness.results.placement import side_by_side_section
+from harness.results.plots import plot, plot_trial
 from harness.results.precision import precision_accuracy_section
+from harness.results.sections import (BulletList, Images, Lines, Paragraph, Section, batch_table, simple_table,
+                                      to_markdown)
 from harness.results.stats import overlaps
-from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, format_cell, markdown_table,
-                                    memory_rows, metric_row, metric_table, noise_pairs, ohio_state_rows)
+from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, format_cell, memory_rows, metric_row,
+                                    metric_table, noise_pairs, ohio_state_rows)
 
-__all__ = ["build", "render_markdown", "write"]
+__all__ = ["build", "render_markdown", "sections", "write"]
 
 GPM_KEYS = {m.key for m in GPM_METRICS}
 
@@ -54,31 +56,31 @@ def _device_line(run: dict[str, Any]) -> str:
             f"{env.get('memory_total_bytes', 0) / 1e9:.1f} GB RAM)")
 
 def _versions(records: list[dict[str, Any]]) -> str:
+    import adapters  # the registry of declarations (imports no framework): each one's version keys, and CUDA's
+
+    keys = {k for record in adapters.records() for k in record.version_keys} | {"cuda", "cudnn"}
     seen: dict[str, str] = {}
     for r in records:
         for name, version in r.get("versions", {}).items():
-            if name in ("torch", "tensorflow", "keras", "mxnet", "cuda", "cudnn"):
+            if name in keys:
                 seen.setdefault(name, version)
     return ", ".join(f"{k} {v}" for k, v in seen.items()) or "none reported"
 
-def render_markdown(data: dict[str, Any]) -> str:
-    """The whole report.md text: the header, the Ohio State layout, the memory layers, one section per metric, the
-    study sections, how the sampler fared, the failed trials and the plots."""
-    lines = header_lines(data) + environment_lines(data)
-    any_span = data["marks"]["util"] or data["marks"]["memory"]
-    lines += ["", "## The Ohio State layout", "", markdown_table(ohio_state_rows(data), data["batch_sizes"]), ""]
-    lines += [SPAN_NOTE, ""] if any_span else []
-    lines += ["## Memory, layer by layer", "", MEMORY_NOTE[data["backend"]], "",
-              markdown_table(memory_rows(data), data["batch_sizes"]), ""]
-    lines += memory_breakdown_section(data)
-    for metric in data["metrics"]:
-        lines += metric_section(data, metric)
-    lines += study_sections(data)
-    lines += measurement_notes(data)
-    lines += slow_window_notes(data)
-    lines += side_by_side_section(data)
-    lines += closing_lines(data)
-    return "\n".join(lines)
+
+def sections(data: dict[str, Any]) -> list[Section]:
+    """The whole report as sections (``data``: ``harness.results.tables.compute``'s result): the header, the
+    environments, the Ohio State layout, the memory layers, one section per metric, the study sections, how the
+    sampler fared, the failed trials and the plots. Sections with nothing to say are left out."""
+    found = [header_section(data), environment_section(data), ohio_state_section(data), memory_layers_section(data),
+             memory_breakdown_section(data), *(metric_section(data, metric) for metric in data["metrics"]),
+             *study_sections(data), measurement_notes(data), slow_window_notes(data), side_by_side_section(data),
+             failed_section(data), plots_section(data)]
+    return [section for section in found if section is not None]
+
+
+def render_markdown(data: dict[str, Any], computed: list[Section] | None = None) -> str:
+    """The whole report.md text: ``sections`` (or the ``computed`` ones) in Markdown."""
+    return to_markdown(sections(data) if computed is None else computed)
 
 
 def timing_mode(timing: dict[str, Any]) -> str:
@@ -104,82 +106,94 @@ def _evaluation(spec: dict[str, Any]) -> str:
             "between")
 
 
-def header_lines(data: dict[str, Any]) -> list[str]:
-    """What was run, where and how: device, versions, dataset, optimizer, threads, sampling, statuses, units."""
+def header_section(data: dict[str, Any]) -> Section:
+    """What was run, where and how (the report's title, level 1): device, versions, dataset, optimizer, threads,
+    sampling, statuses, then the units and what the utilization figures mean."""
     run, records, spec = data["run"], data["records"], data["run"]["spec"]
     statuses = pd.Series([r["status"] for r in records]).value_counts().to_dict() if records else {}
     threads = spec.get("cpu_threads") or next((r.get("threads") for r in records if r.get("threads")), None)
     opt = spec["optimizer"]
     sampled = ("NVML (nvidia-ml-py)" if data["backend"] == "nvml" else "psutil (no GPU: the worker's CPU and memory)")
     interval = spec["sampler"]["interval_s"]
-    lines = [
-        f"# {spec['name']}: {len(records)} of {len(run.get('planned_trials', []))} trials",
-        "",
-        f"- Run: `{Path(run.get('run_dir', '')).name or run.get('started')}` started {run.get('started')}, "
+    items = [
+        f"Run: `{Path(run.get('run_dir', '')).name or run.get('started')}` started {run.get('started')}, "
         f"finished {run.get('finished') or 'not finished'}",
-        f"- Device: {_device_line(run)}",
-        f"- Frameworks: {_versions(records)}; harness {run.get('harness_version')} "
+        f"Device: {_device_line(run)}",
+        f"Frameworks: {_versions(records)}; harness {run.get('harness_version')} "
         f"(git {run.get('environment', {}).get('git', {}).get('commit', 'unknown')[:12]})",
-        f"- Dataset: {spec['dataset']['name']}; {spec['epochs']} epochs of floor(N / batch size) full batches; "
+        f"Dataset: {spec['dataset']['name']}; {spec['epochs']} epochs of floor(N / batch size) full batches; "
         f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); {_evaluation(spec)}",
-        f"- Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
+        f"Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
         + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
         + f", weight decay {opt['weight_decay']}); {_execution(spec)}; "
         + (f"seeds {', '.join(map(str, spec['seeds']))} (each its own trials; accuracy and loss are means over them)"
            if spec.get("seeds") else f"seed {spec['seed']}"),
-        f"- CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"
+        f"CPU threads: {threads} intra-op, 1 inter-op, the same for every framework"
         + f"; {timing_mode(spec.get('timing', {}))}",
-        f"- Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
-        "- Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
-        *([f"- Interrupted by {run['interrupted']['by']} at {run['interrupted']['at']}: "
+        f"Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
+        "Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
+        *([f"Interrupted by {run['interrupted']['by']} at {run['interrupted']['at']}: "
            f"{len(run['interrupted']['not_run'])} planned trial(s) not run; `harness run SPEC --resume RUN_DIR` "
            "continues it"] if run.get("interrupted") else []),
-        "",
-        "Units: MB = 10^6 bytes; times in seconds unless marked ms; throughput in samples per second.",
-        "Each cell is the median over repeats that ended ok; otherwise the trial's status.",
     ]
+    notes = ["Units: MB = 10^6 bytes; times in seconds unless marked ms; throughput in samples per second.",
+             "Each cell is the median over repeats that ended ok; otherwise the trial's status."]
     if data["backend"] == "nvml":
-        lines.append("GPU use % is NVML's utilization.gpu: the percentage of time, over the driver's sample period "
+        notes.append("GPU use % is NVML's utilization.gpu: the percentage of time, over the driver's sample period "
                      "(1/6 s to 1 s), during which at least one kernel was running. It is not SM occupancy: one tiny "
                      "kernel at a time reads as 100%. Achieved GFLOP/s says how much of the GPU did work.")
         if any(m.key in GPM_KEYS for m in data["metrics"]):
-            lines.append("SM active %, SM occupancy %, tensor active % and DRAM bandwidth % are NVML's GPM metrics "
+            notes.append("SM active %, SM occupancy %, tensor active % and DRAM bandwidth % are NVML's GPM metrics "
                          "(Hopper and newer; nvmlGpmMetricsGet over two samples, each sampling period one interval): "
                          "the % of SMs busy, resident warps as a % of the SMs' maximum, the % of time the tensor pipes "
                          "ran any tensor operation, and DRAM bandwidth used as a % of its maximum; MFU % is achieved "
                          "FLOP/s over the datasheet peak. n/a: that trial's GPU, driver or permissions did not provide "
                          "it (see How the sampler fared).")
     else:
-        lines.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
+        notes.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
                      "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")
-    return lines
+    title_text = f"{spec['name']}: {len(records)} of {len(run.get('planned_trials', []))} trials"
+    return Section("header", title_text, (BulletList(tuple(items)), Lines(tuple(notes))), level=1)
 
 
-def environment_lines(data: dict[str, Any]) -> list[str]:
+def environment_section(data: dict[str, Any]) -> Section | None:
     """Which interpreter each row ran in, with its Python, numpy and framework versions (run.json's ``frameworks``,
-    from the probe before the first trial; runs made before the probe existed have none)."""
+    from the probe before the first trial; runs made before the probe existed have none, and no section)."""
     entries = data["run"].get("frameworks") or []
     if not entries:
-        return []
-    lines = ["", "## Frameworks and their environments", "",
-             "| row | framework | versions | Python | numpy | interpreter or command |", "| --- | --- | --- | --- | --- | --- |"]
+        return None
+    rows = []
     for entry in entries:
         versions = ", ".join(f"{k} {v}" for k, v in (entry.get("versions") or {}).items() if not k.endswith("_build"))
         where = " ".join(entry["command"]) if entry.get("command") else (entry.get("executable") or "")
-        lines.append(f"| {title(entry['label'])} | {entry['name']} | {versions} | {entry.get('python_version', '')} | "
-                     f"{entry.get('numpy', '')} | `{where}` |")
-    return lines
+        rows.append([title(entry["label"]), entry["name"], versions, str(entry.get("python_version", "")),
+                     str(entry.get("numpy", "")), f"`{where}`"])
+    table = simple_table(["row", "framework", "versions", "Python", "numpy", "interpreter or command"], rows)
+    return Section("frameworks", "Frameworks and their environments", (table,))
 
 
-def metric_section(data: dict[str, Any], metric: Metric) -> list[str]:
+def ohio_state_section(data: dict[str, Any]) -> Section:
+    """The combined table of the thesis (``harness.results.tables.ohio_state_rows``)."""
+    span = data["marks"]["util"] or data["marks"]["memory"]
+    return Section("ohio_state", "The Ohio State layout", (batch_table(ohio_state_rows(data), data["batch_sizes"]),
+                                                           *((Paragraph(SPAN_NOTE),) if span else ())))
+
+
+def memory_layers_section(data: dict[str, Any]) -> Section:
+    """The memory layers the run measured, per framework (``harness.results.tables.memory_rows``)."""
+    return Section("memory_layers", "Memory, layer by layer", (
+        Paragraph(MEMORY_NOTE[data["backend"]]), batch_table(memory_rows(data), data["batch_sizes"])))
+
+
+def metric_section(data: dict[str, Any], metric: Metric) -> Section:
     """One metric's section: its meaning, its table, and for metrics with repeats the pairs within the noise."""
     rows = [(title(fw), metric_row(data, metric, fw, metric.digits)) for fw in data["frameworks"]]
     unit = f" ({metric.unit})" if metric.unit else ""
-    lines = [f"## {metric.title}{unit}", "", metric.meaning + ".", "", markdown_table(rows, data["batch_sizes"]), ""]
-    lines += [SPAN_NOTE, ""] if data["marks"][metric.key] else []
+    blocks: list[Any] = [Paragraph(metric.meaning + "."), batch_table(rows, data["batch_sizes"])]
+    blocks += [Paragraph(SPAN_NOTE)] if data["marks"][metric.key] else []
     # why cells read n/a, where a record says so (metrics.<key>_note, e.g. mfu_note: "unknown device: no peak (...)")
     empty = sorted({str(n) for r in data["records"] if (n := (r.get("metrics") or {}).get(f"{metric.key}_note"))})
-    lines += [f"n/a: {'; '.join(empty)}.", ""] if empty else []
+    blocks += [Paragraph(f"n/a: {'; '.join(empty)}.")] if empty else []
     if metric.ci and data["cis"][metric.key]:
         pairs = noise_pairs(data, metric)
         spread = (f"Cells show the mean over {len(data['seeds'])} seeds [95% t-interval of that mean] of each seed's "
@@ -187,32 +201,34 @@ def metric_section(data: dict[str, Any], metric: Metric) -> list[str]:
                   "order, dropout). " if metric.over_seeds and len(data.get("seeds", [])) > 1 else
                   "Cells show the median [95% bootstrap interval of the median] over the repeats (no interval where "
                   "every repeat gave the same value): timing noise of the same training. ")
-        lines += [spread
-                  + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
-                     else "No compared pair's intervals overlap."), ""]
-    return lines
+        blocks.append(Paragraph(spread + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
+                                          else "No compared pair's intervals overlap.")))
+    return Section(f"metric:{metric.key}", f"{metric.title}{unit}", tuple(blocks))
 
 
-def closing_lines(data: dict[str, Any]) -> list[str]:
-    """The trials that did not end ok, with their reasons, and the links to the plots."""
-    records = data["records"]
-    lines: list[str] = []
-    failed = [r for r in records if r["status"] != "ok"]
-    if failed:
-        lines += ["## Trials that did not end ok", "", "| trial | status | reason |", "| --- | --- | --- |"]
-        lines += [f"| {r['id']} | {r['status']} | {str(r.get('reason', '')).replace('|', '/')[:300]} |"
-                  for r in failed]
-        lines.append("")
-    lines += ["## Plots", ""] + [f"![{m.title}](plots/{m.key}.png)" for m in data["metrics"]] + [""]
-    lines += ["Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): "
-              + ", ".join(f"[{r['id']}](plots/trials/{r['id']}.png)" for r in records if r["status"] == "ok"), ""]
-    return lines
+def failed_section(data: dict[str, Any]) -> Section | None:
+    """The trials that did not end ok, with their reasons (the first 300 characters); None when every one did."""
+    failed = [r for r in data["records"] if r["status"] != "ok"]
+    if not failed:
+        return None
+    table = simple_table(["trial", "status", "reason"],
+                         [[r["id"], r["status"], str(r.get("reason", ""))[:300]] for r in failed],
+                         classes=["bad"] * len(failed))
+    return Section("failed", "Trials that did not end ok", (table,))
 
 
-def measurement_notes(data: dict[str, Any]) -> list[str]:
+def plots_section(data: dict[str, Any]) -> Section:
+    """The links to the plots: one per metric (``plots/<key>.png``), then each ok trial's time series."""
+    trials = ", ".join(f"[{r['id']}](plots/trials/{r['id']}.png)" for r in data["records"] if r["status"] == "ok")
+    return Section("plots", "Plots", (
+        Images(tuple((m.title, f"plots/{m.key}.png") for m in data["metrics"])),
+        Paragraph("Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): " + trials)))
+
+
+def measurement_notes(data: dict[str, Any]) -> Section | None:
     """The "How the sampler fared" section: metrics the sampler could not read (and why), why NVML was not used,
     backend notes and errors, which energy method each trial's figure came from and how many windows were too short
-    for it, and clocks-event (throttle) reasons seen during the timed windows. Empty when there is nothing to say."""
+    for it, and clocks-event (throttle) reasons seen during the timed windows. None when there is nothing to say."""
     unavailable: dict[str, set[str]] = {}
     notes: dict[str, list[str]] = {}
     methods: dict[str, list[str]] = {}
@@ -235,56 +251,57 @@ def measurement_notes(data: dict[str, Any]) -> list[str]:
         active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
         if active:
             throttled.append(f"{r['id']}: {', '.join(active)}")
-    lines: list[str] = []
+    blocks: list[Any] = []
     if unavailable:
-        lines += ["Not measured (the device or driver does not provide it):", ""]
-        lines += [f"- {metric}: {'; '.join(sorted(why))}" for metric, why in sorted(unavailable.items())]
-        lines.append("")
+        why_not = [f"{metric}: {'; '.join(sorted(why))}" for metric, why in sorted(unavailable.items())]
+        blocks += [Paragraph("Not measured (the device or driver does not provide it):"), BulletList(tuple(why_not))]
     if notes:
-        lines += ["Sampler notes:", ""]
-        lines += [f"- {note} ({len(ids)} trial{'s' if len(ids) > 1 else ''})" for note, ids in notes.items()]
-        lines.append("")
+        counted = [f"{note} ({len(ids)} trial{'s' if len(ids) > 1 else ''})" for note, ids in notes.items()]
+        blocks += [Paragraph("Sampler notes:"), BulletList(tuple(counted))]
     if methods:
         names = {"counter": "NVML's total-energy counter (nvmlDeviceGetTotalEnergyConsumption)",
                  "power_integral": "power integrated over time (nvmlDeviceGetPowerUsage; no energy counter)",
                  "none": "no energy figure (neither counter nor power readings)"}
-        lines += ["Energy came from: " + "; ".join(f"{names.get(m, m)}: {len(ids)} trials"
-                                                   for m, ids in methods.items()) + ".", ""]
+        blocks.append(Paragraph("Energy came from: " + "; ".join(f"{names.get(m, m)}: {len(ids)} trials"
+                                                                 for m, ids in methods.items()) + "."))
     if short:
-        lines += ["Energy of windows shorter than the readings' refresh is approximate (the counter or power reading "
-                  "lags the window edges): " + "; ".join(short[:20]) + ("; ..." if len(short) > 20 else "") + ".", ""]
+        blocks.append(Paragraph("Energy of windows shorter than the readings' refresh is approximate (the counter or "
+                                "power reading lags the window edges): " + "; ".join(short[:20])
+                                + ("; ..." if len(short) > 20 else "") + "."))
     if throttled:
-        lines += ["Clock throttling seen in the timed windows (share of samples; see nvmlClocksEventReasons): "
-                  + "; ".join(throttled[:20]) + ".", ""]
-    return (["## How the sampler fared", ""] + lines) if lines else []
+        blocks.append(Paragraph("Clock throttling seen in the timed windows (share of samples; see "
+                                "nvmlClocksEventReasons): " + "; ".join(throttled[:20]) + "."))
+    return Section("sampler", "How the sampler fared", tuple(blocks)) if blocks else None
 
-def slow_window_notes(data: dict[str, Any]) -> list[str]:
+
+def slow_window_notes(data: dict[str, Any]) -> Section | None:
     """The trials whose framework counted recompilations after warm-up, and those with timed windows whose steps
-    took more than 3 x their median step (the worker's
-    ``slow_windows``): a recompilation of a compiled step, a garbage collection or the machine's noise, named so
-    that a throughput is not read without it. Empty when there are none."""
+    took more than 3 x their median step (the worker's ``slow_windows``): a recompilation of a compiled step, a
+    garbage collection or the machine's noise, named so that a throughput is not read without it. None when there
+    are none."""
     slow = [f"{r['id']} ({m['slow_windows']} of {m.get('timed_windows')} windows, the slowest "
             f"{m['step_time_max_s'] / m['step_time_median_s']:.1f} x the median step)"
             for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("slow_windows")]
     recompiled = [f"{r['id']} ({m['recompilations']} after warm-up, {m.get('compilations_warmup')} during it)"
                   for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("recompilations")]
-    lines = []
+    blocks = []
     if slow:
-        lines += ["Timed windows whose steps took more than 3 x the trial's median step (a recompilation, a garbage "
-                  "collection or other load on the machine; they are inside the throughput): "
-                  + "; ".join(slow[:20]) + ("; ..." if len(slow) > 20 else "") + ".", ""]
+        blocks.append(Paragraph("Timed windows whose steps took more than 3 x the trial's median step (a "
+                                "recompilation, a garbage collection or other load on the machine; they are inside "
+                                "the throughput): " + "; ".join(slow[:20]) + ("; ..." if len(slow) > 20 else "") + "."))
     if recompiled:
-        lines += ["Recompilations inside the timed windows, by the framework's own count of traced or compiled train "
-                  "step graphs (their time is inside the throughput): "
-                  + "; ".join(recompiled[:20]) + ("; ..." if len(recompiled) > 20 else "") + ".", ""]
-    return ["## Slow windows and recompilations", ""] + lines if lines else []
+        blocks.append(Paragraph("Recompilations inside the timed windows, by the framework's own count of traced or "
+                                "compiled train step graphs (their time is inside the throughput): "
+                                + "; ".join(recompiled[:20]) + ("; ..." if len(recompiled) > 20 else "") + "."))
+    return Section("slow_windows", "Slow windows and recompilations", tuple(blocks)) if blocks else None
 
 
-def study_sections(data: dict[str, Any]) -> list[str]:
+def study_sections(data: dict[str, Any]) -> list[Section | None]:
     """Sections for the batch-size studies a spec turns on: learning-rate scaling and gradient accumulation, time to
-    a target accuracy, powers of two against their neighbours, and mixed precision's accuracy against fp32's."""
-    return (scaling_section(data) + time_to_target_section(data) + powers_of_two_section(data)
-            + precision_accuracy_section(data))
+    a target accuracy, powers of two against their neighbours, and mixed precision's accuracy against fp32's (None
+    for each the run does not have)."""
+    return [scaling_section(data), time_to_target_section(data), powers_of_two_section(data),
+            precision_accuracy_section(data)]
 
 
 def _per_cell(data: dict[str, Any], read: Any, digits: int) -> list[tuple[str, list[str]]]:
@@ -294,28 +311,28 @@ def _per_cell(data: dict[str, Any], read: Any, digits: int) -> list[tuple[str, l
     return [(title(fw), [format_cell(v, digits) for v in table.loc[fw]]) for fw in data["frameworks"]]
 
 
-def scaling_section(data: dict[str, Any]) -> list[str]:
+def scaling_section(data: dict[str, Any]) -> Section | None:
     """Effective batch size and learning rate used, when the spec accumulates gradients or scales the rate."""
     spec, sizes = data["run"]["spec"], data["batch_sizes"]
     if spec.get("accumulation_steps", 1) <= 1 and spec.get("learning_rate_scaling", "none") == "none":
-        return []
-    return ["## Learning rate and effective batch size", "",
-            f"Learning-rate scaling: {spec.get('learning_rate_scaling', 'none')} relative to batch size "
-            f"{spec.get('base_batch_size')}; gradient accumulation: {spec.get('accumulation_steps', 1)} "
-            "micro-batches of the batch size per optimizer step (effective batch size = steps x batch size). "
-            "Batchnorm normalises each micro-batch on its own, so with batchnorm accumulation is not the same "
-            "as one large batch.", "",
-            "Effective batch size:", "",
-            markdown_table(_per_cell(data, scaled(1.0, "metrics", "effective_batch_size"), 0), sizes), "",
-            "Learning rate used:", "",
-            markdown_table(_per_cell(data, lambda r: r.get("learning_rate"), 5), sizes), ""]
+        return None
+    return Section("scaling", "Learning rate and effective batch size", (
+        Paragraph(f"Learning-rate scaling: {spec.get('learning_rate_scaling', 'none')} relative to batch size "
+                  f"{spec.get('base_batch_size')}; gradient accumulation: {spec.get('accumulation_steps', 1)} "
+                  "micro-batches of the batch size per optimizer step (effective batch size = steps x batch size). "
+                  "Batchnorm normalises each micro-batch on its own, so with batchnorm accumulation is not the same "
+                  "as one large batch."),
+        Paragraph("Effective batch size:"),
+        batch_table(_per_cell(data, scaled(1.0, "metrics", "effective_batch_size"), 0), sizes),
+        Paragraph("Learning rate used:"),
+        batch_table(_per_cell(data, lambda r: r.get("learning_rate"), 5), sizes)))
 
 
-def time_to_target_section(data: dict[str, Any]) -> list[str]:
+def time_to_target_section(data: dict[str, Any]) -> Section | None:
     """Epochs and training seconds to the spec's target accuracy, and the batch size that got there first."""
     target = data["run"]["spec"].get("target_accuracy")
     if not target:
-        return []
+        return None
     records, sizes = data["records"], data["batch_sizes"]
     epochs = _per_cell(data, scaled(1.0, "metrics", "time_to_target", "epochs"), 0)
     seconds = _per_cell(data, scaled(1.0, "metrics", "time_to_target", "training_seconds"), 2)
@@ -329,25 +346,22 @@ def time_to_target_section(data: dict[str, Any]) -> list[str]:
             firsts.append(f"{title(fw)}: batch size {best_size} ({best_seconds:.2f} s)")
         else:
             firsts.append(f"{title(fw)}: not reached")
-    return [f"## Time to {100 * target:g}% test accuracy", "",
-            "Training seconds (timed windows only, warm-up and evaluation excluded) and epochs until the test "
-            "accuracy after an epoch first reached the target; empty where it was never reached.", "",
-            "Epochs:", "", markdown_table(epochs, sizes), "", "Training seconds:", "",
-            markdown_table(seconds, sizes), "", "First to reach it: " + "; ".join(firsts) + ".", ""]
+    return Section("time_to_target", f"Time to {100 * target:g}% test accuracy", (
+        Paragraph("Training seconds (timed windows only, warm-up and evaluation excluded) and epochs until the test "
+                  "accuracy after an epoch first reached the target; empty where it was never reached."),
+        Paragraph("Epochs:"), batch_table(epochs, sizes), Paragraph("Training seconds:"), batch_table(seconds, sizes),
+        Paragraph("First to reach it: " + "; ".join(firsts) + ".")))
 
 
-def powers_of_two_section(data: dict[str, Any]) -> list[str]:
+def powers_of_two_section(data: dict[str, Any]) -> Section | None:
     """Throughput of n - 1 and n + 1 against each power of two n the run has a neighbour of (seed 000)."""
     records, sizes = data["records"], data["batch_sizes"]
     powers = [n for n in sizes if n & (n - 1) == 0 and (n - 1 in sizes or n + 1 in sizes)]
     if not powers:
-        return []
-    lines = ["## Powers of two against their neighbours", "",
-             "Throughput of n - 1 and n + 1 relative to the power of two n. With repeats, 'no measurable "
-             "difference' means the 95% intervals of the medians overlap.", "",
-             "| framework | n | neighbour | change % | verdict |", "| --- | ---: | ---: | ---: | --- |"]
+        return None
     metric = next(m for m in data["metrics"] if m.key == "throughput")
     cis = data["cis"].get("throughput", {})
+    rows = []
     for fw in data["frameworks"]:
         for n in powers:
             base = cell_values(records, metric, fw, n)
@@ -360,14 +374,17 @@ def powers_of_two_section(data: dict[str, Any]) -> list[str]:
                 verdict = ("single runs: no interval" if overlap is None else
                            "no measurable difference" if overlap else
                            "faster" if change > 0 else "slower")
-                lines.append(f"| {title(fw)} | {n} | {other} | {change:+.1f} | {verdict} |")
-    lines.append("")
-    return lines
+                rows.append([title(fw), str(n), str(other), f"{change:+.1f}", verdict])
+    return Section("powers_of_two", "Powers of two against their neighbours", (
+        Paragraph("Throughput of n - 1 and n + 1 relative to the power of two n. With repeats, 'no measurable "
+                  "difference' means the 95% intervals of the medians overlap."),
+        simple_table(["framework", "n", "neighbour", "change %", "verdict"], rows, "lrrrl")))
 
 
 def write(run_dir: str | Path) -> Path:
-    """Writes ``report.md``, ``report.html`` (``harness.results.html``) and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into
-    the run directory and returns the report's path."""
+    """Writes ``report.md`` and ``report.html`` (``harness.results.html``), both from one computation of the
+    sections, and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into the run
+    directory; returns the report's path."""
     run_dir = Path(run_dir)
     data = build(run_dir)
     data["run"]["run_dir"] = str(run_dir)
@@ -375,7 +392,8 @@ def write(run_dir: str | Path) -> Path:
     for record in data["records"]:
         if record["status"] == "ok":
             plot_trial(run_dir, record["id"], run_dir / "plots" / "trials" / f"{record['id']}.png")
+    computed = sections(data)
     path = run_dir / "report.md"
-    path.write_text(render_markdown(data), encoding="utf-8")
-    html.write(data, run_dir)
+    path.write_text(to_markdown(computed), encoding="utf-8")
+    html.write(data, run_dir, computed)
     return path

@@ -111,13 +111,6 @@ def metric_row(data: dict[str, Any], metric: Metric, framework: str, digits: int
         cells.append(text)
     return cells
 
-def markdown_table(rows: list[tuple[str, list[str]]], batch_sizes: list[int], corner: str = "batch size") -> str:
-    """A Markdown table with the Ohio State layout: a header row of batch sizes, then one labelled row each."""
-    header = f"| {corner} | " + " | ".join(str(b) for b in batch_sizes) + " |"
-    rule = "| --- | " + " | ".join("---:" for _ in batch_sizes) + " |"
-    body = [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
-    return "\n".join([header, rule, *body])
-
 def build(run_dir: str | Path) -> dict[str, Any]:
     """Reads a run (``harness.results.data.load_run``: schema-checked) and computes what the report shows."""
     from harness.results.data import load_run

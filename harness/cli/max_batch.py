@@ -1,0 +1,60 @@
+"""``harness max-batch SPEC --framework NAME``: its parser; the command is ``harness.studies.max_batch.command``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes, not {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be positive")
+    return sizes
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """``max-batch SPEC --framework NAME [--memory-limit-mb X] [--margin F] [--with-dataset] [--out DIR] ...``."""
+    tolerance = 0.05  # harness.studies.max_batch.search.DEFAULT_TOLERANCE, not imported to keep startup light
+    parser = subparsers.add_parser(
+        "max-batch", help="find the largest batch size that fits the memory cap (one worker per probe)",
+        description="Probes batch sizes, each in its own worker, fits peak memory = fixed + per-sample x batch, "
+                    "predicts the limit from the cap and bisects to it. The answer is ok in two probes; a size "
+                    "seen both fitting and running out of memory is reported as 'fits sometimes', never as the "
+                    "answer. Exit 0 with the result, 1 when a probe failed otherwise than out of memory, 2 for a "
+                    "bad spec or arguments.")
+    parser.add_argument("spec", help="a YAML spec, e.g. specs/max_batch.yaml")
+    parser.add_argument("--framework", required=True, help="pytorch, tensorflow, mxnet (or a registered adapter)")
+    parser.add_argument("--memory-limit-mb", type=float, help="the cap (MB = 10^6 bytes); default: the spec's "
+                                                              "memory_limit_mb, else the device's memory")
+    parser.add_argument("--margin", type=_fraction, default=0.0,
+                        help="fraction of the limit kept free in the recommendation (default 0)")
+    parser.add_argument("--tolerance", type=_fraction, default=tolerance,
+                        help=f"stop when the bracket is within this fraction (default {tolerance})")
+    parser.add_argument("--initial-sizes", type=_sizes,
+                        help="small sizes probed first (default: 16, then the neutral memory model's guess)")
+    parser.add_argument("--max-batch", type=int, help="the largest size to try")
+    parser.add_argument("--with-dataset", action="store_true",
+                        help="probe with the spec's real dataset resident, as in a run (default: synthetic data of "
+                             "the batch's size); sizes are then at most the training set's")
+    parser.add_argument("--device", help="cpu or cuda:N (default: the spec's device)")
+    parser.add_argument("--timeout", type=float, help="seconds per probe (default: the spec's timeout_s)")
+    parser.add_argument("--out", default="results", help="folder that receives the run directory (default: results)")
+    parser.set_defaults(handler=handle)
+    return parser
+
+
+def handle(args: argparse.Namespace) -> int:
+    from harness.studies.max_batch import command
+
+    return command.run(args)
