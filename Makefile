@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 SPEC ?= specs/quick.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install envs run test test-gpu clean
+.PHONY: install envs run lint test test-gpu docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml requirements/cpu.txt
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
 	# The pins of requirements/cpu.txt as constraints: the harness itself allows numpy 2, but MXNet in this
 	# environment needs numpy < 2, and the newest releases of some dependencies would pull numpy 2 in.
-	$(PY) -m pip install --quiet -e '.[test,gpu,ray,parquet,mlflow]' -c requirements/cpu.txt
+	$(PY) -m pip install --quiet -e '.[test,gpu,ray,parquet,mlflow,docs]' -c requirements/cpu.txt
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,12 +28,22 @@ envs: $(VENV)/.installed
 run: envs
 	$(PY) -m harness run $(SPEC)
 
-test: envs
+# The import contracts (setup.cfg), ruff and mypy (pyproject.toml: the rule set and why, strict at the seams).
+lint: $(VENV)/.installed
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check harness adapters tests benchmarks scripts docs
+	$(VENV)/bin/mypy
+
+test: envs lint
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml, docs/): the reference pages are generated from the code by docs/hooks.py;
+# --strict turns every warning (a broken link or anchor, a page missing from the nav) into an error.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean -f mkdocs.yml -d build/site
 
 clean:
 	rm -rf $(VENV) envs build *.egg-info

@@ -1,40 +1,13 @@
-"""The NVML backend of the sampler (nvidia-ml-py, imported as ``pynvml``; NVML reference:
-https://docs.nvidia.com/deploy/nvml-api/).
+"""The NVML backend of the sampler (nvidia-ml-py, imported as ``pynvml``).
 
-What it reads, per sample:
-``gpu_util_percent`` and ``mem_util_percent`` (nvmlDeviceGetUtilizationRates: the percent of time over the driver's
-  last sample period, between 1/6 s and 1 s depending on the product, during which one or more kernels ran / device
-  memory was read or written; NOT the fraction of SMs in use), ``device_memory_used_bytes`` (nvmlDeviceGetMemoryInfo,
-  the v2 struct where bindings and driver have it), ``process_memory_bytes`` (the worker process tree's memory from
-  nvmlDeviceGetComputeRunningProcesses; None where NVML does not report it), ``power_w`` (nvmlDeviceGetPowerUsage),
-  ``energy_mj`` (nvmlDeviceGetTotalEnergyConsumption), ``sm_clock_mhz`` (nvmlDeviceGetClockInfo NVML_CLOCK_SM),
-  ``temperature_c`` (nvmlDeviceGetTemperature NVML_TEMPERATURE_GPU) and ``throttle_reasons`` (the
-  nvmlClocksEventReasons bitmask). Power, energy, clocks and temperature describe the whole board, every process on it.
-GPM metrics, Hopper and newer (nvmlGpmMetricsGet over two nvmlGpmSampleGet samples; nvmlGpmMigSampleGet for the GPU
-  instance of a MIG device; https://docs.nvidia.com/deploy/nvml-api/group__nvmlGpmFunctions.html), each in percent over
-  the interval since the previous sample that read GPM (a sample's own period, like psutil's cpu_percent):
-  ``sm_active_percent`` (NVML_GPM_METRIC_SM_UTIL: % of SMs busy, averaged over the interval), ``sm_occupancy_percent``
-  (NVML_GPM_METRIC_SM_OCCUPANCY: resident warps / the SMs' maximum), ``tensor_active_percent``
-  (NVML_GPM_METRIC_ANY_TENSOR_UTIL: % of time the SMs' tensor pipes did any tensor operation) and
-  ``dram_bw_util_percent`` (NVML_GPM_METRIC_DRAM_BW_UTIL: DRAM bandwidth used / its theoretical maximum). They are None
-  in the first sample (no interval yet) and in a sample less than GPM_MIN_INTERVAL_S after the last GPM read (the
-  reference: the interval "should be greater than 100ms due to the internal sample refresh rate"); that interval then
-  goes into the next sample's value. nvmlGpmQueryDeviceSupport's isSupportedDevice 0 (older than Hopper) marks them
-  unavailable, as do the errors below; a per-metric nvmlReturn marks that metric alone.
-Degradation, one metric at a time: NotSupported, NoPermission or FunctionNotFound (or bindings without the call) mark
-that metric unavailable for the rest of the run, with the reason, in ``describe()["unavailable"]``; any other error
-leaves that metric None in that one sample. Nothing is ever raised into the run.
+Per sample: GPU and memory utilization (nvmlDeviceGetUtilizationRates: the share of the driver's last 1/6 s..1 s in
+which any kernel ran, not the share of SMs in use), device and per-process memory, power, energy, SM clock,
+temperature, throttle reasons and, on Hopper and newer, the GPM metrics (SM activity, SM occupancy, tensor-pipe
+activity, DRAM bandwidth utilization) over the interval since the previous GPM read. A metric NVML cannot give is
+marked unavailable with its reason (``describe()["unavailable"]``) or left None in one sample; nothing is raised into
+the run.
 
-Design decision (no GPU was available to measure it; it rests on the NVML documentation):
-
-- Utilization by polling nvmlDeviceGetUtilizationRates, not by draining nvmlDeviceGetSamples
-  (NVML_GPU_UTILIZATION_SAMPLES). Each polled value already averages the driver's last 1/6 s..1 s, so polling at 0.1 s
-  loses no utilization information, only phase alignment of at most one driver period. nvmlDeviceGetSamples returns
-  the samples "maintained in the buffer by the driver" newer than a caller-kept ``lastSeenTimeStamp`` (a "CPU
-  timestamp in microseconds" on a clock the documentation does not name, so aligning it with time.monotonic() would
-  need a calibration that cannot be checked without a GPU); how many samples the buffer holds and what period each
-  averages are not documented and may differ by product, so a late drain may silently lose samples. Its documented
-  advantage (higher-frequency data at lower polling cost) cannot be verified here either.
+Design: docs/design/sampling.md (each metric's NVML call, GPM intervals, polling instead of nvmlDeviceGetSamples).
 """
 
 from __future__ import annotations

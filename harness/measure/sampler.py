@@ -1,28 +1,12 @@
 """Background sampling of the device while a worker trains, and statistics over the measured phase.
 
-The sampler is a thread in the launcher's process, never in the worker (no GIL contention with the training loop).
-Every ``interval_s`` it asks its backend for one sample, a dict of metric -> number stamped with ``time.monotonic()``
-(the clock the worker stamps its phase events with; CLOCK_MONOTONIC is system-wide on Linux). Backends:
-
-- ``NvmlBackend`` (``harness.measure.nvml``; nvidia-ml-py, https://docs.nvidia.com/deploy/nvml-api/): GPU
-  utilization, device and per-process memory, power, energy, SM clock, temperature and throttle reasons, and on Hopper
-  and newer the GPM metrics (SM activity, SM occupancy, tensor-pipe activity, DRAM bandwidth utilization, each over
-  the interval since the previous sample); see there for what each metric is and how a missing one degrades.
-- ``HostBackend`` (``harness.measure.host``; psutil), where there is no GPU: the worker process tree's CPU % (100 = one
-  core busy) and resident memory (bytes).
-
-No NVML library, no driver, no such device: ``make_backend`` samples the host instead and says why.
-
-Design decision (no GPU was available to measure it; it rests on the NVML documentation):
-
-- Default interval 0.1 s: below the shortest utilization averaging period (1/6 s), so every driver period is seen at
-  least once; no faster, because utilization cannot change faster than that period, psutil's process CPU times
-  advance in 10 ms clock ticks on Linux (psutil recommends at least 0.1 s between cpu_percent calls for accuracy), and
-  NVML refreshes power/energy only every 20-100 ms. Short timed windows are covered by edge samples
-  (``Sampler.poke``), not by a faster clock. ``interval_warning`` flags intervals below 50 ms;
-  ``benchmarks/sampler_overhead.py`` measures what sampling costs the worker.
-
+The sampler is a thread in the launcher's process, never in the worker. Every ``interval_s`` (default 0.1 s) it asks
+its backend for one sample stamped with ``time.monotonic()``, the clock of the worker's events, and ``Sampler.poke``
+adds a sample at every timed window's edge. Backends: ``NvmlBackend`` (``harness.measure.nvml``) on a GPU,
+``HostBackend`` (``harness.measure.host``, psutil) otherwise; ``make_backend`` falls back to the host and says why.
 Energy, power and throttling over the measured windows: ``harness.measure.energy``.
+
+Design: docs/design/sampling.md (the backends' metrics, why 0.1 s).
 """
 
 from __future__ import annotations

@@ -1,44 +1,15 @@
 """Compare two runs of the same study: per framework, batch size and metric, the change and whether it is a
 regression beyond the noise of this machine.
 
-A cell's value is the median over its ok repeats (as in the report), and the change is new / base - 1. A change is a
-**regression** when it goes the bad way (throughput or accuracy down, memory up) by more than the threshold (percent)
-**and** beyond the noise:
+A cell's value is the median over its ok repeats, the change new / base - 1. A change is a **regression** when it goes
+the bad way (throughput or accuracy down, memory up) by more than the threshold **and** its log exceeds
+t(1 - alpha / m, df) standard errors (Bonferroni over the m tests). The standard error comes from the repeats' spread
+(pooled over cells, moderated per cell), from a history's run-to-run spread where there is one, or else, for
+throughput, from an assumed run-to-run drift (``drift_pct``, default ``DEFAULT_DRIFT_PCT``). ``compare_rows``
+applies the same rule to two interleaved rows of one run. Cells present or ok on one side only are listed, never
+dropped.
 
-- Noise within runs: the spread of a cell's repeats around their mean on the log scale (a relative spread), pooled
-  over every cell of the metric in both runs (``harness.results.stats.log_spread``), then moderated per cell towards
-  the pooled value (``stats.moderated``, ``PRIOR_DF`` degrees of freedom): three repeats alone say little about
-  their cell's noise, dozens of cells together say a lot.
-- Noise between runs, with a history file: the spread of the cell's run medians over the last ``history_runs`` runs
-  of the same spec on the same device, pooled and moderated the same way. Repeats measure the noise inside one run;
-  the machine also drifts from one run to the next, and only a history sees that.
-- Noise between runs, without a history (throughput only): a run-to-run drift ``d`` of a whole run's speed,
-  assumed, not measured (``drift_pct``, default ``DEFAULT_DRIFT_PCT``; ``--drift-pct``). Two runs minutes apart differ
-  by more than their repeats do, and two runs alone cannot tell a shift of the whole run from a change of the code.
-  No part of a run measures the machine apart from the code (timed warm-up work runs the code under test), so the
-  default is a floor measured on this project's shared 2-core VM (README "Nightly runs"): quiet runs' medians spread
-  2 to 3 %, an earlier set's run-level drift was about 7 %, a loaded spell's 16 % (which also widens the repeats);
-  5 % covers the quiet drift with room and leaves the planted 30 % slowdown mostly caught. At 0 the rule is the
-  within-run one alone; a machine that measured its own drift can pass it, or build a history.
-- The standard error of the log change: with a history, the larger of sqrt(pi / 2) x s_within x sqrt(1 / n_base +
-  1 / n_new) (sqrt(pi / 2): a median's standard error over a mean's, for normal noise) and sqrt(2) x s_between (a
-  spread of run medians holds the repeats' noise); without one, sqrt(within part^2 + 2 d^2) (the drift adds to it).
-- The change is beyond the noise when its log exceeds t(1 - alpha / m, df) standard errors, where m is the number of
-  (cell, metric) tests in the comparison that noise could fail (a standard error above zero; Bonferroni): where the
-  noise model holds, the chance that a comparison of two runs of the same code raises any false alarm is at most
-  ``alpha`` (5 % by default), however many cells it has.
-
-Without repeats the drift alone is the noise of throughput, and a metric with neither repeats, a history nor a
-drift (accuracy, memory) is decided by the threshold alone; the row says so. For each
-metric the summary states what the comparison could resolve: the smallest change it would call a regression in a
-cell with the runs' typical repeats, and about how many repeats a change of the threshold's size would need.
-``benchmarks/compare_false_alarms.py`` measures the false-alarm and detection rates this rule gives on a machine.
-
-``compare_rows`` applies the same rule to two rows of one run: an interleaved A/B, where the baseline and the
-candidate are two framework entries of one spec (two interpreters, say) whose trials alternate. On a machine whose
-speed drifts from one run to the next by more than the change sought, that is the only design that can resolve it:
-the drift falls on both rows, and repeats shrink what is left.
-Cells present or ok on one side only are listed as such, never dropped.
+Design: docs/design/compare.md (the noise model and the drift floor); measured rates: docs/findings/2026-11-23-compare.md.
 """
 
 from __future__ import annotations

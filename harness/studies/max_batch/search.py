@@ -1,89 +1,15 @@
 """The largest batch that fits (seed 004): measured, one worker process per probe, never guessed.
 
-Each probe trains the spec's model at one batch size in a fresh worker (``harness.execution.launcher.run_worker``)
-under the memory cap: three full optimizer steps and an evaluation at that batch size. The worker's status decides:
-``ok`` fits, ``oom`` (the framework's own out-of-memory error, see ``harness.execution.limits`` on the CPU, or
-Python's own ``MemoryError``, which the worker reports as oom: an allocation outside the framework's allocator
-failing under the cap, numpy or a module PyTorch imports lazily when the cap is below its runtime's needs) does not;
-so does a worker that ran out of memory even for its error report (it exits "without reporting why" with MemoryError
-last in its log). On the CPU, a probe that ends
-``error`` or ``crashed`` under the cap (MXNet's engine can abort with SIGABRT when a thread's stack or a buffer cannot
-be allocated) runs once more without the cap: if that control run is ok, the cap caused the failure and it counts as
-out of memory (the reason says so). Any other ending (``error``, ``crashed``, ``timeout``) stops the search with its
-reason, since it says nothing about memory.
+Each probe trains the spec's model at one batch size in a fresh worker under the memory cap (three optimizer steps
+and an evaluation; synthetic images of the dataset's shape by default, the real dataset with ``with_dataset``);
+``ok`` fits, ``oom`` does not, any other ending stops the search with its reason. The search probes small sizes,
+fits ``peak_bytes = fixed + per_sample x B`` (first from the neutral model's per-sample bytes through one measured
+peak), brackets and narrows the limit, and confirms the answer in a second fresh worker; a size seen both fitting and
+failing is the ``fits_sometimes`` band, never the answer. With a ``margin`` the recommendation is probed and confirmed
+the same way. The result never names a size that was not ok in two probes.
 
-The probe: the spec as it is (model, optimizer, allocator settings, accumulation_steps, augmentation, threads, seed)
-for ``epochs: 3`` of one optimizer step each with no warm-up; the spec's variants, repeats and target accuracy are
-dropped (its ``optimizer`` is used). Its data are inside the cap, either
-
-- by default **synthetic images of the spec's dataset's shape and classes** (the real dataset may be too small for
-  large batches: digits has 1438 training images), ``accumulation_steps`` x B training samples and B test samples:
-  accumulation_steps + 1 images per batch sample (plus the framework's own copy where it makes one), which the
-  fitted per-sample bytes therefore include; or
-- with ``with_dataset`` (``harness max-batch --with-dataset``) **the spec's real dataset**, loaded to the device
-  whole as in a run (``harness.neutral.datasets.load``), each epoch cut to its first optimizer step (the worker's
-  ``max_steps_per_epoch``) and the evaluation over the whole test set at batch size B. The dataset's bytes are then
-  part of the fitted fixed bytes, and no batch can exceed the training set: the search's upper bound is
-  min(max_batch, training images // accumulation_steps), and the result says so.
-
-Fits, fails, fits sometimes. A size *fits* when every probe of it was ok, *fails* when every probe of it ran out of
-memory, and *fits sometimes* when it did both (the same worker at the same size can land either side of the cap:
-allocator timing, lazily imported modules, the kernel's page accounting). The sizes that fit sometimes form the band
-``fits_sometimes`` (their smallest..largest), reported beside the answer and never as it. Only a candidate for the
-answer or the recommendation is probed a second time.
-
-The search:
-
-1. probe a few small sizes (``initial_sizes``, stopping at the first that runs out of memory; by default 16 alone,
-   whose peak anchors the neutral model's prediction, see below; 16, 64, 256 when there is none);
-2. fit the memory model ``peak_bytes = fixed + per_sample x B`` by least squares over the successful probes, and
-   predict the limit from the cap: floor((cap - fixed) / per_sample). With one fitting size only, the first guess
-   is the **neutral model's**: its per-sample bytes (``harness.neutral.memory``: the activations saved for the
-   backward pass, plus the probe's data per batch sample) as the slope of a line through that size's measured peak,
-   so that everything the neutral model leaves out of the fixed part (the framework's runtime, its workspaces) is
-   measured, not guessed. It leaves out the per-sample transients too, so it errs high: a probe there that runs out
-   of memory closes the bracket from above;
-3. the bracket: ``lo``, the largest size that fits, and ``hi``, the smallest size above it that ran out of memory at
-   least once (it fails or fits sometimes). While no size fits (the first initial size failed, or every size that
-   fitted failed its confirmation), probe ``min_batch``; if that does not fit, nothing fits. While there is no
-   ``hi``, probe the prediction (a fitted one at most MAX_JUMP times ``lo``; doubling while there is none; once sizes
-   above the prediction fit, steps of tolerance x ``lo``, doubling each time) until a size fails;
-4. narrow the bracket until the gap is at most ``tolerance`` x ``lo`` (at least 1): each probe is the model's
-   prediction refitted with every successful probe so far, where it falls inside the bracket, else the midpoint
-   (the geometric mean while ``hi`` > MAX_JUMP x ``lo``, so that a guess orders of magnitude off costs a few probes),
-   kept one tolerance step away from both ends (so a probe next to an end closes the bracket whichever way it goes);
-5. confirm: once the bracket is closed (or ``lo`` is the upper bound, so the cap was not reached), probe ``lo`` again
-   in a fresh worker. If it fits again, it is the answer (``limit``: ok in both of its probes; ``hi`` is
-   ``smallest_oom``, the smallest size above it that failed at least once). If it runs out of memory, it fits
-   sometimes: ``lo`` falls to the largest size below it that fits, ``hi`` to the smallest above that which failed
-   at least once (it, or a smaller size where memory is not monotonic), and steps 3-5 go on (each size is probed at
-   most twice, so this ends);
-6. with a ``margin`` m > 0, probe floor(limit x (1 - m)) too; the recommendation is the largest size at or below it
-   that fits, confirmed like the answer (a size whose confirmation fails is passed over for the next one below;
-   memory is not always monotonic in the batch size, so it is verified, not assumed).
-
-The result never names a size that was not ok in two probes, nor one that also ran out of memory.
-
-The neutral model's own prediction of the limit (``neutral_limit``: its fixed part, parameters, gradients,
-optimizer state, buffers and a resident dataset, plus its per-sample bytes, against the cap) is reported beside the
-measured limit, and its per-sample bytes beside the fitted ones: the difference is what the framework adds per
-sample (transient gradients, workspaces, copies) and in all (its runtime).
-
-What the cap and the peak are:
-
-- CPU: the cap is ``memory_limit_mb`` (or, without one, the host's available memory less 2 GiB), applied to each
-  probe's worker by ``harness.execution.limits`` as memory beyond what the worker holds once the framework is
-  imported. The peak fitted is the worker's ``memory_peak`` event, measured from the same baseline: TensorFlow's CPU
-  BFC allocator peak (the capped quantity, exact); for PyTorch and MXNet an estimate of the capped VmData peak, which
-  the kernel does not keep (see ``harness.execution.limits.peak_estimate``), so the prediction is approximate and the
-  probes around it decide.
-- GPU: the cap is ``memory_limit_mb`` (applied by the adapters through each framework's own limit) or the device's
-  total memory (NVML); the peak is the framework allocator's peak (``metrics.memory.allocator_peak_bytes``), else
-  NVML's per-process memory (``sampler.stats.process_memory_bytes.max``), else the device memory in use. CUDA's own
-  context is outside the allocator peak, so a prediction from the device total errs high; again the probes decide.
-  (Written from the documentation; no GPU was available to run it.)
-
-Outputs: see ``harness.studies.max_batch.output``.
+Design: docs/design/max-batch.md (the steps, what the cap and the peak are on a CPU and a GPU). Outputs:
+``harness.studies.max_batch.output``.
 """
 
 from __future__ import annotations
