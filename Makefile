@@ -6,6 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SPEC ?= specs/quick.yaml
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 .PHONY: install envs run lint test test-gpu docs clean
 
@@ -34,8 +35,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check harness adapters tests benchmarks scripts docs
 	$(VENV)/bin/mypy
 
+# The suite in two parts: TEST_WORKERS processes side by side (pytest-xdist, a test file per process), then the
+# serial modules alone (tests/conftest.py SERIAL_MODULES: they measure time, pin cores or cap memory).
 test: envs lint
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "serial and not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)

@@ -81,7 +81,7 @@ def get(name: str) -> type[Adapter]:
     return cls
 
 
-def unsupported(name: str, info: "ModelInfo", precision: str = "fp32", compile: str = "default",
+def unsupported(name: str, info: ModelInfo, precision: str = "fp32", compile: str = "default",
                 device: str = "cpu") -> str | None:
     """Why the adapter ``name`` cannot train ``info`` in ``precision`` with ``compile`` on ``device``, decided
     without importing its framework: the reason (``adapters.base.support_gap``, then ``execution_gap``) for a

@@ -16,12 +16,24 @@ which the class attributes below are set; a trial that needs anything else is ``
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
-from adapters.declaration import (ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, BOTH, CPU, CUDA, EAGER_ONLY, FP32_ONLY,
-                                  IMAGE_TASKS, Declaration)
+from adapters.declaration import (
+    ALL_LAYERS,
+    ALL_TASKS,
+    BASIC_LAYERS,
+    BOTH,
+    CPU,
+    CUDA,
+    EAGER_ONLY,
+    FP32_ONLY,
+    IMAGE_TASKS,
+    Declaration,
+)
 from harness.neutral.info import TASKS, describe_feature, requirements
 
 __all__ = ["ALL_LAYERS", "ALL_TASKS", "BASIC_LAYERS", "BOTH", "CPU", "CUDA", "Adapter", "Declaration",
@@ -65,7 +77,7 @@ def execution_gap(adapter: str, precisions: Mapping[str, frozenset[str]], modes:
     return None
 
 
-def support_gap(adapter: str, layers: frozenset[str], tasks: frozenset[str], info: "ModelInfo") -> str | None:
+def support_gap(adapter: str, layers: frozenset[str], tasks: frozenset[str], info: ModelInfo) -> str | None:
     """None when ``layers`` and ``tasks`` cover every requirement of ``info`` (``harness.neutral.models
     .requirements``); else one line naming the first one missing and where, e.g. "the pytorch adapter does not
     support residual blocks (model.layers.1)"."""
@@ -144,14 +156,14 @@ class Adapter(abc.ABC):
         the framework's defaults) and the framework's RNG seed, and applies allocator settings. Called before any
         other framework op. Raises DeviceUnavailable."""
 
-    def unsupported(self, info: "ModelInfo") -> str | None:
+    def unsupported(self, info: ModelInfo) -> str | None:
         """None when this adapter can build and train ``info``; else the reason (one line naming the first layer
         kind, option or task it lacks and where; ``support_gap``). The worker calls it after ``prepare`` and before
         ``build``, so an adapter that lacks a layer on one device only may override it."""
         return support_gap(self.name, self.SUPPORTED_LAYERS, self.SUPPORTED_TASKS, info)
 
     @abc.abstractmethod
-    def build(self, info: "ModelInfo", weights: dict[str, np.ndarray], optimizer: "OptimizerSpec") -> None:
+    def build(self, info: ModelInfo, weights: dict[str, npt.NDArray[np.float32]], optimizer: OptimizerSpec) -> None:
         """Builds the model of ``info`` with exactly ``weights`` (canonical layout, see harness.neutral.models) and the
         optimizer. The loss is the mean softmax cross-entropy of the logits: over the samples, or for a ``next_token``
         model (``info.task``; logits (B, L, vocab), labels (B, L)) over all B x L positions. ``weights`` may also hold
@@ -159,11 +171,11 @@ class Adapter(abc.ABC):
         ``harness.neutral.models.initial_buffers``'s value."""
 
     @abc.abstractmethod
-    def load(self, data: "Data") -> None:
+    def load(self, data: Data) -> None:
         """Places the dataset on the device once (float32 NHWC images, or int64 (N, L) token ids; int64 labels, (N,)
         or (N, L) for a next-token task); train_step gathers from it."""
 
-    def set_train_images(self, images: np.ndarray) -> None:
+    def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
         """Replaces the training images on the device in place with ``images`` (float32 NHWC, the shape ``load``
         placed), without re-tracing or re-allocating anything the train step holds: the harness calls it once per
         epoch when the trial augments its data (harness.neutral.datasets.augment). Raises NotImplementedError when the
@@ -172,14 +184,14 @@ class Adapter(abc.ABC):
 
     # -- steps ---------------------------------------------------------------------------------------------------
 
-    def stage_epoch(self, order: np.ndarray, batch_size: int) -> None:
+    def stage_epoch(self, order: npt.NDArray[np.int64], batch_size: int) -> None:
         """The epoch's sample order (int64 (N,), ``harness.neutral.datasets.epoch_order``) and the samples per
         optimizer step, given before the epoch's first step and outside every timed window: step ``p`` of the epoch
         trains on ``order[p * batch_size:(p + 1) * batch_size]``, so an adapter may move the epoch's index batches to
         the device here, as a hand-written loop prepares its batches before its clock starts. Default: nothing."""
 
     @abc.abstractmethod
-    def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
+    def train_step(self, indices: npt.NDArray[np.int64], micro_batches: int = 1, position: int | None = None) -> None:
         """One optimizer step on the training samples ``indices`` (int64 (B,)). ``position``: the step's index in the
         epoch staged by ``stage_epoch`` (``indices`` is then that step's slice of its order, and the adapter may use
         what it staged); None: ``indices`` stand alone and the adapter converts them. With ``micro_batches`` k > 1
@@ -210,17 +222,17 @@ class Adapter(abc.ABC):
         position of every test sequence. Returns only when the device is done."""
 
     @abc.abstractmethod
-    def predict(self, images: np.ndarray) -> np.ndarray:
+    def predict(self, images: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
         """Logits, float32 (N, classes), for float32 NHWC ``images`` (or int64 (N, L) token ids: (N, classes), or
         (N, L, vocab) for a next-token model); inference mode."""
 
     # -- state ---------------------------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def get_weights(self) -> dict[str, np.ndarray]:
+    def get_weights(self) -> dict[str, npt.NDArray[np.float32]]:
         """The current parameters in the canonical layout and naming of ``harness.neutral.models.initial_weights``."""
 
-    def get_buffers(self) -> dict[str, np.ndarray]:
+    def get_buffers(self) -> dict[str, npt.NDArray[np.float32]]:
         """The current buffers (batchnorm's running statistics) in the canonical layout and naming of
         ``harness.neutral.models.initial_buffers``. Default: none."""
         return {}

@@ -6,9 +6,9 @@ adapter class takes its class-level facts from it (``Adapter.__init_subclass__``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 from harness.neutral.info import TASKS
 

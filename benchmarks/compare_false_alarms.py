@@ -38,7 +38,8 @@ comparison can be re-evaluated (``--evaluate-only``) without running them again.
     .venv/bin/python benchmarks/compare_false_alarms.py --rounds 10 --repeats 5
     .venv/bin/python benchmarks/compare_false_alarms.py --evaluate-only --runs /tmp/compare-runs
     .venv/bin/python benchmarks/compare_false_alarms.py --evaluate-only --runs /tmp/compare-runs --drift-pct 0
-    .venv/bin/python benchmarks/compare_false_alarms.py --interleaved --rounds 4 --repeats 16 --batch-sizes 128 --runs /tmp/ab16
+    .venv/bin/python benchmarks/compare_false_alarms.py --interleaved --rounds 4 --repeats 16 --batch-sizes 128 \\
+        --runs /tmp/ab16
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.plan import checked_spec  # noqa: E402
-from harness.studies.compare import (  # noqa: E402
-    DEFAULT_DRIFT_PCT, DEFAULT_THRESHOLD_PCT, MEDIAN_SE, compare_rows, compare_runs)
+from harness.studies.compare import DEFAULT_DRIFT_PCT, DEFAULT_THRESHOLD_PCT, MEDIAN_SE, compare_rows, compare_runs  # noqa: E402
 from harness.studies.sweep import run_spec  # noqa: E402
 
 KINDS = {"A": 0.0, "B": 0.0, "slow10": 0.10, "slow30": 0.30}

@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Harness vs idiomatic loop: spec {args.spec}, device cpu, {base.cpu_threads or available_cpus()} intra-op "
           f"thread(s), {available_cpus()} CPUs, timing {timing_text}, sampler "
           f"{'off' if args.no_sampler else f'{base.sampler.interval_s:g} s'}, warm-up {base.warmup_steps} step(s), "
-          f"harness evaluation {f'every {args.evaluate_every} epoch(s)' if args.evaluate_every else 'after the last epoch'}, "
+          "harness evaluation "
+          f"{f'every {args.evaluate_every} epoch(s)' if args.evaluate_every else 'after the last epoch'}, "
           f"{args.repeats} repeats, {time.monotonic() - started:.0f} s in all")
     print(f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
           f"{', '.join(f'{x:.2f}' for x in load_after)}: other load on the machine shows up as noise")

@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(command, env=env, check=False).returncode
     print(f"MXNet in one process ({sys.executable}), spec {args.spec}, {threads} thread(s) (OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS')}), {args.steps} steps a block\n")
-    print("| batch | adapter ms/step | hand-written ms/step | ratio (hand-written time / adapter time) | IQR | min..max "
-          "| rounds |")
+    print("| batch | adapter ms/step | hand-written ms/step | ratio (hand-written time / adapter time) | IQR "
+          "| min..max | rounds |")
     print("| ---: | ---: | ---: | ---: | --- | --- | ---: |")
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         seconds = measure(spec, batch_size, args.steps, args.rounds)

@@ -11,9 +11,9 @@ each combination. A combination the framework cannot run (JAX has no eager mode;
 ``COMPILE_MODES``: PyTorch eager / torch.compile; TensorFlow tf.function / with XLA; MXNet imperative / hybridized;
 JAX jit only).
 
-    .venv/bin/python benchmarks/precision_compile.py                        # every framework, batch 64 and 512, 3 repeats
+    .venv/bin/python benchmarks/precision_compile.py                      # every framework, batch 64 and 512, 3 repeats
     .venv/bin/python benchmarks/precision_compile.py --frameworks pytorch,tensorflow --repeats 5 --out /tmp/pc.json
-    .venv/bin/python benchmarks/precision_compile.py --device cuda:0        # the same on a GPU (add --precision fp16)
+    .venv/bin/python benchmarks/precision_compile.py --device cuda:0      # the same on a GPU (add --precision fp16)
 
 Reading it: a ratio above 1 is a speed-up. On a CPU without native bf16 matrix units, bf16 often runs slower (the
 conversions cost more than the narrower arithmetic saves); on a GPU with Tensor Cores it should be several times
@@ -80,11 +80,13 @@ def summarize(runs: list[dict[str, Any]], low: str) -> str:
         for r in cell:
             by_repeat.setdefault(r["repeat"], {})[(r["precision"], r["mode"])] = r["result"]
 
-        def ratios(a: tuple[str, str], b: tuple[str, str]) -> list[float]:
+        def ratios(a: tuple[str, str], b: tuple[str, str],
+                   by_repeat: dict[int, dict[tuple[str, str], dict[str, Any]]] = by_repeat) -> list[float]:
             return [rep[a]["throughput"] / rep[b]["throughput"] for rep in by_repeat.values()
                     if rep.get(a, {}).get("throughput") and rep.get(b, {}).get("throughput")]
 
-        def median_of(key: tuple[str, str], field: str) -> str:
+        def median_of(key: tuple[str, str], field: str,
+                      by_repeat: dict[int, dict[tuple[str, str], dict[str, Any]]] = by_repeat) -> str:
             values = [rep[key][field] for rep in by_repeat.values() if rep.get(key, {}).get(field)]
             if values:
                 return f"{np.median(values):,.1f}" if field == "throughput" else f"{np.median(values):.2f}"

@@ -14,8 +14,9 @@ import inspect
 import re
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -166,7 +167,7 @@ def spec_reference() -> str:
 def _build_parser() -> argparse.ArgumentParser:
     import harness.cli as cli
 
-    build = getattr(cli, "build_parser", None) or getattr(cli, "_parser")
+    build = getattr(cli, "build_parser", None) or cli._parser
     return build()
 
 

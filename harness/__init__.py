@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "Run", "load_run", "load_history"]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - PEP 562: the data API is imported on first use
+def __getattr__(name: str):
     """``harness.load_run`` and ``harness.load_history`` (``harness.results.data``), imported only when asked for:
     workers import this package in framework interpreters that need not have pandas."""
     if name in ("load_run", "load_history", "Run"):

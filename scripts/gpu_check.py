@@ -36,7 +36,8 @@ SIZES = {
             "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "2"]},
     "cpu": {"batch_sizes": [4, 16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
-            "timeout_s": 120, "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "32"],
+            "timeout_s": 120,
+            "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "32"],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"]},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
@@ -223,7 +224,7 @@ def _cells(run_dir: Path) -> list[dict[str, Any]]:
         metrics, sampler = r.get("metrics", {}), r.get("sampler", {})
         stats = sampler.get("stats") or {}
 
-        def stat(key: str, which: str = "mean") -> Any:
+        def stat(key: str, which: str = "mean", stats: dict[str, Any] = stats) -> Any:
             value = stats.get(key)
             return value.get(which) if isinstance(value, dict) else None
 
@@ -274,8 +275,9 @@ def step_max_batch(check: Check) -> None:
         result = json.loads((Path(found.group(1).strip()) / "run.json").read_text(encoding="utf-8"))["result"]
         confirmed = sum(p["batch_size"] == result["limit"] and p["status"] == "ok" for p in result["probes"])
         results[framework] = {"status": result["status"], "limit": result["limit"], "recommended":
-                              result["recommended"], "cap_bytes": result["cap_bytes"], "cap_source": result["cap_source"],
-                              "probes": len(result["probes"]), "limit_ok_in_probes": confirmed,
+                              result["recommended"], "cap_bytes": result["cap_bytes"],
+                              "cap_source": result["cap_source"], "probes": len(result["probes"]),
+                              "limit_ok_in_probes": confirmed,
                               "run_dir": found.group(1).strip()}
         if result["limit"] is None or confirmed < 2:
             problems.append(f"{framework}: no limit confirmed by a second probe ({result['status']})")

@@ -37,6 +37,23 @@ BASE_SPEC = {
 }
 
 
+#: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they pin
+#: cores or start Ray with a CPU count (scale_out), hold one-second deadlines on killed processes (interruptions), cap
+#: memory near each framework's limit with four searches at once (maxbatch), or judge planted slowdowns and timeouts
+#: against timing noise (compare, nightly, launcher, timing): a test running beside them would change what they
+#: measure.
+SERIAL_MODULES = frozenset({"test_scale_out", "test_interruptions", "test_maxbatch", "test_compare", "test_nightly",
+                            "test_launcher", "test_timing"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the items of ``SERIAL_MODULES`` ``serial`` (before ``-m`` selects)."""
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+
 def base_spec(**changes):
     spec = copy.deepcopy(BASE_SPEC)
     spec.update(changes)

@@ -85,7 +85,8 @@ class FaultAdapter(Adapter):
         p = np.exp(z)
         return p / p.sum(axis=1, keepdims=True)
 
-    def train_step(self, indices, micro_batches=1, position=None):  # the loop is the same with accumulation: it is ignored
+    # the loop is the same with accumulation: micro_batches is ignored
+    def train_step(self, indices, micro_batches=1, position=None):
         self._maybe_fault(len(indices))
         x, y = self.x[indices], self.y[indices]
         p = self._probs(x)

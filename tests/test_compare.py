@@ -143,8 +143,11 @@ def test_cli_options(tmp_path):
     rng = np.random.default_rng(5)
     base = make_run(tmp_path / "base", noisy(rng))
     new = make_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5}))
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "harness", "compare", str(base), str(new), *extra],
-                                        capture_output=True, text=True, timeout=120)
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "harness", "compare", str(base), str(new), *extra],
+                              capture_output=True, text=True, timeout=120)
+
     proc = run()
     assert proc.returncode == 1 and "1 regression(s)" in proc.stdout
     assert "Throughput: changes under" in proc.stdout
@@ -207,8 +210,11 @@ def test_two_rows_of_one_run_cancel_the_drift_between_runs(tmp_path):
 def test_rows_on_the_command_line(tmp_path):
     rng = np.random.default_rng(8)
     run = make_ab_run(tmp_path / "ab", rng, drift=0.0, b_factor=0.5)
-    cli = lambda *args: subprocess.run([sys.executable, "-m", "harness", "compare", *map(str, args)],
-                                       capture_output=True, text=True, timeout=120)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "harness", "compare", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+
     proc = cli(run, "--rows", "A", "B")
     assert proc.returncode == 1 and "4 regression(s)" in proc.stdout and (run / "compare-rows.md").exists()
     proc = cli(run, "--rows", "A", "C")
@@ -283,8 +289,11 @@ def test_with_a_history_its_spread_replaces_the_assumed_drift(tmp_path):
 
 def test_drift_on_the_command_line(tmp_path):
     base, new = two_runs(tmp_path, -0.082)
-    cli = lambda *args: subprocess.run([sys.executable, "-m", "harness", "compare", *map(str, args)],
-                                       capture_output=True, text=True, timeout=120)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "harness", "compare", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+
     proc = cli(base, new)
     assert proc.returncode == 0 and "0 regression(s)" in proc.stdout
     assert "Without a history: between-run drift floor 5.0 % assumed" in proc.stdout

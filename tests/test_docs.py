@@ -72,7 +72,8 @@ def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
 
 def test_readme_is_short() -> None:
     size = (ROOT / "README.md").stat().st_size
-    assert size <= README_LIMIT_BYTES, f"README.md is {size} bytes; the limit is {README_LIMIT_BYTES}: move text to docs/"
+    assert size <= README_LIMIT_BYTES, (f"README.md is {size} bytes; the limit is {README_LIMIT_BYTES}: "
+                                        "move text to docs/")
 
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))

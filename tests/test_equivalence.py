@@ -1,6 +1,7 @@
 """The three frameworks train the same thing: on the CPU in float32, the seed-002-like CNN of ``kit.CNN`` on
-scikit-learn's digits, from the canonical initial weights (``harness.neutral.models.initial_weights``), on the same batches in
-the same order (``harness.neutral.datasets.epoch_order``), with the optimizer of ``harness.spec.OptimizerSpec``.
+scikit-learn's digits, from the canonical initial weights (``harness.neutral.models.initial_weights``), on the same
+batches in the same order (``harness.neutral.datasets.epoch_order``), with the optimizer of
+``harness.spec.OptimizerSpec``.
 
 Further sections prove gradient accumulation (k micro-batches = one batch of k x the size) and the layers with a
 training and an inference mode: batchnorm (training and inference, running statistics included, also against the

@@ -89,8 +89,8 @@ def test_a_framework_missing_in_the_worker_is_an_error_not_a_crash(fault_adapter
 
 def test_classify_without_events():
     assert classify(0, [], False, 10, "")[0] == "error"
-    assert classify(-9, [], False, 10, "Killed\n") == ("crashed",
-                                                        "killed by SIGKILL (the kernel's OOM killer sends SIGKILL): Killed")
+    assert classify(-9, [], False, 10, "Killed\n") == (
+        "crashed", "killed by SIGKILL (the kernel's OOM killer sends SIGKILL): Killed")
     assert classify(None, [], True, 10, "")[0] == "timeout"
 
 

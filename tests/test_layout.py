@@ -30,8 +30,8 @@ def test_a_planted_upward_import_breaks_the_layers(tmp_path):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "setup.cfg", tmp_path)
     models = tmp_path / "harness" / "neutral" / "models.py"
-    models.write_text(models.read_text().replace("from harness.spec import ",
-                                                 "from harness.studies import sweep  # noqa\nfrom harness.spec import ", 1))
+    models.write_text(models.read_text().replace(
+        "from harness.spec import ", "from harness.studies import sweep  # noqa\nfrom harness.spec import ", 1))
     proc = lint(tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "harness.neutral is not allowed to import harness.studies" in proc.stdout

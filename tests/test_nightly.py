@@ -187,7 +187,9 @@ def fewest_repeats_for_noise_aware_verdicts(tmp_path):
     from tests.test_compare import make_run
 
     for repeats in range(1, 10):
-        wobble = lambda fw, bs, r: 1000.0 * math.exp(0.02 * ((r * 7919) % 5 - 2))
+        def wobble(fw, bs, r):
+            return 1000.0 * math.exp(0.02 * ((r * 7919) % 5 - 2))
+
         base = make_run(tmp_path / f"base{repeats}", wobble, repeats=repeats)
         new = make_run(tmp_path / f"new{repeats}", wobble, repeats=repeats)
         rows, summary = compare_runs(base, new)

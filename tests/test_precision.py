@@ -38,7 +38,8 @@ def test_a_sweep_records_precision_mode_first_step_and_unsupported_rows(monkeypa
     """PyTorch in bf16 and fp16 (refused on the CPU) and JAX in eager mode (it has none) on the CPU: the refused
     trials are recorded at plan time with the reason and no worker; the bf16 trial ran in bf16 (its settings) with
     its first step timed apart; the report names each row's precision and mode."""
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu": [])  # JAX's interpreter is never started
+    # JAX's interpreter is never started
+    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu": [])
     spec = checked_spec(base_spec(frameworks=["pytorch", "jax"], variants={
         "precision": ["bf16", "fp16"], "compile": ["eager"]}), tmp_path / "s.yaml")
     run_dir = sweep.run_spec(spec, tmp_path / "runs")

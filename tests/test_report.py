@@ -42,7 +42,8 @@ def make_run(tmp_path, records, frameworks=("pytorch", "mxnet"), batch_sizes=(8,
             "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9, "weight_decay": 0.0},
             "sampler": {"interval_s": 0.1}, "timing": {"window": "auto"}}
     device = "cuda:0" if records and records[0]["device"].startswith("cuda") else "cpu"
-    store.write_json(run_dir / "run.json", {"spec": spec, "device": device, "planned_trials": [r["id"] for r in records],
+    store.write_json(run_dir / "run.json", {"spec": spec, "device": device,
+                                              "planned_trials": [r["id"] for r in records],
                                               "environment": {}, "started": "now", "finished": "later"})
     for rec in records:
         store.append_trial(run_dir, rec)
@@ -166,7 +167,8 @@ def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
 
 def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
     recs = [record("pytorch", 8, backend="nvml"), record("mxnet", 8, backend="nvml")]
-    recs[0]["sampler"].update(unavailable={"energy_mj": "NVML_ERROR_NOT_SUPPORTED (nvmlDeviceGetTotalEnergyConsumption)"},
+    recs[0]["sampler"].update(unavailable={"energy_mj":
+                                           "NVML_ERROR_NOT_SUPPORTED (nvmlDeviceGetTotalEnergyConsumption)"},
                               notes=["MIG instance: device-level utilization is not available"],
                               energy={"joules": 9.0, "method": "power_integral", "short_windows": 2, "windows": 5,
                                       "short_window_s": 1.0, "seconds": 0.1},

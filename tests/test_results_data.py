@@ -1,6 +1,6 @@
-"""Results as data, on a real run (``real_run`` in conftest.py: PyTorch on digits, on the CPU): ``harness.load_run``'s frames against the records
-and the report, the schema (versions, the published JSON Schema), damaged run directories (a torn last line, a newer
-schema, a missing samples file), ``load_history`` and ``harness export`` in each format."""
+"""Results as data, on a real run (``real_run`` in conftest.py: PyTorch on digits, on the CPU): ``harness.load_run``'s
+frames against the records and the report, the schema (versions, the published JSON Schema), damaged run directories (a
+torn last line, a newer schema, a missing samples file), ``load_history`` and ``harness export`` in each format."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_epochs_and_samples_frames(real_run):
     assert "train" in set(samples["phase"]) and set(samples["phase"]) <= {"warmup", "train", "eval", "other"}
     for phase in ("warmup", "train", "eval"):  # a sample is labelled with the phase whose window holds it
         windows = windows_from_events(run.events(trial), phase)
-        inside = samples["t"].map(lambda t: any(a <= t <= b for a, b in windows))
+        inside = samples["t"].map(lambda t, windows=windows: any(a <= t <= b for a, b in windows))
         assert (inside == (samples["phase"] == phase)).all(), phase
     with pytest.raises(KeyError, match="no trial"):
         run.samples("nope-bs1-r0")
@@ -190,8 +190,8 @@ def test_load_history_reads_many_runs_oldest_first(real_run, tmp_path):
 
 
 def test_mlflow_export_round_trips_through_a_real_local_store_and_is_idempotent(real_run, tmp_path):
-    """A parent run and a child per trial in a real local MLflow store (SQLite), read back through ``mlflow.search_runs``:
-    params, metrics (per-epoch ones as steps) and artifacts; a second export adds nothing."""
+    """A parent run and a child per trial in a real local MLflow store (SQLite), read back through
+    ``mlflow.search_runs``: params, metrics (per-epoch ones as steps) and artifacts; a second export adds nothing."""
     import mlflow
     from mlflow.tracking import MlflowClient
 

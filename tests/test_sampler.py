@@ -18,11 +18,34 @@ from harness.measure import host as host_module
 from harness.measure.energy import COUNTER_UPDATE_S, POWER_AVERAGING_S, energy_over_windows, throttle_summary
 from harness.measure.host import HostBackend
 from harness.measure.nvml import NvmlBackend, nvml_visible_index
-from harness.measure.sampler import (DEFAULT_INTERVAL_S, MIN_EDGE_GAP_S, Sampler, interval_warning, make_backend,
-                                     phase_stats)
-from tests.fakes.nvml import (GPM_ACTIVITY, GPM_ANY_TENSOR_UTIL, GPM_DRAM_BW_UTIL, GPM_SM_OCCUPANCY, GPM_SM_UTIL,
-                              MIG_UUID, UUID0, UUID1, DriverNotLoaded, FunctionNotFound, GpuIsLost, InvalidArgument,
-                              NoPermission, NotFound, NotSupported, Unknown, VersionMismatch, fake_nvml)
+from harness.measure.sampler import (
+    DEFAULT_INTERVAL_S,
+    MIN_EDGE_GAP_S,
+    Sampler,
+    interval_warning,
+    make_backend,
+    phase_stats,
+)
+from tests.fakes.nvml import (
+    GPM_ACTIVITY,
+    GPM_ANY_TENSOR_UTIL,
+    GPM_DRAM_BW_UTIL,
+    GPM_SM_OCCUPANCY,
+    GPM_SM_UTIL,
+    MIG_UUID,
+    UUID0,
+    UUID1,
+    DriverNotLoaded,
+    FunctionNotFound,
+    GpuIsLost,
+    InvalidArgument,
+    NoPermission,
+    NotFound,
+    NotSupported,
+    Unknown,
+    VersionMismatch,
+    fake_nvml,
+)
 
 BUSY = "import time\nx = bytearray(80_000_000)\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 

@@ -110,7 +110,8 @@ def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray,
     """Part of specs/quick.yaml (PyTorch in its own environment, two batch sizes, one epoch) on a local Ray instance
     of 2 CPUs, against the local executor: the same statuses, accuracies and losses (CPU training with one thread is
     deterministic); each record names the Ray node it ran on."""
-    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": str(ROOT / "envs" / "pytorch" / "bin" / "python")}],
+    python = str(ROOT / "envs" / "pytorch" / "bin" / "python")
+    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": python}],
                                   batch_sizes=[64, 128], epochs=1, warmup_steps=1), tmp_path / "s.yaml")
     local = sweep.run_spec(spec, tmp_path / "local")
     executor = RayExecutor(None, gpu=False, threads=1, num_cpus=2)

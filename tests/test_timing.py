@@ -249,8 +249,8 @@ def _windows_between_syncs(calls: list[str]) -> list[list[str]]:
 
 def test_windows_run_on_across_epochs_between_evaluations():
     """evaluate_every 3 over 3 epochs of 10 steps: one evaluation, at the end; fixed windows of 4 run across the ends
-    of epochs (the next epoch staged inside the window when it begins there), so 30 steps are 7 windows of 4 and a last one of 2, where
-    one evaluation per epoch cuts them at every epoch's end (4, 4, 2 three times)."""
+    of epochs (the next epoch staged inside the window when it begins there), so 30 steps are 7 windows of 4 and a last
+    one of 2, where one evaluation per epoch cuts them at every epoch's end (4, 4, 2 three times)."""
     events: list = []
     calls, metrics = _train({"window": 4}, samples=40, epochs=3, evaluate_every=3, events=events)
     windows = _windows_between_syncs(calls)

@@ -71,15 +71,15 @@ if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
-from adapters.jax import DECLARATION  # noqa: E402
-from adapters.jax import layers as L  # noqa: E402
-from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.jax import DECLARATION
+from adapters.jax import layers as L
+from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
 
 Params = L.Params
 #: fp16's dynamic loss scaling (see the module docstring): the initial scale (PyTorch's ``GradScaler`` default) and
@@ -228,13 +228,13 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             self._transforms[w] = "dense"
             return L.dense(w, b, spec.activation, self._compute), None
         if kind == "batchnorm":
-            perm = chw_to_hwc_permutation(flatten_from) if len(layer.input_shape) == 1 and flatten_from else None
+            channels = chw_to_hwc_permutation(flatten_from) if len(layer.input_shape) == 1 and flatten_from else None
             names = (w, b, f"{name}.running_mean", f"{name}.running_var")
             for item in names:
                 value = np.asarray((weights if item in (w, b) else buffers)[item])
-                (params if item in (w, b) else stats)[item] = value if perm is None else value[perm]
-                if perm is not None:
-                    self._perms[item] = perm
+                (params if item in (w, b) else stats)[item] = value if channels is None else value[channels]
+                if channels is not None:
+                    self._perms[item] = channels
             return L.batchnorm(*names, spec.momentum, spec.epsilon, flat=len(layer.input_shape) == 1), flatten_from
         if kind in ("layernorm", "embedding", "attention"):
             for local in layer.params:  # canonical layouts as they are: only matmuls with .T, no conversion
@@ -296,6 +296,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
                                                      None if scaler is None else scaler[0])
             grads = part_grads if grads is None else jax.tree_util.tree_map(jnp.add, grads, part_grads)
             loss = loss + part_loss
+        if grads is None:  # checked while tracing (Python): no micro-batch ran
+            raise ValueError(f"micro_batches must be at least 1, not {micro_batches}")
         if micro_batches > 1:
             grads = jax.tree_util.tree_map(lambda g: g / micro_batches, grads)
             loss = loss / micro_batches
@@ -343,7 +345,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         """Entries in the jit caches of the train step functions (one per traced and compiled input signature;
         ``_cache_size`` of a jitted function, the count jax's own tests read); None where this jax lacks it."""
         sizes = [getattr(step, "_cache_size", None) for step in self._steps.values()]
-        return None if any(size is None for size in sizes) else sum(size() for size in sizes)
+        return None if any(size is None for size in sizes) else sum(size() for size in sizes if size is not None)
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """One step (``_summed_step``, jitted once per (B, micro_batches)); ``indices`` go in as numpy at every step

@@ -18,8 +18,8 @@ https://mxnet.apache.org/versions/1.9.1/api/faq/env_var).
 
 Precisions (``PRECISIONS``): fp32 everywhere, and fp16 on a CUDA GPU through MXNet's AMP (``mxnet.contrib.amp``,
 https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.html; see
-``adapters.mxnet.training.init_amp`` for what it casts and where that differs from the shared policy). Not declared, with the reason ``unsupported_execution`` gives
-(the declaration's ``notes``, which the reasons quote):
+``adapters.mxnet.training.init_amp`` for what it casts and where that differs from the shared policy). Not declared,
+with the reason ``unsupported_execution`` gives (the declaration's ``notes``, which the reasons quote):
 
 - bf16 (checked on MXNet 1.9.1 with its oneDNN 2.4.4, on an AMD EPYC with AVX2 and no AVX-512): ``amp.init(
   target_dtype="bfloat16")`` then one training step of a conv + dense net, hybridized or not, fails in the first
@@ -50,8 +50,7 @@ from typing import Any
 import numpy as np
 
 from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
-from adapters.mxnet import DECLARATION
-from adapters.mxnet import layers, training
+from adapters.mxnet import DECLARATION, layers, training
 from adapters.mxnet.runtime import amp, autograd, gluon, mx, nd, nn
 from harness.neutral.models import initial_buffers
 
@@ -214,18 +213,18 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         ``compiled`` mode (``options["compile"]``, the default) the net is hybridized with ``static_alloc=True,
         static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/hybrid_block.html);
         ``eager`` leaves it imperative. ``options["precision"]`` fp16 initialises AMP first
-        (``adapters.mxnet.training.init_amp``); a precision or mode this adapter lacks on the device raises ValueError. In the compiled mode a new input shape
-        (evaluation's batches, ``predict``) re-plans the cached graph, which costs tens of microseconds for this model
-        (measured on 1.9.1; memory stays flat however often the shapes alternate), so training, evaluation and
-        ``predict`` share the one graph and need no padding.
+        (``adapters.mxnet.training.init_amp``); a precision or mode this adapter lacks on the device raises ValueError.
+        In the compiled mode a new input shape (evaluation's batches, ``predict``) re-plans the cached graph, which
+        costs tens of microseconds for this model (measured on 1.9.1; memory stays flat however often the shapes
+        alternate), so training, evaluation and ``predict`` share the one graph and need no padding.
 
         Optimizers, with PyTorch's semantics (``harness.spec.OptimizerSpec``; https://mxnet.apache.org/versions/1.9.1/
         api/python/docs/api/optimizer/index.html): ``sgd`` is MXNet's own, ``state = momentum * state + lr * (grad +
         wd * weight); weight -= state``, PyTorch's update scaled by lr, identical for a constant learning rate.
         ``adam`` is ``adapters.mxnet.training.PyTorchAdam``: MXNet's ``adam_update`` kernel with epsilon rescaled
-        each step so that it lands where PyTorch puts it (see that class). In both, ``wd`` is an L2 term added to the gradient (coupled), like
-        ``weight_decay`` in torch.optim.SGD/Adam. ``multi_precision`` is off (it only matters for float16 weights)
-        and ``lazy_update`` is off (it only matters for row_sparse gradients).
+        each step so that it lands where PyTorch puts it (see that class). In both, ``wd`` is an L2 term added to the
+        gradient (coupled), like ``weight_decay`` in torch.optim.SGD/Adam. ``multi_precision`` is off (it only matters
+        for float16 weights) and ``lazy_update`` is off (it only matters for row_sparse gradients).
         """
         ctx = self.ctx
         options = self.options or {}
@@ -357,9 +356,11 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
     def _indices(self, indices: np.ndarray, position: int | None) -> mx.nd.NDArray:
         """``indices`` as an int64 NDArray on the device: step ``position``'s slice of the staged epoch
         (``stage_epoch``), else their own."""
-        start = None if position is None or self._staged is None else position * self._staged_batch
-        if start is not None and len(indices) == self._staged_batch and start + len(indices) <= self._staged.shape[0]:
-            return self._staged[start:start + len(indices)]
+        staged = self._staged
+        if position is not None and staged is not None:
+            start = position * self._staged_batch
+            if len(indices) == self._staged_batch and start + len(indices) <= staged.shape[0]:
+                return staged[start:start + len(indices)]
         return self._wrap(indices)
 
     def _wrap(self, indices: np.ndarray) -> mx.nd.NDArray:
@@ -380,13 +381,13 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         are zeroed, each micro-batch of B / k runs forward and backward on its own (adding the gradient of its summed
         loss), and one ``Trainer.step(B)`` applies the sum rescaled by 1 / B, the mean over all B samples.
 
-        The indices are the slice of the epoch's staged order (``stage_epoch``) at ``position`` when it is given; others go in through
-        ``nd.from_numpy`` (zero-copy DLPack, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/ndarray/
-        ndarray.html#mxnet.ndarray.from_numpy), not ``nd.array``: on the CPU, ``nd.array`` copies synchronously after
-        waiting for every operator already queued on the CPU (``NDArray::WaitToWrite`` pushes an empty write to the
-        CPU queue and waits for it), which would make every step wait for the previous one. ``from_numpy`` only wraps
-        the memory, so it is given a private copy, which MXNet keeps alive until the gather has read it. In fp16 the
-        backward pass starts from the loss times AMP's loss scale (``_scaled``)."""
+        The indices are the slice of the epoch's staged order (``stage_epoch``) at ``position`` when it is given;
+        others go in through ``nd.from_numpy`` (zero-copy DLPack, https://mxnet.apache.org/versions/1.9.1/api/python/
+        docs/api/ndarray/ndarray.html#mxnet.ndarray.from_numpy), not ``nd.array``: on the CPU, ``nd.array`` copies
+        synchronously after waiting for every operator already queued on the CPU (``NDArray::WaitToWrite`` pushes an
+        empty write to the CPU queue and waits for it), which would make every step wait for the previous one.
+        ``from_numpy`` only wraps the memory, so it is given a private copy, which MXNet keeps alive until the gather
+        has read it. In fp16 the backward pass starts from the loss times AMP's loss scale (``_scaled``)."""
         idx = self._indices(indices, position)
         if micro_batches == 1:
             self._set_grad_req("write")

@@ -16,10 +16,11 @@ the gradients, skip the step and lower the scale on inf/nan). fp16 autocast on t
 the mixed-precision recipes target GPUs, and a CPU run in fp16 answers no question this tool asks.
 
 ``wait`` is ``torch.cuda.synchronize`` on a GPU
-(https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution); on the CPU, PyTorch ops are synchronous. Allocator peaks come from ``torch.cuda.max_memory_allocated`` /
-``max_memory_reserved`` after ``reset_peak_memory_stats`` (https://pytorch.org/docs/stable/torch_cuda_memory.html). A
-``memory_limit_bytes`` option caps the caching allocator on a GPU (``_apply_memory_limit``). The canonical batchnorm
-is PyTorch's own (momentum convention and unbiased running variance), so ``nn.BatchNorm1d/2d`` need no adjustment.
+(https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution); on the CPU, PyTorch ops are synchronous.
+Allocator peaks come from ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after
+``reset_peak_memory_stats`` (https://pytorch.org/docs/stable/torch_cuda_memory.html). A ``memory_limit_bytes`` option
+caps the caching allocator on a GPU (``_apply_memory_limit``). The canonical batchnorm is PyTorch's own (momentum
+convention and unbiased running variance), so ``nn.BatchNorm1d/2d`` need no adjustment.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         ``harness.neutral.models.initial_buffers``. Every parameter and buffer is kept under its canonical name
         (``self._params``, ``self._buffers``) for ``get_weights`` and ``get_buffers``."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
-        self._tensors: dict[str, tuple[nn.Module, str, bool]] = {}
+        self._tensors = {}
         self._loss_sum, self._loss_steps = None, 0
         self.next_token = info.task == "next_token"
         self.tokens = info.task != "image_classification"

@@ -70,14 +70,14 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silences TF's C++ INFO and WARNING logs
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size  # noqa: E402
-from adapters.tensorflow import DECLARATION  # noqa: E402
-from adapters.tensorflow import layers as L  # noqa: E402
-from adapters.tensorflow.training import DynamicLossScale, dense_gradients, make_update  # noqa: E402
-from harness.neutral.models import chw_to_hwc_permutation, initial_buffers  # noqa: E402
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.tensorflow import DECLARATION
+from adapters.tensorflow import layers as L
+from adapters.tensorflow.training import DynamicLossScale, dense_gradients, make_update
+from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
 
 #: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep TF's (H, W, C) order:
 #: elementwise, or per feature with their parameters permuted like the dense layer's rows (batchnorm).
@@ -370,13 +370,19 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
                 scaled = loss if self._loss_scale is None else self._loss_scale.scale_loss(loss)
             self._apply(self._gradients(tape, scaled))
-            self._loss_sum.assign_add(tf.cast(loss, tf.float32))
+            self._loss_variable().assign_add(tf.cast(loss, tf.float32))
             return loss
 
     def _gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> list[tf.Tensor]:
         """The float32 gradients of ``loss`` (scaled in fp16) for every variable, dense, and unscaled in fp16."""
         grads = dense_gradients(tape.gradient(loss, self._variables))
         return grads if self._loss_scale is None else self._loss_scale.unscale(grads)
+
+    def _loss_variable(self) -> tf.Variable:
+        """The loss sum variable ``build`` created (checked while a step's function is traced)."""
+        if self._loss_sum is None:
+            raise RuntimeError("the TensorFlow adapter's train step ran before build")
+        return self._loss_sum
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The optimizer update with ``grads``; in fp16 only when they are all finite (``DynamicLossScale``)."""
@@ -411,7 +417,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             _, loss, *grads = tf.while_loop(lambda i, *_: i < k, body, start, parallel_iterations=1,
                                             maximum_iterations=k)
             self._apply(grads)  # in fp16 a non-finite gradient of any micro-batch makes its sum non-finite
-            self._loss_sum.assign_add(tf.cast(loss, tf.float32))  # the mean of the k micro-batches' means
+            self._loss_variable().assign_add(tf.cast(loss, tf.float32))  # the mean of the k micro-batches' means
             return loss
 
     def load(self, data: Any) -> None:

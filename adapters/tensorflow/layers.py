@@ -26,7 +26,7 @@ two sides differ in dtype is taken in float32.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import numpy as np

@@ -3,7 +3,8 @@ and the optimizer step with PyTorch's semantics on TF's fused training kernels (
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 

@@ -52,7 +52,7 @@ def handle(args: argparse.Namespace) -> int:
         if args.rows:
             if args.new_run or args.history or args.drift_pct is not None:
                 raise ValueError("--rows compares two rows of one run: give one run and no --history or --drift-pct")
-            rows, summary = compare_rows(args.base_run, *args.rows, args.threshold, alpha=args.alpha)
+            rows, summary = compare_rows(args.base_run, args.rows[0], args.rows[1], args.threshold, alpha=args.alpha)
             default_out = Path(args.base_run) / "compare-rows.md"
         else:
             if not args.new_run:

@@ -24,8 +24,8 @@ PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing Tensor
 LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"}  # module -> distribution
 DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}}  # what loading a dataset needs in the worker
 
-# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS DEVICE MODULE...`` (the modules it must find: the
-# light dependencies and what the dataset needs; the registry travels as an argument: a container does not inherit
+# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS DEVICE MODULE...`` (the modules it must find:
+# the light dependencies and what the dataset needs; the registry travels as an argument: a container does not inherit
 # the environment). Standard library first, then the light dependencies, then the adapter (which imports the
 # framework, as a trial would) and, for a GPU, whether the framework can use it (Adapter.device_problem). One marked
 # JSON line on standard output.

@@ -24,8 +24,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from harness.execution.launcher import Outcome, run_worker
 

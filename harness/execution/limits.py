@@ -56,7 +56,8 @@ from __future__ import annotations
 import atexit
 import os
 import resource
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MIB = 1 << 20
 GIB = 1 << 30

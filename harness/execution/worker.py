@@ -51,7 +51,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import numpy as np
 

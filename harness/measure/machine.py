@@ -75,7 +75,9 @@ def gpus(nvml: Any = None) -> dict[str, Any]:
     failure (no library, no driver, no GPU), ``{"available": False, "reason": ...}``."""
     try:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         nvml.nvmlInit()
     except Exception as err:  # noqa: BLE001 - no NVML is a normal state on a laptop or CI
         return {"available": False, "reason": f"{type(err).__name__}: {err}"}

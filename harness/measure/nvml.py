@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import psutil
 
@@ -67,8 +68,10 @@ GPM_METRICS = {"sm_active_percent": "NVML_GPM_METRIC_SM_UTIL", "sm_occupancy_per
 GPM_MIN_INTERVAL_S = 0.1
 
 
-def _error_classes(nvml: Any, *names: str) -> tuple[type, ...]:
-    return tuple(c for n in names if isinstance(c := getattr(nvml, n, None), type))
+def _error_classes(nvml: Any, *names: str) -> tuple[type[BaseException], ...]:
+    # pynvml's NVMLError_* attributes are exception classes (the bindings are untyped, hence the cast)
+    return cast(tuple[type[BaseException], ...],
+                tuple(c for n in names if isinstance(c := getattr(nvml, n, None), type)))
 
 
 class NvmlBackend:

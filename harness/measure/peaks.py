@@ -1,9 +1,9 @@
 """Peak dense floating-point throughput per GPU model and precision, for model-FLOPs utilization (MFU).
 
-MFU = achieved training FLOP/s (model FLOPs per sample x samples per second; see harness.neutral.models) / the device's peak
-for the precision used. Each entry gives its source: the vendor's datasheet or architecture whitepaper figure without
-sparsity, at boost clock. A device is found by its exact NVML name (``normalise``d), never by a part of it: "NVIDIA
-L40S" is not an L4 and "NVIDIA RTX A1000" not an A100. A device not in the table gets no MFU (``unknown_device``
+MFU = achieved training FLOP/s (model FLOPs per sample x samples per second; see harness.neutral.models) / the device's
+peak for the precision used. Each entry gives its source: the vendor's datasheet or architecture whitepaper figure
+without sparsity, at boost clock. A device is found by its exact NVML name (``normalise``d), never by a part of it:
+"NVIDIA L40S" is not an L4 and "NVIDIA RTX A1000" not an A100. A device not in the table gets no MFU (``unknown_device``
 says so in the record), never a guess, nor does a precision its entry lacks. A mixed-precision trial (bf16, fp16) is
 measured against the low precision's Tensor Core peak, where its matrix work runs; tf32 against TF32's.
 

@@ -15,8 +15,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -211,11 +212,11 @@ def phase_stats(samples: list[dict[str, Any]], windows: list[tuple[float, float]
 
     A sample belongs to a window when it was taken inside it, or when it is the end-edge sample taken at most
     EDGE_LAG_S after the window's end; start-edge samples (baselines, which describe the time before the window)
-    never do. Missing values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the timed
-    windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the samples
-    from the first window's start to the last one's end were used instead, evaluation pauses included; ``"none"``
-    when even that span holds no sample (statistics None, count 0). NON_STAT_METRICS (a counter, a bitmask) are left
-    out: see energy_over_windows and throttle_summary.
+    never do. Missing values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the
+    timed windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the
+    samples from the first window's start to the last one's end were used instead, evaluation pauses included;
+    ``"none"`` when even that span holds no sample (statistics None, count 0). NON_STAT_METRICS (a counter, a bitmask)
+    are left out: see energy_over_windows and throttle_summary.
     """
     metrics = sorted({k for s in samples for k in s if k not in ("t", "edge") and k not in NON_STAT_METRICS})
     stats: dict[str, dict[str, Any]] = {}

@@ -58,7 +58,7 @@ def describe(cfg: DatasetSpec) -> tuple[tuple[int, ...], int]:
     if isinstance(cfg, DigitsData):
         return (8, 8, 1), 10
     if isinstance(cfg, SyntheticData):
-        return tuple(cfg.shape), cfg.classes  # type: ignore[return-value]
+        return tuple(cfg.shape), cfg.classes
     if isinstance(cfg, SyntheticTokens):
         return (cfg.length,), token_classes(cfg)
     return (32, 32, 3), 10
@@ -254,7 +254,8 @@ def load_cifar10_archive(path: Path, expected_md5: str | None = CIFAR10_MD5) -> 
     (pickle must only read a trusted file). Raises DatasetError on a wrong checksum or a malformed archive.
     """
     if expected_md5 is not None and (actual := _md5(path)) != expected_md5:
-        raise DatasetError(f"{path}: md5 {actual} is not CIFAR-10's {expected_md5}; the file is damaged or another file")
+        raise DatasetError(f"{path}: md5 {actual} is not CIFAR-10's {expected_md5}; the file is damaged or another "
+                           "file")
     parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     try:
         with tarfile.open(path, "r:gz") as tar:

@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -63,12 +64,12 @@ class Input:
     per_position: bool = False
 
     @classmethod
-    def images(cls, shape_hwc: tuple[int, ...]) -> "Input":
+    def images(cls, shape_hwc: tuple[int, ...]) -> Input:
         h, w, c = (int(x) for x in shape_hwc)
         return cls("images", (h, w, c))
 
     @classmethod
-    def tokens(cls, length: int, vocab: int, per_position: bool = False) -> "Input":
+    def tokens(cls, length: int, vocab: int, per_position: bool = False) -> Input:
         return cls("tokens", (int(length),), int(vocab), per_position)
 
     @property
@@ -90,10 +91,10 @@ class Site:
     path: str
 
     @classmethod
-    def top(cls, index: int) -> "Site":
+    def top(cls, index: int) -> Site:
         return cls(index, str(index), str(index))
 
-    def child(self, name: str, path: str) -> "Site":
+    def child(self, name: str, path: str) -> Site:
         return Site(self.index, f"{self.name}.{name}", f"{self.path}.{path}")
 
 
@@ -118,8 +119,8 @@ class LayerInfo:
     buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)
     name: str = ""
     path: str = ""
-    body: tuple["LayerInfo", ...] = ()
-    shortcut: tuple["LayerInfo", ...] = ()
+    body: tuple[LayerInfo, ...] = ()
+    shortcut: tuple[LayerInfo, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:  # a top-level layer built positionally: its prefix and path are its index
@@ -142,7 +143,7 @@ class LayerInfo:
     def full_names(self, local: dict[str, tuple[int, ...]]) -> list[str]:
         return [f"{self.name}.{key}" for key in local]
 
-    def walk(self) -> Iterator["LayerInfo"]:
+    def walk(self) -> Iterator[LayerInfo]:
         """This layer, then (for a block) its body layers and its shortcut layers, in that order."""
         yield self
         for child in (*self.body, *self.shortcut):

@@ -1,9 +1,9 @@
 """The memory of a training step by data structure, predicted from the neutral model (bytes).
 
-``predict(info, batch_size, optimizer, attention=...)`` splits what a training step holds into parameters, gradients, optimizer
-state, buffers, a gradient accumulator, and the activations saved for the backward pass: per sample (a sum over the
-saved tensors below) and for the batch. It is a model of what the frameworks keep, not a measurement: it leaves out
-the dataset resident on the device (``Data.nbytes``, recorded apart), the transient tensors of the backward pass
+``predict(info, batch_size, optimizer, attention=...)`` splits what a training step holds into parameters, gradients,
+optimizer state, buffers, a gradient accumulator, and the activations saved for the backward pass: per sample (a sum
+over the saved tensors below) and for the batch. It is a model of what the frameworks keep, not a measurement: it leaves
+out the dataset resident on the device (``Data.nbytes``, recorded apart), the transient tensors of the backward pass
 (the gradients flowing back, about the size of the largest activation at a time), convolution workspaces, the
 framework's context and the allocator's rounding and caching. So a measured peak is above it; the difference is
 what the frameworks add, which is the point of comparing them.

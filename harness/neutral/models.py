@@ -15,8 +15,17 @@ Design: docs/design/canonical-layout.md (every layer's conventions, the FLOPs ru
 from __future__ import annotations
 
 from harness.neutral.blocks import residual
-from harness.neutral.info import (FEATURES, TASKS, Input, LayerInfo, ModelError, ModelInfo, Site, describe_feature,
-                                  requirements)
+from harness.neutral.info import (
+    FEATURES,
+    TASKS,
+    Input,
+    LayerInfo,
+    ModelError,
+    ModelInfo,
+    Site,
+    describe_feature,
+    requirements,
+)
 from harness.neutral.shapes import attention_flops, layer_info
 from harness.neutral.weights import chw_to_hwc_permutation, initial_buffers, initial_weights, initialize
 from harness.spec import ModelSpec

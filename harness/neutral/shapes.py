@@ -60,7 +60,7 @@ def _conv2d(site: Site, layer: Any, shape: tuple[int, ...]) -> LayerInfo:
         padded = f" (padded by {pad})" if pad else ""
         raise ModelError(site.path, f"kernel_size {k} is larger than the {hin}x{win} input{padded}")
     hout, wout = (hin + 2 * pad - k) // s + 1, (win + 2 * pad - k) // s + 1
-    params = {"weight": (layer.filters, cin, k, k)}
+    params: dict[str, tuple[int, ...]] = {"weight": (layer.filters, cin, k, k)}
     if layer.use_bias:
         params["bias"] = (layer.filters,)
     return _info(site, layer, shape, (layer.filters, hout, wout), params, 2 * hout * wout * layer.filters * cin * k * k)
@@ -115,7 +115,7 @@ def _same_shape(site: Site, layer: Any, shape: tuple[int, ...]) -> LayerInfo:
 def _sequence_input(site: Site, kind: str, shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) != 2:
         raise ModelError(site.path, f"{kind} needs a sequence (L, D) input, got {shape}")
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 def _embedding(site: Site, layer: Any, shape: tuple[int, ...], vocab: int | None) -> LayerInfo:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
@@ -134,7 +135,7 @@ class Run:
         environments = _environments(self.info)
         rows = []
         for record in self.records:
-            row = {key: record.get(key) for key in IDENTITY}
+            row: dict[str, Any] = {key: record.get(key) for key in IDENTITY}
             row["row"] = row_key(record)
             row["label"] = record.get("label") or record["framework"]
             row["environment"] = environments.get(row["label"])

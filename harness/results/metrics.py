@@ -3,8 +3,9 @@ metrics of a run by sampler backend, and the row a trial belongs to. No reading 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import adapters  # the registry of declarations: imports no framework
 
@@ -119,21 +120,22 @@ def metrics_for(backend: str) -> list[Metric]:
             Metric("util", "GPU use (mean)", "%", sampler_stat("gpu_util_percent", "mean"), 2,
                    "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)",
                    "gpu_util_percent"),
-            Metric("util_max", "GPU use (max)", "%", sampler_stat("gpu_util_percent", "max"), 2, "max of the same samples",
-                   "gpu_util_percent"),
+            Metric("util_max", "GPU use (max)", "%", sampler_stat("gpu_util_percent", "max"), 2,
+                   "max of the same samples", "gpu_util_percent"),
             Metric("memory", "GPU memory (worker, peak)", "MB", _gpu_memory, 1,
                    "peak NVML memory of the worker process on the GPU (device memory used where NVML does not report "
                    "per-process memory); MB = 10^6 bytes", "process_memory_bytes"),
-            Metric("device_memory", "GPU memory (device, peak)", "MB", sampler_stat("device_memory_used_bytes", "max", 1 / MB),
-                   1, "peak NVML device memory used, all processes; MB = 10^6 bytes", "device_memory_used_bytes"),
+            Metric("device_memory", "GPU memory (device, peak)", "MB",
+                   sampler_stat("device_memory_used_bytes", "max", 1 / MB), 1,
+                   "peak NVML device memory used, all processes; MB = 10^6 bytes", "device_memory_used_bytes"),
             Metric("allocator_peak", "Framework allocator peak", "MB", scaled(1 / MB, "metrics", "memory",
                                                                                 "allocator_peak_bytes"), 1,
                    "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
                    "TensorFlow get_memory_info peak; MXNet exposes none)"),
             Metric("mfu", "Model FLOPs utilization", "%", scaled(100.0, "metrics", "mfu"), 2,
                    "achieved training FLOP/s over the device's dense peak in the trial's precision (tf32, bf16 "
-                   "and fp16 their Tensor Core peaks; harness.measure.peaks, each with its datasheet source); empty for "
-                   "a device or precision not in the table"),
+                   "and fp16 their Tensor Core peaks; harness.measure.peaks, each with its datasheet source); empty "
+                   "for a device or precision not in the table"),
             *GPM_METRICS,
             Metric("power", "Power (mean)", "W", _mean_power, 1,
                    "mean board power over the timed windows (energy / time where NVML's energy counter exists, else "

@@ -80,7 +80,8 @@ def export_run(run: Run, tracking_uri: str | None = None, experiment: str | None
     artifacts = None
     if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
         tracking_uri, artifacts = default_store(run)
-    elif (tracking_uri or "").startswith("sqlite:///"):  # a local database: its artifacts beside it, not in the cwd
+    elif tracking_uri is not None and tracking_uri.startswith("sqlite:///"):
+        # a local database: its artifacts beside it, not in the cwd
         artifacts = str(Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts")
     client = _client(tracking_uri)
     from mlflow.exceptions import MlflowException
@@ -107,12 +108,12 @@ def _export(client: Any, run: Run, experiment: str | None, artifacts: str | None
         parent = client.create_run(experiment_id, run_name=run.path.name,
                                    tags={"harness.run": run_key, "harness.kind": "sweep"})
         parent_id = parent.info.run_id
-        params = {"spec": run.spec["name"], "device": run.info.get("device"),
-                  "harness_version": run.info.get("harness_version"),
-                  "git_commit": read_path(run.machine, "git", "commit"), "schema_version": run.schema_version,
-                  "batch_sizes": ",".join(map(str, run.spec.get("batch_sizes", []))),
-                  "epochs": run.spec.get("epochs"), "trials": len(run.records)}
-        client.log_batch(parent_id, params=[Param(k, _param(v)) for k, v in params.items()])
+        sweep_params = {"spec": run.spec["name"], "device": run.info.get("device"),
+                        "harness_version": run.info.get("harness_version"),
+                        "git_commit": read_path(run.machine, "git", "commit"), "schema_version": run.schema_version,
+                        "batch_sizes": ",".join(map(str, run.spec.get("batch_sizes", []))),
+                        "epochs": run.spec.get("epochs"), "trials": len(run.records)}
+        client.log_batch(parent_id, params=[Param(k, _param(v)) for k, v in sweep_params.items()])
         for artifact in ("run.json", "report.md"):
             if (run.path / artifact).exists():
                 client.log_artifact(parent_id, str(run.path / artifact))

@@ -23,8 +23,8 @@ def _pyplot() -> Any:
 
 def metric_figure(data: dict[str, Any], metric: Metric) -> tuple[Any, dict[str, str]]:
     """The metric against batch size (log2 axis), a line per row; ok cells only. Returns the figure and, per point,
-    its SVG group id (``<metric key>-<n>``) and a hover text (row, batch size, value with unit), which the HTML report puts
-    into the SVG as each point's <title>."""
+    its SVG group id (``<metric key>-<n>``) and a hover text (row, batch size, value with unit), which the HTML report
+    puts into the SVG as each point's <title>."""
     plt = _pyplot()
     table = data["tables"][metric.key]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)

@@ -66,8 +66,9 @@ def precision_accuracy_section(data: dict[str, Any]) -> Section | None:
                           f"in {REFERENCE} and {b_hi - b_lo:+.2f} in {precision} (the curve's slope changes by "
                           f"{(b_hi - b_lo) - (a_hi - a_lo):+.2f} points)")
     blocks: list[Block] = [Paragraph("Test accuracy after the last epoch in each precision minus the same row in "
-                                     "fp32 (same framework, execution mode, optimizer and seeds), in percentage points, per "
-                                     "batch size. With repeats or seeds, 'within noise' means the two cells' 95% "
+                                     "fp32 (same framework, execution mode, optimizer and seeds), in percentage "
+                                     "points, per batch size. With repeats or seeds, 'within noise' means the two "
+                                     "cells' 95% "
                                      "intervals overlap. bf16 and fp16 are mixed precision: fp32 master weights and "
                                      "optimizer state, low-precision matrix work, the loss in fp32."),
                            batch_table(rows, sizes)]

@@ -21,11 +21,29 @@ from harness.results.metrics import GPM_METRICS, Metric, scaled, title
 from harness.results.placement import side_by_side_section
 from harness.results.plots import plot, plot_trial
 from harness.results.precision import precision_accuracy_section
-from harness.results.sections import (BulletList, Images, Lines, Paragraph, Section, batch_table, simple_table,
-                                      to_markdown)
+from harness.results.sections import (
+    BulletList,
+    Images,
+    Lines,
+    Paragraph,
+    Section,
+    batch_table,
+    simple_table,
+    to_markdown,
+)
 from harness.results.stats import overlaps
-from harness.results.tables import (MEMORY_NOTE, SPAN_NOTE, build, cell_values, format_cell, memory_rows, metric_row,
-                                    metric_table, noise_pairs, ohio_state_rows)
+from harness.results.tables import (
+    MEMORY_NOTE,
+    SPAN_NOTE,
+    build,
+    cell_values,
+    format_cell,
+    memory_rows,
+    metric_row,
+    metric_table,
+    noise_pairs,
+    ohio_state_rows,
+)
 
 __all__ = ["build", "render_markdown", "sections", "write"]
 
@@ -283,7 +301,8 @@ def slow_window_notes(data: dict[str, Any]) -> Section | None:
             f"{m['step_time_max_s'] / m['step_time_median_s']:.1f} x the median step)"
             for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("slow_windows")]
     recompiled = [f"{r['id']} ({m['recompilations']} after warm-up, {m.get('compilations_warmup')} during it)"
-                  for r in data["records"] if r["status"] == "ok" and (m := r.get("metrics") or {}).get("recompilations")]
+                  for r in data["records"]
+                  if r["status"] == "ok" and (m := r.get("metrics") or {}).get("recompilations")]
     blocks = []
     if slow:
         blocks.append(Paragraph("Timed windows whose steps took more than 3 x the trial's median step (a "

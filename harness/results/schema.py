@@ -148,9 +148,11 @@ class TrialRecord(_Open):
     reason: str = ""
     wall_seconds: float = Field(description="the worker's whole life, seconds")
     returncode: int | None = None
-    metrics: TrialMetrics = Field(default_factory=TrialMetrics)
-    sampler: SamplerInfo = Field(default_factory=SamplerInfo, description="the sampler's backend, statistics, "
-                                                                          "energy")
+    # model_validate({}) is TrialMetrics() / SamplerInfo(): mypy reads Field(None, ...) as no default, so the classes
+    # themselves do not type as zero-argument factories
+    metrics: TrialMetrics = Field(default_factory=lambda: TrialMetrics.model_validate({}))
+    sampler: SamplerInfo = Field(default_factory=lambda: SamplerInfo.model_validate({}),
+                                 description="the sampler's backend, statistics, energy")
     versions: dict[str, Any] = Field(default_factory=dict)
     settings: dict[str, Any] = Field(default_factory=dict)
     finished: str | None = Field(None, description="UTC time the record was written, ISO 8601")

@@ -3,7 +3,7 @@ and Student-t intervals, scipy.stats.t), and the noise of a metric on a machine 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats

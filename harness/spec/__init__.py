@@ -13,17 +13,37 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from harness.spec.base import SpecError, _Strict
-from harness.spec.frameworks import (ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries,
-                                     select_frameworks)
-from harness.spec.layers import (GELU, Activation, Attention, AvgPool2D, BatchNorm, Conv2D, Dense, DenseActivation,
-                                 Dropout, Embedding, Flatten, GlobalAvgPool2D, Initializer, Layer, LayerNorm, MaxPool2D,
-                                 ModelSpec, PlainLayer, ReLU, Residual, SequencePool, Softmax)
+from harness.spec.frameworks import ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries, select_frameworks
+from harness.spec.layers import (
+    GELU,
+    Activation,
+    Attention,
+    AvgPool2D,
+    BatchNorm,
+    Conv2D,
+    Dense,
+    DenseActivation,
+    Dropout,
+    Embedding,
+    Flatten,
+    GlobalAvgPool2D,
+    Initializer,
+    Layer,
+    LayerNorm,
+    MaxPool2D,
+    ModelSpec,
+    PlainLayer,
+    ReLU,
+    Residual,
+    SequencePool,
+    Softmax,
+)
 
 __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data",
            "CompileMode", "Precision",
@@ -75,7 +95,7 @@ class SyntheticTokens(_Strict):
     task: Literal["copy", "sorted"] = "copy"
 
     @model_validator(mode="after")
-    def _copy_needs_an_even_length(self) -> "SyntheticTokens":
+    def _copy_needs_an_even_length(self) -> SyntheticTokens:
         if self.task == "copy" and self.length % 2:
             raise ValueError(f"the copy task needs an even length (a half and its copy), not {self.length}")
         return self
@@ -95,7 +115,7 @@ class Cifar10Data(_Strict):
     limit_test: int | None = Field(default=None, gt=0)
 
 
-Dataset = Annotated[Union[DigitsData, SyntheticData, SyntheticTokens, Cifar10Data], Field(discriminator="name")]
+Dataset = Annotated[DigitsData | SyntheticData | SyntheticTokens | Cifar10Data, Field(discriminator="name")]
 
 
 class OptimizerSpec(_Strict):
@@ -117,7 +137,7 @@ class OptimizerSpec(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
-    def _momentum_only_for_sgd(self) -> "OptimizerSpec":
+    def _momentum_only_for_sgd(self) -> OptimizerSpec:
         if self.name != "sgd" and self.momentum:
             raise ValueError("momentum applies to sgd only (adam uses beta1)")
         return self

@@ -7,7 +7,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
@@ -43,7 +43,7 @@ class FrameworkEntry(_Strict):
     command: list[str] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
-    def _python_through_command(self) -> "FrameworkEntry":
+    def _python_through_command(self) -> FrameworkEntry:
         if self.python and self.command and not any("{python}" in part for part in self.command):
             raise ValueError("with both python and command, command must start the python through {python}")
         return self
@@ -66,7 +66,7 @@ class FrameworkEntry(_Strict):
         return [python]
 
 
-FrameworkItem = Annotated[Union[Annotated[str, Tag("name")], Annotated[FrameworkEntry, Tag("entry")]],
+FrameworkItem = Annotated[Annotated[str, Tag("name")] | Annotated[FrameworkEntry, Tag("entry")],
                           Discriminator(lambda v: "name" if isinstance(v, str) else "entry")]
 
 

@@ -6,7 +6,7 @@ Shapes are per sample and channel-first: images (C, H, W), flat features (F,), t
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -48,7 +48,7 @@ class Conv2D(_Strict):
         return padding
 
     @model_validator(mode="after")
-    def _same_needs_stride_1(self) -> "Conv2D":
+    def _same_needs_stride_1(self) -> Conv2D:
         if self.padding == "same" and self.stride != 1:
             raise ValueError(f"padding 'same' needs stride 1 (frameworks pad a strided 'same' convolution "
                              f"differently); give an integer padding instead, e.g. padding: {self.kernel_size // 2}")
@@ -180,8 +180,8 @@ class Softmax(_Strict):
     type: Literal["softmax"]
 
 
-PlainLayer = Annotated[Union[Conv2D, MaxPool2D, AvgPool2D, GlobalAvgPool2D, BatchNorm, LayerNorm, Dropout, Flatten,
-                             Dense, ReLU, GELU, Embedding, Attention, SequencePool, Softmax],
+PlainLayer = Annotated[(Conv2D | MaxPool2D | AvgPool2D | GlobalAvgPool2D | BatchNorm | LayerNorm | Dropout | Flatten
+                        | Dense | ReLU | GELU | Embedding | Attention | SequencePool | Softmax),
                        Field(discriminator="type")]
 
 
@@ -211,8 +211,8 @@ class Residual(_Strict):
         return body
 
 
-Layer = Annotated[Union[Conv2D, MaxPool2D, AvgPool2D, GlobalAvgPool2D, BatchNorm, LayerNorm, Dropout, Flatten, Dense,
-                        ReLU, GELU, Embedding, Attention, SequencePool, Softmax, Residual],
+Layer = Annotated[(Conv2D | MaxPool2D | AvgPool2D | GlobalAvgPool2D | BatchNorm | LayerNorm | Dropout | Flatten | Dense
+                   | ReLU | GELU | Embedding | Attention | SequencePool | Softmax | Residual),
                   Field(discriminator="type")]
 
 

@@ -9,7 +9,8 @@ throughput, from an assumed run-to-run drift (``drift_pct``, default ``DEFAULT_D
 applies the same rule to two interleaved rows of one run. Cells present or ok on one side only are listed, never
 dropped.
 
-Design: docs/design/compare.md (the noise model and the drift floor); measured rates: docs/findings/2026-11-23-compare.md.
+Design: docs/design/compare.md (the noise model and the drift floor); measured rates:
+docs/findings/2026-11-23-compare.md.
 """
 
 from __future__ import annotations
@@ -211,10 +212,10 @@ def _judge(tests: list[_Test], metrics: dict[str, Metric], threshold_pct: float,
     pooled_within = {key: pooled([t.within for t in tests if t.key == key]) for key in metrics}
     pooled_between = {key: pooled([t.between for t in tests if t.key == key]) for key in metrics}
     for t in tests:
-        if pooled_within[t.key] is not None:
-            t.within = moderated(t.within, pooled_within[t.key], PRIOR_DF)
-        if pooled_between[t.key] is not None:
-            t.between = moderated(t.between, pooled_between[t.key], PRIOR_DF)
+        if (prior_within := pooled_within[t.key]) is not None:
+            t.within = moderated(t.within, prior_within, PRIOR_DF)
+        if (prior_between := pooled_between[t.key]) is not None:
+            t.between = moderated(t.between, prior_between, PRIOR_DF)
     count = max(1, _noisy(tests))
     limit = math.log1p(threshold_pct / 100)
     for t in tests:
@@ -314,6 +315,7 @@ def to_markdown(rows: list[Row], summary: dict[str, Any]) -> str:
     lines += ["", "| framework | batch size | metric | base | new | change % | noise | verdict |",
               "| --- | ---: | --- | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
+        verdict = "**regression**" if r.verdict == "regression" else r.verdict
         lines.append(f"| {r.framework} | {r.batch_size} | {r.metric} | {_fmt(r.base)} | {_fmt(r.new)} | "
-                     f"{_fmt(r.change_pct, 1)} | {r.noise} | {'**regression**' if r.verdict == 'regression' else r.verdict} |")
+                     f"{_fmt(r.change_pct, 1)} | {r.noise} | {verdict} |")
     return "\n".join(lines) + "\n"

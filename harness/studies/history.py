@@ -37,7 +37,7 @@ def summary_row(run_dir: str | Path) -> dict[str, Any]:
             if not statuses:
                 continue
             cell: dict[str, Any] = {"status": "/".join(statuses)}
-            for key, metric in metrics.items():
+            for key in metrics:
                 value = data["tables"][key].loc[fw, bs]
                 cell[key] = value if isinstance(value, float) else None
             cells[f"{fw}/{bs}"] = cell

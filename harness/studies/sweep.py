@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from harness import __version__
 from harness.execution.environments import probe_entries
@@ -15,8 +16,15 @@ from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
 from harness.plan import Trial, plan, unsupported_reason
 from harness.results.schema import SCHEMA_VERSION
-from harness.results.store import (append_trial, create_run_dir, drop_torn_tail, read_run, read_trials, write_json,
-                                   write_lines)
+from harness.results.store import (
+    append_trial,
+    create_run_dir,
+    drop_torn_tail,
+    read_run,
+    read_trials,
+    write_json,
+    write_lines,
+)
 from harness.spec import Spec, SpecError
 
 

@@ -160,7 +160,8 @@ def test_execution_modes_and_precisions_are_declared():
     assert adapter.DEFAULT_COMPILE == "compiled" and list(adapter.COMPILE_MODES) == ["compiled"]
     runs = [("bf16", "cpu"), ("fp32", "cpu"), ("fp16", "cuda:0"), ("tf32", "cuda"), ("bf16", "cuda")]
     kit.check_execution_declared(adapter, [(p, mode, d) for p, d in runs for mode in ("compiled", "default")], {
-        ("fp16", "default", "cpu"): "the jax adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("fp16", "default", "cpu"): "the jax adapter does not train in fp16 on cpu (only on cuda): fp16 with "
+                                    "dynamic loss scaling is declared for CUDA GPUs only",
         ("bf16", "eager", "cpu"): "the jax adapter has no eager mode (its modes: compiled)",
         ("tf32", "default", "cpu"): "the jax adapter does not train in tf32 on cpu (only on cuda)"})
 

@@ -4,7 +4,8 @@ tests/adapters/jax_suite.py and scenarios.py (JAX in envs/jax, compared with PyT
 
 The run: ``kit.CNN`` on digits, plain SGD at 0.01 (the issue's optimizer), batch 32, 2 epochs of 44 steps, 3 warm-up
 steps, an evaluation after each epoch. ``FAST`` reads the loss every 3 steps (29 windows); ``SLOW`` slows every step by
-3 ms and sizes ~30 ms windows by the measured step time, as a slower framework's would be (about 8 steps, 12 windows)."""
+3 ms and sizes ~30 ms windows by the measured step time, as a slower framework's would be (about 8 steps, 12
+windows)."""
 
 from __future__ import annotations
 

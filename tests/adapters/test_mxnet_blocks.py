@@ -11,6 +11,7 @@ import pytest
 from adapters.mxnet.adapter import MXNetAdapter
 from tests.adapters import block_checks, scenarios
 
+
 def test_a_resnet_with_a_projection_shortcut_gives_the_reference_logits():
     adapter, _ = block_checks.resnet_gives_the_reference(MXNetAdapter)
     assert adapter._layers["4.shortcut"].bias is None  # nn.Conv2D(use_bias=False): no bias at all, not a zero one

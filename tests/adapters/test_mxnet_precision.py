@@ -89,7 +89,8 @@ def test_what_it_cannot_run_is_refused_with_a_reason():
     adapter = MXNetAdapter()
     assert adapter.compile_mode("default") == "compiled"
     kit.check_execution_declared(adapter, [("fp32", "eager", "cpu"), ("fp16", "default", "cuda:0")], {
-        ("fp16", "default", "cpu"): "the mxnet adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("fp16", "default", "cpu"): "the mxnet adapter does not train in fp16 on cpu (only on cuda): fp16 with "
+                                    "dynamic loss scaling is declared for CUDA GPUs only",
         ("tf32", "default", "cuda"): "the mxnet adapter does not train in tf32 on cuda: MXNet 1.9.1 has no TF32 "
                                      "switch; its fp32 on a GPU runs with NVIDIA_TF32_OVERRIDE=0",
         ("bf16", "default", "cpu"): "the mxnet adapter does not train in bf16 on cpu: MXNet 1.9.1 has bfloat16 "

@@ -80,6 +80,7 @@ def test_compiled_trains_exactly_like_eager():
 def test_what_it_cannot_run_is_refused_with_a_reason():
     adapter = PyTorchAdapter()
     kit.check_execution_declared(adapter, [("bf16", "compiled", "cpu"), ("fp32", "default", "cuda:0")], {
-        ("fp16", "default", "cpu"): "the pytorch adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("fp16", "default", "cpu"): "the pytorch adapter does not train in fp16 on cpu (only on cuda): fp16 with "
+                                    "dynamic loss scaling is declared for CUDA GPUs only",
         ("tf32", "eager", "cpu"): "the pytorch adapter does not train in tf32 on cpu (only on cuda)"})
     assert adapter.compile_mode("default") == "eager"

@@ -47,7 +47,8 @@ def test_trains_exactly_like_pytorch(optimizer):
     held = tf_adapter.get_weights()
     for name, value in expected.items():
         assert np.abs(value - initial[name]).max() > 1e-3, f"{name} did not train"
-        np.testing.assert_allclose(held[name], value, rtol=0, atol=1e-5, err_msg=name)  # observed <4e-7; Keras-style Adam epsilon or no weight decay: ~1e-2
+        # observed <4e-7; Keras-style Adam epsilon or no weight decay: ~1e-2
+        np.testing.assert_allclose(held[name], value, rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_train_and_evaluate_never_retrace():

@@ -21,7 +21,6 @@ from harness.spec import ModelSpec, SyntheticData
 from tests.adapters import block_checks, kit, reference, scenarios
 
 
-
 def build(model, cfg, weights=None, optimizer=scenarios.BLOCK_OPTIMIZERS["sgd-momentum"]):
     return block_checks.build(TensorFlowAdapter, model, cfg, weights, optimizer)
 

@@ -248,6 +248,7 @@ def test_what_it_cannot_run_is_refused_with_a_reason():
     adapter = TensorFlowAdapter()
     kit.check_execution_declared(adapter, [("bf16", "compiled", "cpu"), ("bf16", "default", "cpu"),
                                            ("fp16", "compiled", "cuda:0"), ("tf32", "default", "cuda")], {
-        ("fp16", "default", "cpu"): "the tensorflow adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss scaling is declared for CUDA GPUs only",
+        ("fp16", "default", "cpu"): "the tensorflow adapter does not train in fp16 on cpu (only on cuda): fp16 with "
+                                    "dynamic loss scaling is declared for CUDA GPUs only",
         ("tf32", "default", "cpu"): "the tensorflow adapter does not train in tf32 on cpu (only on cuda)"})
     assert adapter.compile_mode("default") == "eager"

@@ -47,8 +47,8 @@ class MaxBatchResult:
     no size was. predicted_limit: the first prediction the search probed toward (``predicted_by`` says whose);
     final_predicted_limit: from every successful probe (model is that final fit). neutral: the neutral model's
     memory line (``harness.neutral.memory``: fixed bytes and saved activations plus probe data per batch sample;
-    not fitted: r2 0, 0 points), neutral_limit its limit against the cap, measured by nothing. max_batch: the largest size the
-    search may probe. with_dataset: the probes held the spec's real dataset (dataset_bytes bytes, train_size
+    not fitted: r2 0, 0 points), neutral_limit its limit against the cap, measured by nothing. max_batch: the largest
+    size the search may probe. with_dataset: the probes held the spec's real dataset (dataset_bytes bytes, train_size
     training images) instead of synthetic data (probe_data_bytes_per_sample bytes per batch sample). cap_bytes and
     the peaks are bytes; for the CPU they count from the worker's baseline (see harness.execution.limits).
     """
@@ -154,7 +154,7 @@ def reason(outcome: Any) -> str:
     that line says little: MXNet's messages start with a traceback of their own (the last line is the error, e.g.
     "MXNetError: Failed to allocate CPU Memory"), TensorFlow's with "Graph execution error" (the line "OOM when
     allocating tensor with shape[...]" follows)."""
-    error = next((e for e in outcome.events if e.get("event") == "error"), {})
+    error: dict[str, Any] = next((e for e in outcome.events if e.get("event") == "error"), {})
     lines = [line.strip() for line in error.get("traceback", "").splitlines() if line.strip()]
     if "Traceback (most recent call last)" in outcome.reason and lines:
         return lines[-1]

@@ -15,18 +15,19 @@ Design: docs/design/max-batch.md (the steps, what the cap and the peak are on a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from harness.execution.launcher import run_worker
 from harness.measure.machine import resolve_device
-from harness.neutral import datasets
-from harness.neutral import memory
+from harness.neutral import datasets, memory
 from harness.plan import model_info, plan
 from harness.spec import Spec
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
 from harness.studies.max_batch.probe import MaxBatchResult, Probe, probe_spec, resolve_cap
-from harness.studies.max_batch.probe import peak as probe_peak, reason as probe_reason
+from harness.studies.max_batch.probe import peak as probe_peak
+from harness.studies.max_batch.probe import reason as probe_reason
 
 DEFAULT_INITIAL_SIZES = (16, 64, 256)  # without a neutral prediction to anchor
 ANCHOR_SIZE = 16  # the one small size probed first when the neutral model gives the slope
@@ -265,7 +266,9 @@ class _Search:
                     self.probe(lo, "confirmation", again=True)
                     continue
                 result.status, result.limit, result.smallest_oom = ("found" if closed else "no_oom"), lo, hi
-                result.reason = (f"{lo} fitted in both of its probes and {self._failed(hi)}" if closed else
+                # closed implies hi is not None (the check repeats it for the type checker)
+                result.reason = (f"{lo} fitted in both of its probes and {self._failed(hi)}"
+                                 if closed and hi is not None else
                                  f"{self.bound} fitted in both of its probes: the cap was not reached")
                 return True
             if hi is None:
@@ -320,7 +323,7 @@ class _Search:
         middle = math.isqrt(lo * hi) if hi > MAX_JUMP * lo else (lo + hi) // 2
         if fitted and prediction is not None and lo - g <= prediction <= lo:
             prediction, inside = lo + g, True  # the model puts the limit at lo: one step above it decides
-        size = prediction if inside else middle
+        size = prediction if inside and prediction is not None else middle
         size = min(max(size, lo + g), hi - g)
         return size, "prediction" if size == prediction else "bisection"
 
