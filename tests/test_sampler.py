@@ -949,21 +949,28 @@ def test_real_nvml_process_memory_matches_torch_reserved_plus_context(torch_chil
         backend.close()
 
 
+def _idle_then_busy(sampler, child):
+    """Samples ``child`` (the torch_child fixture) through its idle and busy phases; returns their monotonic
+    (idle start, idle end, busy start, busy end) as the strings it printed."""
+    sampler.start(child.pid)
+    try:
+        for _ in range(2):
+            child.stdout.readline()
+            child.stdin.write("\n")
+            child.stdin.flush()
+        _, idle_start, idle_end = child.stdout.readline().split()
+        _, busy_start, busy_end = child.stdout.readline().split()
+    finally:
+        assert sampler.stop()
+    return idle_start, idle_end, busy_start, busy_end
+
+
 @pytest.mark.gpu
 def test_real_nvml_utilization_and_energy_while_training_and_idle(torch_child):
     backend, note = make_backend("cuda:0")
     assert note is None, note
     sampler = Sampler(backend, 0.1)
-    sampler.start(torch_child.pid)
-    try:
-        for _ in range(2):
-            torch_child.stdout.readline()
-            torch_child.stdin.write("\n")
-            torch_child.stdin.flush()
-        _, idle_start, idle_end = torch_child.stdout.readline().split()
-        _, busy_start, busy_end = torch_child.stdout.readline().split()
-    finally:
-        assert sampler.stop()
+    idle_start, idle_end, busy_start, busy_end = _idle_then_busy(sampler, torch_child)
     info = backend.describe()
     backend.close()
     # utilization averages the last 1/6 s..1 s: leave the first second of each phase out
@@ -993,16 +1000,7 @@ def test_real_nvml_gpm_sm_activity_while_training_and_idle(torch_child):
     parent = (pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(backend.handle) if backend.mig else backend.handle)
     major, _ = pynvml.nvmlDeviceGetCudaComputeCapability(parent)
     sampler = Sampler(backend, 0.2)  # GPM reads more than 100 ms apart every period
-    sampler.start(torch_child.pid)
-    try:
-        for _ in range(2):
-            torch_child.stdout.readline()
-            torch_child.stdin.write("\n")
-            torch_child.stdin.flush()
-        _, idle_start, idle_end = torch_child.stdout.readline().split()
-        _, busy_start, busy_end = torch_child.stdout.readline().split()
-    finally:
-        assert sampler.stop()
+    idle_start, idle_end, busy_start, busy_end = _idle_then_busy(sampler, torch_child)
     info = backend.describe()
     backend.close()
     gpm = ("sm_active_percent", "sm_occupancy_percent", "tensor_active_percent", "dram_bw_util_percent")
