@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field
 
 from adapters.declaration import (
     ALL_LAYERS,
@@ -35,9 +36,10 @@ from adapters.declaration import (
     Declaration,
 )
 from harness.neutral.info import TASKS, describe_feature, requirements
+from harness.spec import AllocatorSpec, CompileMode, Precision
 
 __all__ = ["ALL_LAYERS", "ALL_TASKS", "BASIC_LAYERS", "BOTH", "CPU", "CUDA", "Adapter", "Declaration",
-           "DeviceUnavailable", "EAGER_ONLY", "FP32_ONLY", "IMAGE_TASKS", "device_kind", "execution_gap",
+           "DeviceUnavailable", "EAGER_ONLY", "FP32_ONLY", "IMAGE_TASKS", "RunOptions", "device_kind", "execution_gap",
            "micro_batch_size", "support_gap"]
 
 if TYPE_CHECKING:
@@ -46,13 +48,33 @@ if TYPE_CHECKING:
     from harness.spec import OptimizerSpec
 
 
-def micro_batch_size(batch_size: int, micro_batches: int) -> int:
-    """The size of each of the ``micro_batches`` consecutive micro-batches that a step of ``batch_size`` samples is
-    split into (gradient accumulation). Raises ValueError unless ``micro_batches`` is a positive divisor of
-    ``batch_size``."""
-    if micro_batches < 1 or batch_size % micro_batches:
-        raise ValueError(f"{batch_size} samples cannot be split into {micro_batches} equal micro-batches")
-    return batch_size // micro_batches
+class RunOptions(BaseModel):
+    """How the worker asks an adapter to run its trial (``Adapter.options``), built once by the worker before
+    ``prepare`` from the trial (``harness.plan.Trial``) and the spec, after ``Adapter.unsupported_execution`` has
+    accepted the precision and mode. Frozen: an adapter reads it, never changes it, and records what applies in
+    ``settings``. The defaults are a plain fp32 run in the adapter's own mode with no cap."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: fp32, tf32, bf16 or fp16
+    precision: Precision = "fp32"
+    #: eager or compiled as ``Adapter.compile_mode`` resolved it; default: the adapter's own mode
+    compile: CompileMode = "default"
+    #: the trial's memory cap: on a GPU the adapter applies it through its framework's own limit; on the CPU the
+    #: worker applies a process limit itself. None: no cap
+    memory_limit_bytes: int | None = None
+    #: the spec's allocator settings that the declaration names (e.g. tensorflow_memory_growth)
+    allocator: AllocatorSpec = Field(default_factory=AllocatorSpec)
+
+
+def micro_batch_size(samples_per_step: int, micro_batches: int) -> int:
+    """The size of each of the ``micro_batches`` consecutive micro-batches that a step of ``samples_per_step``
+    samples is split into (gradient accumulation; the trial's ``micro_batch_size``, which the plan computed, so
+    this only checks the step it was given). Raises ValueError unless ``micro_batches`` is a positive divisor of
+    ``samples_per_step``."""
+    if micro_batches < 1 or samples_per_step % micro_batches:
+        raise ValueError(f"{samples_per_step} samples cannot be split into {micro_batches} equal micro-batches")
+    return samples_per_step // micro_batches
 
 
 def device_kind(device: str) -> str:
@@ -110,11 +132,10 @@ class Adapter(abc.ABC):
     DEFAULT_COMPILE: ClassVar[str] = "eager"
     ATTENTION: ClassVar[str] = "unfused"
     PRECISION_NOTES: ClassVar[Mapping[str, str]] = {}
-    #: Set by the worker before ``prepare``: the allocator options its declaration names (e.g.
-    #: ``tensorflow_memory_growth``), ``memory_limit_bytes`` (int or None: the cap a GPU adapter applies through its
-    #: framework's own limit; on the CPU the worker applies a process limit itself), ``precision`` ("fp32", "tf32",
-    #: "bf16", "fp16") and ``compile`` (the mode, never "default"). Adapters record what applies in ``settings``.
-    options: dict[str, Any] = {}
+    #: Set on the instance by the worker before ``prepare`` (``RunOptions``: precision, mode, memory cap, allocator
+    #: settings); the class's default, an immutable fp32 run in the adapter's own mode, serves tests that build an
+    #: adapter directly. Adapters record what applies in ``settings``.
+    options: RunOptions = RunOptions()
 
     def __init_subclass__(cls, declaration: Declaration | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -184,10 +205,11 @@ class Adapter(abc.ABC):
 
     # -- steps ---------------------------------------------------------------------------------------------------
 
-    def stage_epoch(self, order: npt.NDArray[np.int64], batch_size: int) -> None:
+    def stage_epoch(self, order: npt.NDArray[np.int64], samples_per_step: int) -> None:
         """The epoch's sample order (int64 (N,), ``harness.neutral.datasets.epoch_order``) and the samples per
-        optimizer step, given before the epoch's first step and outside every timed window: step ``p`` of the epoch
-        trains on ``order[p * batch_size:(p + 1) * batch_size]``, so an adapter may move the epoch's index batches to
+        optimizer step (``harness.plan.Trial.samples_per_step``: micro-batch size x micro-batches), given before the
+        epoch's first step and outside every timed window: step ``p`` of the epoch trains on
+        ``order[p * samples_per_step:(p + 1) * samples_per_step]``, so an adapter may move the epoch's index batches to
         the device here, as a hand-written loop prepares its batches before its clock starts. Default: nothing."""
 
     @abc.abstractmethod

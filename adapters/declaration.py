@@ -55,7 +55,8 @@ class Declaration:
     environment: worker environment variables and their defaults (a value the launcher's environment sets wins).
     thread_environment: variables set when a trial fixes the CPU thread count, "{threads}" standing for it.
     allocator_environment: ``harness.spec.AllocatorSpec`` field -> the variable a set value goes to.
-    allocator_options: ``AllocatorSpec`` fields the worker passes to ``Adapter.options``. recorded_environment:
+    allocator_options: ``AllocatorSpec`` fields the worker passes in ``Adapter.options.allocator`` (the others keep
+    their defaults there). recorded_environment:
     further variables of the launcher's environment that change this framework's numbers (recorded with the run).
     cpu_allocator_cap: variables that cap the framework's CPU tensor allocator (read when it creates its CPU
     device), "{mib}" standing for the cap in MiB (2^20 bytes); empty: the worker's process limit alone

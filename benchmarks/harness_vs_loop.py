@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:
 
 from harness import plan as plan_module  # noqa: E402
 from harness.execution.launcher import run_worker, worker_settings  # noqa: E402
+from harness.execution.protocol import Payload  # noqa: E402
 from harness.neutral import datasets  # noqa: E402
 from harness.plan import available_cpus  # noqa: E402
 from harness.spec import Spec  # noqa: E402
@@ -87,7 +88,7 @@ def run_harness(spec: Spec, sampler: bool) -> dict[str, Any]:
     """One real harness trial (plan -> run_worker, a fresh worker); its throughput and what goes with it."""
     (trial,) = plan_module.plan(spec, "cpu")
     interval = spec.sampler.interval_s if sampler else None
-    outcome = run_worker(trial.payload(spec), spec.timeout_s, interval, "cpu", trial.threads)
+    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, "cpu", trial.threads)
     metrics = (outcome.result() or {}).get("metrics", {})
     return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),
             "measured_steps": metrics.get("measured_steps"), "measured_seconds": metrics.get("measured_seconds"),
@@ -95,7 +96,8 @@ def run_harness(spec: Spec, sampler: bool) -> dict[str, Any]:
             "final_train_loss": metrics.get("final_train_loss"), "timed_windows": metrics.get("timed_windows"),
             "timing_window": metrics.get("timing_window"), "wall_s": outcome.wall_seconds,
             "threads": trial.threads, "timing": spec.timing.model_dump(mode="json"),
-            "trial": {k: v for k, v in trial.payload(spec)["trial"].items() if k not in ("python", "command")},
+            "trial": {k: v for k, v in Payload(trial=trial, spec=spec).model_dump(mode="json")["trial"].items()
+                      if k not in ("python", "command")},
             "sampler_interval_s": interval}
 
 

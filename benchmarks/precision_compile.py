@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 
 from harness import plan as plan_module  # noqa: E402
 from harness.execution.launcher import run_worker  # noqa: E402
+from harness.execution.protocol import Payload  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 MODES = ("eager", "compiled")
@@ -55,7 +56,8 @@ def run_trial(spec_path: str, framework: str, batch_size: int, precision: str, m
     if reason is not None:
         return {"status": "unsupported", "reason": reason, "throughput": None, "first_step_seconds": None}
     (trial,) = plan_module.plan(spec, device)
-    outcome = run_worker(trial.payload(spec), spec.timeout_s, spec.sampler.interval_s, device, trial.threads)
+    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, spec.sampler.interval_s, device,
+                         trial.threads)
     metrics = (outcome.result() or {}).get("metrics", {})
     return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),
             "first_step_seconds": metrics.get("first_step_seconds"), "test_accuracy": metrics.get("test_accuracy"),

@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harness.execution.launcher import run_worker  # noqa: E402
+from harness.execution.protocol import Payload  # noqa: E402
 from harness.measure.sampler import DEFAULT_INTERVAL_S  # noqa: E402
 from harness.plan import available_cpus, plan  # noqa: E402
 from harness.spec import Spec  # noqa: E402
@@ -71,7 +72,7 @@ def run_trial(framework: str, batch_size: int, epochs: int, threads: int, device
     """One real worker trial; its throughput and what the sampler reported."""
     spec = make_spec(framework, batch_size, epochs, threads, device)
     (trial,) = plan(spec, device)  # one framework, one batch size, one repeat
-    outcome = run_worker(trial.payload(spec), spec.timeout_s, interval, device, threads)
+    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, device, threads)
     result = outcome.result() or {}
     metrics = result.get("metrics", {})
     return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),

@@ -14,13 +14,30 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from harness import spec as spec_module
 from harness.neutral import datasets, models
-from harness.spec import Cifar10Data, FrameworkEntry, OptimizerSpec, Spec, SpecError, SyntheticTokens
+from harness.spec import (
+    Cifar10Data,
+    CompileMode,
+    FrameworkEntry,
+    OptimizerSpec,
+    Precision,
+    Spec,
+    SpecError,
+    SyntheticTokens,
+    TimingSpec,
+)
+
+#: Every status a trial can end with, in one place: the launcher classifies a worker's end into one
+#: (``harness.execution.launcher``: ok, oom, error, timeout, crashed), the sweep decides the others before any worker
+#: starts (skipped: ``after_oom: skip``; unsupported: the adapter cannot build the model) and the record's schema
+#: (``harness.results.schema.TrialRecord.status``) publishes them.
+Status = Literal["ok", "oom", "error", "timeout", "crashed", "skipped", "unsupported"]
+STATUSES: tuple[str, ...] = get_args(Status)
 
 
 def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> Spec:
@@ -94,52 +111,69 @@ def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "
 
 @dataclass(frozen=True)
 class Trial:
-    """One framework entry, one batch size, one repeat: one worker process.
+    """One framework entry, one batch size, one repeat: one worker process. The worker receives it as it is, typed,
+    in ``harness.execution.protocol.Payload``.
 
     id: stable and unique within a run, ``"<label>-bs<batch size>-r<repeat>"`` (the label as a slug, see
     ``harness.spec.FrameworkEntry``; the framework's name when the entry has no label). framework: the adapter's
     name; label: the row it belongs to. python, command: how the worker's interpreter is started (see
     FrameworkEntry; both None for the harness's own interpreter). device: "cpu" or "cuda:N"
     (``auto`` already resolved). threads: intra-op CPU threads for the framework (inter-op is 1), the same for every
-    framework. batch_size: the micro-batch of one forward/backward pass; accumulation_steps micro-batches make one
-    optimizer step of effective_batch_size samples. learning_rate: what the optimizer uses, after the spec's scaling
-    rule. memory_limit_bytes: the worker's memory cap, or None. target_accuracy: a test accuracy to time, or None.
-    precision, compile: ``harness.spec.Precision`` and ``CompileMode`` ("default" is resolved by the adapter).
+    framework. micro_batch_size: the samples of one forward/backward pass (the spec's ``batch_sizes`` entry);
+    accumulation_steps micro-batches make one optimizer step of samples_per_step = micro_batch_size x
+    accumulation_steps samples, computed here once (``batch_size`` and ``effective_batch_size`` are the names the
+    trial records keep for the two). learning_rate: what the optimizer uses, after the spec's scaling rule.
+    memory_limit_bytes: the worker's memory cap, or None. target_accuracy: a test accuracy to time, or None.
+    optimizer: the variant's optimizer, or None for the spec's own. precision, compile: ``harness.spec.Precision``
+    and ``CompileMode`` ("default" is resolved by the adapter). max_steps_per_epoch: every epoch cut to its first
+    steps, or None (``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole epoch).
     """
 
     id: str
     framework: str
-    batch_size: int
+    micro_batch_size: int
+    samples_per_step: int
     repeat: int
     device: str
     threads: int
     seed: int
     epochs: int
     warmup_steps: int
-    timing: dict[str, Any]
+    timing: TimingSpec
     learning_rate: float
     accumulation_steps: int = 1
-    effective_batch_size: int = 0
     memory_limit_bytes: int | None = None
     target_accuracy: float | None = None
     variant: str = ""
-    optimizer: dict[str, Any] | None = None
+    optimizer: OptimizerSpec | None = None
     augmentation: bool = False
     evaluate_every: int = 1
-    precision: str = "fp32"
-    compile: str = "default"
+    precision: Precision = "fp32"
+    compile: CompileMode = "default"
     label: str = ""
     python: str | None = None
     command: tuple[str, ...] | None = None
+    max_steps_per_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.samples_per_step != self.micro_batch_size * self.accumulation_steps:
+            raise ValueError(f"samples_per_step {self.samples_per_step} is not micro_batch_size "
+                             f"{self.micro_batch_size} x accumulation_steps {self.accumulation_steps}")
+
+    @property
+    def batch_size(self) -> int:
+        """The spec's batch size, the micro-batch (the name trial ids and records use)."""
+        return self.micro_batch_size
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer step (the name trial records use)."""
+        return self.samples_per_step
 
     @property
     def row(self) -> str:
         """The report row: the label, else the framework's name."""
         return self.label or self.framework
-
-    def payload(self, spec: Spec) -> dict[str, Any]:
-        """What the worker reads on standard input: the trial and the whole spec, as JSON-ready data."""
-        return {"trial": asdict(self), "spec": spec.model_dump(mode="json")}
 
 
 def available_cpus() -> int:
@@ -166,8 +200,8 @@ class Variant(NamedTuple):
     label: str
     optimizer: OptimizerSpec
     augmentation: bool
-    precision: str
-    compile: str
+    precision: Precision
+    compile: CompileMode
 
 
 def variants(spec: Spec) -> list[Variant]:
@@ -215,13 +249,13 @@ def plan(spec: Spec, device: str) -> list[Trial]:
         Trial(id=f"{entry.slug}-bs{batch}-r{repeat}" + (f"-s{seed}" if spec.seeds else "") +
               (f"-v{index}" if variant.label else ""), framework=entry.name,
               label=entry.row, python=entry.python, command=tuple(entry.command) if entry.command else None,
-              batch_size=batch, repeat=repeat, variant=variant.label, augmentation=variant.augmentation,
-              optimizer=None if not variant.label else variant.optimizer.model_dump(mode="json"),
+              micro_batch_size=batch, repeat=repeat, variant=variant.label, augmentation=variant.augmentation,
+              optimizer=None if not variant.label else variant.optimizer,
               precision=variant.precision, compile=variant.compile,
               device=device, threads=spec.cpu_threads or available_cpus(), seed=seed, epochs=spec.epochs,
-              warmup_steps=spec.warmup_steps, timing=spec.timing.model_dump(mode="json"),
+              warmup_steps=spec.warmup_steps, timing=spec.timing,
               learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, variant.optimizer),
-              accumulation_steps=spec.accumulation_steps, effective_batch_size=batch * spec.accumulation_steps,
+              accumulation_steps=spec.accumulation_steps, samples_per_step=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every)
         for repeat in range(spec.repeats)

@@ -71,7 +71,7 @@ class FaultAdapter(Adapter):
             os.kill(os.getpid(), signal.SIGKILL)
         if fault == "segv":
             os.kill(os.getpid(), signal.SIGSEGV)
-        if fault == "abort-capped" and self.options.get("memory_limit_bytes"):
+        if fault == "abort-capped" and self.options.memory_limit_bytes:
             os.kill(os.getpid(), signal.SIGABRT)  # like a C++ runtime failing an allocation under the memory cap
         if fault == "hang":
             while True:

@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from adapters.pytorch.adapter import PyTorchAdapter  # noqa: E402
+from tests.trials import run_options  # noqa: E402
 
 BATCH = 2
 
@@ -29,7 +30,7 @@ def built(info: models.ModelInfo) -> tuple[PyTorchAdapter, torch.Tensor, torch.T
     """The PyTorch adapter's model of ``info`` in training mode, and a batch of BATCH inputs and labels."""
     torch.manual_seed(0)
     adapter = PyTorchAdapter()
-    adapter.options = {}
+    adapter.options = run_options({})
     adapter.build(info, models.initial_weights(info, 0), _sgd())
     feed = info.input
     if feed.kind == "tokens":

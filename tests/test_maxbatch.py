@@ -178,7 +178,7 @@ def _simulate(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b, payloads=None):
     sizes = []
 
     def fake_run_worker(payload, timeout_s, interval_s, device, threads=None, on_event=None):
-        b = payload["trial"]["batch_size"]
+        b = payload.trial.batch_size
         sizes.append(b)
         if payloads is not None:
             payloads.append(payload)
@@ -350,8 +350,8 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     assert result.status == "no_oom" and result.limit == 1438 and max(sizes) == 1438 and sizes.count(1438) == 2
     assert result.with_dataset and result.train_size == 1438 and result.max_batch == 1438
     assert result.dataset_bytes == digits.nbytes and result.probe_data_bytes_per_sample == 0
-    assert all(p["spec"]["dataset"] == {"name": "digits", "test_fraction": 0.2} for p in payloads)
-    assert all(p["trial"]["max_steps_per_epoch"] == 1 for p in payloads)
+    assert all(p.spec.dataset.model_dump() == {"name": "digits", "test_fraction": 0.2} for p in payloads)
+    assert all(p.trial.max_steps_per_epoch == 1 for p in payloads)
     assert result.reason == ("batch size 1438 (the training set's 1438 images) fitted in both of its probes: the cap "
                              "was not reached")
     assert "the search's upper bound is 1438 (1438 training images)" in result.notes[0]
@@ -364,8 +364,8 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     payloads.clear()
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=32)
     assert not result.with_dataset and result.dataset_bytes is None and result.limit == 32
-    assert payloads[0]["spec"]["dataset"]["name"] == "synthetic" and "max_steps_per_epoch" not in payloads[0]["trial"]
-    assert payloads[0]["spec"]["dataset"]["size"] == 16 and payloads[0]["spec"]["dataset"]["test_size"] == 16
+    assert payloads[0].spec.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch is None
+    assert payloads[0].spec.dataset.size == 16 and payloads[0].spec.dataset.test_size == 16
 
 
 def test_search_logic_with_token_sequences(monkeypatch, tmp_path):
@@ -377,7 +377,7 @@ def test_search_logic_with_token_sequences(monkeypatch, tmp_path):
     payloads = []
     _simulate(monkeypatch, lambda b: True, payloads=payloads)
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=32)
-    assert payloads[0]["spec"]["dataset"] == {**tokens, "size": 16, "test_size": 16}
+    assert payloads[0].spec.dataset.model_dump(exclude_unset=True) == {**tokens, "size": 16, "test_size": 16}
     assert result.probe_data_bytes_per_sample == 2 * (6 * 8 + 6 * 8)  # (accumulation + 1) x (ids + labels)
 
 

@@ -18,7 +18,7 @@ def test_variants_cross_precision_and_mode(tmp_path):
     trials = plan(spec, "cpu")
     assert len(trials) == 8 and {(t.precision, t.compile) for t in trials} == {
         ("fp32", "eager"), ("fp32", "compiled"), ("bf16", "eager"), ("bf16", "compiled")}
-    assert trials[0].payload(spec)["trial"]["precision"] == "fp32"
+    assert trials[0].precision == "fp32"
     plain = checked_spec(base_spec(precision="bf16", compile="compiled"), tmp_path / "p.yaml")
     assert [(t.precision, t.compile, t.variant) for t in plan(plain, "cpu")] == [("bf16", "compiled", "")]
 

@@ -14,6 +14,7 @@ import types
 import psutil
 import pytest
 
+from harness.execution.protocol import Payload
 from harness.measure import host as host_module
 from harness.measure.energy import COUNTER_UPDATE_S, POWER_AVERAGING_S, energy_over_windows, throttle_summary
 from harness.measure.host import HostBackend
@@ -795,7 +796,8 @@ def test_a_worker_can_run_without_any_sampler(fault_adapter, monkeypatch, tmp_pa
     def on_event(event):
         threads_seen.update(t.name for t in threading.enumerate())
 
-    outcome = launcher.run_worker(trial.payload(spec), 60, None, "cuda:0", trial.threads, on_event=on_event)
+    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 60, None, "cuda:0", trial.threads,
+                                  on_event=on_event)
     assert outcome.status == "ok" and outcome.samples == []
     assert outcome.sampler == {"backend": None, "interval_s": None}
     assert threads_seen and "harness-sampler" not in threads_seen
@@ -816,7 +818,7 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
 
     monkeypatch.setattr(launcher, "make_backend", make)
     spec, trial = _fault_trial(tmp_path)
-    outcome = launcher.run_worker(trial.payload(spec), 60, 0.05, "cuda:0", trial.threads)
+    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 60, 0.05, "cuda:0", trial.threads)
     assert outcome.status == "ok"
     info = outcome.sampler
     assert info["backend"] == "nvml" and info["uuid"] == UUID0 and info["interval_s"] == 0.05

@@ -11,6 +11,7 @@ import pytest
 from harness.execution.worker import train
 from harness.results.report import timing_mode
 from harness.spec import SpecError, TimingSpec, load
+from tests.trials import loop_trial
 
 
 def step_loss(step: int) -> float:
@@ -74,11 +75,10 @@ def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, war
            adapter_cls: type = RecordingAdapter):
     adapter = adapter_cls(step_s, read_s)
     data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 8, 8, 1)))
-    trial = {"batch_size": batch, "epochs": epochs, "warmup_steps": warmup, "seed": 0,
-             "timing": TimingSpec.model_validate(timing).model_dump(mode="json"), "evaluate_every": evaluate_every,
-             "augmentation": augmentation}
+    trial = loop_trial(batch, timing, epochs=epochs, warmup_steps=warmup, evaluate_every=evaluate_every,
+                       augmentation=augmentation)
     events = [] if events is None else events
-    metrics = train(adapter, data, trial, lambda event, **fields: events.append((event, fields)))
+    metrics = train(adapter, data, trial, lambda event: events.append((event.event, event.fields())))
     assert adapter.unstaged == 0  # every step's indices were a slice of the order staged for its epoch
     return adapter.calls, metrics
 
@@ -146,9 +146,8 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
 
     adapter.train_step = train_step
     data = SimpleNamespace(y_train=np.zeros(200, dtype=np.int64), x_train=np.zeros((200, 1, 1, 1)))
-    trial = {"batch_size": 4, "epochs": 1, "warmup_steps": 2, "seed": 0,
-             "timing": TimingSpec.model_validate({"window": 5}).model_dump(mode="json")}
-    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    trial = loop_trial(4, {"window": 5}, warmup_steps=2)
+    metrics = train(adapter, data, trial, lambda event: None)
     assert metrics["slow_windows"] == 1 and metrics["step_time_max_s"] > 5 * metrics["step_time_median_s"]
     from harness.results.report import slow_window_notes
 
@@ -174,9 +173,8 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
 
     adapter.train_step, adapter.compilations = train_step, lambda: adapter.count
     data = SimpleNamespace(y_train=np.zeros(200, dtype=np.int64), x_train=np.zeros((200, 1, 1, 1)))
-    trial = {"batch_size": 4, "epochs": 1, "warmup_steps": 2, "seed": 0,
-             "timing": TimingSpec.model_validate({"window": 5}).model_dump(mode="json")}
-    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    trial = loop_trial(4, {"window": 5}, warmup_steps=2)
+    metrics = train(adapter, data, trial, lambda event: None)
     assert (metrics["compilations_warmup"], metrics["recompilations"]) == (1, 1)
     from harness.results.report import slow_window_notes
 
@@ -187,7 +185,7 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
     assert "Recompilations inside the timed windows" in text and "x-bs4-r0 (1 after warm-up, 1 during it)" in text
     del adapter.compilations
     adapter.compilations = lambda: None
-    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    metrics = train(adapter, data, trial, lambda event: None)
     assert metrics["compilations_warmup"] is None and metrics["recompilations"] is None
 
 
@@ -299,7 +297,7 @@ def test_evaluate_every_is_checked_and_stated_in_the_report(tmp_path):
     from harness.plan import plan
 
     spec = load(path)
-    assert {t.payload(spec)["trial"]["evaluate_every"] for t in plan(spec, "cpu")} == {3}
+    assert {t.evaluate_every for t in plan(spec, "cpu")} == {3}
     assert _evaluation({}) == "evaluation after each epoch, not timed"
     assert "after every 5 epochs and the last" in _evaluation({"evaluate_every": 5})
 

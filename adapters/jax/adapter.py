@@ -37,7 +37,7 @@ CPU threads: XLA's CPU client has no intra-op thread count; with one thread aske
 launcher sets before this module is imported), Eigen's thread pool is turned off through XLA_FLAGS.
 
 Execution: one mode, "compiled" (``jax.jit`` of the whole train step, XLA); JAX has no eager training loop worth
-measuring, so ``compile: eager`` is unsupported. Precision (``options["precision"]``, default fp32; the layers'
+measuring, so ``compile: eager`` is unsupported. Precision (``options.precision``, default fp32; the layers'
 ``adapters.jax.layers.Compute``): fp32 means fp32: every conv and dot at ``lax.Precision.HIGHEST`` and
 ``jax_default_matmul_precision`` "highest" (on NVIDIA GPUs JAX's DEFAULT uses TF32 for float32 operands;
 https://docs.jax.dev/en/latest/_autosummary/jax.lax.Precision.html). tf32 (GPUs): the same float32 computation at
@@ -146,7 +146,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         return None if index < len(devices) else f"JAX sees {len(devices)} GPU(s); {device} is not one"
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
-        self._precision = (self.options or {}).get("precision", "fp32")
+        self._precision = self.options.precision
         self._compute = L.POLICIES[self._precision]
         # what the ops without a precision argument use (jax.nn.dot_product_attention's): "highest" or "default"
         jax.config.update("jax_default_matmul_precision", self._compute.precision.name.lower())
@@ -160,10 +160,10 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self._seed = seed
 
     def _apply_memory_limit(self) -> None:
-        """``options["memory_limit_bytes"]`` on a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION = limit / the device's memory
+        """``options.memory_limit_bytes`` on a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION = limit / the device's memory
         (NVML's, else nvidia-smi's), set before JAX's GPU backend starts; XLA's allocator then fails past it with
         RESOURCE_EXHAUSTED. Written from the documentation; no GPU was available to run it."""
-        limit = (self.options or {}).get("memory_limit_bytes")
+        limit = self.options.memory_limit_bytes
         if not limit:
             return
         total = _gpu_total_memory()

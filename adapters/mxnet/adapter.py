@@ -187,12 +187,12 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             # their handles, at its first GPU operator, after this; a value the launcher set is kept.
             os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
             self.ctx = mx.gpu(index)
-            if (self.options or {}).get("memory_limit_bytes"):
+            if self.options.memory_limit_bytes:
                 # MXNet 1.9.1 has no per-process cap on GPU memory (MXNET_GPU_MEM_POOL_RESERVE only sets how much
                 # of the device its pool leaves free for other uses, https://mxnet.apache.org/versions/1.9.1/api/faq/
                 # env_var), so nothing is applied and settings say so.
                 self._memory_limit = {"memory_limit_bytes": None, "memory_limit": "not supported by MXNet on GPU",
-                                      "memory_limit_requested_bytes": int(self.options["memory_limit_bytes"])}
+                                      "memory_limit_requested_bytes": self.options.memory_limit_bytes}
         else:
             self.ctx = mx.cpu()
         self._threads_requested = threads
@@ -210,9 +210,9 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         see ``_running_var_is_biased``), ``train_step`` corrects it to the canonical unbiased update
         (``_fix_running_variances``), inside residual blocks and their shortcuts too. Dropout is ``nn.Dropout``,
         active only under ``autograd.record``. Images are NCHW, token ids (N, L) and sequences (N, L, D). In the
-        ``compiled`` mode (``options["compile"]``, the default) the net is hybridized with ``static_alloc=True,
+        ``compiled`` mode (``options.compile``, the default) the net is hybridized with ``static_alloc=True,
         static_shape=True`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/hybrid_block.html);
-        ``eager`` leaves it imperative. ``options["precision"]`` fp16 initialises AMP first
+        ``eager`` leaves it imperative. ``options.precision`` fp16 initialises AMP first
         (``adapters.mxnet.training.init_amp``); a precision or mode this adapter lacks on the device raises ValueError.
         In the compiled mode a new input shape (evaluation's batches, ``predict``) re-plans the cached graph, which
         costs tens of microseconds for this model (measured on 1.9.1; memory stays flat however often the shapes
@@ -227,9 +227,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         for float16 weights) and ``lazy_update`` is off (it only matters for row_sparse gradients).
         """
         ctx = self.ctx
-        options = self.options or {}
-        self._precision = options.get("precision", "fp32")
-        mode = options.get("compile", self.DEFAULT_COMPILE)
+        self._precision = self.options.precision
+        mode = self.compile_mode(self.options.compile)
         kind = "cpu" if ctx.device_type == "cpu" else "cuda"
         if (why := self.unsupported_execution(self._precision, mode, kind)) is not None:
             raise ValueError(why)
@@ -343,7 +342,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place (``x[:] = ...``)."""
         self.x_train[:] = np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32)
 
-    def stage_epoch(self, order: np.ndarray, batch_size: int) -> None:
+    def stage_epoch(self, order: np.ndarray, samples_per_step: int) -> None:
         """The epoch's order on the device as one int64 NDArray (``Adapter.stage_epoch``), whose slices (views, no
         copy) are the steps' indices: ``nd.from_numpy`` of a private copy (zero-copy DLPack; MXNet holds the copy
         until the last operator that reads it is done), then ``as_in_context`` on a GPU (one asynchronous copy an
@@ -351,7 +350,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         the gather that reads them then 157 us, against 8 us for a slice and 33 us for its gather; one call an epoch
         instead of one a step (at batch 64 on digits 0.3 ms of a 4 ms step went to indices before this)."""
         order = np.ascontiguousarray(order, dtype=np.int64)
-        self._staged, self._staged_batch = self._wrap(order), batch_size
+        self._staged, self._staged_batch = self._wrap(order), samples_per_step
 
     def _indices(self, indices: np.ndarray, position: int | None) -> mx.nd.NDArray:
         """``indices`` as an int64 NDArray on the device: step ``position``'s slice of the staged epoch

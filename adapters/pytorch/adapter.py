@@ -79,7 +79,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             torch.cuda.set_device(index)
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);
             # tf32 asks for it.
-            tf32 = self.options.get("precision") == "tf32"
+            tf32 = self.options.precision == "tf32"
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
             self._apply_memory_limit(index)
@@ -92,13 +92,13 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         torch.manual_seed(seed)
 
     def _apply_memory_limit(self, index: int) -> None:
-        """``options["memory_limit_bytes"]`` on a GPU: ``torch.cuda.set_per_process_memory_fraction(limit /
+        """``options.memory_limit_bytes`` on a GPU: ``torch.cuda.set_per_process_memory_fraction(limit /
         total_memory, index)`` (https://pytorch.org/docs/stable/generated/torch.cuda.set_per_process_memory_fraction
         .html). The caching allocator then raises ``torch.OutOfMemoryError`` for an allocation that would take the
         memory it holds from the device past the fraction x total memory (the CUDA context itself is not counted). A
         limit at or above the device's memory is a fraction of 1: no cap. On the CPU nothing is done here (the worker
         caps the process)."""
-        limit = (self.options or {}).get("memory_limit_bytes")
+        limit = self.options.memory_limit_bytes
         if not limit:
             return
         total = int(torch.cuda.get_device_properties(index).total_memory)
@@ -123,8 +123,8 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             for name, (_, _, trained) in self._tensors.items():
                 self._tensor(name).copy_(torch.from_numpy((weights if trained else buffers)[name]))
         self.net = self.net.to(self.device).train()
-        self.precision = self.options.get("precision", "fp32")
-        self.mode = self.options.get("compile", self.DEFAULT_COMPILE)
+        self.precision = self.options.precision
+        self.mode = self.compile_mode(self.options.compile)
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         # The same parameters either way: torch.compile wraps the module, it does not copy it.
         self.model: nn.Module = torch.compile(self.net) if self.mode == "compiled" else self.net

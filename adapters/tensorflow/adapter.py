@@ -30,13 +30,13 @@ The train step is one ``tf.function`` per (batch size, micro-batches) with a ful
 is traced once and never retraced in the timed loop (https://www.tensorflow.org/guide/function#controlling_retracing);
 evaluation and prediction use one whose batch dimension is None, so a smaller last batch does not retrace either.
 
-Execution modes (``options["compile"]``): "eager", the default, is what TensorFlow does without being asked, those
+Execution modes (``options.compile``): "eager", the default, is what TensorFlow does without being asked, those
 ``tf.function`` graphs run op by op by TF's executor (``jit_compile=False``); "compiled" builds the same functions
 with ``jit_compile=True``, so each is compiled whole by XLA (https://www.tensorflow.org/xla,
 https://www.tensorflow.org/api_docs/python/tf/function: "jit_compile: If True, compiles the function using XLA"),
 again once per input shape. The step still calls the concrete function, with the staged index tensors.
 
-Precision (``options["precision"]``): "fp32" on the CPU and a GPU (TF32 off); "tf32" on a GPU, the same float32
+Precision (``options.precision``): "fp32" on the CPU and a GPU (TF32 off); "tf32" on a GPU, the same float32
 model with TF32 on (``enable_tensor_float_32_execution(True)``); "bf16" on the CPU and a GPU and "fp16" on a GPU:
 mixed precision, the policy of every framework in the harness. Parameters, batchnorm's statistics and the
 optimizer state stay float32 (master weights); convolutions, dense layers, the embedding's output and attention's
@@ -119,8 +119,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         self._compilations = 0  # tracings of train step functions (see compilations)
         self._train_calls: dict[tuple[int, int], Any] = {}  # the same -> its concrete function, what a step calls
         self._staged: list[tf.Tensor] = []  # this epoch's index batches on the device, by the step's position
-        self._compute = tf.float32  # the compute dtype (build, from options["precision"])
-        self._jit = False  # XLA (build, from options["compile"])
+        self._compute = tf.float32  # the compute dtype (build, from options.precision)
+        self._jit = False  # XLA (build, from options.compile)
         self._loss_scale: DynamicLossScale | None = None  # fp16 only
 
     def versions(self) -> dict[str, str]:
@@ -157,7 +157,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         context starts, and raises RuntimeError for a later change (repeating the same settings is allowed). For
         ``cuda:N`` only GPU N is made visible (it is then "/GPU:0"), with memory growth
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth) or a memory limit as
-        ``options`` ask (``_configure_gpu_memory``) and TF32 off, or on for ``options["precision"]`` "tf32"
+        ``options`` ask (``_configure_gpu_memory``) and TF32 off, or on for ``options.precision`` "tf32"
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/enable_tensor_float_32_execution). Raises
         DeviceUnavailable when TF sees no such GPU (a CPU-only build such as tensorflow-cpu, or no driver)."""
         if device.startswith("cuda"):
@@ -193,9 +193,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         Without a limit, ``tensorflow_memory_growth`` (default True) enables growth
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth); False leaves TF's
         default, which maps nearly all of the GPU's memory when the context starts."""
-        options = self.options or {}
-        growth = bool(options.get("tensorflow_memory_growth", True))
-        limit = options.get("memory_limit_bytes")
+        growth = self.options.allocator.tensorflow_memory_growth
+        limit = self.options.memory_limit_bytes
         self._memory_settings = {"memory_limit_bytes": None, "memory_growth": growth}
         if limit:
             mib = max(int(limit) // 2**20, 1)
@@ -209,10 +208,10 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             tf.config.experimental.set_memory_growth(gpu, True)
 
     def _precision(self) -> str:
-        return (self.options or {}).get("precision", "fp32")
+        return self.options.precision
 
     def _mode(self) -> str:
-        return (self.options or {}).get("compile", self.DEFAULT_COMPILE)
+        return self.compile_mode(self.options.compile)
 
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
         """Creates float32 ``tf.Variable``s on the device from the canonical ``weights`` (conv OIHW -> HWIO, dense
@@ -438,15 +437,15 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         """Overwrites the training images (float32 NHWC) in place with ``tf.Variable.assign``."""
         self.x_train.assign(images.astype(np.float32, copy=False))
 
-    def stage_epoch(self, order: np.ndarray, batch_size: int) -> None:
+    def stage_epoch(self, order: np.ndarray, samples_per_step: int) -> None:
         """Moves the epoch's index batches to the device now, one int64 tensor per step (``Adapter.stage_epoch``):
         a concrete function called with a numpy array converts it at every call, which measured about 80 us more
         per call than a tensor argument on the CPU (benchmarks/harness_vs_loop.py; 10 % of a step of the digits CNN
         at batch 64). ``train_step`` uses the staged tensor of its ``position``, or converts ``indices`` without one."""
         order = np.ascontiguousarray(order, dtype=np.int64)
         with tf.device(self.device):
-            self._staged = [tf.constant(order[start:start + batch_size])
-                            for start in range(0, len(order) - batch_size + 1, batch_size)]
+            self._staged = [tf.constant(order[start:start + samples_per_step])
+                            for start in range(0, len(order) - samples_per_step + 1, samples_per_step)]
 
     def _indices_tensor(self, indices: np.ndarray, position: int | None) -> tf.Tensor:
         """The staged tensor of step ``position`` of the epoch (``stage_epoch``), else a new one of ``indices``."""

@@ -7,11 +7,12 @@ The launcher runs ``PREFIX -c BOOTSTRAP ROOT``: ``BOOTSTRAP`` puts ROOT (the fol
 
 1. keeps the real standard output for events and points file descriptor 1 at standard error, so whatever the
    framework prints (from Python or from C) goes to the log, never into the event stream; each event is one line
-   ``EVENT_PREFIX + JSON`` and any other line on standard output (a wrapper's own chatter) is logged, not parsed;
-2. reads the payload, one JSON line, from standard input, and sets the environment variables it carries (thread
-   counts, allocator settings, HARNESS_ADAPTERS) before numpy or any framework is imported: a container started by
-   ``docker run`` does not inherit the launcher's environment; and pins the process to the payload's ``cpus``
-   (a parallel run's core set) the same way, before any thread exists;
+   ``harness.execution.protocol.EVENT_PREFIX`` + JSON and any other line on standard output (a wrapper's own
+   chatter) is logged, not parsed;
+2. reads the payload (``harness.execution.protocol.Payload``), one JSON line, from standard input, and sets the
+   environment variables it carries (thread counts, allocator settings, HARNESS_ADAPTERS) before numpy or any
+   framework is imported: a container started by ``docker run`` does not inherit the launcher's environment; and
+   pins the process to the payload's ``cpus`` (a parallel run's core set) the same way, before any thread exists;
 3. watches standard input, which the launcher keeps open: end of file means the launcher is gone (killed, or its
    machine's job cancelled), and the worker then kills its process group at once instead of training on (on Linux
    the kernel also kills it when its parent dies: PR_SET_PDEATHSIG);
@@ -29,7 +30,6 @@ import sys
 import threading
 from typing import TextIO
 
-EVENT_PREFIX = "@harness-event "
 PROBE_PREFIX = "@harness-probe "
 BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv[1]); "
              "from harness.execution.bootstrap import main; sys.exit(main())")

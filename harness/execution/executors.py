@@ -25,10 +25,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from harness.execution.launcher import Outcome, run_worker
+from harness.execution.protocol import Payload
 
 #: The reason of a trial whose node left the cluster while it ran (``RayExecutor``).
 NODE_LOST = "node lost"
@@ -155,15 +156,16 @@ class LocalExecutor:
         """The trials running now on this machine, with their start (time.time())."""
         return {key: started for key, (_, started) in self.running.items()}
 
-    def submit(self, key: Any, payload: dict[str, Any], timeout_s: float, interval_s: float | None,
+    def submit(self, key: Any, payload: Payload, timeout_s: float, interval_s: float | None,
                threads: int | None, on_event: Callable[[dict[str, Any]], None] | None = None) -> Slot:
         """Starts the trial ``payload`` on a free slot (call ``has_room`` first) and returns the slot. The payload's
         device and threads become the slot's."""
         slot = self.free.pop(0)
-        trial = {**payload["trial"], "device": slot.worker_device}
+        trial = replace(payload.trial, device=slot.worker_device)
         if slot.threads is not None:
-            trial["threads"] = threads = slot.threads
-        payload = {**payload, "trial": trial}
+            trial = replace(trial, threads=slot.threads)
+            threads = slot.threads
+        payload = payload.model_copy(update={"trial": trial})
 
         def work() -> Outcome:
             return run_worker(payload, timeout_s, interval_s, slot.device, threads, on_event=on_event,
@@ -215,7 +217,7 @@ class LocalExecutor:
             thread.join(timeout=30)
 
 
-def _ray_trial(payload: dict[str, Any], timeout_s: float, interval_s: float | None, threads: int | None,
+def _ray_trial(payload: Payload, timeout_s: float, interval_s: float | None, threads: int | None,
                gpu: bool) -> dict[str, Any]:
     """The body of the Ray task: runs the trial with today's launcher on the node where it landed and returns its
     Outcome and Placement as plain data. On a GPU, Ray has set CUDA_VISIBLE_DEVICES to the GPU it granted
@@ -227,7 +229,7 @@ def _ray_trial(payload: dict[str, Any], timeout_s: float, interval_s: float | No
     if gpu:
         ids = ray.get_gpu_ids()
         device = f"cuda:{int(ids[0])}" if ids else "cuda:0"
-        payload = {**payload, "trial": {**payload["trial"], "device": "cuda:0"}}
+        payload = payload.model_copy(update={"trial": replace(payload.trial, device="cuda:0")})
     started = time.time()
     outcome = run_worker(payload, timeout_s, interval_s, device, threads)
     placement = Placement(socket.gethostname(), device, None, started, time.time(),
@@ -302,7 +304,7 @@ class RayExecutor:
         """Nothing: where a running task landed is known only when it returns."""
         return {}
 
-    def submit(self, key: Any, payload: dict[str, Any], timeout_s: float, interval_s: float | None,
+    def submit(self, key: Any, payload: Payload, timeout_s: float, interval_s: float | None,
                threads: int | None, on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Starts the trial as a Ray task (worker events are not streamed back: ``on_event`` is not called)."""
         options: dict[str, Any] = {"max_retries": self.retries, "retry_exceptions": False}

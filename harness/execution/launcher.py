@@ -17,7 +17,6 @@ sweep before any worker starts, from ``harness.plan.unsupported_reason``).
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -32,13 +31,16 @@ from typing import Any
 import numpy as np
 import psutil
 
-from harness.execution.bootstrap import BOOTSTRAP, EVENT_PREFIX
+from harness.execution.bootstrap import BOOTSTRAP
+from harness.execution.protocol import Error, Payload, Phase, Start, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.sampler import Sampler, make_backend, phase_stats, windows_from_events
+from harness.plan import STATUSES, Status, Trial
 from harness.spec import ROOT, FrameworkEntry
 
-# skipped: decided by the runner, see after_oom; unsupported: by the worker or, for built-in adapters, the runner
-STATUSES = ("ok", "oom", "error", "timeout", "crashed", "skipped", "unsupported")
+# The statuses are harness.plan.Status's (one list): the launcher decides ok, oom, error, timeout and crashed; skipped
+# is decided by the runner (after_oom), unsupported by the worker or, for built-in adapters, the runner.
+__all__ = ["STATUSES", "Outcome", "classify", "run_worker", "worker_argv", "worker_env", "worker_settings"]
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 
@@ -48,7 +50,7 @@ class Outcome:
     """How a worker ended, with everything it reported. Times are seconds; ``samples`` as Sampler.samples;
     ``sampler`` as sampler_info (``{"backend": None, "interval_s": None}`` when the trial ran without a sampler)."""
 
-    status: str
+    status: Status
     reason: str
     events: list[dict[str, Any]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
@@ -101,11 +103,11 @@ def worker_settings(threads: int | None, base: dict[str, str] | None = None,
     return env
 
 
-def worker_argv(trial: dict[str, Any]) -> list[str]:
+def worker_argv(trial: Trial) -> list[str]:
     """The worker's command line: the trial's interpreter or command prefix, then ``-c BOOTSTRAP ROOT`` (see
     harness.execution.bootstrap)."""
-    entry = FrameworkEntry(name=trial["framework"], python=trial.get("python"),
-                           command=list(trial["command"]) if trial.get("command") else None)
+    entry = FrameworkEntry(name=trial.framework, python=trial.python,
+                           command=list(trial.command) if trial.command else None)
     return [*entry.argv(), "-c", BOOTSTRAP, str(ROOT)]
 
 
@@ -158,13 +160,14 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]
     return info
 
 
-def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float | None, device: str,
+def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, device: str,
                threads: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
                env: dict[str, str] | None = None, cpus: list[int] | None = None,
                stop: threading.Event | None = None) -> Outcome:
-    """Starts a worker for ``payload`` (see Trial.payload), samples it every ``interval_s`` seconds, waits at most
-    ``timeout_s`` seconds, and returns its Outcome. ``interval_s=None`` runs the worker with no sampler at all (no
-    thread, no backend; Outcome.sampler is ``{"backend": None, "interval_s": None}``), to measure the sampler's cost.
+    """Starts a worker for ``payload`` (``harness.execution.protocol.Payload``), samples it every ``interval_s``
+    seconds, waits at most ``timeout_s`` seconds, and returns its Outcome. ``interval_s=None`` runs the worker with
+    no sampler at all (no thread, no backend; Outcome.sampler is ``{"backend": None, "interval_s": None}``), to
+    measure the sampler's cost.
     Never raises for anything the worker does.
 
     ``device`` is what the sampler watches (NVML's index for a GPU); the worker trains on the payload's device.
@@ -178,10 +181,8 @@ def run_worker(payload: dict[str, Any], timeout_s: float, interval_s: float | No
         backend, note = make_backend(device)
         sampler = Sampler(backend, interval_s)
     started = time.monotonic()
-    if env or cpus:
-        payload = {**payload, "extra_env": dict(env or {}), "cpus": list(cpus) if cpus else None}
     with tempfile.TemporaryFile() as log:
-        run = _WorkerRun(payload, threads, log, sampler, on_event, stop)
+        run = _WorkerRun(payload, threads, log, sampler, on_event, stop, env=env, cpus=cpus)
         try:
             run.pump(started + timeout_s)
             run.wait(started + timeout_s)
@@ -202,24 +203,25 @@ class _WorkerRun:
     """One worker process from its start to its end: its standard streams, the sampler's attachment and pokes, the
     deadline and the kill of its process group."""
 
-    def __init__(self, payload: dict[str, Any], threads: int | None, log: Any, sampler: Sampler | None,
-                 on_event: Callable[[dict[str, Any]], None] | None, stop: threading.Event | None = None):
+    def __init__(self, payload: Payload, threads: int | None, log: Any, sampler: Sampler | None,
+                 on_event: Callable[[dict[str, Any]], None] | None, stop: threading.Event | None = None,
+                 env: dict[str, str] | None = None, cpus: list[int] | None = None):
         self.sampler, self.on_event, self.log, self.stop = sampler, on_event, log, stop
         self.events: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
-        extra = payload.pop("extra_env", None) or {}  # run_worker's env (a copy of the caller's payload)
-        settings = {**worker_settings(threads, allocator=payload.get("spec", {}).get("allocator")), **extra}
-        payload = {**payload, "env": settings, "launcher_pid": os.getpid()}
-        self.proc = subprocess.Popen(worker_argv(payload["trial"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        settings = {**worker_settings(threads, allocator=payload.spec.allocator.model_dump(mode="json")), **(env or {})}
+        payload = payload.model_copy(update={"env": settings, "launcher_pid": os.getpid(),
+                                             "cpus": list(cpus) if cpus else payload.cpus})
+        self.proc = subprocess.Popen(worker_argv(payload.trial), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, env={**os.environ, **settings}, start_new_session=True)
         if sampler is not None:
             sampler.start(self.proc.pid)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
             # One line; standard input stays open until the worker has ended (see harness.execution.bootstrap).
-            self.proc.stdin.write(json.dumps(payload).encode() + b"\n")
+            self.proc.stdin.write(payload.line())
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # the worker died at once; its exit status tells why
@@ -246,23 +248,22 @@ class _WorkerRun:
                 return
 
     def _handle(self, line: bytes) -> None:
-        prefix = EVENT_PREFIX.encode()
-        if not line.startswith(prefix):
+        try:
+            parsed = parse_event(line)
+        except ValueError:  # a marked line that is no event (torn, or not valid JSON): kept in the log
+            parsed = None
+        if parsed is None:
             if line.strip():  # a wrapper's own output on standard output: kept in the log, not parsed
                 self.log.write(line + b"\n")
             return
-        try:
-            event = json.loads(line[len(prefix):])
-        except json.JSONDecodeError:
-            self.log.write(line + b"\n")
-            return
-        self.events.append(event)
-        if event.get("event") == "start" and self.sampler is not None:
-            self._follow(event.get("pid"))
-        if self.sampler is not None and event.get("event") == "phase" and event.get("name") == "train":
-            self.sampler.poke(event.get("edge", ""))
+        event, record = parsed
+        self.events.append(record)  # as the worker sent it: the events file and the record keep it unchanged
+        if isinstance(event, Start) and self.sampler is not None:
+            self._follow(event.pid)
+        if self.sampler is not None and isinstance(event, Phase) and event.name == "train":
+            self.sampler.poke(event.edge)
         if self.on_event is not None:
-            self.on_event(event)
+            self.on_event(record)
 
     def _follow(self, pid: Any) -> None:
         """Points the sampler at the worker's own process when a command prefix started it outside the process tree
@@ -319,14 +320,14 @@ class _WorkerRun:
 
 
 def classify(returncode: int | None, events: list[dict[str, Any]], timed_out: bool, timeout_s: float,
-             log_tail: str) -> tuple[str, str]:
+             log_tail: str) -> tuple[Status, str]:
     """(status, reason) for a finished worker; see the module docstring for the statuses."""
     if timed_out:
         phase = next((f"{e['name']} {e.get('edge')}" for e in reversed(events) if e.get("event") == "phase"), None)
         return "timeout", f"no exit within {timeout_s:g} s" + (f" (last phase event: {phase})" if phase else "")
-    error = next((e for e in events if e.get("event") == "error"), None)
+    error = next((Error.model_validate(e) for e in events if e.get("event") == "error"), None)
     if error is not None:
-        return error.get("kind", "error"), error.get("reason", "")
+        return error.kind, error.reason
     has_result = any(e.get("event") == "result" for e in events)
     if returncode is not None and returncode < 0:
         try:

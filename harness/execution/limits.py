@@ -59,6 +59,8 @@ import resource
 from collections.abc import Callable
 from typing import Any
 
+from harness.execution.protocol import MemoryLimit, MemoryPeak
+
 MIB = 1 << 20
 GIB = 1 << 30
 #: TensorFlow's process-limit backstop: VmData + TF_BACKSTOP_FACTOR x limit + TF_BACKSTOP_EXTRA_BYTES.
@@ -141,7 +143,7 @@ def apply_cpu_memory_limit(limit_bytes: int, declaration: Any = None, emit: Call
         info["rlimit_data_bytes"] = _set_data_limit(data + limit_bytes)
     info["peak_reset"] = reset_peak_rss()
     if emit is not None:
-        emit("memory_limit", **info)
+        emit(MemoryLimit(**info))
         atexit.register(_report_peak, emit, capped, allocator_peak if capped else None, baseline,
                         info["peak_reset"])
     return info
@@ -191,7 +193,7 @@ def _report_peak(emit: Callable[..., Any], capped: str, allocator_peak: Callable
         now = process_memory()
         tensor_peak = allocator_peak() if allocator_peak is not None else None
         peak, source = peak_estimate(capped, baseline, now, peak_reset, tensor_peak)
-        emit("memory_peak", peak_bytes=peak, source=source, at_exit=now, baseline=baseline,
-             cpu_allocator_peak_bytes=tensor_peak)
+        emit(MemoryPeak(peak_bytes=peak, source=source, at_exit=now, baseline=baseline,
+                        cpu_allocator_peak_bytes=tensor_peak))
     except Exception:  # noqa: BLE001 - no memory left even for this, or the events pipe is gone: nothing to report
         pass

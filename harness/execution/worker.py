@@ -1,9 +1,10 @@
 """The worker process: one trial, one fresh interpreter, one framework.
 
 Started by ``harness.execution.bootstrap`` (see there for how it reaches any interpreter through any command prefix)
-with the trial's payload (JSON, see ``harness.plan.Trial.payload``). It imports the trial's adapter, builds the model
-from the canonical weights, loads the dataset to the device once, runs the shared training loop below and writes
-events, one ``EVENT_PREFIX`` + JSON line each, to the original standard output. The framework's own output goes to
+with the trial's payload (``harness.execution.protocol.Payload``: the typed trial and spec). It imports the trial's
+adapter, builds the model from the canonical weights, loads the dataset to the device once, runs the shared
+training loop below and writes events (``harness.execution.protocol``'s types), one ``EVENT_PREFIX`` + JSON line
+each, to the original standard output. The framework's own output goes to
 standard error (a log whose tail the launcher keeps for errors).
 
 Every event carries ``t``, a ``time.monotonic()`` stamp (CLOCK_MONOTONIC on Linux: the same clock in every process of
@@ -38,26 +39,31 @@ compilation (``compile: compiled``), kernel autotuning and first allocations cos
 a warm-up step; a trial without warm-up has no such figure). The framework's own count of train step graphs
 (``Adapter.compilations``) is read when warm-up ends and at the end: ``recompilations`` is what was traced or compiled
 inside the timed windows (a shape or guard the compiled step had not seen), a cost the throughput then includes.
-Precision and execution mode reach the adapter in
-``options`` after ``Adapter.unsupported_execution`` has accepted them; a combination it cannot run ends the trial
-``unsupported`` before the framework touches the device.
+Precision, execution mode, memory cap and allocator settings reach the adapter once, as its frozen ``options``
+(``adapters.base.RunOptions``), after ``Adapter.unsupported_execution`` has accepted them; a combination it cannot
+run ends the trial ``unsupported`` before the framework touches the device.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import numpy as np
 
-from harness.execution.bootstrap import EVENT_PREFIX
+from harness.execution.protocol import Epoch, Error, ErrorKind, Payload, Phase, Ready, Result, Start, event_line
 from harness.neutral.datasets import augment, epoch_order
+from harness.plan import Trial
+
+if TYPE_CHECKING:
+    from adapters.base import RunOptions
+    from harness.execution.protocol import _Event
+    from harness.spec import CompileMode, Spec
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -74,18 +80,19 @@ class Unsupported(TrialError):
 
 
 class Events:
-    """Writes events to the launcher, one ``EVENT_PREFIX`` + JSON line each, flushed at once; keeps them in ``log``.
-    ``out``: a text stream, or None to keep them only in ``log``."""
+    """Writes events (``harness.execution.protocol``) to the launcher, one ``EVENT_PREFIX`` + JSON line each, stamped
+    with ``time.monotonic()`` and flushed at once; keeps their records in ``log``. ``out``: a text stream, or None to
+    keep them only in ``log``."""
 
     def __init__(self, out: TextIO | None):
         self._out = out
         self.log: list[dict[str, Any]] = []
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"event": event, "t": time.monotonic(), **fields}
+    def emit(self, event: _Event) -> dict[str, Any]:
+        line, record = event_line(event, time.monotonic(), default=_jsonable)
         self.log.append(record)
         if self._out is not None:
-            self._out.write(EVENT_PREFIX + json.dumps(record, default=_jsonable) + "\n")
+            self._out.write(line)
             self._out.flush()
         return record
 
@@ -104,13 +111,14 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., Any]) -> dict[str, Any]:
+def train(adapter: Any, data: Any, trial: Trial, emit: Callable[[_Event], Any]) -> dict[str, Any]:
     """The shared training loop (see the module docstring). Returns the trial's training metrics.
 
     adapter: a prepared, built and loaded Adapter. data: harness.neutral.datasets.Data. trial: the payload's trial
-    fields (batch_size, epochs, warmup_steps, seed, timing; accumulation_steps, augmentation, target_accuracy
-    optional; max_steps_per_epoch, optional, cuts every epoch to its first steps: ``harness max-batch --with-dataset``
-    probes with the whole dataset resident but no whole epoch). emit: Events.emit. Times are in seconds
+    (its micro_batch_size, samples_per_step and accumulation_steps as the plan computed them; epochs, warmup_steps,
+    seed, timing, augmentation, evaluate_every, target_accuracy; max_steps_per_epoch cuts every epoch to its first
+    steps: ``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole epoch). emit:
+    Events.emit. Times are in seconds
     (perf_counter); throughput is in samples per second. Raises TrialError when the batch size exceeds the training
     set or warm-up leaves no step to measure.
     """
@@ -120,20 +128,20 @@ def train(adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., An
 class _Loop:
     """The state of one training run: the step counts, the timed windows so far and the epoch records."""
 
-    def __init__(self, adapter: Any, data: Any, trial: dict[str, Any], emit: Callable[..., Any]):
+    def __init__(self, adapter: Any, data: Any, trial: Trial, emit: Callable[[_Event], Any]):
         self.adapter, self.data, self.emit = adapter, data, emit
-        self.micro = trial["batch_size"]
-        self.accumulation = trial.get("accumulation_steps", 1)
-        self.batch = self.micro * self.accumulation  # samples per optimizer step
-        self.epochs, self.warmup = trial["epochs"], trial["warmup_steps"]
-        self.timing, self.seed = trial["timing"], trial["seed"]
-        self.augmentation = bool(trial.get("augmentation"))
-        self.evaluate_every = trial.get("evaluate_every", 1)
-        self.target = trial.get("target_accuracy")
+        self.micro = trial.micro_batch_size
+        self.accumulation = trial.accumulation_steps
+        self.batch = trial.samples_per_step  # samples per optimizer step, as the plan computed it
+        self.epochs, self.warmup = trial.epochs, trial.warmup_steps
+        self.timing, self.seed = trial.timing, trial.seed
+        self.augmentation = trial.augmentation
+        self.evaluate_every = trial.evaluate_every
+        self.target = trial.target_accuracy
         self.n = len(data.y_train)
         self.steps_per_epoch = self.n // self.batch
-        if trial.get("max_steps_per_epoch"):  # a max-batch probe holding the whole dataset: its first steps only
-            self.steps_per_epoch = min(self.steps_per_epoch, trial["max_steps_per_epoch"])
+        if trial.max_steps_per_epoch:  # a max-batch probe holding the whole dataset: its first steps only
+            self.steps_per_epoch = min(self.steps_per_epoch, trial.max_steps_per_epoch)
         if self.steps_per_epoch == 0:
             what = (f"batch size {self.micro}" if self.accumulation == 1 else
                     f"effective batch size {self.batch} ({self.accumulation} x {self.micro})")
@@ -165,7 +173,7 @@ class _Loop:
             self.adapter.reset_memory_stats()
             self.compilations_warm = self.adapter.compilations()
         else:
-            self.emit("phase", name="warmup", edge="start")
+            self.emit(Phase(name="warmup", edge="start"))
         first = 0
         while first < self.epochs:  # the epochs up to the next evaluation: a segment
             last = min(self.epochs, (first // self.evaluate_every + 1) * self.evaluate_every) - 1
@@ -197,10 +205,10 @@ class _Loop:
 
     def augment(self, epoch: int) -> None:
         """This epoch's augmented training images, loaded to the device outside the timed windows."""
-        self.emit("phase", name="augment", epoch=epoch, edge="start")
+        self.emit(Phase(name="augment", epoch=epoch, edge="start"))
         self.adapter.set_train_images(augment(self.data.x_train, self.seed, epoch))
         self.adapter.wait()
-        self.emit("phase", name="augment", epoch=epoch, edge="end")
+        self.emit(Phase(name="augment", epoch=epoch, edge="end"))
 
     def warm_up(self, epoch: int, order: np.ndarray, losses: list[tuple[float, int]]) -> int:
         """The warm-up steps still left, at the start of this epoch; returns the position after them."""
@@ -220,20 +228,20 @@ class _Loop:
             self.step_estimate = (time.perf_counter() - start) / count
         if epoch * self.steps_per_epoch + count == self.warmup:
             self.warm = True
-            self.emit("phase", name="warmup", edge="end")
+            self.emit(Phase(name="warmup", edge="end"))
             self.adapter.reset_memory_stats()
             self.compilations_warm = self.adapter.compilations()
         return count
 
     def window_steps(self, left: int) -> int:
         """The steps of the next timed window when ``left`` steps of the epoch remain (see the module docstring)."""
-        window = self.timing["window"]
+        window = self.timing.window
         if window == "step":
             return 1
         if window != "auto":
             return min(int(window), left)
-        least = self.timing["min_window_steps"]
-        steps = least if not self.step_estimate else max(least, math.ceil(self.timing["window_seconds"]
+        least = self.timing.min_window_steps
+        steps = least if not self.step_estimate else max(least, math.ceil(self.timing.window_seconds
                                                                          / self.step_estimate))
         return left if left - steps < least else steps
 
@@ -246,7 +254,7 @@ class _Loop:
         their count), outside the clock, and the next window's clock starts after the read (reading a loss is the
         harness's own work: in MXNet a sum operator and an engine round trip, about 0.5 ms on this project's CPU)."""
         self.adapter.wait()
-        self.emit("phase", name="train", epoch=self.epoch, edge="start")
+        self.emit(Phase(name="train", epoch=self.epoch, edge="start"))
         total = 0.0
         while True:
             left = self.steps_per_epoch - self.position
@@ -269,11 +277,11 @@ class _Loop:
             if self.position == self.steps_per_epoch:
                 if self.epoch == last:
                     break
-                self.emit("phase", name="train", epoch=self.epoch, edge="end")
+                self.emit(Phase(name="train", epoch=self.epoch, edge="end"))
                 self.begin_epoch(self.epoch + 1)  # augmenting: the epoch's images load between two windows
                 self.adapter.wait()
-                self.emit("phase", name="train", epoch=self.epoch, edge="start")
-        self.emit("phase", name="train", epoch=self.epoch, edge="end")
+                self.emit(Phase(name="train", epoch=self.epoch, edge="start"))
+        self.emit(Phase(name="train", epoch=self.epoch, edge="end"))
         self.measured_seconds += total
         return total
 
@@ -284,9 +292,9 @@ class _Loop:
         evaluation before, (mean, steps) each; the record's ``train_loss`` is their mean weighted by steps, the mean
         over every step (``train_loss_steps`` of them; nan when none), and ``timed_seconds`` the timed seconds since
         the evaluation before."""
-        self.emit("phase", name="eval", epoch=epoch, edge="start")
+        self.emit(Phase(name="eval", epoch=epoch, edge="start"))
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
-        self.emit("phase", name="eval", epoch=epoch, edge="end")
+        self.emit(Phase(name="eval", epoch=epoch, edge="end"))
         if self.target is not None and self.reached is None and test_accuracy >= self.target:
             # training_seconds: timed training only (warm-up steps and evaluations excluded);
             # wall_seconds: from the first step to the end of this evaluation, everything included.
@@ -297,7 +305,7 @@ class _Loop:
         record = {"epoch": epoch, "train_loss": train_loss, "train_loss_steps": steps,
                   "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_seconds": epoch_seconds}
         self.epoch_records.append(record)
-        self.emit("epoch", **record)
+        self.emit(Epoch(**record))
 
     def metrics(self) -> dict[str, Any]:
         throughput = self.measured_steps * self.batch / self.measured_seconds
@@ -319,7 +327,7 @@ class _Loop:
             # compiled step had not seen), a garbage collection, or the machine's noise; the report names them
             "slow_windows": int(np.sum(per_step > SPIKE * np.median(per_step))),
             "timed_windows": len(self.step_seconds),
-            "timing_window": self.timing["window"],
+            "timing_window": self.timing.window,
             "final_train_loss": last["train_loss"],
             "test_loss": last["test_loss"],
             "test_accuracy": last["test_accuracy"],
@@ -340,56 +348,58 @@ class _Loop:
         }
 
 
-def adapter_options(adapter: Any, spec: Any, trial: dict[str, Any], precision: str, mode: str) -> dict[str, Any]:
-    """``Adapter.options``: the allocator options of the spec that the adapter's declaration names
-    (``Declaration.allocator_options``; none for an adapter without one), the trial's memory limit, precision and
-    execution mode."""
+def run_options(adapter: Any, spec: Spec, trial: Trial, mode: str) -> RunOptions:
+    """``Adapter.options``, built once: the trial's precision, ``mode`` (its compile mode as the adapter resolved it)
+    and memory limit, and the spec's allocator settings that the adapter's declaration names
+    (``Declaration.allocator_options``; the others keep their defaults, and all do for an adapter without one)."""
+    from adapters.base import RunOptions
+    from harness.spec import AllocatorSpec
+
     declared = getattr(adapter, "declaration", None)
-    allocator = {option: getattr(spec.allocator, option) for option in
-                 (declared.allocator_options if declared is not None else ())}
-    return {**allocator, "memory_limit_bytes": trial.get("memory_limit_bytes"), "precision": precision,
-            "compile": mode}
+    allocator = AllocatorSpec(**{option: getattr(spec.allocator, option) for option in
+                                 (declared.allocator_options if declared is not None else ())})
+    return RunOptions(precision=trial.precision, compile=cast("CompileMode", mode),
+                      memory_limit_bytes=trial.memory_limit_bytes, allocator=allocator)
 
 
-def run(payload: dict[str, Any], events: Events) -> int:
-    """Runs one trial end to end and reports it through ``events``. Returns the process exit status."""
+def run(payload: Payload | dict[str, Any], events: Events) -> int:
+    """Runs one trial end to end and reports it through ``events``. ``payload``: the Payload, or its JSON data
+    (validated here). Returns the process exit status."""
     adapter = None
     try:
         import adapters
         from harness.neutral import datasets, memory, models
-        from harness.spec import OptimizerSpec, Spec
 
-        trial = payload["trial"]
-        spec = Spec.model_validate(payload["spec"])
-        events.emit("start", pid=os.getpid(), framework=trial["framework"], batch_size=trial["batch_size"],
-                    python=sys.executable, affinity=_affinity())
+        payload = payload if isinstance(payload, Payload) else Payload.model_validate(payload)
+        trial, spec = payload.trial, payload.spec
+        events.emit(Start(pid=os.getpid(), framework=trial.framework, batch_size=trial.micro_batch_size,
+                          python=sys.executable, affinity=_affinity()))
         try:
-            adapter = adapters.get(trial["framework"])()
+            adapter = adapters.get(trial.framework)()
         except ImportError as err:
-            raise TrialError(f"{trial['framework']} is not installed here ({err})") from None
-        if trial["device"] == "cpu" and trial.get("memory_limit_bytes"):
+            raise TrialError(f"{trial.framework} is not installed here ({err})") from None
+        if trial.device == "cpu" and trial.memory_limit_bytes:
             from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
 
-            apply_cpu_memory_limit(trial["memory_limit_bytes"], getattr(adapter, "declaration", None),
+            apply_cpu_memory_limit(trial.memory_limit_bytes, getattr(adapter, "declaration", None),
                                    emit=events.emit, allocator_peak=adapter.cpu_allocator_peak)
-        precision, compile = trial.get("precision", "fp32"), trial.get("compile", "default")
-        if (why := adapter.unsupported_execution(precision, compile, trial["device"])) is not None:
+        precision = trial.precision
+        if (why := adapter.unsupported_execution(precision, trial.compile, trial.device)) is not None:
             raise Unsupported(why)  # before the framework touches the device
-        mode = adapter.compile_mode(compile)  # "default" resolved to the adapter's own mode
-        adapter.options = adapter_options(adapter, spec, trial, precision, mode)
-        adapter.prepare(trial["device"], trial["threads"], trial["seed"])
+        mode = adapter.compile_mode(trial.compile)  # "default" resolved to the adapter's own mode
+        adapter.options = run_options(adapter, spec, trial, mode)
+        adapter.prepare(trial.device, trial.threads, trial.seed)
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
         if (why := adapter.unsupported(info)) is not None:  # before the data is loaded and anything is built
             raise Unsupported(why)
-        data = datasets.load(spec.dataset, seed=trial["seed"])
-        base_optimizer = OptimizerSpec.model_validate(trial["optimizer"]) if trial.get("optimizer") else spec.optimizer
-        optimizer = base_optimizer.model_copy(update={"learning_rate": trial["learning_rate"]})
-        adapter.build(info, models.initial_weights(info, trial["seed"]), optimizer)
+        data = datasets.load(spec.dataset, seed=trial.seed)
+        optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
+        adapter.build(info, models.initial_weights(info, trial.seed), optimizer)
         adapter.load(data)
         adapter.wait()
-        events.emit("ready", versions=adapter.versions(), settings=adapter.settings())
+        events.emit(Ready(versions=adapter.versions(), settings=adapter.settings()))
         metrics = train(adapter, data, trial, events.emit)
-        predicted = memory.predict(info, trial["batch_size"], optimizer, trial.get("accumulation_steps", 1),
+        predicted = memory.predict(info, trial.micro_batch_size, optimizer, trial.accumulation_steps,
                                    attention=adapter.ATTENTION)
         metrics.update({
             "memory_predicted": {part: getattr(predicted, part) for part in memory.PARTS} | {
@@ -403,7 +413,7 @@ def run(payload: dict[str, Any], events: Events) -> int:
             "compile": mode,
             "compile_meaning": adapter.COMPILE_MODES.get(mode, ""),
         })
-        events.emit("result", metrics=metrics, versions=adapter.versions(), settings=adapter.settings())
+        events.emit(Result(metrics=metrics, versions=adapter.versions(), settings=adapter.settings()))
         return EXIT_OK
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the process exits non-zero
         oom = False
@@ -417,7 +427,6 @@ def run(payload: dict[str, Any], events: Events) -> int:
         oom = oom or isinstance(exc, MemoryError)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = reason if isinstance(exc, TrialError) else f"{type(exc).__name__}: {reason}".rstrip(": ")
-        kind = "unsupported" if isinstance(exc, Unsupported) else "oom" if oom else "error"
-        events.emit("error", kind=kind, reason=reason[:500],
-                    traceback="".join(traceback.format_exception(exc))[-4000:])
+        kind: ErrorKind = "unsupported" if isinstance(exc, Unsupported) else "oom" if oom else "error"
+        events.emit(Error(kind=kind, reason=reason[:500], traceback="".join(traceback.format_exception(exc))[-4000:]))
         return EXIT_FAILED

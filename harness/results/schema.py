@@ -11,16 +11,17 @@ newer one in one line (``SchemaError``) rather than misreading fields it does no
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from harness.plan import Status
 
 #: The version this harness writes (run.json's and each trial record's ``schema_version``).
 SCHEMA_VERSION = 1
 
-#: Every status a trial can end with (harness.execution.launcher.STATUSES, restated: results does not import
-#: execution; tests/test_results_data.py checks they agree).
-Status = Literal["ok", "oom", "error", "timeout", "crashed", "skipped", "unsupported"]
+__all__ = ["SCHEMA_VERSION", "EpochMetrics", "MetricStats", "Placement", "SamplerInfo", "SchemaError", "Status",
+           "TrialMetrics", "TrialRecord", "check_version", "trial_schema", "trial_schema_json"]
 
 
 class SchemaError(ValueError):
@@ -157,6 +158,12 @@ class TrialRecord(_Open):
     settings: dict[str, Any] = Field(default_factory=dict)
     finished: str | None = Field(None, description="UTC time the record was written, ISO 8601")
     placement: Placement | None = None
+
+    def data(self) -> dict[str, Any]:
+        """The record as its trials.jsonl line holds it: the fields it was given (a trial that did not run has no
+        ``accumulation_steps``; one that ran has ``placement``), values as given (a NaN loss stays NaN, as
+        ``json.dumps`` writes it) and the extra fields (``log_tail``, ``traceback``, a metric added later)."""
+        return self.model_dump(exclude_unset=True)
 
 
 def trial_schema() -> dict[str, Any]:

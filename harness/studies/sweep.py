@@ -12,10 +12,11 @@ from harness import __version__
 from harness.execution.environments import probe_entries
 from harness.execution.executors import LocalExecutor, local_slots
 from harness.execution.launcher import Outcome
+from harness.execution.protocol import Payload
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
-from harness.plan import Trial, plan, unsupported_reason
-from harness.results.schema import SCHEMA_VERSION
+from harness.plan import Status, Trial, plan, unsupported_reason
+from harness.results.schema import SCHEMA_VERSION, Placement, SamplerInfo, TrialMetrics, TrialRecord
 from harness.results.store import (
     append_trial,
     create_run_dir,
@@ -28,51 +29,52 @@ from harness.results.store import (
 from harness.spec import Spec, SpecError
 
 
-def trial_record(trial: Trial, outcome: Outcome) -> dict[str, Any]:
-    """The trials.jsonl line of one trial: identity, status and reason, metrics, sampler statistics, versions."""
+def trial_record(trial: Trial, outcome: Outcome) -> TrialRecord:
+    """The record of one trial a worker ran: identity, status and reason, metrics, sampler statistics, versions
+    (its trials.jsonl line is ``TrialRecord.data``)."""
     result = outcome.result() or {}
     ready = next((e for e in outcome.events if e.get("event") == "ready"), {})
-    record: dict[str, Any] = {
-        **_identity(trial),
-        "accumulation_steps": trial.accumulation_steps,
-        "effective_batch_size": trial.effective_batch_size,
-        "status": outcome.status,
-        "reason": outcome.reason,
-        "wall_seconds": outcome.wall_seconds,
-        "returncode": outcome.returncode,
-        "metrics": result.get("metrics", {}),
-        "sampler": outcome.sampler,
-        "versions": result.get("versions") or ready.get("versions", {}),
-        "settings": result.get("settings") or ready.get("settings", {}),
-        "finished": _now(),
-    }
-    add_mfu(record, trial.precision)
+    metrics = dict(result.get("metrics", {}))
+    add_mfu({"metrics": metrics, "device": trial.device, "sampler": outcome.sampler}, trial.precision)
+    extra: dict[str, Any] = {}
     if outcome.status != "ok":
-        record["log_tail"] = outcome.log_tail[-2000:]
+        extra["log_tail"] = outcome.log_tail[-2000:]
         error = next((e for e in outcome.events if e.get("event") == "error"), None)
         if error is not None:
-            record["traceback"] = error.get("traceback", "")
-    return record
+            extra["traceback"] = error.get("traceback", "")
+    return TrialRecord(
+        **_identity(trial), accumulation_steps=trial.accumulation_steps,
+        effective_batch_size=trial.effective_batch_size, status=outcome.status, reason=outcome.reason,
+        wall_seconds=outcome.wall_seconds, returncode=outcome.returncode,
+        metrics=TrialMetrics.model_validate(metrics), sampler=SamplerInfo.model_validate(outcome.sampler),
+        versions=result.get("versions") or ready.get("versions", {}),
+        settings=result.get("settings") or ready.get("settings", {}), finished=_now(), **extra)
 
 
-def skipped_record(trial: Trial, oom_batch_size: int) -> dict[str, Any]:
+def skipped_record(trial: Trial, oom_batch_size: int) -> TrialRecord:
     """The record of a trial not run because a smaller batch size of the same framework ran out of memory."""
-    return {**_identity(trial), "status": "skipped", "wall_seconds": 0.0, "returncode": None, "metrics": {},
-            "sampler": {}, "versions": {}, "settings": {}, "finished": _now(),
-            "reason": f"not run: batch size {oom_batch_size} already ran out of memory (after_oom: skip)"}
+    return _not_run(trial, "skipped", f"not run: batch size {oom_batch_size} already ran out of memory (after_oom: "
+                                      "skip)")
 
 
-def unsupported_record(trial: Trial, reason: str) -> dict[str, Any]:
+def unsupported_record(trial: Trial, reason: str) -> TrialRecord:
     """The record of a trial not run because its adapter cannot build the model (``harness.plan.unsupported_reason``:
     decided before any worker starts; a worker decides the same for adapters the registry has no table for)."""
-    return {**_identity(trial), "status": "unsupported", "wall_seconds": 0.0, "returncode": None, "metrics": {},
-            "sampler": {}, "versions": {}, "settings": {}, "finished": _now(), "reason": f"not run: {reason}"}
+    return _not_run(trial, "unsupported", f"not run: {reason}")
+
+
+def _not_run(trial: Trial, status: Status, reason: str) -> TrialRecord:
+    """The record of a trial no worker ran: its identity, status and reason, and empty measurements."""
+    return TrialRecord(**_identity(trial), status=status, wall_seconds=0.0, returncode=None,
+                       metrics=TrialMetrics.model_validate({}), sampler=SamplerInfo.model_validate({}), versions={},
+                       settings={}, finished=_now(), reason=reason)
 
 
 def _identity(trial: Trial) -> dict[str, Any]:
-    """The fields that say which trial a record is, in every record whether it ran or not."""
+    """The fields that say which trial a record is, in every record whether it ran or not (``batch_size`` is the
+    trial's micro_batch_size, the spec's batch size)."""
     return {"schema_version": SCHEMA_VERSION, "id": trial.id, "framework": trial.framework, "label": trial.row,
-            "batch_size": trial.batch_size, "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant,
+            "batch_size": trial.micro_batch_size, "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant,
             "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
             "precision": trial.precision, "compile": trial.compile}
 
@@ -213,30 +215,31 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
                 elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
                     record = skipped_record(trial, limit)
                 else:
-                    executor.submit(trial.id, trial.payload(spec), spec.timeout_s, spec.sampler.interval_s,
-                                    trial.threads, on_event=on_event)
+                    executor.submit(trial.id, Payload(trial=trial, spec=spec), spec.timeout_s,
+                                    spec.sampler.interval_s, trial.threads, on_event=on_event)
                     in_flight[trial.id] = trial
                     continue
-                append_trial(run_dir, record)
+                append_trial(run_dir, record.data())
                 if on_end is not None:
-                    on_end(trial, record)
+                    on_end(trial, record.data())
             if not executor.running:
                 continue
             finished = executor.wait()
             trial, outcome = in_flight.pop(finished.key), finished.outcome
-            record = trial_record(trial, outcome)
-            record["placement"] = placement_record(finished.placement, spans, executor)
+            placement = placement_record(finished.placement, spans, executor)
+            update: dict[str, Any] = {"placement": Placement(**placement)}
             if finished.placement.device != "?":  # the device the trial really ran on (a slot's GPU, a node's)
-                record["device"] = finished.placement.device
-            spans.append({"id": trial.id, **record["placement"]})
+                update["device"] = finished.placement.device
+            record = trial_record(trial, outcome).model_copy(update=update)
+            spans.append({"id": trial.id, **placement})
             write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
             write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
-            append_trial(run_dir, record)
-            if record["status"] == "oom":
+            append_trial(run_dir, record.data())
+            if record.status == "oom":
                 key = (trial.row, trial.repeat, trial.variant)
                 oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
             if on_end is not None:
-                on_end(trial, record)
+                on_end(trial, record.data())
     finally:
         executor.close()
 

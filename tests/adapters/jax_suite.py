@@ -16,6 +16,7 @@ from adapters.jax.adapter import JaxAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit, loss_runs, reference, scenarios
+from tests.trials import run_options
 
 
 def test_learns_digits_on_cpu():
@@ -129,7 +130,7 @@ def _built(precision: str, model=kit.CNN, cfg=None, weights=None, optimizer=kit.
     else:
         data, info = datasets.load(cfg, seed=0), models.analyze(model, *datasets.describe_input(cfg))
     adapter = JaxAdapter()
-    adapter.options = {"precision": precision, "compile": "compiled"}
+    adapter.options = run_options({"precision": precision, "compile": "compiled"})
     adapter.prepare("cpu", 2, 0)
     adapter.build(info, models.initial_weights(info, 0) if weights is None else weights(info), optimizer)
     adapter.load(data)

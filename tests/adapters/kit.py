@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from adapters.base import RunOptions
 from harness.neutral import datasets, models
 from harness.spec import DigitsData, ModelSpec, OptimizerSpec
+from tests.trials import run_options
 
 # The seed-002 CNN, sized for 8x8 digits: conv 3x3 same (32) -> maxpool 2 -> flatten -> dense 128 -> dense 10.
 CNN = ModelSpec.model_validate({"layers": [
@@ -189,7 +191,7 @@ def check_allocator_options_on_cpu(adapter_cls) -> None:
     neither a framework memory limit nor a memory-growth setting."""
     data, info = digits()
     adapter = adapter_cls()
-    adapter.options = {"tensorflow_memory_growth": False, "memory_limit_bytes": 2 * 10**9}
+    adapter.options = run_options({"tensorflow_memory_growth": False, "memory_limit_bytes": 2 * 10**9})
     adapter.prepare("cpu", 2, 0)
     adapter.build(info, models.initial_weights(info, 0), SGD)
     adapter.load(data)
@@ -197,7 +199,7 @@ def check_allocator_options_on_cpu(adapter_cls) -> None:
     assert np.isfinite(adapter.read_loss()[0])
     settings = adapter.settings()
     assert not {"memory_limit_bytes", "memory_limit", "memory_growth"} & set(settings), settings
-    assert adapter_cls.options == {}  # the instance's options, not the class default, were set
+    assert adapter_cls.options == RunOptions()  # the instance's options, not the class default, were set
 
 
 # A small model with every layer kind that has a training and an inference mode, or buffers.

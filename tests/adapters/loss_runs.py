@@ -14,8 +14,9 @@ import time
 import numpy as np
 
 from harness.execution.worker import train
-from harness.spec import OptimizerSpec, TimingSpec
+from harness.spec import OptimizerSpec
 from tests.adapters import kit
+from tests.trials import loop_trial
 
 OPTIMIZER = OptimizerSpec(name="sgd", learning_rate=0.01)
 BATCH, EPOCHS, WARMUP, FAST_WINDOW = 32, 2, 3, 3
@@ -45,9 +46,8 @@ def loop(adapter_cls: type, timing: dict, batch: int = BATCH, accumulation: int 
     built from the canonical weights; ``batch`` x ``accumulation`` samples per optimizer step. Asserts that nothing
     was traced or compiled inside the timed windows (``recompilations``)."""
     adapter, data, _ = kit.make(adapter_cls, optimizer=OPTIMIZER)
-    trial = {"batch_size": batch, "accumulation_steps": accumulation, "epochs": EPOCHS, "warmup_steps": WARMUP,
-             "seed": 0, "timing": TimingSpec.model_validate(timing).model_dump(mode="json")}
-    metrics = train(adapter, data, trial, lambda event, **fields: None)
+    trial = loop_trial(batch, timing, accumulation, epochs=EPOCHS, warmup_steps=WARMUP)
+    metrics = train(adapter, data, trial, lambda event: None)
     assert metrics["recompilations"] in (None, 0), metrics["recompilations"]  # restarting the sum compiles nothing
     return {"train_loss": [e["train_loss"] for e in metrics["epochs"]],
             "steps": [e["train_loss_steps"] for e in metrics["epochs"]], "windows": [metrics["timed_windows"]]}

@@ -19,6 +19,7 @@ from adapters.mxnet.adapter import MXNetAdapter, _running_var_is_biased, mx
 from harness.neutral import datasets
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
+from tests.trials import run_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -238,13 +239,13 @@ def test_memory_limit_on_a_gpu_is_recorded_as_unsupported(monkeypatch):
     monkeypatch.setattr(mx.context, "num_gpus", lambda: 1)
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # prepare sets it by setdefault; keep this process clean
     adapter = MXNetAdapter()
-    adapter.options = {"tensorflow_memory_growth": True, "memory_limit_bytes": 4 * 10**9}
+    adapter.options = run_options({"tensorflow_memory_growth": True, "memory_limit_bytes": 4 * 10**9})
     adapter.prepare("cuda:0", None, 0)
     settings = adapter.settings()
     assert settings["memory_limit"] == "not supported by MXNet on GPU"
     assert settings["memory_limit_bytes"] is None and settings["memory_limit_requested_bytes"] == 4 * 10**9
     unlimited = MXNetAdapter()
-    unlimited.options = {"memory_limit_bytes": None}
+    unlimited.options = run_options({"memory_limit_bytes": None})
     unlimited.prepare("cuda:0", None, 0)
     assert "memory_limit" not in unlimited.settings()
 

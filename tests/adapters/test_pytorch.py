@@ -6,6 +6,7 @@ import torch
 
 from adapters.pytorch.adapter import PyTorchAdapter
 from tests.adapters import kit
+from tests.trials import run_options
 
 
 def test_learns_digits_on_cpu():
@@ -45,7 +46,7 @@ def test_memory_limit_on_a_gpu_is_a_per_process_fraction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device: calls.append((fraction, device)))
     adapter = PyTorchAdapter()
-    adapter.options = {"memory_limit_bytes": 20 * 2**30}
+    adapter.options = run_options({"memory_limit_bytes": 20 * 2**30})
     adapter._apply_memory_limit(1)
     assert calls == [(0.25, 1)] and isinstance(calls[0][0], float)  # the call insists on a float
     adapter.device = torch.device("cuda:1")  # what prepare sets; settings() reads no CUDA state
@@ -55,13 +56,13 @@ def test_memory_limit_on_a_gpu_is_a_per_process_fraction(monkeypatch):
 
     calls.clear()
     above = PyTorchAdapter()
-    above.options = {"memory_limit_bytes": 100 * 2**30}  # more than the device has: a fraction of 1, no cap
+    above.options = run_options({"memory_limit_bytes": 100 * 2**30})  # more than the device has: a fraction of 1
     above._apply_memory_limit(0)
     assert calls == [(1.0, 0)]
 
     calls.clear()
     unlimited = PyTorchAdapter()
-    unlimited.options = {"tensorflow_memory_growth": True, "memory_limit_bytes": None}
+    unlimited.options = run_options({"tensorflow_memory_growth": True, "memory_limit_bytes": None})
     unlimited._apply_memory_limit(0)
     unlimited.device = torch.device("cuda:0")
     assert calls == [] and unlimited.settings()["memory_limit_bytes"] is None

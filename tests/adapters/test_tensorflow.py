@@ -11,6 +11,7 @@ from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
+from tests.trials import run_options
 
 
 def test_learns_digits_on_cpu():
@@ -126,7 +127,7 @@ def test_gpu_memory_options(monkeypatch, options, growth_calls, logical, setting
     monkeypatch.setattr(tf.config, "set_logical_device_configuration",
                         lambda gpu, devices: logical_devices.append(devices))
     adapter = TensorFlowAdapter()
-    adapter.options = options
+    adapter.options = run_options(options)
     adapter._configure_gpu_memory(object())
     assert growth == growth_calls
     if logical is None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from harness.execution.launcher import run_worker
+from harness.execution.protocol import Payload
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets, memory
 from harness.plan import model_info, plan
@@ -179,10 +181,9 @@ class _Search:
         pspec = probe_spec(self.spec, self.framework, batch_size, limit_mb, self.device, self.spec_file,
                            self.with_dataset)
         trial = plan(pspec, self.device)[0]
-        payload = trial.payload(pspec)
         if self.with_dataset:  # the whole dataset resident, but one step per epoch (see harness.execution.worker)
-            payload["trial"]["max_steps_per_epoch"] = 1
-        return run_worker(payload, self.timeout_s, interval_s, self.device, trial.threads)
+            trial = replace(trial, max_steps_per_epoch=1)
+        return run_worker(Payload(trial=trial, spec=pspec), self.timeout_s, interval_s, self.device, trial.threads)
 
     def _control(self, batch_size: int, status: str, reason: str) -> tuple[str, str]:
         """A probe that failed under the CPU cap otherwise than with an OOM (a C++ runtime that cannot allocate a
