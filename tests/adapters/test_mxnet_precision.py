@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from adapters.base import RunOptions
 from adapters.mxnet.adapter import MXNetAdapter, amp, mx, nd
 from harness.neutral import datasets, models
 from tests.adapters import kit, scenarios
@@ -24,7 +25,7 @@ STEPS = (1, 10)
 
 def configured(precision: str = "fp32", compile: str = "compiled") -> type[MXNetAdapter]:
     """The adapter class with the worker's options preset (the worker sets them on the instance)."""
-    return type("Configured", (MXNetAdapter,), {"options": {"precision": precision, "compile": compile}})
+    return type("Configured", (MXNetAdapter,), {"options": RunOptions(precision=precision, compile=compile)})
 
 
 def _run(name: str, mode: str) -> tuple[np.ndarray, list[float], dict[int, dict[str, np.ndarray]], MXNetAdapter]:
@@ -134,13 +135,13 @@ def test_bf16_fails_in_mxnet_itself_as_the_reason_says():
 # is declared on CUDA only; PRECISIONS is widened to get past the refusal on the CPU.
 _FP16_PLUMBING = """
 import json
-from adapters.base import BOTH
+from adapters.base import BOTH, RunOptions
 from adapters.mxnet.adapter import MXNetAdapter, mx  # adapters.mxnet first: it makes mxnet importable on this numpy
 from tests.adapters import kit
 out = {}
 for mode in ("eager", "compiled"):
     cls = type("F16", (MXNetAdapter,), {"PRECISIONS": {"fp32": BOTH, "fp16": BOTH},
-                                        "options": {"precision": "fp16", "compile": mode}})
+                                        "options": RunOptions(precision="fp16", compile=mode)})
     adapter, data, _ = kit.make(cls)
     settings = adapter.settings()
     grads = [p.grad().dtype.__name__ for p in adapter._params.values() if p.grad_req != "null"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from adapters.base import RunOptions
 from adapters.pytorch.adapter import PyTorchAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
@@ -19,7 +20,7 @@ GENTLE = OptimizerSpec(name="sgd", learning_rate=0.01, momentum=0.9)
 
 def configured(precision: str = "fp32", compile: str = "eager") -> type[PyTorchAdapter]:
     """The adapter class with the worker's options preset (the worker sets them on the instance)."""
-    return type("Configured", (PyTorchAdapter,), {"options": {"precision": precision, "compile": compile}})
+    return type("Configured", (PyTorchAdapter,), {"options": RunOptions(precision=precision, compile=compile)})
 
 
 @pytest.mark.parametrize("name", ["digits", *scenarios.BLOCK_MODELS])

@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from adapters.base import BOTH, CUDA
+from adapters.base import BOTH, CUDA, RunOptions
 from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import datasets, models
 from tests.adapters import kit, reference, scenarios
@@ -53,7 +53,7 @@ FLOAT32_OPS = {"FusedBatchNormV3", "FusedBatchNormGradV3", "Softmax", "SparseSof
 
 def configured(precision: str = "fp32", compile: str = "eager") -> type[TensorFlowAdapter]:
     """The adapter class with the worker's options preset (the worker sets them on the instance)."""
-    return type("Configured", (TensorFlowAdapter,), {"options": {"precision": precision, "compile": compile}})
+    return type("Configured", (TensorFlowAdapter,), {"options": RunOptions(precision=precision, compile=compile)})
 
 
 def _setup(name: str, adapter_cls: type[TensorFlowAdapter], weights=None):
