@@ -228,12 +228,26 @@ class Adapter(abc.ABC):
         """Waits until all queued device work is done, without restarting the loss sum: the edges of a timed
         window."""
 
-    @abc.abstractmethod
+    #: train_steps queued since the last ``read_loss``: each adapter's ``train_step`` adds one per optimizer step.
+    _loss_steps: int = 0
+
     def read_loss(self) -> tuple[float, int]:
         """The loss read: waits until all queued device work is done and returns (the mean loss of the train_steps
         since the previous read, how many steps that is), then restarts the sum and the count; (nan, 0) when no step
         ran since. One scalar copy whatever the number of steps; the float32 sum's rounding is at most about n x 6e-8
-        relative for n steps (in practice sqrt(n) x 6e-8: 2e-6 for 1000 steps)."""
+        relative for n steps (in practice sqrt(n) x 6e-8: 2e-6 for 1000 steps). The counting is here; the sum is
+        the adapter's (``_take_loss_sum``)."""
+        self.wait()
+        steps, self._loss_steps = self._loss_steps, 0
+        if not steps:
+            return float("nan"), 0
+        return self._take_loss_sum() / steps, steps
+
+    def _take_loss_sum(self) -> float:
+        """The device-resident sum of the step losses since the last read, copied to the host, and the sum restarted
+        at zero; called by ``read_loss`` after ``wait``, only when a step ran. An adapter that overrides
+        ``read_loss`` itself need not define it. Raises NotImplementedError otherwise."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither read_loss nor _take_loss_sum")
 
     # -- evaluation ----------------------------------------------------------------------------------------------
 

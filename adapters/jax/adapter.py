@@ -377,15 +377,13 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         else:
             self._loss_sum.block_until_ready()
 
-    def read_loss(self) -> tuple[float, int]:
-        """``wait``, then the sum copied to the host (``float``) and a new zero sum put on the device."""
-        self.wait()
-        steps, self._loss_steps = self._loss_steps, 0
-        if not steps or self._loss_sum is None:
-            return float("nan"), 0
+    def _take_loss_sum(self) -> float:
+        """The sum copied to the host (``float``) and a new zero sum put on the device."""
+        if self._loss_sum is None:
+            raise RuntimeError("no loss sum: read_loss reads only after a train_step")
         total = float(self._loss_sum)
         self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self.device)
-        return total / steps, steps
+        return total
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         n = int(self.x_test.shape[0])

@@ -480,16 +480,11 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         clock (its sum is one more operator and engine round trip)."""
         nd.waitall()
 
-    def read_loss(self) -> tuple[float, int]:
-        """``wait``, then each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a
-        trial) / B; the sums are dropped."""
-        self.wait()
-        steps, self._loss_steps = self._loss_steps, 0
+    def _take_loss_sum(self) -> float:
+        """Each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a trial) / B; the
+        sums are dropped."""
         sums, self._loss_sums = self._loss_sums, {}
-        if not steps:
-            return float("nan"), 0
-        total = sum(float(held.sum().asscalar()) / key[0] for key, held in sums.items())
-        return total / steps, steps
+        return sum(float(held.sum().asscalar()) / key[0] for key, held in sums.items())
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Outside ``autograd.record`` Gluon runs in inference mode. Batches of ``batch_size`` and a smaller last one

@@ -314,15 +314,13 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def read_loss(self) -> tuple[float, int]:
-        """``wait``, then the sum's ``.item()`` (one scalar copy) and ``zero_`` (queued, before the next step)."""
-        self.wait()
-        steps, self._loss_steps = self._loss_steps, 0
-        if not steps or self._loss_sum is None:
-            return float("nan"), 0
+    def _take_loss_sum(self) -> float:
+        """The sum's ``.item()`` (one scalar copy) and ``zero_`` (queued, before the next step)."""
+        if self._loss_sum is None:
+            raise RuntimeError("no loss sum: read_loss reads only after a train_step")
         total = float(self._loss_sum.item())
         self._loss_sum.zero_()
-        return total / steps, steps
+        return total
 
     @torch.no_grad()
     def evaluate(self, batch_size: int) -> tuple[float, float]:

@@ -492,15 +492,12 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         if self._last_loss is not None:
             self._last_loss.numpy()
 
-    def read_loss(self) -> tuple[float, int]:
-        """``wait``, then the sum variable's value (``.numpy()``) and ``assign(0)``."""
-        self.wait()
-        steps, self._loss_steps = self._loss_steps, 0
-        if not steps or self._loss_sum is None:
-            return float("nan"), 0
-        total = float(self._loss_sum.numpy())
-        self._loss_sum.assign(0.0)
-        return total / steps, steps
+    def _take_loss_sum(self) -> float:
+        """The sum variable's value (``.numpy()``) and ``assign(0)``."""
+        variable = self._loss_variable()
+        total = float(variable.numpy())
+        variable.assign(0.0)
+        return total
 
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """(mean cross-entropy, accuracy in [0, 1]) over the test set (over every position of every sequence for a
