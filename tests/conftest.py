@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.fault_adapter import REGISTRATION  # noqa: E402
+from tests.fakes.fault_adapter import REGISTRATION  # noqa: E402
 
 TINY_CNN = [
     {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},

@@ -15,7 +15,7 @@ from harness.results import report, store
 from harness.spec import ModelSpec
 from harness.studies import sweep
 from tests.conftest import TINY_CNN, base_spec
-from tests.fault_adapter import FaultAdapter
+from tests.fakes.fault_adapter import FaultAdapter
 
 RESIDUAL_CNN = [
     {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
@@ -74,11 +74,11 @@ def test_an_adapter_class_takes_its_facts_from_its_declaration():
 
     assert Sub.declaration is record and Sub.name == "planted"
     assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.layers == base.BASIC_LAYERS
-    assert FaultAdapter.declaration.adapter == "tests.fault_adapter:FaultAdapter"
+    assert FaultAdapter.declaration.adapter == "tests.fakes.fault_adapter:FaultAdapter"
 
 
 def test_an_adapter_of_harness_adapters_has_no_declaration_here(monkeypatch):
-    monkeypatch.setenv("HARNESS_ADAPTERS", "pytorch=tests.fault_adapter:FaultAdapter")
+    monkeypatch.setenv("HARNESS_ADAPTERS", "pytorch=tests.fakes.fault_adapter:FaultAdapter")
     assert adapters.declaration("pytorch") is None and adapters.declaration("other") is None
     assert adapters.attention("pytorch") == adapters.attention("other") == base.Adapter.ATTENTION
     assert adapters.declaration("mxnet") is adapters.BUILTIN["mxnet"]
@@ -110,7 +110,7 @@ def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):
     assert adapters.unsupported("tensorflow", tokens) == ("the tensorflow adapter does not support token inputs "
                                                           "(sequence classification) (the dataset)")
     # an adapter the registry has no table for is decided by its worker; so is a built-in name it replaces
-    monkeypatch.setenv("HARNESS_ADAPTERS", "mxnet=tests.fault_adapter:FaultAdapter")
+    monkeypatch.setenv("HARNESS_ADAPTERS", "mxnet=tests.fakes.fault_adapter:FaultAdapter")
     assert adapters.unsupported("mxnet", residual) is None and adapters.unsupported("other", residual) is None
     # the contract's default: an adapter that declares nothing builds what every adapter built before blocks
     assert FaultAdapter().unsupported(cnn) is None

@@ -15,7 +15,7 @@ import pytest
 
 from harness.results import store
 from harness.studies.compare import DEFAULT_DRIFT_PCT, compare_runs, resolvable_lines, to_markdown
-from tests.test_report import record
+from tests.results.test_report import record
 
 FRAMEWORKS, BATCH_SIZES = ("pytorch", "mxnet"), (8, 16, 32, 64)
 

@@ -5,7 +5,7 @@ Faults (at the third train_step): raise (ValueError), oom (MemoryError, which th
 kill (SIGKILL to itself), segv (SIGSEGV to itself), hang (sleeps forever), exit (os._exit(3) without a report).
 HARNESS_STEP_SLEEP, e.g. "*:0.002,64:0.004", sleeps that many seconds in every train_step of that batch size ("*" for
 any): a stable step time, and a planted slowdown for the comparison tests.
-Registered for a test with HARNESS_ADAPTERS="fault=tests.fault_adapter:FaultAdapter".
+Registered for a test with HARNESS_ADAPTERS="fault=tests.fakes.fault_adapter:FaultAdapter".
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from adapters.base import Adapter
 
-REGISTRATION = "fault=tests.fault_adapter:FaultAdapter"
+REGISTRATION = "fault=tests.fakes.fault_adapter:FaultAdapter"
 
 
 class FaultAdapter(Adapter):

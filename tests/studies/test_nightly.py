@@ -184,7 +184,7 @@ def fewest_repeats_for_noise_aware_verdicts(tmp_path):
     spread behind every throughput verdict), found by asking the rule on constructed runs of 1, 2, ... repeats."""
     import math
 
-    from tests.test_compare import make_run
+    from tests.studies.test_compare import make_run
 
     for repeats in range(1, 10):
         def wobble(fw, bs, r):
