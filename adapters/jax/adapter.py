@@ -1,61 +1,10 @@
-"""JAX adapter: the canonical layers as ``jax.lax`` ops over a parameter dict, optax optimizers, one jit-compiled
-train step per (batch size, micro-batches), data resident on the device, NHWC.
+"""JAX adapter: the canonical layers as ``jax.lax`` ops over a parameter dict (``adapters.jax.layers``), optax
+optimizers, one jit-compiled train step per (batch size, micro-batches), data resident on the device, NHWC.
+``JaxAdapter`` implements ``adapters.base.Adapter``: one mode, "compiled" (``jax.jit`` of the whole step, XLA); fp32
+(``lax.Precision.HIGHEST``), tf32 (GPUs), bf16, and fp16 (GPUs) with dynamic loss scaling (``_scaled_update``).
+Weights go into TensorFlow's layouts in ``build`` and back in ``get_weights`` / ``get_buffers``.
 
-Layouts are TensorFlow's (both compute NHWC): conv kernels HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels
-(in, out), and the first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
-``harness.neutral.models.chw_to_hwc_permutation`` (a batchnorm over those flat features has its parameters and running
-statistics permuted the same way); the data is never permuted. ``get_weights`` / ``get_buffers`` invert this.
-Layernorm, embedding and attention keep the canonical layouts as they are (attention: ``jax.nn.dot_product_attention``
-between the canonical fused in-projection and the output projection). Residual blocks compose their body and
-shortcut; the layers themselves are in ``adapters.jax.layers``. Token models take int32 ids (B, L); a next-token
-model's loss is the mean cross-entropy over every position.
-
-Why no flax: the model is a handful of ``lax`` ops over canonical parameters, which is exactly what a framework-neutral
-model needs; flax's ``BatchNorm`` updates the running variance with the biased batch variance, so it would need the
-correction the MXNet adapter makes, and its module tree would add a naming layer to convert through.
-
-The optimizer is optax's, with PyTorch's semantics (``harness.spec.OptimizerSpec``): weight decay is
-``optax.add_decayed_weights`` before the optimizer (an L2 term added to the gradient, as in torch.optim), SGD is
-``optax.sgd`` (``trace``: v <- momentum * v + g, then -lr * v, PyTorch's form), Adam is ``optax.adam`` with
-``eps_root=0`` (m_hat / (sqrt(v_hat) + eps): epsilon where PyTorch puts it; https://optax.readthedocs.io/en/latest/
-api/optimizers.html#optax.adam). Batchnorm: batch statistics in training, the running mean and the UNBIASED running
-variance updated with the canonical momentum. Dropout masks come from JAX's own RNG (``jax.random``, a key per step
-folded with the layer index): each framework's own draws, as documented for the others.
-
-The train step gathers the batch from the resident dataset by indices on the device (the dataset is an argument of
-the jitted function, not a constant, so ``set_train_images`` swaps it without a retrace) and donates the training
-state (``donate_argnums``; https://docs.jax.dev/en/latest/faq.html#buffer-donation) with the running loss sum, which
-the jitted step carries (``_summed_step``). ``wait`` is ``block_until_ready`` on that sum, an output of the last step
-(https://docs.jax.dev/en/latest/async_dispatch.html).
-
-Memory: ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set before JAX is imported (otherwise JAX maps 75 % of GPU memory
-at its first use, the trap TensorFlow's memory growth avoids; https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
-and a ``memory_limit_bytes`` option on a GPU becomes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` before the backend starts.
-The allocator peak is ``Device.memory_stats()["peak_bytes_in_use"]`` where the backend has statistics (GPUs; the CPU
-has none): JAX cannot reset it, so it is the peak since the worker started, compilation and warm-up included.
-CPU threads: XLA's CPU client has no intra-op thread count; with one thread asked for (OMP_NUM_THREADS=1, which the
-launcher sets before this module is imported), Eigen's thread pool is turned off through XLA_FLAGS.
-
-Execution: one mode, "compiled" (``jax.jit`` of the whole train step, XLA); JAX has no eager training loop worth
-measuring, so ``compile: eager`` is unsupported. Precision (``options.precision``, default fp32; the layers'
-``adapters.jax.layers.Compute``): fp32 means fp32: every conv and dot at ``lax.Precision.HIGHEST`` and
-``jax_default_matmul_precision`` "highest" (on NVIDIA GPUs JAX's DEFAULT uses TF32 for float32 operands;
-https://docs.jax.dev/en/latest/_autosummary/jax.lax.Precision.html). tf32 (GPUs): the same float32 computation at
-DEFAULT precision, which is TF32 there. bf16 (CPU and GPUs) and fp16 (GPUs), mixed precision with the policy every
-adapter follows: parameters and optimizer state stay float32 (master weights); conv, dense, attention's projections
-and its score and value products, and the embedding's output compute in the 16-bit dtype (inputs and weights cast at
-the op); batchnorm, layernorm, softmax and the loss in float32 (running statistics float32); the logits are returned
-as float32; gradients reach the float32 parameters through the casts. Written with plain ``astype`` casts in the
-layers: the ``jmp`` package, which had such policies, is archived, and flax is not used here (above). fp16 adds
-dynamic loss scaling (float16's range is too small for small gradients; bfloat16 has float32's and needs none):
-the loss is multiplied by the scale (initially 2 ** 16), the gradients divided by it; a step whose gradients are not
-all finite is skipped (parameters and optimizer state kept; batchnorm's running statistics keep the forward pass's
-update, as in PyTorch's ``GradScaler``) and halves the scale; 2000 finite steps in a row double it. The scale and
-the count live in the jitted step's carried state. optax has no loss scaling (``optax.apply_if_finite`` skips
-non-finite updates but neither scales nor unscales), so it is a few ``jnp.where`` in ``_scaled_update``, written from
-the description of ``torch.amp.GradScaler`` (its defaults: initial scale 2 ** 16, factors 2 and 0.5, 2000 steps;
-https://docs.pytorch.org/docs/stable/amp.html#gradient-scaling); no GPU was available to run fp16 or tf32 (fp16's
-mechanics are tested on the CPU, where XLA computes float16 too).
+Design: docs/design/framework-caveats.md#jax (why no flax, layouts, precision, memory and CPU threads).
 """
 
 from __future__ import annotations
@@ -66,7 +15,11 @@ import importlib.util
 import os
 from typing import Any
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before the import, see the module docstring
+# Before the import: otherwise JAX maps 75 % of GPU memory at its first use
+# (https://docs.jax.dev/en/latest/gpu_memory_allocation.html).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# XLA's CPU client has no intra-op thread count: with one thread asked for (OMP_NUM_THREADS=1, which the launcher sets
+# before this module is imported), Eigen's thread pool is turned off through XLA_FLAGS.
 if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
@@ -82,7 +35,7 @@ from adapters.jax import layers as L
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
 
 Params = L.Params
-#: fp16's dynamic loss scaling (see the module docstring): the initial scale (PyTorch's ``GradScaler`` default) and
+#: fp16's dynamic loss scaling (``_scaled_update``): the initial scale (PyTorch's ``GradScaler`` default) and
 #: the finite steps in a row after which the scale doubles.
 LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_STEPS = 2.0 ** 16, 2000
 
@@ -176,8 +129,13 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             self._memory = {"memory_limit_bytes": int(limit), "memory_limit_skipped": "device memory unknown"}
 
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
-        """The canonical weights in JAX's layouts (see the module docstring), batchnorm's running statistics from
-        ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``, and the optimizer."""
+        """The canonical weights in JAX's layouts, batchnorm's running statistics from ``weights``' buffers if it has
+        them, else ``harness.neutral.models.initial_buffers``, and the optimizer (``_optimizer``). The layouts are
+        TensorFlow's (both compute NHWC): conv kernels HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in,
+        out), and the first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
+        ``harness.neutral.models.chw_to_hwc_permutation`` (a batchnorm over those flat features has its parameters and
+        running statistics permuted the same way); the data is never permuted. Layernorm, embedding and attention keep
+        the canonical layouts. ``get_weights`` / ``get_buffers`` invert this (``_canonical``)."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         self._layers, self._perms, self._transforms, self._steps = [], {}, {}, {}
         self._loss_sum, self._loss_steps = None, 0
@@ -353,7 +311,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         key = (len(indices), micro_batches)
         if key not in self._steps:
-            # The state is donated on a GPU; XLA's CPU client cannot reuse donated buffers (it would warn each time).
+            # The state and the loss sum are donated on a GPU (https://docs.jax.dev/en/latest/faq.html#buffer-donation);
+            # XLA's CPU client cannot reuse donated buffers (it would warn each time).
             self._steps[key] = jax.jit(functools.partial(self._summed_step, micro_batches),
                                        donate_argnums=(0, 1) if self._gpu else ())
         # Plain numpy into the jitted step: jit copies it to the device of the committed data. jnp.asarray first
@@ -418,7 +377,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         return {name: self._canonical(name, value) for name, value in self.stats.items()}
 
     def reset_memory_stats(self) -> None:
-        """JAX cannot reset its allocator's peak: ``memory_stats`` reports the peak since the worker started."""
+        """JAX cannot reset its allocator's peak: ``memory_stats`` reports the peak since the worker started,
+        compilation and warm-up included."""
 
     def memory_stats(self) -> dict[str, int]:
         stats = self.device.memory_stats() if self.device is not None else None
@@ -460,9 +420,16 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
 def _scaled_update(tx: optax.GradientTransformation, grads: Params, params: Params, opt_state: Any,
                    scaler: tuple[jax.Array, jax.Array]) -> tuple[Params, Any, tuple[jax.Array, jax.Array]]:
-    """fp16's update with dynamic loss scaling (module docstring). ``grads`` are of the loss times ``scaler[0]``
-    (float32 scalar); ``scaler[1]`` (int32 scalar) counts the finite steps in a row. Returns the parameters and
-    optimizer state (updated, or kept when a gradient is inf or nan) and the next (scale, count)."""
+    """fp16's update with dynamic loss scaling (float16's range is too small for small gradients; bfloat16 has
+    float32's and needs none). ``grads`` are of the loss times ``scaler[0]`` (float32 scalar, initially
+    ``LOSS_SCALE_INIT``), divided by it here; ``scaler[1]`` (int32 scalar) counts the finite steps in a row. Returns the
+    parameters and optimizer state (updated, or kept when a gradient is inf or nan: the step is skipped, while
+    batchnorm's running statistics keep the forward pass's update, as in PyTorch's ``GradScaler``) and the next (scale,
+    count) (``_next_loss_scale``); both live in the jitted step's carried state.
+
+    optax has no loss scaling (``optax.apply_if_finite`` skips non-finite updates but neither scales nor unscales), so
+    this is a few ``jnp.where``, written from the description of ``torch.amp.GradScaler`` (its defaults: initial scale
+    2 ** 16, factors 2 and 0.5, 2000 steps; https://docs.pytorch.org/docs/stable/amp.html#gradient-scaling)."""
     scale, good = scaler
     grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
     finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]).all()
@@ -485,7 +452,10 @@ def _next_loss_scale(scale: jax.Array, good: jax.Array, finite: jax.Array) -> tu
 
 
 def _optimizer(optimizer: Any) -> optax.GradientTransformation:
-    """optax with PyTorch's semantics (see the module docstring)."""
+    """optax with PyTorch's semantics (``harness.spec.OptimizerSpec``): weight decay is ``optax.add_decayed_weights``
+    before the optimizer (an L2 term added to the gradient, as in torch.optim); SGD is ``optax.sgd`` (``trace``: v <-
+    momentum * v + g, then -lr * v, PyTorch's form); Adam is ``optax.adam`` with ``eps_root=0`` (m_hat / (sqrt(v_hat)
+    + eps): epsilon where PyTorch puts it; https://optax.readthedocs.io/en/latest/api/optimizers.html#optax.adam)."""
     if optimizer.name == "sgd":
         main = optax.sgd(optimizer.learning_rate, momentum=optimizer.momentum or None)
     else:

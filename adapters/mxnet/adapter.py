@@ -1,42 +1,10 @@
-"""MXNet adapter: Gluon ``HybridSequential`` hybridized with ``static_alloc``/``static_shape``, data resident on the
-device, NCHW images and (N, L, D) sequences; the blocks Gluon lacks (residual, embedding, attention, sequence
-pooling) are ``adapters.mxnet.layers``'.
+"""MXNet adapter: a Gluon ``HybridSequential``, hybridized with ``static_alloc``/``static_shape`` in the "compiled"
+mode (the default) and imperative in "eager", data resident on the device, NCHW images and (N, L, D) sequences, the
+canonical weights copied in unchanged. ``MXNetAdapter`` implements ``adapters.base.Adapter``; the blocks Gluon lacks
+(residual, embedding, attention, sequence pooling) are ``adapters.mxnet.layers``', AMP and the optimizers
+``adapters.mxnet.training``'. Precisions: fp32 everywhere, fp16 on a CUDA GPU (AMP); bf16 and tf32 are not declared.
 
-MXNet runs every operator asynchronously on its engine's worker threads; errors and results surface at the next
-synchronisation point, so ``wait`` is ``mx.nd.waitall`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
-ndarray/ndarray.html#mxnet.ndarray.waitall). The CPU thread count is fixed when libmxnet loads, from ``OMP_NUM_THREADS``
-(or ``MXNET_OMP_MAX_THREADS``; unset, half the logical CPUs on x86), and cannot be changed afterwards (see ``prepare``).
-MXNet exposes no allocator peak counters, so ``memory_stats`` is empty, and no per-process GPU memory cap, so a
-``memory_limit_bytes`` option is recorded as unsupported on a GPU (on the CPU the worker caps the process itself).
-
-Execution modes (``COMPILE_MODES``; https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/
-hybrid_block.html): ``compiled``, the default, hybridizes the net with ``static_alloc``/``static_shape`` (one cached
-symbolic graph); ``eager`` does not hybridize it, so every Gluon block calls its ``mx.nd`` operators one by one,
-imperatively. On the CPU both run the same operators and kernels, so their float32 results agree to rounding; on a
-GPU the hybridized graph may also fuse pointwise operators (``MXNET_USE_FUSION``, default on for CUDA builds:
-https://mxnet.apache.org/versions/1.9.1/api/faq/env_var).
-
-Precisions (``PRECISIONS``): fp32 everywhere, and fp16 on a CUDA GPU through MXNet's AMP (``mxnet.contrib.amp``,
-https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/amp/index.html; see
-``adapters.mxnet.training.init_amp`` for what it casts and where that differs from the shared policy). Not declared,
-with the reason ``unsupported_execution`` gives (the declaration's ``notes``, which the reasons quote):
-
-- bf16 (checked on MXNet 1.9.1 with its oneDNN 2.4.4, on an AMD EPYC with AVX2 and no AVX-512): ``amp.init(
-  target_dtype="bfloat16")`` then one training step of a conv + dense net, hybridized or not, fails in the first
-  convolution with ``MXNetError: could not create a primitive descriptor iterator`` (src/operator/nn/mkldnn/
-  mkldnn_convolution.cc; the same for a bfloat16 ``FullyConnected``, forward and backward). MXNet's bfloat16
-  kernels for ``Convolution`` and ``FullyConnected`` are oneDNN's, and oneDNN creates bf16 primitives only on
-  AVX-512 CPUs (its minimal ISA for bf16 is "Intel DL Boost with bfloat16 support", https://oneapi-src.github.io/
-  oneDNN/v2/dev_guide_data_types.html); MXNet's own kernels reject the type (with oneDNN off,
-  ``MXNET_MKLDNN_ENABLED=0``: ``Unknown type enum 12``, ``Unsupported type 12``). ``dot`` and ``batch_dot``
-  (attention's matrix products) have no bfloat16 kernel on the CPU at all (``dot only supports float32/float64 for
-  CPU``), so AMP's bf16 lists keep them in float32 (widest-type ops) and the policy's "matrix products in
-  bfloat16" could not hold for attention even on an AVX-512 CPU (where AMP bf16 was not tried: no such CPU here).
-  bf16 on a GPU is not declared either: MXNet 1.9.1's bfloat16 support targets oneDNN (AMP's bf16 op lists name
-  its fused ``_sg_mkldnn_conv`` / ``_sg_mkldnn_fully_connected``, mxnet/contrib/amp/lists/symbol_bf16.py), and it
-  was not tried on a GPU.
-- tf32: MXNet 1.9.1 has no switch for it (no API or environment variable of its own); fp32 on a GPU is kept
-  strict with ``NVIDIA_TF32_OVERRIDE=0`` (``prepare``).
+Design: docs/design/framework-caveats.md#mxnet (the asynchronous engine, threads, the two modes, why no bf16 or tf32).
 """
 
 from __future__ import annotations
@@ -476,8 +444,11 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             self._grad_req = req
 
     def wait(self) -> None:
-        """``nd.waitall``: every operator queued on the engine is done. The loss is read by ``read_loss``, after the
-        clock (its sum is one more operator and engine round trip)."""
+        """``nd.waitall``: every operator queued on the engine is done
+        (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/ndarray/ndarray.html#mxnet.ndarray.waitall).
+        MXNet runs operators asynchronously on its engine's worker threads, so errors and results surface at such a
+        synchronisation point. The loss is read by ``read_loss``, after the clock (its sum is one more operator and
+        engine round trip)."""
         nd.waitall()
 
     def _take_loss_sum(self) -> float:

@@ -1,26 +1,9 @@
-"""PyTorch adapter: eager mode or ``torch.compile``, fp32 or mixed precision, data resident on the device, NCHW.
+"""PyTorch adapter: eager mode or ``torch.compile``, fp32 or mixed precision (``torch.autocast``, with
+``torch.amp.GradScaler`` in fp16), data resident on the device, NCHW images and (B, L, D) sequences.
+``PyTorchAdapter`` implements ``adapters.base.Adapter``; its blocks are in ``adapters.pytorch.layers``. The canonical
+layouts and batchnorm are PyTorch's own, so the weights are copied in unchanged.
 
-Execution modes (``COMPILE_MODES``): ``eager`` runs the ``torch.nn`` modules as they are; ``compiled`` runs the
-training forward pass through ``torch.compile(model)`` (TorchInductor, mode "default";
-https://pytorch.org/docs/stable/generated/torch.compile.html), compiled on the first step (a warm-up step: its time is
-the trial's ``first_step_seconds``); evaluation and prediction run the same compiled module in inference mode (one
-more compilation, outside the timed windows).
-
-Precision (``PRECISIONS``): fp32 turns TF32 off on a GPU (``torch.backends.cuda.matmul.allow_tf32`` and
-``torch.backends.cudnn.allow_tf32``, https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-
-later-devices), tf32 on; bf16 and fp16 are ``torch.autocast(device_type, dtype)`` around the forward pass and the loss
-(https://pytorch.org/docs/stable/amp.html): parameters and optimizer state stay float32, autocast runs convolutions,
-linear layers and matrix products in the low precision and the ops of its float32 list (the loss, softmax, norms as
-the device's list says) in float32; fp16 adds ``torch.amp.GradScaler`` (dynamic loss scaling: scale the loss, unscale
-the gradients, skip the step and lower the scale on inf/nan). fp16 autocast on the CPU is left out (``PRECISIONS``):
-the mixed-precision recipes target GPUs, and a CPU run in fp16 answers no question this tool asks.
-
-``wait`` is ``torch.cuda.synchronize`` on a GPU
-(https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution); on the CPU, PyTorch ops are synchronous.
-Allocator peaks come from ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after
-``reset_peak_memory_stats`` (https://pytorch.org/docs/stable/torch_cuda_memory.html). A ``memory_limit_bytes`` option
-caps the caching allocator on a GPU (``_apply_memory_limit``). The canonical batchnorm is PyTorch's own (momentum
-convention and unbiased running variance), so ``nn.BatchNorm1d/2d`` need no adjustment.
+Design: docs/design/framework-caveats.md#pytorch (execution modes, precision and their sources).
 """
 
 from __future__ import annotations
@@ -359,6 +342,10 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def memory_stats(self) -> dict[str, int]:
+        """On a GPU the caching allocator's peaks since ``reset_memory_stats`` (``reset_peak_memory_stats``):
+        ``allocator_peak_bytes`` (``torch.cuda.max_memory_allocated``, what tensors held) and
+        ``allocator_reserved_peak_bytes`` (``max_memory_reserved``, what it held from the device);
+        https://pytorch.org/docs/stable/torch_cuda_memory.html."""
         if self.device.type != "cuda":
             return {}  # PyTorch keeps no allocator statistics for CPU tensors
         return {"allocator_peak_bytes": int(torch.cuda.max_memory_allocated(self.device)),

@@ -1,65 +1,11 @@
 """TensorFlow adapter: raw ``tf.Variable``s and ``tf.nn`` ops in ``tf.function``s (XLA in the "compiled" mode only),
-data resident on the device, NHWC for images, (B, L, D) for sequences. The layers are in
-``adapters.tensorflow.layers``.
+data resident on the device, NHWC for images, (B, L, D) for sequences. ``TensorFlowAdapter`` implements
+``adapters.base.Adapter``; its layers are in ``adapters.tensorflow.layers`` (Keras's own for layernorm and
+attention), its optimizer update and fp16's loss scaling in ``adapters.tensorflow.training``. Every parameter and
+buffer is kept under its canonical name with the variables that hold it and the inverse of its layout conversion
+(``build``), from which ``get_weights`` and ``get_buffers`` rebuild the canonical arrays.
 
-Layouts: conv kernels are HWIO (``weight.transpose(2, 3, 1, 0)``), dense kernels (in, out) (``weight.T``), and the
-first dense layer after flattening an (H, W, C) tensor has its input rows permuted by
-``harness.neutral.models.chw_to_hwc_permutation`` so that it computes exactly the canonical channel-first model; the
-data itself is never permuted (a batchnorm over those flat features has its gamma, beta and running statistics permuted
-the same way). A flatten whose features reach no dense layer through elementwise layers and batchnorms only (a
-residual block, a layernorm or the output come first) transposes to channel-first order instead. Batchnorm is
-``FusedBatchNormV3`` on NHWC (see ``layers.batchnorm``), its running statistics non-trainable variables.
-Every parameter and buffer is kept under its canonical name ("3.1.weight", "4.shortcut_bn.running_var", ...) with
-the variables that hold it and the inverse of its conversion, from which ``get_weights`` and ``get_buffers`` rebuild
-the canonical arrays.
-
-The new layers: residual blocks compose their body and shortcut (a projection is an ordinary bias-free strided 1x1
-conv and batchnorm); strided convolutions and integer padding are ``tf.nn.conv2d`` with an explicit padding list
-(TF's "SAME" pads a strided convolution asymmetrically); embeddings are ``tf.nn.embedding_lookup`` plus the position
-table; gelu is ``tf.nn.gelu(approximate=False)``. TF has no op for layer normalisation or attention, so those two
-are Keras's own layers, ``keras.layers.LayerNormalization`` (https://keras.io/api/layers/normalization_layers/
-layer_normalization/) and ``keras.layers.MultiHeadAttention`` (https://keras.io/api/layers/attention_layers/
-multi_head_attention/; its (D, heads, D / heads) kernels are the canonical fused in-projection split and reshaped),
-built once and called inside the same ``tf.function``s. They integrate with the design as they are: a Keras 3
-variable on the TensorFlow backend wraps a ``tf.Variable`` (``keras.Variable.value``), and those ``tf.Variable``s go
-into the one flat list that the ``tf.GradientTape`` differentiates and the fused optimizer kernels update, with the
-adapter's own. Token models take int64 ids (B, L); a next-token model's loss is the mean cross-entropy over every
-position, its accuracy over every position too.
-
-The train step is one ``tf.function`` per (batch size, micro-batches) with a fully static ``input_signature``, so it
-is traced once and never retraced in the timed loop (https://www.tensorflow.org/guide/function#controlling_retracing);
-evaluation and prediction use one whose batch dimension is None, so a smaller last batch does not retrace either.
-
-Execution modes (``options.compile``): "eager", the default, is what TensorFlow does without being asked, those
-``tf.function`` graphs run op by op by TF's executor (``jit_compile=False``); "compiled" builds the same functions
-with ``jit_compile=True``, so each is compiled whole by XLA (https://www.tensorflow.org/xla,
-https://www.tensorflow.org/api_docs/python/tf/function: "jit_compile: If True, compiles the function using XLA"),
-again once per input shape. The step still calls the concrete function, with the staged index tensors.
-
-Precision (``options.precision``): "fp32" on the CPU and a GPU (TF32 off); "tf32" on a GPU, the same float32
-model with TF32 on (``enable_tensor_float_32_execution(True)``); "bf16" on the CPU and a GPU and "fp16" on a GPU:
-mixed precision, the policy of every framework in the harness. Parameters, batchnorm's statistics and the
-optimizer state stay float32 (master weights); convolutions, dense layers, the embedding's output and attention's
-projections and score / value products compute in the low precision; batchnorm, layer normalisation, softmax and the
-loss in float32; the logits are returned float32 (see ``adapters.tensorflow.layers`` for how: Keras's
-"mixed_bfloat16" / "mixed_float16" policy for its two layers, ``tf.cast`` at the raw ops). fp16 adds dynamic loss
-scaling (``DynamicLossScale``): the adapter's optimizer is not a Keras one, so Keras's ``LossScaleOptimizer`` does
-not apply.
-
-The optimizer is PyTorch's (``torch.optim.SGD`` / ``Adam``, coupled L2 weight decay) on TF's fused training kernels
-(``ResourceApplyMomentum`` / ``ResourceApplyAdam``: one op per variable), not ``keras.optimizers``: Keras 3's SGD would
-agree for a constant learning rate, but its Adam adds epsilon to sqrt(v) before the bias correction where PyTorch adds
-it after (see ``make_update``), and the spec makes the optimizer identical in every framework.
-
-``wait`` reads the last step's loss with ``.numpy()``, after ``tf.test.experimental.sync_devices()`` on a GPU
-(https://www.tensorflow.org/api_docs/python/tf/test/experimental/sync_devices); on the CPU, eager TF is synchronous.
-Each step's function also adds its loss to a float32 ``tf.Variable`` (``assign_add``), which ``read_loss`` reads and
-zeroes.
-GPU memory growth is on unless ``options`` turn it off or set a memory limit
-(https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth; see ``_configure_gpu_memory``), and the allocator peak
-comes from ``tf.config.experimental.get_memory_info`` after ``reset_memory_stats``
-(https://www.tensorflow.org/api_docs/python/tf/config/experimental/get_memory_info); TF keeps no such statistics for
-the CPU (``get_memory_info("CPU:0")`` raises ValueError "Allocator stats not available").
+Design: docs/design/framework-caveats.md#tensorflow (Keras's two layers, tracing, XLA, mixed precision, the optimizer).
 """
 
 from __future__ import annotations
@@ -220,7 +166,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         and attention, their variables set from the canonical ones) and the optimizer state over all of them. A
         trailing softmax is left to the loss. Batchnorm's running statistics are non-trainable variables, from
         ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``. Inputs: NHWC float32
-        images, or (B, L) int64 token ids. The compute dtype and XLA come from ``options`` (module docstring)."""
+        images, or (B, L) int64 token ids. The compute dtype (``_COMPUTE``) and XLA (``jit_compile``, the "compiled"
+        mode) come from ``options``."""
         self._compute, self._jit = _COMPUTE[self._precision()], self._mode() == "compiled"
         self._params, self._buffers = {}, {}
         self._train_fns, self._train_calls = {}, {}
@@ -238,6 +185,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             self._loss_scale = DynamicLossScale() if self._compute == tf.float16 else None
             # added to inside the train step's function (assign_add), read and zeroed by read_loss
             self._loss_sum, self._loss_steps = tf.Variable(0.0, dtype=tf.float32, trainable=False, name="loss_sum"), 0
+        # Evaluation and prediction: a batch dimension of None, so a smaller last batch does not retrace.
         if self.tokens:
             input_spec = tf.TensorSpec((None, *info.input_shape), tf.int64)
             label_spec = tf.TensorSpec((None, *info.input_shape) if self.next_token else (None,), tf.int64)
@@ -456,7 +404,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """One step on ``indices`` (int64 (B,)): gather, forward, ``tf.GradientTape`` gradients and the optimizer
-        update in one ``tf.function``, traced on the first call with each (B, micro_batches) and never again. With
+        update in one ``tf.function`` with a fully static ``input_signature``, traced on the first call with each (B,
+        micro_batches) and never again (https://www.tensorflow.org/guide/function#controlling_retracing). With
         ``micro_batches`` k > 1 the gradients of k micro-batches of B / k are summed inside that function
         (``_train_accumulated``). In the "compiled" mode the function is XLA-compiled (``jit_compile=True``) when it
         is first called."""
@@ -485,8 +434,10 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         return self._compilations
 
     def wait(self) -> None:
-        """Blocks until queued work is done: ``sync_devices`` on a GPU, then the last step's loss copied to the host
-        (``.numpy()``, the window's end edge as before sums; nothing is restarted)."""
+        """Blocks until queued work is done: ``sync_devices`` on a GPU
+        (https://www.tensorflow.org/api_docs/python/tf/test/experimental/sync_devices), then the last step's loss
+        copied to the host (``.numpy()``, the window's end edge as before sums; nothing is restarted). On the CPU,
+        eager TF is synchronous."""
         if self._gpu:
             tf.test.experimental.sync_devices()
         if self._last_loss is not None:
@@ -541,9 +492,11 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
 
     def memory_stats(self) -> dict[str, int]:
         """On a GPU, ``allocator_peak_bytes``: the BFC allocator's peak bytes in use by tensors since the last
-        ``reset_memory_stats`` (``get_memory_info(...)["peak"]``). TF does not expose the bytes the allocator reserved
-        from the device, so ``allocator_reserved_peak_bytes`` is absent. ``{}`` on the CPU, where
-        ``get_memory_info("CPU:0")`` raises ValueError."""
+        ``reset_memory_stats`` (``get_memory_info(...)["peak"]``,
+        https://www.tensorflow.org/api_docs/python/tf/config/experimental/get_memory_info). TF does not expose the
+        bytes the allocator reserved from the device, so ``allocator_reserved_peak_bytes`` is absent. ``{}`` on the
+        CPU, where TF keeps no such statistics: ``get_memory_info("CPU:0")`` raises ValueError "Allocator stats not
+        available"."""
         if not self._gpu:
             return {}
         return {"allocator_peak_bytes": int(tf.config.experimental.get_memory_info("GPU:0")["peak"])}

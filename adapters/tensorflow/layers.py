@@ -1,27 +1,11 @@
 """The TensorFlow adapter's layers (``adapters.tensorflow.adapter``): each canonical layer kind as a function
 ``(x, training) -> y`` over ``tf.nn`` ops and the adapter's ``tf.Variable``s, NHWC for images and (B, L, D) for
-sequences, weights in the layouts ``adapters.tensorflow.adapter`` converts them to. Imported by that module only
-(it is not an adapter of its own).
+sequences, weights in the layouts ``adapters.tensorflow.adapter`` converts them to. Layer normalisation and attention,
+which ``tf.nn`` has no op for, are Keras's own layers (``layer_norm``, ``multi_head_attention``). Mixed precision:
+``tf.cast`` at the op (``to``), and ``KERAS_POLICY`` for the Keras layers. Imported by that module only (it is not an
+adapter of its own).
 
-Where TensorFlow has no op for a layer, the layer is Keras's own, built once with its variables set from the
-canonical weights and called inside the adapter's ``tf.function``s (its variables are plain ``tf.Variable``s that
-the adapter's tape and optimizer take with the others; see ``adapters.tensorflow.adapter``): layer normalisation is
-``keras.layers.LayerNormalization`` (https://keras.io/api/layers/normalization_layers/layer_normalization/) and
-self-attention ``keras.layers.MultiHeadAttention`` (https://keras.io/api/layers/attention_layers/multi_head_attention/).
-``tf.nn`` has neither: no layer-norm op and no attention op.
-
-Mixed precision (``compute``: the compute dtype, ``tf.bfloat16`` or ``tf.float16``; ``tf.float32`` adds no op at
-all): the variables stay float32 and the layers follow Keras's mixed-precision policy
-(https://keras.io/api/mixed_precision/policy/, https://www.tensorflow.org/guide/mixed_precision). The two Keras
-layers get it as their ``dtype`` ("mixed_bfloat16" / "mixed_float16"): Keras casts their inputs and variables to the
-compute dtype at the call, computes layer normalisation in float32 (``keras.ops.layer_normalization`` works in at
-least float32) and attention's softmax in float32, and returns the compute dtype. The raw ``tf.nn`` ops have no
-policy, so the layers here do the same by hand with ``tf.cast`` at the op (``to``): convolutions, dense layers and
-the embedding's output compute in the compute dtype (inputs, kernels and biases cast; gradients reach the float32
-variables through the casts), batchnorm in float32 (input cast up, output cast back), and the elementwise layers
-(relu, gelu, pooling, dropout, flatten, sequence pooling) keep their input's dtype, so activations flow in the
-compute dtype from the first layer with parameters on, as in a Keras model under the policy. A residual sum whose
-two sides differ in dtype is taken in float32.
+Design: docs/design/framework-caveats.md#tensorflow (why Keras's layers, the mixed-precision policy layer by layer).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """How a worker starts in any interpreter, through any command prefix (a venv's python, ``taskset``, ``env``,
 ``docker run -i``, ``apptainer exec``, ``srun``): nothing but standard input, standard output and standard error
-cross the prefix, so nothing else is relied on.
+cross the prefix, so nothing else is relied on. The launcher runs ``PREFIX -c BOOTSTRAP ROOT``; ``main`` is the
+worker's entry point (its docstring lists its steps: ``take_stdout``, the payload, ``watch_stdin`` and
+``die_with_parent``, the trial). Imports only the standard library: it runs before the payload's environment is set.
 
-The launcher runs ``PREFIX -c BOOTSTRAP ROOT``: ``BOOTSTRAP`` puts ROOT (the folder that holds the harness) first on
-``sys.path`` and calls ``main``, so the harness need not be installed in that interpreter. ``main``:
-
-1. keeps the real standard output for events and points file descriptor 1 at standard error, so whatever the
-   framework prints (from Python or from C) goes to the log, never into the event stream; each event is one line
-   ``harness.execution.protocol.EVENT_PREFIX`` + JSON and any other line on standard output (a wrapper's own
-   chatter) is logged, not parsed;
-2. reads the payload (``harness.execution.protocol.Payload``), one JSON line, from standard input, and sets the
-   environment variables it carries (thread counts, allocator settings, HARNESS_ADAPTERS) before numpy or any
-   framework is imported: a container started by ``docker run`` does not inherit the launcher's environment; and
-   pins the process to the payload's ``cpus`` (a parallel run's core set) the same way, before any thread exists;
-3. watches standard input, which the launcher keeps open: end of file means the launcher is gone (killed, or its
-   machine's job cancelled), and the worker then kills its process group at once instead of training on (on Linux
-   the kernel also kills it when its parent dies: PR_SET_PDEATHSIG);
-4. runs the trial (``harness.execution.worker.run``).
-
-This module imports only the standard library: it runs before the payload's environment is set.
+Design: docs/guide/environments.md (the worker protocol across prefixes and containers).
 """
 
 from __future__ import annotations
@@ -91,7 +77,21 @@ def die_with_parent(parent: int) -> bool:
 
 
 def main() -> int:
-    """The worker's entry point (see the module docstring). Returns its exit status."""
+    """The worker's entry point, called by ``BOOTSTRAP``, which puts ROOT (the folder that holds the harness) first
+    on ``sys.path``, so the harness need not be installed in that interpreter. Returns the exit status. It
+
+    1. keeps the real standard output for events and points file descriptor 1 at standard error, so whatever the
+       framework prints (from Python or from C) goes to the log, never into the event stream; each event is one line
+       ``harness.execution.protocol.EVENT_PREFIX`` + JSON and any other line on standard output (a wrapper's own
+       chatter) is logged, not parsed;
+    2. reads the payload (``harness.execution.protocol.Payload``), one JSON line, from standard input, and sets the
+       environment variables it carries (thread counts, allocator settings, HARNESS_ADAPTERS) before numpy or any
+       framework is imported: a container started by ``docker run`` does not inherit the launcher's environment; and
+       pins the process to the payload's ``cpus`` (a parallel run's core set) the same way, before any thread exists;
+    3. watches standard input, which the launcher keeps open: end of file means the launcher is gone (killed, or its
+       machine's job cancelled), and the worker then kills its process group at once instead of training on (on
+       Linux the kernel also kills it when its parent dies: PR_SET_PDEATHSIG, ``die_with_parent``);
+    4. runs the trial (``harness.execution.worker.run``)."""
     events = take_stdout()
     line = sys.stdin.readline()
     if not line.strip():

@@ -1,54 +1,11 @@
-"""The CPU memory cap of a worker (``memory_limit_mb`` of a spec, ``Trial.memory_limit_bytes``).
+"""The CPU memory cap of a worker (``memory_limit_mb`` of a spec, ``Trial.memory_limit_bytes``): the memory a trial
+may take on top of what its worker holds once the framework is imported; not used on a GPU. ``apply_cpu_memory_limit``
+sets it (RLIMIT_DATA; for a framework whose declaration has a ``cpu_allocator_cap``, TensorFlow, that capped tensor
+allocator with the process limit as a backstop) and reports the peak at exit (``peak_estimate``); ``process_memory``
+and ``reset_peak_rss`` read and reset /proc's counters.
 
-What ``memory_limit_mb`` means on the CPU
------------------------------------------
-The memory a trial may take **on top of what its worker holds once the framework is imported** (the interpreter, the
-harness, the framework's libraries and whatever the import itself allocated). Everything after that point counts: the
-framework's runtime setup (thread pools), the model and optimizer state, the dataset the worker loads, and the
-training and evaluation. ``apply_cpu_memory_limit`` is called by the worker right after it creates the adapter (which
-imports the framework) and before ``adapter.prepare``. MB = 10^6 bytes, as everywhere in a spec.
-
-How it is enforced, per framework (measured with torch 2.13, tensorflow-cpu 2.21 and mxnet 1.9.1 on Linux 6.x: a
-small batch trains and evaluates under the cap; a large one fails with the framework's own out-of-memory error):
-
-- PyTorch, MXNet and any other framework: a process limit, ``RLIMIT_DATA`` (soft limit) = the process's ``VmData``
-  now + the limit. Since Linux 4.7, RLIMIT_DATA counts every private writable mapping (``VmData``: the brk heap,
-  malloc's mmap'd chunks and arenas, thread stacks), not just the brk heap; shared libraries' code and read-only
-  mappings do not count. An allocation beyond it fails with ENOMEM, so malloc returns NULL and the framework's
-  CPU allocator raises its own error: PyTorch ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``,
-  MXNet ``MXNetError: ... Failed to allocate CPU Memory``.
-  ``RLIMIT_AS`` was measured and rejected: it counts the whole address space (``VmSize``), which TensorFlow and MXNet
-  grow by hundreds of MB of reserved-but-unused areas (thread stacks, malloc arenas) while they set up, so a cap of a
-  few hundred MB above the baseline failed MXNet at batch 64 and made numpy's dataset allocation fail (a plain
-  MemoryError, not the framework's OOM) in TensorFlow and MXNet.
-- TensorFlow: the process limit alone makes TensorFlow abort: its convolution kernels (Eigen's tensor contraction)
-  allocate their workspace with ``new`` on an op thread, and a failing allocation there throws ``std::bad_alloc``
-  that nothing catches (``terminate called after throwing an instance of 'std::bad_alloc'``, SIGABRT) in most
-  over-limit runs. So TensorFlow's CPU tensors are put in a BFC allocator capped at the limit (its declaration's
-  ``cpu_allocator_cap``:
-  ``TF_CPU_ALLOCATOR_USE_BFC=true``, ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` = the limit in MiB, rounded down; read when
-  TensorFlow creates its CPU device, i.e. after import and before the first op, which is why the limit is applied
-  before ``prepare``): a tensor beyond it raises ``ResourceExhaustedError`` ("OOM when allocating tensor"), after
-  the BFC allocator's own retry wait of about 10 s. For TensorFlow the limit therefore counts **tensor bytes**
-  (dataset constants, variables, optimizer slots, activations, gradients), not the numpy copy of the dataset, the
-  traced graphs or the kernels' workspaces; the process limit is kept as a backstop at VmData + 2 x limit + 1 GiB,
-  far enough above that the tensor cap is what trips.
-
-On a GPU, ``memory_limit_mb`` is applied by the adapters through each framework's own device-memory limit (see
-``adapters.base.Adapter.options``); this module is not used there.
-
-What is recorded: ``apply_cpu_memory_limit`` returns (and, given ``emit``, reports as a ``memory_limit`` event) the
-mechanism and the numbers it set. It also resets the kernel's peak-RSS counter (``VmHWM``, by writing 5 to
-``/proc/self/clear_refs``) and, given ``emit``, reports a ``memory_peak`` event when the worker exits (an ``atexit``
-handler; after an OOM too): the peak of what the cap counts, measured from the same baseline (``peak_estimate``:
-TensorFlow's BFC peak, exact; for the process limit an estimate of the VmData peak, which the kernel does not keep,
-from the peak RSS and the VmData at exit). ``harness.studies.max_batch`` fits its memory model to that number. A
-hard crash (SIGKILL, SIGSEGV) reports no peak.
-
-Caveat, measured: a cap below what a framework needs for its own runtime (here PyTorch ~110 MB and MXNet ~100 MB of
-VmData after import, mostly 8 MB thread stacks and modules PyTorch imports lazily when the optimizer is built) fails
-outside the allocator: a Python ``MemoryError`` during an import, or MXNet's "Resource temporarily unavailable" when
-its engine cannot start a thread (after which MXNet 1.9.1 hangs in its exit handler until the trial's timeout).
+Design: docs/design/max-batch.md#the-cpu-memory-cap (what the cap counts per framework, why not RLIMIT_AS, what is
+recorded, measured caveats).
 """
 
 from __future__ import annotations
@@ -109,8 +66,9 @@ def _set_data_limit(cap: int) -> int:
 
 def apply_cpu_memory_limit(limit_bytes: int, declaration: Any = None, emit: Callable[..., Any] | None = None,
                            allocator_peak: Callable[[], int | None] | None = None) -> dict[str, Any]:
-    """Caps this process's memory at ``limit_bytes`` beyond what it holds now (see the module docstring for what
-    that means per framework); call it after the framework is imported and before any framework op.
+    """Caps this process's memory at ``limit_bytes`` beyond what it holds now (what that means per framework:
+    docs/design/max-batch.md#the-cpu-memory-cap); call it after the framework is imported and before any framework op
+    (TensorFlow reads its allocator variables when it creates its CPU device, before the first op).
 
     declaration: the adapter's ``adapters.declaration.Declaration`` (None: the process limit alone); one with a
     ``cpu_allocator_cap`` gets that tensor cap (its variables set now, "{mib}" the limit in MiB rounded down) and

@@ -1,47 +1,11 @@
 """The worker process: one trial, one fresh interpreter, one framework.
 
-Started by ``harness.execution.bootstrap`` (see there for how it reaches any interpreter through any command prefix)
-with the trial's payload (``harness.execution.protocol.Payload``: the typed trial and spec). It imports the trial's
-adapter, builds the model from the canonical weights, loads the dataset to the device once, runs the shared
-training loop below and writes events (``harness.execution.protocol``'s types), one ``EVENT_PREFIX`` + JSON line
-each, to the original standard output. The framework's own output goes to
-standard error (a log whose tail the launcher keeps for errors).
+Started by ``harness.execution.bootstrap`` with the trial's ``harness.execution.protocol.Payload``, ``run`` imports the
+trial's adapter, builds the model from the canonical weights, loads the dataset to the device once, runs the shared
+training loop (``train``) and writes events (``harness.execution.protocol``), one ``EVENT_PREFIX`` + JSON line each
+stamped with ``time.monotonic()``, to the original standard output; the framework's output goes to standard error.
 
-Every event carries ``t``, a ``time.monotonic()`` stamp (CLOCK_MONOTONIC on Linux: the same clock in every process of
-the machine, so the launcher's sampler can place its samples in the worker's phases).
-
-The loop: each epoch is floor(N / batch size) full batches in the order ``harness.neutral.datasets.epoch_order``
-gives (the remainder is dropped, so no smaller last batch changes shapes and triggers a retrace or re-allocation
-inside a timed
-window). The first ``warmup_steps`` optimizer steps of the run are warm-up: they train like any other step (every
-framework takes exactly the same optimizer steps) but are not timed. After warm-up, the steps of each epoch are timed
-in windows with a device sync at both edges of every window and none inside (``harness.spec.TimingSpec``): by default
-(``window: auto``) windows of about ``window_seconds`` and at least ``min_window_steps`` steps, sized by the step time
-of the window before (of the warm-up for the first), never crossing an evaluation, and a remainder shorter than
-``min_window_steps`` joins the window before it; ``window: step`` syncs after every step (latency mode); an integer
-k gives windows of k steps. Evaluation on the test set follows every ``evaluate_every``-th epoch (default 1) and the
-last, outside the timed windows; between evaluations a window runs on across the end of an epoch (the next epoch's
-order is made and staged inside it, as a plain loop shuffles between epochs), unless the trial augments its images,
-which are loaded between windows. A window's edges drain the device's queue: the first step after it runs with
-nothing queued behind it, so epochs of a few steps with an evaluation after each are timed in short windows that pay
-this refill every time (digits at batch 512: 2 steps an epoch).
-
-The training loss: every adapter adds each step's loss to a running sum on its device inside the step (no read back,
-no sync per step; ``adapters.base.Adapter.read_loss``), and the loop reads it, with the number of steps it holds, at
-the end of the warm-up of each epoch and at the end edge of every timed window, after the clock has stopped. An
-evaluation's ``train_loss`` is the mean loss over every optimizer step since the evaluation before (the epoch's, with an
-evaluation every epoch), warm-up steps included: they train like the others, and a plain loop's epoch loss counts
-them; ``train_loss_steps`` is how many steps that is (the epoch's steps, for the built-in adapters). So it does not
-depend on where windows end, which differs between frameworks of different speed.
-
-The trial's first step runs alone, synced on both sides, and its time is ``first_step_seconds``: what tracing,
-compilation (``compile: compiled``), kernel autotuning and first allocations cost, never inside the throughput (it is
-a warm-up step; a trial without warm-up has no such figure). The framework's own count of train step graphs
-(``Adapter.compilations``) is read when warm-up ends and at the end: ``recompilations`` is what was traced or compiled
-inside the timed windows (a shape or guard the compiled step had not seen), a cost the throughput then includes.
-Precision, execution mode, memory cap and allocator settings reach the adapter once, as its frozen ``options``
-(``adapters.base.RunOptions``), after ``Adapter.unsupported_execution`` has accepted them; a combination it cannot
-run ends the trial ``unsupported`` before the framework touches the device.
+Design: docs/design/timing.md (epochs, warm-up and the first step, timed windows, the loss reads, recompilations).
 """
 
 from __future__ import annotations
@@ -112,7 +76,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def train(adapter: Any, data: Any, trial: Trial, emit: Callable[[_Event], Any]) -> dict[str, Any]:
-    """The shared training loop (see the module docstring). Returns the trial's training metrics.
+    """The shared training loop (docs/design/timing.md). Returns the trial's training metrics.
 
     adapter: a prepared, built and loaded Adapter. data: harness.neutral.datasets.Data. trial: the payload's trial
     (its micro_batch_size, samples_per_step and accumulation_steps as the plan computed them; epochs, warmup_steps,
@@ -234,7 +198,8 @@ class _Loop:
         return count
 
     def window_steps(self, left: int) -> int:
-        """The steps of the next timed window when ``left`` steps of the epoch remain (see the module docstring)."""
+        """The steps of the next timed window when ``left`` steps remain before the next evaluation (or the epoch's
+        end, when augmenting): ``timing.window`` (``harness.spec.TimingSpec``; docs/design/timing.md)."""
         window = self.timing.window
         if window == "step":
             return 1

@@ -1,50 +1,11 @@
 """The memory of a training step by data structure, predicted from the neutral model (bytes).
 
 ``predict(info, batch_size, optimizer, attention=...)`` splits what a training step holds into parameters, gradients,
-optimizer state, buffers, a gradient accumulator, and the activations saved for the backward pass: per sample (a sum
-over the saved tensors below) and for the batch. It is a model of what the frameworks keep, not a measurement: it leaves
-out the dataset resident on the device (``Data.nbytes``, recorded apart), the transient tensors of the backward pass
-(the gradients flowing back, about the size of the largest activation at a time), convolution workspaces, the
-framework's context and the allocator's rounding and caching. So a measured peak is above it; the difference is
-what the frameworks add, which is the point of comparing them.
+optimizer state, buffers, a gradient accumulator, and the activations saved for the backward pass, per sample and for
+the batch (``MemoryBreakdown``); ``saved_tensors`` lists those activations layer by layer (``SavedTensor``). It is a
+model of what the frameworks keep, not a measurement: a measured peak is above it.
 
-Saved for the backward pass, per sample, by layer kind (a tensor kept by two layers, e.g. a relu's output that the
-next convolution keeps as its input, is counted once; a flatten is a view of its input, not a new tensor):
-
-======================  ==========================================================================================
-kind                    saved (elements; dtype_bytes each unless said)
-======================  ==========================================================================================
-conv2d, dense           the input (for the weight gradient); with ``activation: relu`` also the relu's output;
-                        with ``gelu`` (dense) also the pre-activation (gelu's backward needs its input)
-relu                    the output (``threshold_backward`` uses it)
-gelu                    the input
-maxpool2d               the input and the argmax of every output value, int64 (8 bytes: PyTorch's
-                        ``max_pool2d_with_indices``; TensorFlow and XLA keep the output instead, the same count)
-avgpool2d, global pool  nothing (the backward needs only the shapes)
-batchnorm               the input; its batch mean and inverse std (2 x C per batch, not per sample) are left out
-layernorm               the input, and the mean and inverse std of every row (2 x L for (L, D), 2 for (F,))
-dropout                 the mask, 1 byte per value (PyTorch's bool mask)
-embedding               the token ids, int64 (the gather's backward scatters into the tables by them)
-attention               the input, q, k and v (3 x L x D), the context (L x D, the output projection's input),
-                        and by the implementation the adapter declares (``attention``, ``ATTENTIONS``;
-                        ``adapters.base.Adapter.ATTENTION``): ``unfused`` the softmax probabilities (heads x L x L;
-                        TensorFlow, MXNet, JAX's XLA path), ``fused`` a log-sum-exp per head and query, float32
-                        (heads x L, 4 bytes each; PyTorch's scaled_dot_product_attention flash and memory-efficient
-                        kernels, which recompute the probabilities in the backward pass). Not modelled: the
-                        bool heads x L x L causal mask TensorFlow's tf.where keeps, and the masked scores and
-                        exponentials JAX's jaxpr keeps beside the probabilities (what XLA keeps of them is its own)
-sequence_pool, flatten  nothing
-residual                the body's and the projection's own tensors; the addition keeps nothing; ``activation:
-                        relu`` keeps its output
-the loss                the log-softmax of the logits (classes, or L x vocab) and the int64 labels (1, or L)
-======================  ==========================================================================================
-
-Parameters, gradients and buffers take ``dtype_bytes`` per value (float32: 4; mixed precision is not modelled).
-Optimizer state: SGD with momentum > 0 keeps one momentum buffer per parameter, SGD without none; Adam two (first
-and second moments). Gradient accumulation (``accumulation_steps`` k > 1): one micro-batch's activations are alive
-at a time, so activations do not grow with k; the TensorFlow and JAX adapters sum the micro-batches' gradients in a
-separate buffer (``accumulator``, one value per parameter), while PyTorch and MXNet add into the gradients in
-place, for which the accumulator overstates by that much.
+Design: docs/design/max-batch.md#the-neutral-memory-model (what each layer kind keeps, what the model leaves out).
 """
 
 from __future__ import annotations
@@ -56,7 +17,8 @@ from harness.neutral.info import LayerInfo, ModelInfo
 
 INDEX_BYTES = 8  # int64 token ids, labels and argmax indices
 LOGSUMEXP_BYTES = 4  # a fused attention kernel's log-sum-exp value: float32 whatever the compute dtype
-#: What attention keeps for its backward pass (the module docstring's table): the probabilities, or a log-sum-exp.
+#: What attention keeps for its backward pass (docs/design/max-batch.md#the-neutral-memory-model): the
+#: probabilities, or a log-sum-exp.
 ATTENTIONS = ("unfused", "fused")
 #: The parts of ``MemoryBreakdown`` that add up to its total, in the order a report lists them.
 PARTS = ("parameters", "gradients", "optimizer_state", "buffers", "accumulator", "activations")
@@ -75,7 +37,7 @@ class SavedTensor:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Predicted bytes of one training step by data structure (see the module docstring).
+    """Predicted bytes of one training step by data structure (docs/design/max-batch.md#the-neutral-memory-model).
 
     batch_size: samples per forward and backward pass (the spec's batch size, one micro-batch). parameters,
     gradients, optimizer_state, buffers (batchnorm's running statistics), accumulator: bytes, independent of the
@@ -107,7 +69,10 @@ class MemoryBreakdown:
 
 def predict(info: ModelInfo, batch_size: int, optimizer: Any, accumulation_steps: int = 1,
             dtype_bytes: int = 4, attention: str = "unfused") -> MemoryBreakdown:
-    """The memory breakdown of a training step of ``batch_size`` samples per pass (see the module docstring).
+    """The memory breakdown of a training step of ``batch_size`` samples per pass. Parameters, gradients and
+    buffers take ``dtype_bytes`` per value; optimizer state is one momentum buffer per parameter for SGD with
+    momentum > 0, none without, two for Adam; the accumulator (k > 1 only) one value per parameter, what the
+    TensorFlow and JAX adapters keep (PyTorch and MXNet add into the gradients in place).
 
     optimizer: a ``harness.spec.OptimizerSpec`` (its ``name`` and ``momentum``). accumulation_steps: micro-batches
     per optimizer step (the effective batch is accumulation_steps x batch_size). dtype_bytes: bytes of a float
@@ -131,8 +96,9 @@ def predict(info: ModelInfo, batch_size: int, optimizer: Any, accumulation_steps
 
 
 def saved_tensors(info: ModelInfo, dtype_bytes: int = 4, attention: str = "unfused") -> tuple[SavedTensor, ...]:
-    """Every tensor the module docstring's table keeps, once each, in the order the forward pass makes them, with
-    ``attention`` (one of ``ATTENTIONS``) saying what attention keeps. Raises ValueError for another attention."""
+    """Every tensor kept for the backward pass, once each, in the order the forward pass makes them (what each layer
+    kind keeps: the table of docs/design/max-batch.md#the-neutral-memory-model), with ``attention`` (one of
+    ``ATTENTIONS``) saying what attention keeps. Raises ValueError for another attention."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
     walker = _Walker(dtype_bytes, attention)
