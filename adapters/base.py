@@ -38,9 +38,9 @@ from adapters.declaration import (
 from harness.neutral.info import TASKS, describe_feature, requirements
 from harness.spec import AllocatorSpec, CompileMode, Precision
 
-__all__ = ["ALL_LAYERS", "ALL_TASKS", "BASIC_LAYERS", "BOTH", "CPU", "CUDA", "Adapter", "Declaration",
-           "DeviceUnavailable", "EAGER_ONLY", "FP32_ONLY", "IMAGE_TASKS", "RunOptions", "device_kind", "execution_gap",
-           "micro_batch_size", "support_gap"]
+__all__ = ["ALL_LAYERS", "ALL_TASKS", "BASIC_LAYERS", "BOTH", "CPU", "CUDA", "Adapter", "DataParallel", "Declaration",
+           "DeviceUnavailable", "EAGER_ONLY", "FP32_ONLY", "IMAGE_TASKS", "RunOptions", "data_parallel_gap",
+           "device_kind", "execution_gap", "micro_batch_size", "shard", "support_gap"]
 
 if TYPE_CHECKING:
     from harness.neutral.datasets import Data
@@ -65,6 +65,48 @@ class RunOptions(BaseModel):
     memory_limit_bytes: int | None = None
     #: the spec's allocator settings that the declaration names (e.g. tensorflow_memory_growth)
     allocator: AllocatorSpec = Field(default_factory=AllocatorSpec)
+    #: data-parallel training over several devices (``DataParallel``); None: one device
+    data_parallel: DataParallel | None = None
+
+
+class DataParallel(BaseModel):
+    """A data-parallel trial as one worker process sees it (``RunOptions.data_parallel``).
+
+    devices: every device of the trial in order, ``"cpu:0", "cpu:1", ...`` on the CPU (logical devices: TensorFlow
+    logical CPU devices, ``mx.cpu(i)``, JAX host devices, one PyTorch process each) or ``"cuda:0", "cuda:1", ...``.
+    processes: 1 when this one process drives every device (TensorFlow MirroredStrategy, MXNet kvstore, JAX
+    sharding), else one process per device (PyTorch DistributedDataParallel: ``len(devices)`` ranks). rank: this
+    process's rank (0 when ``processes`` is 1); it drives ``devices[rank]``. sync_batchnorm: batchnorm normalises
+    over the global batch (every device's shard) instead of each device's own. The rendezvous of a multi-process trial
+    is torchrun's (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` in the environment).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    devices: tuple[str, ...] = Field(min_length=2)
+    processes: int = Field(default=1, ge=1)
+    rank: int = Field(default=0, ge=0)
+    sync_batchnorm: bool = False
+
+    @property
+    def size(self) -> int:
+        """N, the number of devices."""
+        return len(self.devices)
+
+
+def shard(indices: npt.NDArray[np.int64], devices: int, device: int) -> npt.NDArray[np.int64]:
+    """Device ``device``'s part of a step's samples under data parallelism: ``indices`` (int64 (B,), the step's
+    slice of the epoch order) cut into ``devices`` equal contiguous parts, the d-th part for device d (rank d), so
+    device 0 trains on the first B / N samples of the step. The same rule in every framework; with batchnorm each
+    device normalises over its part. Raises ValueError unless ``devices`` divides B."""
+    if devices < 1 or len(indices) % devices or not 0 <= device < devices:
+        raise ValueError(f"{len(indices)} samples cannot be split into {devices} equal per-device batches "
+                         f"(device {device})")
+    per_device = len(indices) // devices
+    return indices[device * per_device:(device + 1) * per_device]
+
+
+RunOptions.model_rebuild()
 
 
 def micro_batch_size(samples_per_step: int, micro_batches: int) -> int:
@@ -106,6 +148,22 @@ def support_gap(adapter: str, layers: frozenset[str], tasks: frozenset[str], inf
     for feature, where in requirements(info):
         if feature not in (tasks if feature in TASKS else layers):
             return f"the {adapter} adapter does not support {describe_feature(feature)} ({where})"
+    return None
+
+
+def data_parallel_gap(record: Declaration, info: ModelInfo, devices: int, sync_batchnorm: bool,
+                      device: str = "cpu") -> str | None:
+    """None when the adapter of ``record`` trains ``info`` on ``devices`` devices (with ``sync_batchnorm``, which
+    matters only for a model with batchnorm) on ``device``'s kind; else one line saying what it lacks."""
+    if devices <= 1:
+        return None
+    if not record.data_parallel:
+        return f"the {record.name} adapter does not train data-parallel" + (
+            f": {record.data_parallel_mechanism}" if record.data_parallel_mechanism else "")
+    if sync_batchnorm and any(layer.kind == "batchnorm" for layer in info.walk()) and (
+            device_kind(device) not in record.sync_kinds):
+        why = f": {record.sync_batchnorm_note}" if record.sync_batchnorm_note else ""
+        return f"the {record.name} adapter has no synchronised batchnorm on {device_kind(device)}{why}"
     return None
 
 
@@ -218,15 +276,24 @@ class Adapter(abc.ABC):
         epoch staged by ``stage_epoch`` (``indices`` is then that step's slice of its order, and the adapter may use
         what it staged); None: ``indices`` stand alone and the adapter converts them. With ``micro_batches`` k > 1
         (gradient accumulation), the B samples are k consecutive micro-batches of B / k, whose gradients are
-        accumulated (as the mean over all B samples) before the one optimizer step. May return before the device has
+        accumulated (as the mean over all B samples) before the one optimizer step. Data-parallel
+        (``options.data_parallel``, N devices): ``indices`` are the global batch; device d trains on ``shard(indices,
+        N, d)`` and the gradients are averaged over all B samples (all-reduced) before the one identical update on
+        every device; a process of a multi-process trial trains on its rank's shard. May return before the device has
         finished. Adds the step's loss (float32, the mean over the B samples; with micro-batches the mean of the k
         micro-batches' means) to the device-resident sum that ``read_loss`` reads, and counts the step; reads nothing
-        back. Raises ValueError when k does not divide B."""
+        back (data-parallel: the mean over the global batch). Raises ValueError when k does not divide B."""
 
     @abc.abstractmethod
     def wait(self) -> None:
         """Waits until all queued device work is done, without restarting the loss sum: the edges of a timed
         window."""
+
+    def agree(self, value: int) -> int:
+        """``value`` as rank 0 of a multi-process data-parallel trial has it, on every rank (a broadcast: a
+        collective every rank calls at the same point), so every rank times windows of the same steps. Called outside
+        the timed windows. Default (one process): ``value``."""
+        return value
 
     #: train_steps queued since the last ``read_loss``: each adapter's ``train_step`` adds one per optimizer step.
     _loss_steps: int = 0
@@ -255,7 +322,8 @@ class Adapter(abc.ABC):
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on the whole test set, in inference mode,
         in batches of ``batch_size`` (the last one may be smaller); for a next-token model both are over every
-        position of every test sequence. Returns only when the device is done."""
+        position of every test sequence. Returns only when the device is done. Data-parallel: the first device's
+        model (rank 0's, returned on every rank) over the whole test set."""
 
     @abc.abstractmethod
     def predict(self, images: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
@@ -266,7 +334,8 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def get_weights(self) -> dict[str, npt.NDArray[np.float32]]:
-        """The current parameters in the canonical layout and naming of ``harness.neutral.models.initial_weights``."""
+        """The current parameters in the canonical layout and naming of ``harness.neutral.models.initial_weights``
+        (data-parallel: the first device's, which every device's equal)."""
 
     def get_buffers(self) -> dict[str, npt.NDArray[np.float32]]:
         """The current buffers (batchnorm's running statistics) in the canonical layout and naming of

@@ -62,6 +62,12 @@ class Declaration:
     device), "{mib}" standing for the cap in MiB (2^20 bytes); empty: the worker's process limit alone
     (``harness.execution.limits``). cpu_allocator: that allocator's name in the limit's records ("cpu BFC allocator").
     notes: precision -> why the adapter does not train in it where ``precisions`` alone would not say.
+    data_parallel: how it trains on several devices, "" (it does not), "devices" (one process drives them all) or
+    "processes" (one process per device, ranks started by the worker as torchrun would);
+    data_parallel_mechanism: the framework's mechanism in words ("tf.distribute.MirroredStrategy"),
+    data_parallel_environment: worker variables a data-parallel trial sets, "{devices}" standing for N (JAX's host
+    device count); sync_batchnorm: the device kinds ("cpu", "cuda") on which it can normalise batchnorm over the
+    global batch (where it cannot, the reason is ``sync_batchnorm_note``).
     """
 
     name: str
@@ -82,17 +88,31 @@ class Declaration:
     cpu_allocator_cap: Mapping[str, str] = field(default_factory=dict)
     cpu_allocator: str = ""
     notes: Mapping[str, str] = field(default_factory=dict)
+    data_parallel: str = ""
+    data_parallel_mechanism: str = ""
+    data_parallel_environment: Mapping[str, str] = field(default_factory=dict)
+    sync_batchnorm: frozenset[str] | bool = frozenset()
+    sync_batchnorm_note: str = ""
 
     def __post_init__(self) -> None:
         for name in ("precisions", "compile_modes", "environment", "thread_environment", "allocator_environment",
-                     "cpu_allocator_cap", "notes"):
+                     "cpu_allocator_cap", "notes", "data_parallel_environment"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if ":" not in self.adapter:
             raise ValueError(f"{self.name}: adapter {self.adapter!r} is not module:Class")
         if self.default_compile not in self.compile_modes:
             raise ValueError(f"{self.name}: default mode {self.default_compile!r} is not among its compile_modes")
+        if isinstance(self.sync_batchnorm, bool):  # True: on every device kind
+            object.__setattr__(self, "sync_batchnorm", BOTH if self.sync_batchnorm else frozenset())
+        if self.data_parallel not in ("", "devices", "processes"):
+            raise ValueError(f"{self.name}: data_parallel {self.data_parallel!r} is not '', 'devices' or 'processes'")
         if bool(self.cpu_allocator_cap) != bool(self.cpu_allocator):
             raise ValueError(f"{self.name}: cpu_allocator_cap and cpu_allocator go together")
+
+    @property
+    def sync_kinds(self) -> frozenset[str]:
+        """The device kinds with synchronised batchnorm (``sync_batchnorm``, normalised to a set)."""
+        return self.sync_batchnorm if isinstance(self.sync_batchnorm, frozenset) else frozenset()
 
     @property
     def version_keys(self) -> tuple[str, ...]:

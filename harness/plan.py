@@ -23,6 +23,7 @@ from harness.neutral import datasets, models
 from harness.spec import (
     Cifar10Data,
     CompileMode,
+    DataParallelSpec,
     FrameworkEntry,
     OptimizerSpec,
     Precision,
@@ -68,11 +69,67 @@ def check(spec: Spec, file: str | os.PathLike[str]) -> None:
         model_info(spec)
     except models.ModelError as err:
         raise SpecError(file, "model.layers" + (f".{err.path}" if err.path is not None else ""), str(err)) from None
+    check_data_parallel(spec, file)
     augmenting = spec.augmentation or any((spec.variants and spec.variants.augmentation) or [])
     if augmenting and isinstance(spec.dataset, SyntheticTokens):
         field = "augmentation" if spec.augmentation else "variants.augmentation"
         raise SpecError(file, field, "augmentation (random crops and flips of images) needs an image dataset, not "
                                      "token sequences")
+
+
+def data_parallel_settings(spec: Spec) -> list[tuple[str, DataParallelSpec | None]]:
+    """The spec's data-parallel settings with the field each comes from: ``variants.data_parallel``'s entries, else
+    ``data_parallel`` (None: one device)."""
+    if spec.variants is not None and spec.variants.data_parallel:
+        return [(f"variants.data_parallel.{i}", dp) for i, dp in enumerate(spec.variants.data_parallel)]
+    return [("data_parallel", spec.data_parallel)]
+
+
+def check_data_parallel(spec: Spec, file: str | os.PathLike[str]) -> None:
+    """Every global batch size splits into N equal per-device batches, and data parallelism is not combined with
+    gradient accumulation. Raises SpecError naming ``file`` and the field."""
+    for field, dp in data_parallel_settings(spec):
+        if dp is None or dp.size == 1:
+            continue
+        if spec.accumulation_steps > 1:
+            raise SpecError(file, field, f"{dp.size} devices with accumulation_steps {spec.accumulation_steps}: "
+                                         "data parallelism and gradient accumulation are not combined in one trial "
+                                         "(compare them as separate trials)")
+        for i, batch in enumerate(spec.batch_sizes):
+            if batch % dp.size:
+                raise SpecError(file, f"batch_sizes.{i}", f"the global batch size {batch} does not split into "
+                                                          f"{dp.size} equal per-device batches ({field}: {dp.size})")
+
+
+def check_devices(spec: Spec, file: str | os.PathLike[str], device: str, gpus: int | None = None) -> None:
+    """The data-parallel devices exist on this machine: on the CPU at most one device per available core; on a GPU
+    machine (``device`` "cuda:N") N GPUs from ``device`` on, or the listed ones, among the ``gpus`` NVML counts
+    (None: not checked). Raises SpecError naming ``file`` and the field."""
+    for field, dp in data_parallel_settings(spec):
+        if dp is None or dp.size == 1:
+            continue
+        if device == "cpu":
+            if isinstance(dp.devices, list):
+                raise SpecError(file, field, f"lists GPUs ({', '.join(dp.devices)}) but the run is on the CPU; give "
+                                             "a device count")
+            if dp.size > available_cpus():
+                raise SpecError(file, field, f"{dp.size} devices on the CPU, but this process may use "
+                                             f"{available_cpus()} cores (one logical device per core at most)")
+            continue
+        wanted = data_parallel_devices(dp, device)
+        if gpus is not None and (missing := [d for d in wanted if int(d.partition(":")[2]) >= gpus]):
+            raise SpecError(file, field, f"{', '.join(missing)} named, but this machine has {gpus} GPU(s)")
+
+
+def data_parallel_devices(dp: DataParallelSpec, device: str) -> tuple[str, ...]:
+    """The devices of a data-parallel trial run on ``device``: ``cpu:0..N-1`` on the CPU, the listed GPUs, or N
+    consecutive GPUs from ``device``'s index."""
+    if isinstance(dp.devices, list):
+        return tuple(dp.devices)
+    if device == "cpu":
+        return tuple(f"cpu:{i}" for i in range(dp.size))
+    first = int(device.partition(":")[2] or 0)
+    return tuple(f"cuda:{first + i}" for i in range(dp.size))
 
 
 def model_info(spec: Spec) -> models.ModelInfo:
@@ -81,14 +138,15 @@ def model_info(spec: Spec) -> models.ModelInfo:
 
 
 def unsupported_reason(spec: Spec, framework: str, precision: str | None = None, compile: str | None = None,
-                       device: str = "cpu") -> str | None:
+                       device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False) -> str | None:
     """Why the adapter named ``framework`` cannot train the spec's model in ``precision`` with ``compile`` on
-    ``device`` (None: the spec's own), decided now without importing the framework (``adapters.unsupported``:
-    built-in adapters only; None for the others, whose workers decide before ``build``); None when it can. The
-    spec must have passed ``check``."""
+    ``device`` (None: the spec's own), on ``data_parallel`` devices (with ``sync_batchnorm``), decided now without
+    importing the framework (``adapters.unsupported``: built-in adapters only; None for the others, whose workers
+    decide before ``build``); None when it can. The spec must have passed ``check``."""
     from adapters import unsupported  # the registry imports no framework
 
-    return unsupported(framework, model_info(spec), precision or spec.precision, compile or spec.compile, device)
+    return unsupported(framework, model_info(spec), precision or spec.precision, compile or spec.compile, device,
+                       data_parallel, sync_batchnorm)
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
@@ -127,6 +185,9 @@ class Trial:
     optimizer: the variant's optimizer, or None for the spec's own. precision, compile: ``harness.spec.Precision``
     and ``CompileMode`` ("default" is resolved by the adapter). max_steps_per_epoch: every epoch cut to its first
     steps, or None (``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole epoch).
+    data_parallel: N devices, each training on ``per_device_batch_size`` = micro_batch_size / N samples of every
+    step (``adapters.base.shard``); devices: those N devices ("cpu:0".."cpu:N-1" or "cuda:i"), empty for one
+    device; sync_batchnorm: batchnorm over the global batch (``harness.spec.DataParallelSpec``).
     """
 
     id: str
@@ -154,11 +215,23 @@ class Trial:
     python: str | None = None
     command: tuple[str, ...] | None = None
     max_steps_per_epoch: int | None = None
+    data_parallel: int = 1
+    devices: tuple[str, ...] = ()
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         if self.samples_per_step != self.micro_batch_size * self.accumulation_steps:
             raise ValueError(f"samples_per_step {self.samples_per_step} is not micro_batch_size "
                              f"{self.micro_batch_size} x accumulation_steps {self.accumulation_steps}")
+        if self.data_parallel > 1 and (len(self.devices) != self.data_parallel
+                                       or self.micro_batch_size % self.data_parallel):
+            raise ValueError(f"a data-parallel trial on {self.data_parallel} devices needs that many devices (got "
+                             f"{self.devices}) and a batch size they divide ({self.micro_batch_size})")
+
+    @property
+    def per_device_batch_size(self) -> int:
+        """The samples each device trains on per forward pass: the batch size / ``data_parallel``."""
+        return self.micro_batch_size // self.data_parallel
 
     @property
     def batch_size(self) -> int:
@@ -202,24 +275,32 @@ class Variant(NamedTuple):
     augmentation: bool
     precision: Precision
     compile: CompileMode
+    data_parallel: DataParallelSpec | None = None
+
+
+def data_parallel_label(dp: DataParallelSpec | None) -> str:
+    """A variant's words for its devices: "1 device", "2 devices", "2 devices, sync bn"."""
+    n = 1 if dp is None else dp.size
+    return f"{n} device{'s' if n > 1 else ''}" + (", sync bn" if dp is not None and dp.sync_batchnorm else "")
 
 
 def variants(spec: Spec) -> list[Variant]:
-    """Every combination of the spec's variant lists (optimizer, augmentation, precision, compile, in that order of
-    nesting); one unnamed variant (the spec's own settings) when none are given. A label names only what varies,
-    e.g. "adam lr=0.001, bf16, compiled"."""
-    own = Variant("", spec.optimizer, spec.augmentation, spec.precision, spec.compile)
+    """Every combination of the spec's variant lists (optimizer, augmentation, precision, compile, data_parallel, in
+    that order of nesting); one unnamed variant (the spec's own settings) when none are given. A label names only
+    what varies, e.g. "adam lr=0.001, bf16, compiled"."""
+    own = Variant("", spec.optimizer, spec.augmentation, spec.precision, spec.compile, spec.data_parallel)
     if spec.variants is None:
         return [own]
     v = spec.variants
     out = []
-    for opt, aug, precision, compile in itertools.product(
+    for opt, aug, precision, compile, dp in itertools.product(
             v.optimizer or [spec.optimizer], v.augmentation if v.augmentation is not None else [spec.augmentation],
-            v.precision or [spec.precision], v.compile or [spec.compile]):
+            v.precision or [spec.precision], v.compile or [spec.compile], _data_parallel_list(spec)):
         parts = (([variant_label(opt)] if v.optimizer else []) +
                  ([f"aug {'on' if aug else 'off'}"] if v.augmentation is not None else []) +
-                 ([precision] if v.precision else []) + ([compile] if v.compile else []))
-        out.append(Variant(", ".join(parts), opt, aug, precision, compile))
+                 ([precision] if v.precision else []) + ([compile] if v.compile else []) +
+                 ([data_parallel_label(dp)] if v.data_parallel else []))
+        out.append(Variant(", ".join(parts), opt, aug, precision, compile, dp))
     return out
 
 
@@ -247,7 +328,10 @@ def plan(spec: Spec, device: str) -> list[Trial]:
     """
     return [
         Trial(id=f"{entry.slug}-bs{batch}-r{repeat}" + (f"-s{seed}" if spec.seeds else "") +
-              (f"-v{index}" if variant.label else ""), framework=entry.name,
+              (f"-v{index}" if variant.label else "") + (f"-dp{n}" if (n := _devices(variant)) > 1 else ""),
+              framework=entry.name, data_parallel=n, sync_batchnorm=bool(variant.data_parallel
+                                                                         and variant.data_parallel.sync_batchnorm),
+              devices=data_parallel_devices(variant.data_parallel, device) if variant.data_parallel and n > 1 else (),
               label=entry.row, python=entry.python, command=tuple(entry.command) if entry.command else None,
               micro_batch_size=batch, repeat=repeat, variant=variant.label, augmentation=variant.augmentation,
               optimizer=None if not variant.label else variant.optimizer,
@@ -264,3 +348,13 @@ def plan(spec: Spec, device: str) -> list[Trial]:
         for batch in spec.batch_sizes
         for entry in spec.entries
     ]
+
+
+def _devices(variant: Variant) -> int:
+    return 1 if variant.data_parallel is None else variant.data_parallel.size
+
+
+def _data_parallel_list(spec: Spec) -> list[DataParallelSpec | None]:
+    if spec.variants is not None and spec.variants.data_parallel:
+        return list(spec.variants.data_parallel)
+    return [spec.data_parallel]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -51,13 +53,15 @@ class Events:
     def __init__(self, out: TextIO | None):
         self._out = out
         self.log: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # a data-parallel trial's rank watchers emit from their threads
 
     def emit(self, event: _Event) -> dict[str, Any]:
         line, record = event_line(event, time.monotonic(), default=_jsonable)
-        self.log.append(record)
-        if self._out is not None:
-            self._out.write(line)
-            self._out.flush()
+        with self._lock:
+            self.log.append(record)
+            if self._out is not None:
+                self._out.write(line)
+                self._out.flush()
         return record
 
 
@@ -95,6 +99,7 @@ class _Loop:
     def __init__(self, adapter: Any, data: Any, trial: Trial, emit: Callable[[_Event], Any]):
         self.adapter, self.data, self.emit = adapter, data, emit
         self.micro = trial.micro_batch_size
+        self.devices = trial.data_parallel
         self.accumulation = trial.accumulation_steps
         self.batch = trial.samples_per_step  # samples per optimizer step, as the plan computed it
         self.epochs, self.warmup = trial.epochs, trial.warmup_steps
@@ -208,7 +213,8 @@ class _Loop:
         least = self.timing.min_window_steps
         steps = least if not self.step_estimate else max(least, math.ceil(self.timing.window_seconds
                                                                          / self.step_estimate))
-        return left if left - steps < least else steps
+        # every rank of a multi-process data-parallel trial times the same steps: rank 0's choice (Adapter.agree)
+        return self.adapter.agree(left if left - steps < least else steps)
 
     def timed(self, last: int, losses: list[tuple[float, int]]) -> float:
         """The rest of the segment in timed windows, synced at both edges; returns their seconds. Without
@@ -298,6 +304,8 @@ class _Loop:
             "test_accuracy": last["test_accuracy"],
             "nonfinite_loss": self.nonfinite,
             "batch_size": self.micro,
+            "data_parallel": self.devices,
+            "per_device_batch_size": self.micro // self.devices,
             "accumulation_steps": self.accumulation,
             "effective_batch_size": self.batch,
             "target_accuracy": self.target,
@@ -313,18 +321,26 @@ class _Loop:
         }
 
 
-def run_options(adapter: Any, spec: Spec, trial: Trial, mode: str) -> RunOptions:
+def run_options(adapter: Any, spec: Spec, trial: Trial, mode: str, rank: int = 0) -> RunOptions:
     """``Adapter.options``, built once: the trial's precision, ``mode`` (its compile mode as the adapter resolved it)
     and memory limit, and the spec's allocator settings that the adapter's declaration names
-    (``Declaration.allocator_options``; the others keep their defaults, and all do for an adapter without one)."""
+    (``Declaration.allocator_options``; the others keep their defaults, and all do for an adapter without one); for a
+    data-parallel trial its devices, this process's ``rank`` and how many processes share them."""
     from adapters.base import RunOptions
     from harness.spec import AllocatorSpec
 
     declared = getattr(adapter, "declaration", None)
     allocator = AllocatorSpec(**{option: getattr(spec.allocator, option) for option in
                                  (declared.allocator_options if declared is not None else ())})
+    data_parallel = None
+    if trial.data_parallel > 1:
+        from adapters.base import DataParallel
+
+        processes = trial.data_parallel if declared is not None and declared.data_parallel == "processes" else 1
+        data_parallel = DataParallel(devices=trial.devices, processes=processes, rank=rank,
+                                     sync_batchnorm=trial.sync_batchnorm)
     return RunOptions(precision=trial.precision, compile=cast("CompileMode", mode),
-                      memory_limit_bytes=trial.memory_limit_bytes, allocator=allocator)
+                      memory_limit_bytes=trial.memory_limit_bytes, allocator=allocator, data_parallel=data_parallel)
 
 
 def run(payload: Payload | dict[str, Any], events: Events) -> int:
@@ -332,17 +348,14 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
     (validated here). Returns the process exit status."""
     adapter = None
     try:
-        import adapters
-        from harness.neutral import datasets, memory, models
+        from adapters.base import data_parallel_gap
+        from harness.neutral import datasets, models
 
         payload = payload if isinstance(payload, Payload) else Payload.model_validate(payload)
         trial, spec = payload.trial, payload.spec
         events.emit(Start(pid=os.getpid(), framework=trial.framework, batch_size=trial.micro_batch_size,
                           python=sys.executable, affinity=_affinity()))
-        try:
-            adapter = adapters.get(trial.framework)()
-        except ImportError as err:
-            raise TrialError(f"{trial.framework} is not installed here ({err})") from None
+        adapter, ranks, rank = _adapter(payload, events)
         if trial.device == "cpu" and trial.memory_limit_bytes:
             from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
 
@@ -352,11 +365,15 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         if (why := adapter.unsupported_execution(precision, trial.compile, trial.device)) is not None:
             raise Unsupported(why)  # before the framework touches the device
         mode = adapter.compile_mode(trial.compile)  # "default" resolved to the adapter's own mode
-        adapter.options = run_options(adapter, spec, trial, mode)
-        adapter.prepare(trial.device, trial.threads, trial.seed)
+        adapter.options = run_options(adapter, spec, trial, mode, rank)
+        threads = trial.threads
+        if adapter.options.data_parallel is not None and adapter.options.data_parallel.processes > 1:
+            threads = max(1, threads // trial.data_parallel)  # the trial's threads shared by its ranks
+        adapter.prepare(trial.device, threads, trial.seed)  # a rank's own device is in its options
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
-        if (why := adapter.unsupported(info)) is not None:  # before the data is loaded and anything is built
-            raise Unsupported(why)
+        if (why := adapter.unsupported(info) or data_parallel_gap(
+                adapter.declaration, info, trial.data_parallel, trial.sync_batchnorm, trial.device)) is not None:
+            raise Unsupported(why)  # before the data is loaded and anything is built
         data = datasets.load(spec.dataset, seed=trial.seed)
         optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
         adapter.build(info, models.initial_weights(info, trial.seed), optimizer)
@@ -364,12 +381,8 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         adapter.wait()
         events.emit(Ready(versions=adapter.versions(), settings=adapter.settings()))
         metrics = train(adapter, data, trial, events.emit)
-        predicted = memory.predict(info, trial.micro_batch_size, optimizer, trial.accumulation_steps,
-                                   attention=adapter.ATTENTION)
         metrics.update({
-            "memory_predicted": {part: getattr(predicted, part) for part in memory.PARTS} | {
-                "activations_per_sample": predicted.activations_per_sample, "total": predicted.total,
-                "attention": predicted.attention},
+            "memory_predicted": _predicted_memory(info, trial, optimizer, adapter.ATTENTION),
             "parameter_count": info.parameter_count,
             "train_flops_per_sample": info.train_flops_per_sample,
             "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,
@@ -378,6 +391,11 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
             "compile": mode,
             "compile_meaning": adapter.COMPILE_MODES.get(mode, ""),
         })
+        if trial.data_parallel > 1:
+            metrics.update({"devices": list(trial.devices), "sync_batchnorm": trial.sync_batchnorm,
+                            "data_parallel_mechanism": adapter.declaration.data_parallel_mechanism})
+        if ranks is not None:
+            ranks.close()  # a rank that failed ends the trial here, before the result
         events.emit(Result(metrics=metrics, versions=adapter.versions(), settings=adapter.settings()))
         return EXIT_OK
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the process exits non-zero
@@ -395,3 +413,79 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         kind: ErrorKind = "unsupported" if isinstance(exc, Unsupported) else "oom" if oom else "error"
         events.emit(Error(kind=kind, reason=reason[:500], traceback="".join(traceback.format_exception(exc))[-4000:]))
         return EXIT_FAILED
+
+
+def _predicted_memory(info: Any, trial: Trial, optimizer: Any, attention: str) -> dict[str, Any]:
+    """``harness.neutral.memory.predict`` of one device's training step (the per-device batch), as recorded."""
+    from harness.neutral import memory
+
+    predicted = memory.predict(info, trial.per_device_batch_size, optimizer, trial.accumulation_steps,
+                               attention=attention)
+    return {part: getattr(predicted, part) for part in memory.PARTS} | {
+        "activations_per_sample": predicted.activations_per_sample, "total": predicted.total,
+        "attention": predicted.attention}
+
+
+def _adapter(payload: Payload, events: Events) -> tuple[Any, Any, int]:
+    """The trial's adapter, made after a data-parallel trial's environment is set and its ranks started
+    (``_data_parallel_start``; a built-in adapter's declaration is read before its framework is imported, that of
+    an adapter of HARNESS_ADAPTERS from its class). Returns (adapter, the started ranks or None, this process's
+    rank). Raises TrialError when the framework is not installed."""
+    import adapters
+
+    trial = payload.trial
+    ranks, rank = None, 0
+    if trial.data_parallel > 1 and (declared := adapters.declaration(trial.framework)) is not None:
+        ranks, rank = _data_parallel_start(declared, payload, events)
+    try:
+        adapter = adapters.get(trial.framework)()
+    except ImportError as err:
+        raise TrialError(f"{trial.framework} is not installed here ({err})") from None
+    if trial.data_parallel > 1 and adapters.declaration(trial.framework) is None:
+        ranks, rank = _data_parallel_start(adapter.declaration, payload, events)
+    return adapter, ranks, rank
+
+
+def _data_parallel_start(declared: Any, payload: Payload, events: Events) -> tuple[Any, int]:
+    """Before the framework is imported: sets the declaration's ``data_parallel_environment`` and, for a
+    one-process-per-device framework, starts ranks 1..N-1 (``harness.execution.ranks``) when this process is rank
+    0, the worker the launcher started. Returns (the started ranks or None, this process's rank). A rank that fails
+    ends the trial: rank 0 reports it (``Error``, the rank's reason) and kills its process group."""
+    from harness.execution.ranks import Ranks, bootstrap_argv, rank_environment, this_rank
+
+    trial = payload.trial
+    if declared is None:
+        return None, 0
+    for name, value in declared.data_parallel_environment.items():
+        value = value.replace("{devices}", str(trial.data_parallel))
+        os.environ[name] = f"{os.environ[name]} {value}" if name == "XLA_FLAGS" and os.environ.get(name) else value
+    if declared.data_parallel != "processes":
+        return None, 0
+    mine = this_rank()
+    if mine is not None:
+        return None, mine[0]
+
+    def failed(failure: Any) -> None:
+        error = failure.error or {}
+        reason = error.get("reason") or f"exited with status {failure.returncode}"
+        kind: ErrorKind = error["kind"] if error.get("kind") in ("oom", "unsupported", "error") else "error"
+        events.emit(Error(kind=kind, reason=f"rank {failure.rank}: {reason}"[:500],
+                          traceback=str(error.get("traceback", ""))[-4000:]))
+        _end_group()
+
+    ranks = Ranks(argv=bootstrap_argv(), world=trial.data_parallel, on_failure=failed,
+                  stdin_line=payload.model_copy(update={"launcher_pid": None}).model_dump_json())
+    os.environ.update({k: v for k, v in rank_environment(0, trial.data_parallel, ranks.port).items()
+                       if k != "HARNESS_RANK_OF"})
+    ranks.start()
+    return ranks, 0
+
+
+def _end_group() -> None:
+    """Kills this process's group when it leads one (the launcher starts each worker in its own session, so the group
+    is the trial's ranks), else this process."""
+    try:
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(EXIT_FAILED)

@@ -99,8 +99,8 @@ TRIAL_COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 IDENTITY = ("id", "row", "label", "framework", "environment", "variant", "precision", "compile", "batch_size",
-            "effective_batch_size", "accumulation_steps", "seed", "repeat", "device", "threads", "learning_rate",
-            "status", "reason", "schema_version")
+            "effective_batch_size", "accumulation_steps", "data_parallel", "per_device_batch_size", "seed", "repeat",
+            "device", "threads", "learning_rate", "status", "reason", "schema_version")
 
 
 @dataclass

@@ -145,6 +145,11 @@ class TrialRecord(_Open):
     compile: str = "default"
     accumulation_steps: int = 1
     effective_batch_size: int | None = None
+    data_parallel: int = Field(1, ge=1, description="devices the trial trained on (data parallelism; 1: one device)")
+    per_device_batch_size: int | None = Field(None, description="samples per device per forward pass: batch_size / "
+                                                                "data_parallel")
+    devices: list[str] = Field(default_factory=list, description="the data-parallel devices (empty: one device, "
+                                                                 "``device``)")
     status: Status
     reason: str = ""
     wall_seconds: float = Field(description="the worker's whole life, seconds")

@@ -46,7 +46,7 @@ from harness.spec.layers import (
 )
 
 __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data",
-           "CompileMode", "Precision",
+           "CompileMode", "DataParallelSpec", "Precision",
            "Conv2D", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding", "Flatten",
            "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "Initializer", "Layer", "LayerNorm",
            "MaxPool2D", "ModelSpec", "OptimizerSpec", "PlainLayer", "ROOT", "ReLU", "Residual", "SamplerSpec",
@@ -203,18 +203,66 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 CompileMode = Literal["default", "eager", "compiled"]
 
 
+class DataParallelSpec(_Strict):
+    """Data-parallel training over several devices: each optimizer step's global batch (the ``batch_sizes`` entry) is
+    split into ``devices`` equal per-device batches (``adapters.base.shard``), the gradients are averaged over all
+    of them (all-reduce), and every device applies the same update: each framework's own mechanism (its adapter's
+    declaration: PyTorch DistributedDataParallel, TensorFlow MirroredStrategy, MXNet kvstore, JAX sharding).
+
+    devices: N (on the CPU N logical devices, on a GPU machine the first N GPUs from the spec's device), or the GPUs
+    as a list (``[cuda:0, cuda:1]``). Written as ``data_parallel: 2`` or ``data_parallel: [cuda:0, cuda:1]`` for
+    short. sync_batchnorm: batchnorm normalises over the global batch (every device's shard) instead of each
+    device's own; a framework without it records such trials ``unsupported``.
+    """
+
+    devices: int | list[str]
+    sync_batchnorm: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: Any) -> Any:
+        if isinstance(data, (int, list)) and not isinstance(data, bool):
+            return {"devices": data}
+        return data
+
+    @field_validator("devices")
+    @classmethod
+    def _device_list(cls, devices: int | list[str]) -> int | list[str]:
+        if isinstance(devices, int):
+            if devices < 1:
+                raise ValueError(f"a device count is at least 1, not {devices}")
+            return devices
+        if not devices:
+            raise ValueError("devices lists at least one GPU")
+        for device in devices:
+            prefix, _, index = device.partition(":")
+            if prefix != "cuda" or not index.isdigit():
+                raise ValueError(f"data-parallel devices are GPUs as cuda:N, not {device!r} (on the CPU give a count)")
+        if len(set(devices)) != len(devices):
+            twice = next(d for d in devices if devices.count(d) > 1)
+            raise ValueError(f"{twice} is listed twice")
+        return devices
+
+    @property
+    def size(self) -> int:
+        """N, the number of devices."""
+        return self.devices if isinstance(self.devices, int) else len(self.devices)
+
+
 class VariantsSpec(_Strict):
     """Study variants crossed with the batch sizes: every combination of the lists given runs at every batch size.
 
     optimizer: several optimizers (each a full optimizer spec), e.g. SGD with momentum and Adam, for the
     seed-002 comparison of how optimizers tolerate large batches. augmentation: e.g. [false, true]. precision: e.g.
-    [fp32, bf16]. compile: e.g. [eager, compiled].
+    [fp32, bf16]. compile: e.g. [eager, compiled]. data_parallel: device counts (or ``DataParallelSpec``s), e.g.
+    [1, 2, 4, 8] for the scaling at each global batch size (1: one device, no data parallelism).
     """
 
     optimizer: list[OptimizerSpec] | None = Field(default=None, min_length=1)
     augmentation: list[bool] | None = Field(default=None, min_length=1)
     precision: list[Precision] | None = Field(default=None, min_length=1)
     compile: list[CompileMode] | None = Field(default=None, min_length=1)
+    data_parallel: list[DataParallelSpec] | None = Field(default=None, min_length=1)
 
 
 class Spec(_Strict):
@@ -243,7 +291,8 @@ class Spec(_Strict):
     devices: GPUs to run trials on side by side, one trial per device at a time (``harness.execution.executors``);
     ``--parallel`` and ``--devices`` on the command line do the same. exclusive: one trial at a time, whatever the
     executor could run at once, for studies where trials beside each other would disturb what is measured (host
-    contention: CPU runs, data loading, memory bandwidth).
+    contention: CPU runs, data loading, memory bandwidth). data_parallel: ``DataParallelSpec``; ``batch_sizes`` are
+    then global batches per optimizer step, each device training on batch size / N.
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -277,6 +326,7 @@ class Spec(_Strict):
     variants: VariantsSpec | None = None
     devices: list[str] | None = Field(default=None, min_length=1)
     exclusive: bool = False
+    data_parallel: DataParallelSpec | None = None
 
     @field_validator("base_batch_size")
     @classmethod

@@ -15,7 +15,7 @@ from harness.execution.launcher import Outcome
 from harness.execution.protocol import Payload
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
-from harness.plan import Status, Trial, plan, unsupported_reason
+from harness.plan import Status, Trial, check_devices, plan, unsupported_reason
 from harness.results.schema import SCHEMA_VERSION, Placement, SamplerInfo, TrialMetrics, TrialRecord
 from harness.results.store import (
     append_trial,
@@ -76,7 +76,8 @@ def _identity(trial: Trial) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, "id": trial.id, "framework": trial.framework, "label": trial.row,
             "batch_size": trial.micro_batch_size, "repeat": trial.repeat, "seed": trial.seed, "variant": trial.variant,
             "device": trial.device, "threads": trial.threads, "learning_rate": trial.learning_rate,
-            "precision": trial.precision, "compile": trial.compile}
+            "precision": trial.precision, "compile": trial.compile, "data_parallel": trial.data_parallel,
+            "per_device_batch_size": trial.per_device_batch_size, "devices": list(trial.devices)}
 
 
 def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
@@ -197,8 +198,8 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
     if spec.exclusive:
         executor.capacity = 1
     oom_at = _oom_sizes(read_trials(run_dir))
-    unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device)
-                   for key in {(trial.framework, trial.precision, trial.compile) for trial in trials}}
+    unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device, key[3], key[4])
+                   for key in {_support_key(t) for t in trials}}
     pending = list(enumerate(trials))
     spans: list[dict[str, Any]] = []  # placements of the trials finished in this session, for ``beside``
     in_flight: dict[str, Trial] = {}  # trial id -> trial, for the trials the executor is running
@@ -210,7 +211,7 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
                     on_start(trial, index, len(trials))
                 key = (trial.row, trial.repeat, trial.variant)
                 limit = oom_at.get(key)
-                if (reason := unsupported[(trial.framework, trial.precision, trial.compile)]) is not None:
+                if (reason := unsupported[_support_key(trial)]) is not None:
                     record = unsupported_record(trial, reason)
                 elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
                     record = skipped_record(trial, limit)
@@ -264,6 +265,7 @@ def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> t
     interpreter fails its probe."""
     env = machine.collect()
     device = resolve_device(spec.device, env["gpu"])
+    check_devices(spec, spec_path or "spec", device, len(env["gpu"]["devices"]) if "devices" in env["gpu"] else None)
     frameworks = probe_entries(spec, spec_path or "spec", device)
     run_dir = create_run_dir(out_root, spec.name)
     run_info = {
@@ -307,3 +309,9 @@ def _oom_sizes(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], int]
             key = (finished.get("label") or finished["framework"], finished["repeat"], finished.get("variant", ""))
             oom_at[key] = min(oom_at.get(key, finished["batch_size"]), finished["batch_size"])
     return oom_at
+
+
+def _support_key(trial: Trial) -> tuple[str, str, str, int, bool]:
+    """What decides whether a built-in adapter can run a trial (``harness.plan.unsupported_reason``'s arguments
+    besides the spec and the device)."""
+    return trial.framework, trial.precision, trial.compile, trial.data_parallel, trial.sync_batchnorm

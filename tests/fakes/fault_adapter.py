@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from adapters.base import Adapter
+from adapters.base import Adapter, shard
+from adapters.declaration import Declaration
 
 REGISTRATION = "fault=tests.fakes.fault_adapter:FaultAdapter"
 
@@ -117,3 +118,30 @@ class FaultAdapter(Adapter):
 
     def is_oom(self, exc):
         return isinstance(exc, MemoryError)
+
+
+#: The fault adapter as a one-process-per-device framework: ``fault_dp``. Its ranks really start (the worker's
+#: ``harness.execution.ranks``), each trains on its shard of every step and records its pid in the folder
+#: HARNESS_FAULT_PIDS; it has no all-reduce (numpy, nothing to reduce over), so it tests processes, not numbers.
+#: HARNESS_FAULT_RANK=r injects HARNESS_FAULT in rank r only.
+DATA_PARALLEL_REGISTRATION = "fault_dp=tests.fakes.fault_adapter:DataParallelFaultAdapter"
+
+
+class DataParallelFaultAdapter(FaultAdapter, declaration=Declaration(
+        name="fault_dp", title="fault_dp", adapter="tests.fakes.fault_adapter:DataParallelFaultAdapter",
+        data_parallel="processes", data_parallel_mechanism="one numpy process per device, no all-reduce")):
+    def prepare(self, device, threads, seed):
+        super().prepare(device, threads, seed)
+        dp = self.options.data_parallel
+        self.rank, self.world = (dp.rank, dp.size) if dp is not None else (0, 1)
+        if folder := os.environ.get("HARNESS_FAULT_PIDS"):
+            with open(os.path.join(folder, f"rank{self.rank}-{os.getpid()}"), "w"):
+                pass
+
+    def _maybe_fault(self, batch_size):
+        wanted = os.environ.get("HARNESS_FAULT_RANK")
+        if wanted is None or int(wanted) == self.rank:
+            super()._maybe_fault(batch_size * self.world)  # faults are chosen by the global batch size
+
+    def train_step(self, indices, micro_batches=1, position=None):
+        super().train_step(shard(indices, self.world, self.rank), micro_batches, position)
