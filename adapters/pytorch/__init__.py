@@ -21,4 +21,11 @@ DECLARATION = Declaration(
     # https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf
     allocator_environment={"pytorch_cuda_alloc_conf": "PYTORCH_CUDA_ALLOC_CONF"},
     notes={"fp16": FP16_NOTE},
+    # One process per device, launched as torchrun would (harness.execution.ranks); the adapter's _join and _ddp.
+    data_parallel="processes",
+    data_parallel_mechanism=("torch.nn.parallel.DistributedDataParallel, one process per device (gloo on the CPU, "
+                             "NCCL on CUDA GPUs), gradients all-reduced in buckets during the backward pass"),
+    sync_batchnorm=CUDA,
+    sync_batchnorm_note=("torch.nn.SyncBatchNorm runs on GPUs only: on the CPU its forward raises \"SyncBatchNorm "
+                         "expected input tensor to be on GPU\" (torch 2.13)"),
 )

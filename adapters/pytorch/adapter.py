@@ -8,22 +8,43 @@ Design: docs/design/framework-caveats.md#pytorch (execution modes, precision and
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import (
+    Adapter,
+    DataParallel,
+    DeviceUnavailable,
+    data_parallel_gap,
+    device_kind,
+    micro_batch_size,
+    shard,
+)
 from adapters.pytorch import DECLARATION
 from adapters.pytorch import layers as L
 from harness.neutral.models import initial_buffers
 
 
 class PyTorchAdapter(Adapter, declaration=DECLARATION):
+    #: The process group's timeout (``init_process_group(timeout=...)``, data-parallel only): how long a rank waits
+    #: for the others at the rendezvous (rank 0's TCPStore for the rest to join, the others to reach it) and in every
+    #: collective after it, before it fails with an error instead of hanging. It must exceed the longest time one rank
+    #: can spend outside a collective while the others wait inside one: rank 0's evaluation of the whole test set
+    #: (the others wait in its broadcast), a slow rank's torch.compile of the first step, ranks started seconds apart.
+    #: Ten minutes, NCCL's own default (gloo's is 30): a rank that never arrives ends the trial after that; one that
+    #: exits is caught at once (gloo: "Connection closed by peer" in the next collective; and the worker's watcher,
+    #: ``harness.execution.ranks``).
+    DDP_TIMEOUT = timedelta(minutes=10)
+
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self._loss_sum: torch.Tensor | None = None  # float32 (), on the device: the losses since the last read
@@ -34,6 +55,8 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         self.precision, self.mode = "fp32", self.DEFAULT_COMPILE  # from options, in build
         self._autocast_dtype: torch.dtype | None = None
         self.scaler: torch.amp.GradScaler | None = None
+        self._ranks: DataParallel | None = None  # options.data_parallel once prepare joined the process group
+        self._sync_batchnorm = False  # build makes nn.SyncBatchNorm layers (in _layer)
 
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__.split("+")[0], "torch_build": torch.__version__}
@@ -55,6 +78,13 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         return None if index < count else f"PyTorch sees {count} CUDA device(s); {device} is not one"
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
+        """The device, threads and seed. Data-parallel (``options.data_parallel``, one process per device): this
+        process is rank r of N; it trains on ``devices[r]`` (a GPU; every rank on the CPU trains on "cpu"), seeds
+        ``seed + r`` (each rank its own dropout masks, rank 0 those of one device) and joins the process group
+        (``_join``)."""
+        dp = self.options.data_parallel
+        if dp is not None:
+            device = self._rank_device(dp, device)
         if device.startswith("cuda"):
             if (problem := self.device_problem(device)) is not None:
                 raise DeviceUnavailable(problem)
@@ -72,7 +102,50 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             if torch.get_num_interop_threads() != 1:
                 # Allowed once per process, before any inter-op work; a worker process calls this first thing.
                 torch.set_num_interop_threads(1)
-        torch.manual_seed(seed)
+        torch.manual_seed(seed if dp is None else seed + dp.rank)
+        if dp is not None:
+            self._join(dp)
+
+    @staticmethod
+    def _rank_device(dp: DataParallel, device: str) -> str:
+        """The device of this rank: ``dp.devices[dp.rank]`` on GPUs, "cpu" on the CPU (the ranks' "cpu:0", "cpu:1",
+        ... are processes, not devices PyTorch tells apart). Raises ValueError unless there is one process per device
+        and the devices are of ``device``'s kind."""
+        if dp.processes != dp.size or dp.rank >= dp.size:
+            raise ValueError(f"the pytorch adapter trains data-parallel with one process per device: rank {dp.rank} "
+                             f"of {dp.processes} processes for {dp.size} devices")
+        mine = dp.devices[dp.rank]
+        if device_kind(mine) != device_kind(device):
+            raise ValueError(f"data-parallel devices {', '.join(dp.devices)} for a trial on {device}")
+        return mine if device_kind(mine) == "cuda" else "cpu"
+
+    def _join(self, dp: DataParallel) -> None:
+        """``torch.distributed.init_process_group`` as a torchrun-launched script calls it: backend gloo on the CPU,
+        NCCL on GPUs (bound to this rank's GPU, ``device_id``), ``init_method="env://"`` (MASTER_ADDR, MASTER_PORT from
+        ``harness.execution.ranks``; rank and world size from ``dp``, which the worker took from RANK and
+        WORLD_SIZE), timeout ``DDP_TIMEOUT``; https://docs.pytorch.org/docs/stable/distributed.html. A rank that
+        cannot form the group (the others never arrive, rank 0 unreachable) raises RuntimeError saying so after the
+        timeout. The group is destroyed at the interpreter's exit (``_leave``): the adapter has no end of its own."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        extra: dict[str, Any] = {"device_id": self.device} if self.device.type == "cuda" else {}
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=dp.rank, world_size=dp.size,
+                                    timeout=self.DDP_TIMEOUT, **extra)
+        except (RuntimeError, ValueError) as exc:  # DistStoreError, DistNetworkError; ValueError: a variable unset
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__  # no C++ trace
+            raise RuntimeError(
+                f"rank {dp.rank} of {dp.size} could not join the {backend} process group at {where} within "
+                f"{self.DDP_TIMEOUT.total_seconds():g} s (env:// rendezvous): {first}") from exc
+        self._ranks = dp
+        atexit.register(_leave)
+
+    def unsupported(self, info: Any) -> str | None:
+        """The declaration's gaps (``support_gap``), then data parallelism's on this rank's device
+        (``data_parallel_gap``: sync batchnorm on the CPU, for a model with batchnorm)."""
+        dp = self.options.data_parallel
+        return super().unsupported(info) or (None if dp is None else data_parallel_gap(
+            self.declaration, info, dp.size, dp.sync_batchnorm, self.device.type))
 
     def _apply_memory_limit(self, index: int) -> None:
         """``options.memory_limit_bytes`` on a GPU: ``torch.cuda.set_per_process_memory_fraction(limit /
@@ -95,13 +168,16 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         copied in unchanged), in training mode except inside ``evaluate`` and ``predict``. Batchnorm's running
         statistics start from ``weights``' buffers if it has them, else from
         ``harness.neutral.models.initial_buffers``. Every parameter and buffer is kept under its canonical name
-        (``self._params``, ``self._buffers``) for ``get_weights`` and ``get_buffers``."""
+        (``self._params``, ``self._buffers``) for ``get_weights`` and ``get_buffers``. Data-parallel: the module is
+        trained through ``DistributedDataParallel`` (``_ddp``), its batchnorm layers ``nn.SyncBatchNorm`` when
+        ``sync_batchnorm`` is asked for; evaluation and prediction use the unwrapped module."""
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         self._tensors = {}
+        self._sync_batchnorm = self._ranks is not None and self._ranks.sync_batchnorm
         self._loss_sum, self._loss_steps = None, 0
         self.next_token = info.task == "next_token"
         self.tokens = info.task != "image_classification"
-        self.net = nn.Sequential(*[self._layer(layer) for layer in info.layers])
+        self.net = L.Network(*[self._layer(layer) for layer in info.layers])
         with torch.no_grad():
             for name, (_, _, trained) in self._tensors.items():
                 self._tensor(name).copy_(torch.from_numpy((weights if trained else buffers)[name]))
@@ -109,8 +185,15 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         self.precision = self.options.precision
         self.mode = self.compile_mode(self.options.compile)
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        # The same parameters either way: torch.compile wraps the module, it does not copy it.
-        self.model: nn.Module = torch.compile(self.net) if self.mode == "compiled" else self.net
+        # The same parameters either way: torch.compile and DDP wrap the module, they do not copy it. Under DDP the
+        # wrapper is compiled, as PyTorch recommends (TorchDynamo's DDPOptimizer splits the graph at the gradient
+        # buckets so that their all-reduces still overlap the backward pass); it compiles L.Network's own forward.
+        trained = self.net if self._ranks is None else self._ddp()
+        compiled = self.mode == "compiled"
+        self.model: nn.Module = torch.compile(trained) if compiled else trained
+        # evaluate and predict: the same module; under DDP the unwrapped one (on one rank alone: no collectives)
+        self._inference: nn.Module = (self.model if self._ranks is None else
+                                      torch.compile(self.net) if compiled else self.net)
         self._dynamo_counters: Any = None
         self._compilations = 0
         if self.mode == "compiled":
@@ -125,6 +208,19 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         else:
             self.opt = torch.optim.Adam(params, lr=optimizer.learning_rate, betas=(optimizer.beta1, optimizer.beta2),
                                         eps=optimizer.epsilon, weight_decay=optimizer.weight_decay)
+
+    def _ddp(self) -> nn.Module:
+        """``torch.nn.parallel.DistributedDataParallel(self.net)`` with its defaults
+        (https://docs.pytorch.org/docs/stable/notes/ddp.html): constructing it broadcasts rank 0's parameters and
+        buffers (every rank built the same canonical ones anyway); in every backward pass the gradients are
+        all-reduced and divided by N, in buckets of 25 MiB launched by autograd hooks as each bucket's gradients are
+        ready, overlapping the rest of the backward pass; so with equal shards every rank's gradient is the mean over
+        the global batch before the identical ``opt.step``. ``broadcast_buffers`` (default): every training forward
+        first broadcasts rank 0's buffers, so the batchnorm running statistics of every rank are rank 0's, updated
+        from rank 0's shard alone (without sync batchnorm; with it, from the global batch)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(self.net, device_ids=[self.device] if self.device.type == "cuda" else None)
 
     def _keep(self, layer: Any, module: nn.Module, names: dict[str, str]) -> nn.Module:
         """Registers ``module``'s tensors under their canonical names: ``names`` maps a canonical local name
@@ -158,7 +254,10 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         if kind == "batchnorm":
             # momentum is PyTorch's own convention (the weight of the new batch), running_var is updated with the
             # unbiased batch variance: the canonical semantics, natively (harness.spec.BatchNorm).
-            norm = nn.BatchNorm2d if len(layer.input_shape) == 3 else nn.BatchNorm1d
+            # Sync batchnorm: what SyncBatchNorm.convert_sync_batchnorm would turn the layer into, made in place of
+            # it so that the canonical names keep pointing at the module trained (convert makes new modules).
+            norm = (nn.SyncBatchNorm if self._sync_batchnorm else
+                    nn.BatchNorm2d if len(layer.input_shape) == 3 else nn.BatchNorm1d)
             module = norm(layer.input_shape[0], eps=spec.epsilon, momentum=spec.momentum)
             return self._keep(layer, module, {**plain, "running_mean": "running_mean", "running_var": "running_var"})
         if kind == "layernorm":
@@ -260,7 +359,15 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         """One optimizer step. With ``micro_batches`` k > 1, each of the k consecutive micro-batches is gathered,
         run forward and backward on its own with its mean loss scaled by 1 / k (``backward`` adds into ``.grad``), so
         that the one ``opt.step`` applies the mean gradient over all B samples while only one micro-batch's
-        activations are alive at a time. The recorded loss is the mean over all B samples."""
+        activations are alive at a time. The recorded loss is the mean over all B samples. Data-parallel: this rank
+        runs its shard (``shard(indices, N, rank)``) through the DDP module, whose backward all-reduces the gradients
+        (their mean over the ranks: the global batch's with equal shards); the recorded loss is the shard's mean,
+        averaged over the ranks when it is read (``_take_loss_sum``). Gradient accumulation is not combined with it
+        (ValueError)."""
+        if self._ranks is not None:
+            if micro_batches > 1:
+                raise ValueError("gradient accumulation with data parallelism is not supported")
+            indices = shard(indices, self._ranks.size, self._ranks.rank)
         idx = torch.from_numpy(indices).to(self.device, non_blocking=True)
         self.opt.zero_grad(set_to_none=True)
         if micro_batches == 1:
@@ -293,27 +400,55 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
     def wait(self) -> None:
         """``torch.cuda.synchronize`` on a GPU; nothing on the CPU, where eager and compiled steps run their kernels
         before returning (https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution: only CUDA
-        work is asynchronous)."""
+        work is asynchronous). Data-parallel: then ``dist.barrier()``, so that a timed window's edge is the moment
+        every rank is there: it starts together on every rank and ends when the slowest rank is done."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self._ranks is not None:
+            dist.barrier()
+
+    def agree(self, value: int) -> int:
+        """Data-parallel: rank 0's ``value``, broadcast (``dist.broadcast``) to every rank."""
+        if self._ranks is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return int(tensor.item())
 
     def _take_loss_sum(self) -> float:
-        """The sum's ``.item()`` (one scalar copy) and ``zero_`` (queued, before the next step)."""
+        """The sum's ``.item()`` (one scalar copy) and ``zero_`` (queued, before the next step). Data-parallel: first
+        all-reduced (summed, then divided by N: gloo has no average) into the mean of the ranks' shard losses, which
+        with equal shards is the global batch's mean loss, on every rank."""
         if self._loss_sum is None:
             raise RuntimeError("no loss sum: read_loss reads only after a train_step")
+        if self._ranks is not None:
+            dist.all_reduce(self._loss_sum, op=dist.ReduceOp.SUM)
+            self._loss_sum.div_(self._ranks.size)
         total = float(self._loss_sum.item())
         self._loss_sum.zero_()
         return total
 
-    @torch.no_grad()
     def evaluate(self, batch_size: int) -> tuple[float, float]:
+        """Data-parallel: rank 0 evaluates its unwrapped module over the whole test set while the others wait in
+        the broadcast of its (loss, accuracy), which every rank returns."""
+        if self._ranks is None:
+            return self._evaluate(batch_size)
+        result = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._ranks.rank == 0:
+            result.copy_(torch.tensor(self._evaluate(batch_size), dtype=torch.float64))
+        dist.broadcast(result, src=0)
+        loss, accuracy = result.tolist()
+        return float(loss), float(accuracy)
+
+    @torch.no_grad()
+    def _evaluate(self, batch_size: int) -> tuple[float, float]:
         self.net.eval()
         total_loss = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
         n = self.x_test.shape[0]
         for start in range(0, n, batch_size):
             with self._autocast():
-                logits = self.model(self.x_test[start:start + batch_size]).float()
+                logits = self._inference(self.x_test[start:start + batch_size]).float()
             y = self.y_test[start:start + batch_size]
             total_loss += self._loss(logits, y, reduction="sum").double()
             correct += (logits.argmax(dim=-1) == y).sum()
@@ -325,7 +460,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
     def predict(self, images: np.ndarray) -> np.ndarray:
         self.net.eval()
         with self._autocast():
-            logits = self.model(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
+            logits = self._inference(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
         self.net.train()
         return logits.float().cpu().numpy()
 
@@ -367,6 +502,11 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
             out["memory_limit_bytes"] = None
             out.update(self._memory_limit)
+        if self._ranks is not None:
+            out["data_parallel"] = {
+                "mechanism": "DistributedDataParallel", "backend": dist.get_backend(), "world_size": self._ranks.size,
+                "rank": self._ranks.rank, "device": str(self.device), "sync_batchnorm": self._sync_batchnorm,
+                "broadcast_buffers": True, "bucket_cap_mb": 25, "timeout_s": self.DDP_TIMEOUT.total_seconds()}
         return out
 
     def is_oom(self, exc: BaseException) -> bool:
@@ -376,3 +516,11 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         if isinstance(exc, torch.OutOfMemoryError):
             return True
         return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
+def _leave() -> None:
+    """Destroys the default process group at the interpreter's exit (registered by ``PyTorchAdapter._join``), as a
+    DDP script ends with ``dist.destroy_process_group()``: every rank is past its last collective by then (the
+    trial's last evaluation), and NCCL warns about a group left undestroyed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -67,3 +67,16 @@ class SequencePool(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=1) if self.mode == "mean" else x[:, -1]
+
+
+class Network(nn.Sequential):
+    """The model: its layers in order, as ``nn.Sequential``, with a ``forward`` of its own. A model compiled inside
+    ``DistributedDataParallel`` (``torch.compile(DDP(net))``) is only compiled from the wrapped module's own frame
+    (DDP's forward graph-breaks, and TorchDynamo skips frames of torch's own code such as ``nn.Sequential.forward``),
+    so the wrapped module's forward must be code outside torch: with a plain ``nn.Sequential`` nothing is compiled
+    (torch 2.13; https://github.com/pytorch/pytorch/issues/140416)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self:
+            x = module(x)
+        return x

@@ -25,4 +25,11 @@ DECLARATION = Declaration(
     cpu_allocator_cap={"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "{mib}"},
     cpu_allocator="cpu BFC allocator",
     notes={"fp16": FP16_NOTE},
+    data_parallel="devices",
+    data_parallel_mechanism=("tf.distribute.MirroredStrategy over N logical CPU devices "
+                             "(tf.config.set_logical_device_configuration) or N GPUs; one process"),
+    sync_batchnorm=BOTH,
+    sync_batchnorm_note=("the moments all-reduced in the replica context (ReplicaContext.all_reduce), as Keras's "
+                         "BatchNormalization(synchronized=True) does (the adapter's batchnorm is FusedBatchNormV3, "
+                         "not Keras's); eager mode only (not inside the compiled mode's per-replica XLA function)"),
 )

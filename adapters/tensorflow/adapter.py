@@ -10,6 +10,7 @@ Design: docs/design/framework-caveats.md#tensorflow (Keras's two layers, tracing
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -19,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silence
 import numpy as np
 import tensorflow as tf
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import Adapter, DataParallel, DeviceUnavailable, device_kind, micro_batch_size, shard
 from adapters.tensorflow import DECLARATION
 from adapters.tensorflow import layers as L
 from adapters.tensorflow.training import DynamicLossScale, dense_gradients, make_update
@@ -68,6 +69,10 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         self._compute = tf.float32  # the compute dtype (build, from options.precision)
         self._jit = False  # XLA (build, from options.compile)
         self._loss_scale: DynamicLossScale | None = None  # fp16 only
+        # Data parallelism (prepare, from options.data_parallel): the strategy over the replicas' devices, or None
+        self._strategy: tf.distribute.MirroredStrategy | None = None
+        self._replica_devices: tuple[str, ...] = ()
+        self._replica_fns: list[Any] = []  # the XLA-compiled per-replica functions (compiled mode), for compilations
 
     def versions(self) -> dict[str, str]:
         out = {"tensorflow": tf.__version__}
@@ -105,8 +110,13 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/set_memory_growth) or a memory limit as
         ``options`` ask (``_configure_gpu_memory``) and TF32 off, or on for ``options.precision`` "tf32"
         (https://www.tensorflow.org/api_docs/python/tf/config/experimental/enable_tensor_float_32_execution). Raises
-        DeviceUnavailable when TF sees no such GPU (a CPU-only build such as tensorflow-cpu, or no driver)."""
-        if device.startswith("cuda"):
+        DeviceUnavailable when TF sees no such GPU (a CPU-only build such as tensorflow-cpu, or no driver).
+        With ``options.data_parallel``, the devices are its (``_prepare_replicas``) and a ``MirroredStrategy`` over
+        them is created last."""
+        data_parallel = self.options.data_parallel
+        if data_parallel is not None:
+            self._prepare_replicas(device, data_parallel)
+        elif device.startswith("cuda"):
             if (problem := self.device_problem(device)) is not None:
                 raise DeviceUnavailable(problem)
             gpus = tf.config.list_physical_devices("GPU")
@@ -124,6 +134,50 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             tf.config.threading.set_intra_op_parallelism_threads(threads)
             tf.config.threading.set_inter_op_parallelism_threads(1)
         tf.random.set_seed(seed)
+        if data_parallel is not None:
+            self._strategy = _strategy(self._replica_devices)
+
+    def _prepare_replicas(self, device: str, data_parallel: DataParallel) -> None:
+        """The N devices of a data-parallel trial, before TF's context starts. CPU: the one physical CPU split into N
+        logical CPU devices, "/cpu:0" ... (https://www.tensorflow.org/api_docs/python/tf/config/
+        set_logical_device_configuration); they share the host's memory, TF's CPU allocator (so a
+        ``cpu_allocator_cap`` caps them together) and its intra-op thread pool. The CPU's memory cap is the worker's
+        process limit, never a logical device configuration, so nothing else configures them. GPUs: "cuda:i" ... made
+        visible (then "/gpu:0" ... in increasing physical order), each with ``_configure_gpu_memory`` (a memory
+        limit then applies to every GPU: a logical device each) and TF32 as for one GPU. Raises ValueError when the
+        devices are not all of ``device``'s kind, DeviceUnavailable when TF lacks one, RuntimeError when TF started
+        before (its devices are then fixed)."""
+        kind, n = device_kind(device), data_parallel.size
+        if any(device_kind(d) != kind for d in data_parallel.devices):
+            raise ValueError(f"the data-parallel devices {', '.join(data_parallel.devices)} are not all {kind} "
+                             "devices")
+        if kind == "cuda":
+            for d in data_parallel.devices:
+                if (problem := self.device_problem(d)) is not None:
+                    raise DeviceUnavailable(problem)
+            gpus = tf.config.list_physical_devices("GPU")
+            picked = sorted({int(d.partition(":")[2] or 0) for d in data_parallel.devices})
+            if len(picked) != n:
+                raise ValueError(f"the data-parallel devices {', '.join(data_parallel.devices)} repeat a GPU")
+            tf.config.set_visible_devices([gpus[i] for i in picked], "GPU")
+            for i in picked:
+                self._configure_gpu_memory(gpus[i])
+            tf.config.experimental.enable_tensor_float_32_execution(self._precision() == "tf32")
+            self._replica_devices = tuple(f"/gpu:{i}" for i in range(n))
+            self.device, self._gpu = "/GPU:0", True
+        else:
+            tf.config.set_visible_devices([], "GPU")
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            try:
+                tf.config.set_logical_device_configuration(
+                    cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+            except RuntimeError as err:  # "Virtual devices cannot be modified after being initialized"
+                raise RuntimeError(
+                    f"TensorFlow cannot split the CPU into {n} logical devices: its runtime started before prepare "
+                    f"(with {len(tf.config.list_logical_devices('CPU'))} CPU device(s)); TF fixes its devices when "
+                    f"it starts ({err})") from err
+            self._replica_devices = tuple(f"/cpu:{i}" for i in range(n))
+            self.device, self._gpu = "/CPU:0", False
 
     def _configure_gpu_memory(self, gpu: Any) -> None:
         """The allocator settings of ``options``, applied to the one visible GPU before TF's context starts.
@@ -167,14 +221,16 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         trailing softmax is left to the loss. Batchnorm's running statistics are non-trainable variables, from
         ``weights``' buffers if it has them, else ``harness.neutral.models.initial_buffers``. Inputs: NHWC float32
         images, or (B, L) int64 token ids. The compute dtype (``_COMPUTE``) and XLA (``jit_compile``, the "compiled"
-        mode) come from ``options``."""
+        mode) come from ``options``. Data-parallel: every variable is created under the strategy's scope, so it is a
+        ``MirroredVariable`` with a copy on each replica's device (batchnorm's running statistics: ``_keep``), except
+        the loss sum, an ordinary variable on the first device."""
         self._compute, self._jit = _COMPUTE[self._precision()], self._mode() == "compiled"
         self._params, self._buffers = {}, {}
-        self._train_fns, self._train_calls = {}, {}
+        self._train_fns, self._train_calls, self._replica_fns = {}, {}, []
         self._last_loss = None
         self.next_token, self.tokens = info.task == "next_token", info.task != "image_classification"
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
-        with tf.device(self.device):
+        with self._placement():
             flatten_from: tuple[int, int, int] | None = None
             self._forward_layers = []
             for position, layer in enumerate(info.layers):
@@ -183,6 +239,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             self._variables = [v for variables, _ in self._params.values() for v in variables]
             self._update = make_update(optimizer, self._variables)
             self._loss_scale = DynamicLossScale() if self._compute == tf.float16 else None
+        with tf.device(self.device):
             # added to inside the train step's function (assign_add), read and zeroed by read_loss
             self._loss_sum, self._loss_steps = tf.Variable(0.0, dtype=tf.float32, trainable=False, name="loss_sum"), 0
         # Evaluation and prediction: a batch dimension of None, so a smaller last batch does not retrace.
@@ -192,15 +249,33 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         else:
             c, h, w = info.input_shape
             input_spec, label_spec = tf.TensorSpec((None, h, w, c), tf.float32), tf.TensorSpec((None,), tf.int64)
-        self._logits_fn = tf.function(self._logits, input_signature=[input_spec], jit_compile=self._jit,
-                                      autograph=False)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=[input_spec, label_spec],
-                                    jit_compile=self._jit, autograph=False)
+        if self._strategy is not None and self._jit:  # see _replica_step
+            self._replica_fns = [tf.function(self._replica_gradients, jit_compile=True, autograph=False),
+                                 tf.function(self._apply, jit_compile=True, autograph=False)]
+        # Data-parallel with batchnorm, evaluation reads the running statistics' mean over the replicas' copies,
+        # which lie on N devices, so it is not XLA-compiled: an XLA cluster reads variables of its own device only.
+        jit = self._jit and not (self._strategy is not None and self._buffers)
+        self._logits_fn = tf.function(self._logits, input_signature=[input_spec], jit_compile=jit, autograph=False)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=[input_spec, label_spec], jit_compile=jit,
+                                    autograph=False)
 
     def _keep(self, name: str, value: np.ndarray, to_canonical: Any = _same, trainable: bool = True) -> tf.Variable:
         """A float32 variable named ``name`` holding ``value`` (already in TF's layout), registered as the canonical
-        parameter (or, not ``trainable``, buffer) ``name`` that ``to_canonical`` of its value gives back."""
-        variable = tf.Variable(value, trainable=trainable, name=name)
+        parameter (or, not ``trainable``, buffer) ``name`` that ``to_canonical`` of its value gives back.
+
+        Data-parallel, a buffer (batchnorm's running statistics) is a sync-on-read variable with MEAN aggregation
+        (https://www.tensorflow.org/api_docs/python/tf/VariableSynchronization, what tf.keras 2's BatchNormalization
+        used): each replica updates its own copy from its own batch statistics, with no communication in the step,
+        and a read in the cross-replica context (``get_buffers``, ``evaluate``, ``predict``, all under the strategy's
+        scope) is the mean of the copies. The update being linear in the batch statistics, that mean is (1 - momentum)
+        * running + momentum * (the mean over the replicas of their shards' statistics): the global batch's mean for
+        ``running_mean``, the mean of the shards' unbiased variances for ``running_var``; with sync batchnorm every
+        copy is the same. (Keras 3's BatchNormalization creates them with aggregation "none", so that each copy is
+        its own replica's and a read gives the first device's.)"""
+        sync: dict[str, Any] = {}
+        if not trainable and self._strategy is not None:
+            sync = {"synchronization": tf.VariableSynchronization.ON_READ, "aggregation": tf.VariableAggregation.MEAN}
+        variable = tf.Variable(value, trainable=trainable, name=name, **sync)
         (self._params if trainable else self._buffers)[name] = ((variable,), to_canonical)
         return variable
 
@@ -272,7 +347,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         gamma, beta = (self._keep(f"{name}.{p}", tf_order(weights[f"{name}.{p}"]), back) for p in ("weight", "bias"))
         mean, var = (self._keep(f"{name}.{stat}", tf_order(buffers[f"{name}.{stat}"]), back, trainable=False)
                      for stat in ("running_mean", "running_var"))
-        return L.batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon, flat, self._compute)
+        sync = self.options.data_parallel is not None and self.options.data_parallel.sync_batchnorm
+        return L.batchnorm(gamma, beta, mean, var, spec.momentum, spec.epsilon, flat, self._compute, sync)
 
     def _add_keras_layer(self, layer: Any, weights: dict[str, np.ndarray]) -> L.Layer:
         """Layernorm or attention: Keras's layer with its variables set from the canonical weights, those variables
@@ -295,12 +371,28 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             x = fn(x, training)
         return L.to(x, tf.float32)
 
+    def _placement(self) -> Any:
+        """Where ``build`` creates the model's and the optimizer's variables: under the strategy's scope when
+        data-parallel (mirrored on every replica's device), else on the device."""
+        return self._strategy.scope() if self._strategy is not None else tf.device(self.device)
+
+    @contextlib.contextmanager
+    def _on_first_device(self) -> Any:
+        """Evaluation, prediction and the state read: on the (first) device, and data-parallel in the strategy's
+        cross-replica context, where a mirrored variable reads as the first device's copy and a sync-on-read one
+        (batchnorm's running statistics, ``_keep``) as the mean of the copies."""
+        with contextlib.ExitStack() as stack:
+            if self._strategy is not None:
+                stack.enter_context(self._strategy.scope())
+            stack.enter_context(tf.device(self.device))
+            yield
+
     def _logits(self, x: tf.Tensor) -> tf.Tensor:
-        with tf.device(self.device):
+        with self._on_first_device():
             return self._forward(x, training=False)
 
     def _eval_batch(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        with tf.device(self.device):
+        with self._on_first_device():
             logits = self._forward(x, training=False)
             loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)  # (B,) or (B, L)
             correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1), y), tf.int64))
@@ -367,23 +459,84 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             self._loss_variable().assign_add(tf.cast(loss, tf.float32))  # the mean of the k micro-batches' means
             return loss
 
+    def _train_replicated(self, indices: tf.Tensor) -> tf.Tensor:
+        """One data-parallel step, the body of the step's ``tf.function`` (the cross-replica context): replica d
+        trains on ``shard(indices, N, d)``, the d-th contiguous B / N of the global batch, given to it as a per-replica
+        value (``experimental_distribute_values_from_function``, https://www.tensorflow.org/api_docs/python/tf/
+        distribute/Strategy#experimental_distribute_values_from_function), ``strategy.run`` runs ``_replica_step`` on
+        every replica (https://www.tensorflow.org/api_docs/python/tf/distribute/Strategy#run), and the global batch's
+        mean loss, which every replica returns, is added to the loss sum on the first device."""
+        strategy = self._strategy
+        assert strategy is not None
+        n, batch = strategy.num_replicas_in_sync, int(indices.shape[0])
+        bounds = [(int(part[0]), int(part[-1]) + 1) for part in (shard(np.arange(batch), n, d) for d in range(n))]
+        shards = strategy.experimental_distribute_values_from_function(
+            lambda context: indices[bounds[context.replica_id_in_sync_group][0]:
+                                    bounds[context.replica_id_in_sync_group][1]])
+        loss = strategy.experimental_local_results(strategy.run(self._replica_step, args=(shards,)))[0]
+        with tf.device(self.device):
+            self._loss_variable().assign_add(loss)
+        return loss
+
+    def _replica_step(self, indices: tf.Tensor) -> tf.Tensor:
+        """One replica's part of a data-parallel step (the replica context, on its device): its shard gathered, the
+        gradients of its loss (``_replica_gradients``), one all-reduce that sums them and the loss over the replicas
+        (``ReplicaContext.all_reduce``, https://www.tensorflow.org/api_docs/python/tf/distribute/
+        ReplicaContext#all_reduce: the strategy's cross-device ops), then the update (``_apply``) of this replica's
+        copies of the variables with the summed gradients: every replica applies the same update to identical
+        copies, so they stay identical (the variables have aggregation NONE, so an assignment in the replica
+        context goes to the replica's own copy, with no further communication). In the compiled mode the gradients
+        and the update are each an XLA-compiled function (``_replica_fns``); the gather and the all-reduce are not
+        (an XLA cluster lies on one device, and MirroredStrategy's all-reduce is a ``merge_call`` on CPUs, which
+        cannot be inside a nested ``tf.function``). Returns the global batch's mean loss."""
+        replica = tf.distribute.get_replica_context()
+        x = tf.gather(self.x_train, indices)
+        y = tf.gather(self.y_train, indices)
+        count = int(np.prod(y.shape)) * replica.num_replicas_in_sync  # samples, or positions, of the global batch
+        gradients, update = self._replica_fns if self._replica_fns else (self._replica_gradients, self._apply)
+        loss, grads = gradients(x, y, count)
+        loss, *grads = replica.all_reduce(tf.distribute.ReduceOp.SUM, [loss, *grads])
+        update(grads)
+        return loss
+
+    def _replica_gradients(self, x: tf.Tensor, y: tf.Tensor, count: int) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """A replica's loss, the sum of its samples' (or positions') cross-entropies over the ``count`` of the global
+        batch, and its gradients: summed over the replicas, they are the global batch's mean loss and its gradients.
+        What ``tf.nn.compute_average_loss(per_sample, global_batch_size=count)`` computes
+        (https://www.tensorflow.org/api_docs/python/tf/nn/compute_average_loss), without its run-time checks of
+        ``count`` (Assert ops, which XLA drops with a warning in the compiled mode)."""
+        with tf.GradientTape() as tape:
+            logits = self._forward(x, training=True)
+            per_sample = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            loss = tf.reduce_sum(per_sample) / count
+            scaled = loss if self._loss_scale is None else self._loss_scale.scale_loss(loss)
+        return tf.cast(loss, tf.float32), self._gradients(tape, scaled)
+
     def load(self, data: Any) -> None:
         """Copies the four arrays to the device once, placed under ``tf.device``: NHWC float32 images or (N, L) int64
         token ids, int64 labels ((N,), or (N, L) for a next-token model). The training inputs are a non-trainable
         ``tf.Variable`` so that set_train_images can overwrite images in place (``assign``) without re-tracing the
-        train step; the rest are ``tf.constant``s."""
+        train step; the rest are ``tf.constant``s. Data-parallel on GPUs, the training inputs are mirrored variables,
+        a copy on each GPU, from which each replica gathers its shard; on the CPU there is one copy, on the first
+        logical device, since the logical devices share the host's memory (TF hands a host tensor from one to another
+        without copying it)."""
         dtype = np.int64 if self.tokens else np.float32
-        with tf.device(self.device):
+        mirrored = self._strategy is not None and self._gpu
+        with self._strategy.scope() if mirrored and self._strategy is not None else tf.device(self.device):
             self.x_train = tf.Variable(data.x_train.astype(dtype, copy=False), trainable=False, name="x_train")
-            self.y_train = tf.constant(data.y_train, dtype=tf.int64)
+            self.y_train = (tf.Variable(data.y_train.astype(np.int64), trainable=False, name="y_train") if mirrored
+                            else tf.constant(data.y_train, dtype=tf.int64))
+        with tf.device(self.device):
             self.x_test = tf.constant(data.x_test, dtype=dtype)
             self.y_test = tf.constant(data.y_test, dtype=tf.int64)
         self._train_fns, self._train_calls = {}, {}  # the train step captures the training tensors when it is traced
         self._compilations = 0  # tracings of train step functions (tf.function's experimental_get_tracing_count)
 
     def set_train_images(self, images: np.ndarray) -> None:
-        """Overwrites the training images (float32 NHWC) in place with ``tf.Variable.assign``."""
-        self.x_train.assign(images.astype(np.float32, copy=False))
+        """Overwrites the training images (float32 NHWC) in place with ``tf.Variable.assign`` (data-parallel on GPUs,
+        every copy: an assignment in the cross-replica context)."""
+        with self._on_first_device():
+            self.x_train.assign(images.astype(np.float32, copy=False))
 
     def stage_epoch(self, order: np.ndarray, samples_per_step: int) -> None:
         """Moves the epoch's index batches to the device now, one int64 tensor per step (``Adapter.stage_epoch``):
@@ -408,12 +561,19 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         micro_batches) and never again (https://www.tensorflow.org/guide/function#controlling_retracing). With
         ``micro_batches`` k > 1 the gradients of k micro-batches of B / k are summed inside that function
         (``_train_accumulated``). In the "compiled" mode the function is XLA-compiled (``jit_compile=True``) when it
-        is first called."""
+        is first called. Data-parallel (``_train_replicated``): the N replicas each train on their shard of
+        ``indices`` within that one function, which the compiled mode does not XLA-compile whole (its parts:
+        ``_replica_step``); no accumulation then (ValueError)."""
+        if self._strategy is not None and micro_batches != 1:
+            raise ValueError("gradient accumulation with data parallelism is not supported")
         key = (len(indices), micro_batches)
         fn = self._train_calls.get(key)
         if fn is None:
             signature = [tf.TensorSpec((len(indices),), tf.int64)]
-            if micro_batches == 1:
+            if self._strategy is not None:
+                shard(np.asarray(indices), self._strategy.num_replicas_in_sync, 0)  # ValueError for an uneven split
+                python_fn = self._train_replicated
+            elif micro_batches == 1:
                 python_fn = self._train
             else:
                 micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
@@ -421,7 +581,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             # The concrete function, called directly: a tf.function's own call matches its arguments against its
             # signature every time (measured on the CPU: 400 us a call against 225 us for the concrete function,
             # about 5 % of a step at batch 64; benchmarks/harness_vs_loop.py).
-            function = tf.function(python_fn, input_signature=signature, jit_compile=self._jit, autograph=False)
+            function = tf.function(python_fn, input_signature=signature, autograph=False,
+                                   jit_compile=self._jit and self._strategy is None)
             self._train_fns[key], self._train_calls[key] = function, function.get_concrete_function()
             self._compilations += function.experimental_get_tracing_count()
             fn = self._train_calls[key]
@@ -430,8 +591,9 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
 
     def compilations(self) -> int | None:
         """Tracings of train step functions (``tf.function.experimental_get_tracing_count``; in the compiled mode each
-        traced graph is also XLA-compiled once, on its first call)."""
-        return self._compilations
+        traced graph is also XLA-compiled once, on its first call); data-parallel in the compiled mode also those of
+        the XLA-compiled per-replica functions (``_replica_step``), traced once per replica with the step."""
+        return self._compilations + sum(fn.experimental_get_tracing_count() for fn in self._replica_fns)
 
     def wait(self) -> None:
         """Blocks until queued work is done: ``sync_devices`` on a GPU
@@ -453,9 +615,10 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
     def evaluate(self, batch_size: int) -> tuple[float, float]:
         """(mean cross-entropy, accuracy in [0, 1]) over the test set (over every position of every sequence for a
         next-token model) in batches of ``batch_size``; per-batch sums are accumulated on the device in float64 and
-        read once at the end."""
+        read once at the end. Data-parallel: the first device's copy of the model, with batchnorm's running statistics
+        read as the mean of the replicas' copies (``_keep``), over the whole test set on the first device."""
         n = int(self.x_test.shape[0])
-        with tf.device(self.device):
+        with self._on_first_device():
             total_loss = tf.zeros((), tf.float64)
             correct = tf.zeros((), tf.int64)
             for start in range(0, n, batch_size):
@@ -469,26 +632,36 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
     def predict(self, images: np.ndarray) -> np.ndarray:
         """float32 logits, (N, classes), for float32 NHWC ``images`` (N, H, W, C) or int64 (N, L) token ids; (N, L,
         vocab) for a next-token model."""
-        with tf.device(self.device):
+        with self._on_first_device():
             x = tf.constant(np.asarray(images, dtype=np.int64 if self.tokens else np.float32))
-        return self._logits_fn(x).numpy()
+            return self._logits_fn(x).numpy()
 
     def get_weights(self) -> dict[str, np.ndarray]:
         """Copies of the current parameters under their canonical names, in the canonical layout: the exact inverse
         of ``build``'s conversion (HWIO -> OIHW, (in, out) -> (out, in), the HWC order undone, Keras's attention
-        kernels joined into the fused in-projection)."""
-        return {name: _canonical(held) for name, held in self._params.items()}
+        kernels joined into the fused in-projection). Data-parallel: the first device's copies."""
+        with self._on_first_device():
+            return {name: _canonical(held) for name, held in self._params.items()}
 
     def get_buffers(self) -> dict[str, np.ndarray]:
         """Copies of batchnorm's running statistics under their canonical names ("<name>.running_mean",
-        "<name>.running_var"), in the canonical feature order."""
-        return {name: _canonical(held) for name, held in self._buffers.items()}
+        "<name>.running_var"), in the canonical feature order. Data-parallel: the mean of the replicas' copies
+        (``_keep``)."""
+        with self._on_first_device():
+            return {name: _canonical(held) for name, held in self._buffers.items()}
 
     def reset_memory_stats(self) -> None:
         """Restarts the GPU allocator's peak (https://www.tensorflow.org/api_docs/python/tf/config/experimental/
-        reset_memory_stats). Nothing on the CPU, which has no allocator statistics."""
-        if self._gpu:
-            tf.config.experimental.reset_memory_stats("GPU:0")
+        reset_memory_stats), of every GPU of a data-parallel trial. Nothing on the CPU, which has no allocator
+        statistics."""
+        for gpu in self._gpu_names():
+            tf.config.experimental.reset_memory_stats(gpu)
+
+    def _gpu_names(self) -> list[str]:
+        """The GPUs this adapter trains on, as ``get_memory_info`` names them: "GPU:0", ... (none on the CPU)."""
+        if not self._gpu:
+            return []
+        return [f"GPU:{i}" for i in range(max(len(self._replica_devices), 1))]
 
     def memory_stats(self) -> dict[str, int]:
         """On a GPU, ``allocator_peak_bytes``: the BFC allocator's peak bytes in use by tensors since the last
@@ -496,10 +669,11 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         https://www.tensorflow.org/api_docs/python/tf/config/experimental/get_memory_info). TF does not expose the
         bytes the allocator reserved from the device, so ``allocator_reserved_peak_bytes`` is absent. ``{}`` on the
         CPU, where TF keeps no such statistics: ``get_memory_info("CPU:0")`` raises ValueError "Allocator stats not
-        available"."""
+        available". Data-parallel: the largest of the GPUs' peaks (each holds a replica)."""
         if not self._gpu:
             return {}
-        return {"allocator_peak_bytes": int(tf.config.experimental.get_memory_info("GPU:0")["peak"])}
+        return {"allocator_peak_bytes": max(int(tf.config.experimental.get_memory_info(gpu)["peak"])
+                                            for gpu in self._gpu_names())}
 
     def cpu_allocator_peak(self) -> int | None:
         """The CPU BFC allocator's peak bytes since it was created (``get_memory_info("CPU:0")["peak"]``), which TF
@@ -513,7 +687,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
     def settings(self) -> dict[str, Any]:
         """Threads, data format, the precision ("precision", "compute_dtype"), the execution mode ("compile",
         "jit_compile"), the optimizer's implementation and, in fp16, the loss scale now ("loss_scale"); on a GPU
-        also the allocator settings and whether TF32 is on."""
+        also the allocator settings and whether TF32 is on; data-parallel, the replicas' devices
+        ("data_parallel_devices"), the strategy's cross-device ops ("cross_device_ops") and "sync_batchnorm"."""
         intra = tf.config.threading.get_intra_op_parallelism_threads()
         inter = tf.config.threading.get_inter_op_parallelism_threads()
         out: dict[str, Any] = {"intra_op_threads": intra or _default_threads(),  # 0 is TF's "all schedulable CPUs"
@@ -528,7 +703,28 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             out.update(self._memory_settings)
             out["TF_GPU_ALLOCATOR"] = os.environ.get("TF_GPU_ALLOCATOR", "")
             out["allow_tf32"] = tf.config.experimental.tensor_float_32_execution_enabled()
+        if self._strategy is not None and self.options.data_parallel is not None:
+            ops = getattr(self._strategy.extended, "_cross_device_ops", None)  # what MirroredStrategy chose
+            options = getattr(ops, "_options", None)
+            implementation = getattr(getattr(options, "implementation", None), "name", "")
+            out["data_parallel_devices"] = list(self._replica_devices)
+            out["cross_device_ops"] = type(ops).__name__ + (f" ({implementation})" if implementation else "")
+            out["sync_batchnorm"] = self.options.data_parallel.sync_batchnorm
         return out
+
+    def unsupported(self, info: Any) -> str | None:
+        """``support_gap``'s reason, and, data-parallel in the compiled mode, a model with batchnorm and sync
+        batchnorm asked for: its all-reduce of the moments lies inside the forward pass, which is XLA-compiled per
+        replica there (``_replica_step``), and MirroredStrategy's all-reduce (a ``merge_call`` on CPUs) cannot run
+        inside that nested function."""
+        reason = super().unsupported(info)
+        data_parallel = self.options.data_parallel
+        if (reason is None and data_parallel is not None and data_parallel.sync_batchnorm and self._mode() == "compiled"
+                and info.buffer_names()):
+            return ("the tensorflow adapter has no sync batchnorm in the compiled mode: the all-reduce of the batch "
+                    "statistics would lie inside the XLA-compiled forward pass of each replica, where "
+                    "MirroredStrategy cannot all-reduce (use the eager mode, or per-device batchnorm)")
+        return reason
 
     def is_oom(self, exc: BaseException) -> bool:
         # tf.errors.ResourceExhaustedError is what TF raises when an allocator refuses a tensor, on the CPU and the GPU
@@ -538,6 +734,22 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         if isinstance(exc, tf.errors.ResourceExhaustedError):
             return True
         return isinstance(exc, tf.errors.InternalError) and "Dst tensor is not initialized" in str(exc)
+
+
+#: The process's MirroredStrategy of each device list (``_strategy``).
+_STRATEGIES: dict[tuple[str, ...], tf.distribute.MirroredStrategy] = {}
+
+
+def _strategy(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
+    """The ``tf.distribute.MirroredStrategy`` over ``devices`` (https://www.tensorflow.org/api_docs/python/tf/
+    distribute/MirroredStrategy; its default cross-device ops are CollectiveAllReduce, RING on CPUs and NCCL on
+    physical GPUs), one per process: every MirroredStrategy numbers its collective ops from the same keys (group 1,
+    instances from 100), so the all-reduces of a second one over the same devices in the process would be matched
+    with the first's ("Shape mismatch in the collective instance 100"). A worker trains one trial; tests build
+    several adapters in one process."""
+    if devices not in _STRATEGIES:
+        _STRATEGIES[devices] = tf.distribute.MirroredStrategy(list(devices))
+    return _STRATEGIES[devices]
 
 
 def _canonical(held: L.Held) -> np.ndarray:

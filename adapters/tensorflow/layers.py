@@ -94,7 +94,7 @@ def flatten(features: int, channels_first: bool) -> Layer:
 
 
 def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.Variable, momentum: float,
-              epsilon: float, flat: bool, compute: tf.DType = tf.float32) -> Layer:
+              epsilon: float, flat: bool, compute: tf.DType = tf.float32, sync: bool = False) -> Layer:
     """Batchnorm on NHWC (channels last) with ``FusedBatchNormV3`` (https://www.tensorflow.org/api_docs/python/tf/
     raw_ops/FusedBatchNormV3), the kernel behind Keras's fused batchnorm and cuDNN's on a GPU. A flat (N, F) input is
     run as (N, 1, 1, F).
@@ -103,14 +103,26 @@ def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.
     momentum the op returns (1 - momentum) * running + momentum * batch statistic, the batch variance being the
     unbiased one (TF applies Bessel's correction to the variance it returns, as cuDNN does): the canonical update
     (``harness.spec.BatchNorm``), assigned back to the running variables. Inference: the running statistics. Always
-    in float32 (a ``compute`` input is cast up, the output back to ``compute``)."""
+    in float32 (a ``compute`` input is cast up, the output back to ``compute``).
+
+    Under ``tf.distribute.MirroredStrategy`` (the adapter's data parallelism) the layer runs in each replica on its
+    own shard, so the batch statistics are the shard's, and the assignments go to the replica's own copy of the
+    running statistics (the adapter makes them sync-on-read variables). ``sync``: in a replica context with more than
+    one replica, the statistics are the global batch's instead (``sync_moments``) and the layer is
+    ``tf.nn.batch_normalization`` with them, the running statistics updated with the same canonical formula."""
     def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
         features = x.shape[-1]
         x = to(x, tf.float32)
         x4 = tf.reshape(x, (-1, 1, 1, features)) if flat else x
         common = {"x": x4, "scale": gamma, "offset": beta, "mean": mean, "variance": var, "epsilon": epsilon,
                   "data_format": "NHWC"}
-        if training:
+        replica = tf.distribute.get_replica_context() if sync and training else None
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            batch_mean, batch_var, count = sync_moments(x4, replica)
+            y = tf.nn.batch_normalization(x4, batch_mean, batch_var, beta, gamma, epsilon)
+            mean.assign((1.0 - momentum) * mean + momentum * batch_mean)
+            var.assign((1.0 - momentum) * var + momentum * batch_var * (count / (count - 1.0)))
+        elif training:
             y, new_mean, new_var, *_ = tf.raw_ops.FusedBatchNormV3(exponential_avg_factor=momentum, is_training=True,
                                                                     **common)
             mean.assign(new_mean)
@@ -119,6 +131,21 @@ def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.
             y = tf.raw_ops.FusedBatchNormV3(is_training=False, **common)[0]
         return to(tf.reshape(y, (-1, features)) if flat else y, compute)
     return fn
+
+
+def sync_moments(x: tf.Tensor, replica: tf.distribute.ReplicaContext) -> tuple[tf.Tensor, tf.Tensor, float]:
+    """The per-channel mean and biased variance of the global batch, every replica's NHWC shard ``x`` together, and
+    the global count of values per channel (static: the replicas' shards are equal): two passes, each a sum
+    all-reduced over the replicas (``ReplicaContext.all_reduce``, https://www.tensorflow.org/api_docs/python/tf/
+    distribute/ReplicaContext#all_reduce, whose gradient is the all-reduce of the incoming gradients, so the backward
+    pass is the global batch's too): the sum of x, then the sum of squared deviations from the global mean (not E[x^2]
+    - E[x]^2, which loses digits when the mean is large against the spread). What Keras's ``BatchNormalization(
+    synchronized=True)`` does on the TF backend (``keras.src.backend.tensorflow.nn``), in its two-pass form."""
+    count = float(x.shape[0] * x.shape[1] * x.shape[2] * replica.num_replicas_in_sync)
+    total = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(x, axis=(0, 1, 2)))
+    batch_mean = total / count
+    squares = replica.all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(tf.square(x - batch_mean), axis=(0, 1, 2)))
+    return batch_mean, squares / count, count
 
 
 def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias: np.ndarray,
