@@ -130,7 +130,7 @@ def test_report_html_renders_every_table_and_plot_offline(real_run, tmp_path):
 
 def test_report_md_and_html_of_a_real_run_carry_the_same_content(real_run):
     """Without a browser: every heading and table cell of report.md is one of report.html (one set of sections)."""
-    from tests.test_report import same_content
+    from tests.results.test_report import same_content
 
     assert same_content((real_run / "report.md").read_text(), (real_run / "report.html").read_text()) == ([], [])
 
