@@ -36,6 +36,10 @@ FP16_NOTE = ("fp16 with dynamic loss scaling is declared for CUDA GPUs only, by 
              "exists for Tensor Cores, and a CPU run in fp16 answers no question this tool asks (README, precision)")
 
 
+#: Environment variables that hold a list of flags: a declared value is appended to them, never replaces them.
+FLAG_VARIABLES = frozenset({"XLA_FLAGS"})
+
+
 def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
     return MappingProxyType(dict(mapping))
 
@@ -108,6 +112,18 @@ class Declaration:
             raise ValueError(f"{self.name}: data_parallel {self.data_parallel!r} is not '', 'devices' or 'processes'")
         if bool(self.cpu_allocator_cap) != bool(self.cpu_allocator):
             raise ValueError(f"{self.name}: cpu_allocator_cap and cpu_allocator go together")
+
+    def data_parallel_variables(self, devices: int, environ: Mapping[str, str]) -> dict[str, str]:
+        """``data_parallel_environment`` for a trial on ``devices`` devices ("{devices}" = N), as the values to put in
+        the environment before the framework is imported: a variable of ``FLAG_VARIABLES`` already set in
+        ``environ`` (the launcher's own flags) keeps its value, the new flags appended; any other is set."""
+        out = {}
+        for name, value in self.data_parallel_environment.items():
+            value = value.replace("{devices}", str(devices))
+            if name in FLAG_VARIABLES and environ.get(name, "").strip():
+                value = f"{environ[name].strip()} {value}"
+            out[name] = value
+        return out
 
     @property
     def sync_kinds(self) -> frozenset[str]:

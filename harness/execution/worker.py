@@ -456,9 +456,7 @@ def _data_parallel_start(declared: Any, payload: Payload, events: Events) -> tup
     trial = payload.trial
     if declared is None:
         return None, 0
-    for name, value in declared.data_parallel_environment.items():
-        value = value.replace("{devices}", str(trial.data_parallel))
-        os.environ[name] = f"{os.environ[name]} {value}" if name == "XLA_FLAGS" and os.environ.get(name) else value
+    os.environ.update(declared.data_parallel_variables(trial.data_parallel, os.environ))
     if declared.data_parallel != "processes":
         return None, 0
     mine = this_rank()

@@ -37,19 +37,10 @@ def _model(batchnorm: bool):
     ]})
 
 
-#: Variables that hold a list of flags: a data-parallel value is appended to what the environment holds (the
-#: launcher's own XLA flags; the JAX adapter appends its thread flags at import), never replaces it.
-FLAG_VARIABLES = ("XLA_FLAGS",)
-
-
 def set_data_parallel_environment(record, devices: int) -> None:
-    """The declaration's ``data_parallel_environment`` in ``os.environ`` ("{devices}" = N), before the framework is
-    imported; a variable of FLAG_VARIABLES is appended to, any other one set."""
-    for name, value in record.data_parallel_environment.items():
-        value = value.replace("{devices}", str(devices))
-        if name in FLAG_VARIABLES and os.environ.get(name, "").strip():
-            value = f"{os.environ[name].strip()} {value}"
-        os.environ[name] = value
+    """The declaration's ``data_parallel_environment`` in ``os.environ``, as the worker sets it
+    (``Declaration.data_parallel_variables``), before the framework is imported."""
+    os.environ.update(record.data_parallel_variables(devices, os.environ))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,3 +147,13 @@ def test_one_failing_rank_ends_the_trial_and_the_sweep_goes_on(write_spec, tmp_p
     started = sorted(p.name.split("-")[0] for p in pids.iterdir())
     assert started.count("rank0") == 2 and started.count("rank1") >= 1, started
     assert _gone(list(pids.iterdir())), "a rank outlived its trial"
+
+
+def test_the_declared_environment_appends_to_flag_variables_and_sets_the_others():
+    from adapters.declaration import Declaration
+
+    record = Declaration(name="x", title="x", adapter="m:C", data_parallel="devices",
+                         data_parallel_environment={"XLA_FLAGS": "--count={devices}", "OTHER": "{devices}"})
+    assert record.data_parallel_variables(2, {"XLA_FLAGS": "--launcher", "OTHER": "9"}) == {
+        "XLA_FLAGS": "--launcher --count=2", "OTHER": "2"}
+    assert record.data_parallel_variables(4, {}) == {"XLA_FLAGS": "--count=4", "OTHER": "4"}
