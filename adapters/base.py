@@ -161,7 +161,7 @@ def data_parallel_gap(record: Declaration, info: ModelInfo, devices: int, sync_b
         return f"the {record.name} adapter does not train data-parallel" + (
             f": {record.data_parallel_mechanism}" if record.data_parallel_mechanism else "")
     if sync_batchnorm and any(layer.kind == "batchnorm" for layer in info.walk()) and (
-            device_kind(device) not in record.sync_kinds):
+            device_kind(device) not in record.sync_batchnorm):
         why = f": {record.sync_batchnorm_note}" if record.sync_batchnorm_note else ""
         return f"the {record.name} adapter has no synchronised batchnorm on {device_kind(device)}{why}"
     return None

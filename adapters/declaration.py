@@ -95,7 +95,7 @@ class Declaration:
     data_parallel: str = ""
     data_parallel_mechanism: str = ""
     data_parallel_environment: Mapping[str, str] = field(default_factory=dict)
-    sync_batchnorm: frozenset[str] | bool = frozenset()
+    sync_batchnorm: frozenset[str] = frozenset()
     sync_batchnorm_note: str = ""
 
     def __post_init__(self) -> None:
@@ -106,8 +106,6 @@ class Declaration:
             raise ValueError(f"{self.name}: adapter {self.adapter!r} is not module:Class")
         if self.default_compile not in self.compile_modes:
             raise ValueError(f"{self.name}: default mode {self.default_compile!r} is not among its compile_modes")
-        if isinstance(self.sync_batchnorm, bool):  # True: on every device kind
-            object.__setattr__(self, "sync_batchnorm", BOTH if self.sync_batchnorm else frozenset())
         if self.data_parallel not in ("", "devices", "processes"):
             raise ValueError(f"{self.name}: data_parallel {self.data_parallel!r} is not '', 'devices' or 'processes'")
         if bool(self.cpu_allocator_cap) != bool(self.cpu_allocator):
@@ -124,11 +122,6 @@ class Declaration:
                 value = f"{environ[name].strip()} {value}"
             out[name] = value
         return out
-
-    @property
-    def sync_kinds(self) -> frozenset[str]:
-        """The device kinds with synchronised batchnorm (``sync_batchnorm``, normalised to a set)."""
-        return self.sync_batchnorm if isinstance(self.sync_batchnorm, frozenset) else frozenset()
 
     @property
     def version_keys(self) -> tuple[str, ...]:
