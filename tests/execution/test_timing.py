@@ -49,6 +49,9 @@ class RecordingAdapter:
     def wait(self):
         self.calls.append("wait")
 
+    def agree(self, value):
+        return value  # one process: the contract's default (Adapter.agree)
+
     def read_loss(self):
         self.calls.append("read")
         if self.read_s:
