@@ -379,7 +379,9 @@ class NvmlBackend:
         except Exception as err:  # noqa: BLE001
             self._gpm_failed(call, err, names, out)
             return
-        kept, gpm["kept"], gpm["kept_t"] = gpm["kept"], fresh, now
+        # the read's end, not its start: the next read (which checks its start against this) is then more than the
+        # minimum interval after this one however long the call took
+        kept, gpm["kept"], gpm["kept_t"] = gpm["kept"], fresh, time.monotonic()
         if kept is None:
             out.update({n: None for n in names})  # the first sample: no interval yet
             return
