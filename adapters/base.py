@@ -93,6 +93,16 @@ class DataParallel(BaseModel):
         """N, the number of devices."""
         return len(self.devices)
 
+    def one_process_devices(self, framework: str) -> list[tuple[str, int]]:
+        """Each device as (kind, index), ``"cuda:1"`` -> ("cuda", 1), for a framework that drives every device from
+        one process. Raises DeviceUnavailable (defined below) for a multi-process trial or a device named twice."""
+        if self.processes != 1:
+            raise DeviceUnavailable(f"the {framework} adapter drives every device of a data-parallel trial from one "
+                                    f"process, not {self.processes}")
+        if len(set(self.devices)) != len(self.devices):
+            raise DeviceUnavailable(f"the data-parallel trial names a device twice: {', '.join(self.devices)}")
+        return [(kind, int(index or 0)) for kind, _, index in (name.partition(":") for name in self.devices)]
+
 
 def shard(indices: npt.NDArray[np.int64], devices: int, device: int) -> npt.NDArray[np.int64]:
     """Device ``device``'s part of a step's samples under data parallelism: ``indices`` (int64 (B,), the step's

@@ -20,4 +20,14 @@ DECLARATION = Declaration(
     # (https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
     environment={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
     notes={"fp16": FP16_NOTE},
+    data_parallel="devices",
+    data_parallel_mechanism=("jax.shard_map over a jax.sharding.Mesh of the N devices (axis 'data'): parameters and "
+                             "optimizer state replicated, the global batch sharded along it; the gradients' all-reduce "
+                             "is the psum of the backward pass of the pmean'd loss (host devices on a CPU)"),
+    # the CPU as N host devices; the worker appends it to XLA_FLAGS (never replaces them) before JAX is imported
+    data_parallel_environment={"XLA_FLAGS": "--xla_force_host_platform_device_count={devices}"},
+    sync_batchnorm=BOTH,
+    sync_batchnorm_note=("lax.pmean of the batch moments over the devices (two all-reduces per batchnorm layer); "
+                         "without it each device normalises its own shard and the running statistics are the mean "
+                         "of the devices'"),
 )

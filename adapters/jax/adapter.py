@@ -28,8 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import Adapter, DeviceUnavailable, micro_batch_size, shard
 from adapters.jax import DECLARATION
 from adapters.jax import layers as L
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
@@ -38,6 +41,8 @@ Params = L.Params
 #: fp16's dynamic loss scaling (``_scaled_update``): the initial scale (PyTorch's ``GradScaler`` default) and
 #: the finite steps in a row after which the scale doubles.
 LOSS_SCALE_INIT, LOSS_SCALE_GROWTH_STEPS = 2.0 ** 16, 2000
+#: The mesh axis of a data-parallel trial (``JaxAdapter._data_parallel_step``): the global batch is sharded along it.
+DATA = "data"
 
 
 def _cache_size(jitted: Any) -> int | None:
@@ -71,6 +76,11 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self._memory: dict[str, Any] = {}
         self._precision, self._compute = "fp32", L.FP32
         self._scaler: tuple[jax.Array, jax.Array] | None = None  # fp16: (loss scale, finite steps in a row)
+        # Data-parallel (``options.data_parallel``): the Mesh of its N devices (axis DATA), else None. The training
+        # state and the training data go to ``_placement``: the device, or replicated over the mesh.
+        self._mesh: Mesh | None = None
+        self._placement: Any = None
+        self._sync_batchnorm = False
 
     # ------------------------------------------------------------------------------------------------------ setup
 
@@ -110,7 +120,36 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             self.device, self._gpu = jax.devices("gpu")[int(device.partition(":")[2] or 0)], True
         else:
             self.device = jax.devices("cpu")[0]
+        self._mesh, self._placement, self._sync_batchnorm = None, self.device, False
+        if self.options.data_parallel is not None:
+            self._prepare_data_parallel(self.options.data_parallel)
         self._seed = seed
+
+    def _prepare_data_parallel(self, parallel: Any) -> None:
+        """A ``jax.sharding.Mesh`` over the trial's devices (``DataParallel.devices``: "cpu:i" is the i-th of
+        ``jax.devices("cpu")``, host devices that ``--xla_force_host_platform_device_count`` in XLA_FLAGS makes (the
+        declaration's ``data_parallel_environment``, set before JAX is imported); "cuda:i" the i-th GPU) with one axis,
+        DATA; the first of them is ``self.device`` (evaluation, ``predict``, memory statistics). One process drives
+        them all. Raises DeviceUnavailable when JAX sees fewer devices than the trial names."""
+        found = []
+        for name, (kind, index) in zip(parallel.devices, parallel.one_process_devices("jax")):
+            platform = "gpu" if kind == "cuda" else kind
+            try:
+                devices = jax.devices(platform)
+            except RuntimeError as err:
+                raise DeviceUnavailable(f"JAX {jax.__version__} has no {platform} devices for {name}: "
+                                        f"{str(err).splitlines()[0][:160]}") from err
+            if index >= len(devices):
+                hint = (" (XLA_FLAGS must hold --xla_force_host_platform_device_count="
+                        f"{parallel.size} before JAX is imported; it is {os.environ.get('XLA_FLAGS', '')!r})"
+                        if platform == "cpu" else "")
+                raise DeviceUnavailable(f"JAX sees {len(devices)} {platform} device(s); the data-parallel trial "
+                                        f"needs {name}{hint}")
+            found.append(devices[index])
+        self._mesh = Mesh(np.array(found), (DATA,))
+        self._placement = NamedSharding(self._mesh, P())  # replicated on every device of the mesh
+        self.device, self._gpu = found[0], found[0].platform == "gpu"
+        self._sync_batchnorm = parallel.sync_batchnorm
 
     def _apply_memory_limit(self) -> None:
         """``options.memory_limit_bytes`` on a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION = limit / the device's memory
@@ -147,15 +186,16 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         for layer in info.layers:
             fn, flatten_from = self._add_layer(layer, weights, buffers, params, stats, flatten_from)
             self._layers.append(fn)
-        self.params = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in params.items()}, self.device)
-        self.stats = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}, self.device)
+        # Data-parallel: the state replicated on every device of the mesh (``_placement``).
+        self.params = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in params.items()}, self._placement)
+        self.stats = jax.device_put({k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}, self._placement)
         self.tx = _optimizer(optimizer)
-        self.opt_state = jax.device_put(self.tx.init(self.params), self.device)
+        self.opt_state = jax.device_put(self.tx.init(self.params), self._placement)
         # Every leaf of the state on the device, committed, as the step's outputs are: an uncommitted leaf (a key made
         # off the device) would make the second call compile the step again, inside the timed loop.
-        self._key = jax.device_put(jax.random.PRNGKey(self._seed), self.device)
+        self._key = jax.device_put(jax.random.PRNGKey(self._seed), self._placement)
         self._scaler = None if self._compute.dtype != jnp.float16 else jax.device_put(
-            (jnp.asarray(LOSS_SCALE_INIT, jnp.float32), jnp.asarray(0, jnp.int32)), self.device)
+            (jnp.asarray(LOSS_SCALE_INIT, jnp.float32), jnp.asarray(0, jnp.int32)), self._placement)
         self._eval = jax.jit(self._eval_batch)
         self._logits = jax.jit(self._infer)
 
@@ -193,7 +233,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
                 (params if item in (w, b) else stats)[item] = value if channels is None else value[channels]
                 if channels is not None:
                     self._perms[item] = channels
-            return L.batchnorm(*names, spec.momentum, spec.epsilon, flat=len(layer.input_shape) == 1), flatten_from
+            return L.batchnorm(*names, spec.momentum, spec.epsilon, flat=len(layer.input_shape) == 1,
+                               sync_axis=DATA if self._sync_batchnorm else None), flatten_from
         if kind in ("layernorm", "embedding", "attention"):
             for local in layer.params:  # canonical layouts as they are: only matmuls with .T, no conversion
                 params[f"{name}.{local}"] = np.asarray(weights[f"{name}.{local}"])
@@ -233,10 +274,17 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
     def _loss(self, params: Params, stats: Params, x: jax.Array, y: jax.Array, key: jax.Array,
               scale: jax.Array | None) -> tuple[jax.Array, tuple[Params, jax.Array]]:
-        """The loss to differentiate (times fp16's loss ``scale``, if any), and (the running statistics, the loss)."""
+        """The loss to differentiate (times fp16's loss ``scale``, if any), and (the running statistics, the loss).
+        Data-parallel (inside ``jax.shard_map``, ``x`` the device's shard): the loss is the ``lax.pmean`` over DATA of
+        the shards' means, the global batch's mean, so its gradient is the global batch's (below)."""
         logits, stats = self._forward(params, stats, x, True, key)
         # over the samples, or for a next-token model over every position of (B, L, V) logits and (B, L) labels
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        if self._mesh is not None:
+            # The all-reduces: this pmean, and in the backward pass a psum over DATA of every parameter's gradient
+            # (the transpose of the replicated parameters' use by per-device values, which shard_map's varying
+            # manual axes track: check_vma), times 1 / N from the pmean: the mean over all B samples' gradients.
+            loss = lax.pmean(loss, DATA)
         return (loss if scale is None else loss * scale), (stats, loss)
 
     def _step(self, micro_batches: int, state: tuple[Any, ...], x_all: jax.Array, y_all: jax.Array,
@@ -247,6 +295,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         running statistics, PRNG key, fp16's (loss scale, finite steps in a row) or None)."""
         params, opt_state, stats, key, scaler = state
         key, step_key = jax.random.split(key)
+        if self._mesh is not None:  # each device its own dropout masks
+            step_key = jax.random.fold_in(step_key, lax.axis_index(DATA))
         grad_fn = jax.grad(self._loss, has_aux=True)
         grads, loss = None, jnp.zeros((), jnp.float32)
         for part, part_key in zip(jnp.split(indices, micro_batches), jax.random.split(step_key, micro_batches)):
@@ -259,6 +309,10 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         if micro_batches > 1:
             grads = jax.tree_util.tree_map(lambda g: g / micro_batches, grads)
             loss = loss / micro_batches
+        if self._mesh is not None and not self._sync_batchnorm:
+            # each device's running statistics moved by its own shard's moments: their mean over the devices (the
+            # running mean is then the one-device run's; the running variance the mean of the shards' variances)
+            stats = lax.pmean(stats, DATA)
         if scaler is not None:
             params, opt_state, scaler = _scaled_update(self.tx, grads, params, opt_state, scaler)
             return (params, opt_state, stats, key, scaler), loss
@@ -272,6 +326,18 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         state, loss = self._step(micro_batches, state, x_all, y_all, indices)
         return state, loss_sum + loss
 
+    def _data_parallel_step(self, micro_batches: int) -> Any:
+        """The data-parallel step: ``_summed_step`` per device under ``jax.shard_map`` over the mesh, the state, the
+        loss sum and the dataset replicated (``P()``), the global batch's indices sharded along DATA (``P(DATA)``:
+        contiguous equal parts in mesh order, so device d gathers ``shard(indices, N, d)``'s samples from its copy of
+        the dataset); the all-reduces are in ``_loss`` (and batchnorm's with sync). shard_map, not plain ``jit`` with
+        a sharded batch: under GSPMD a mean over the sharded batch axis is the global batch's, which would make every
+        batchnorm synchronised; per device, each normalises its own shard, as the other frameworks' data parallelism
+        does unless asked to synchronise."""
+        mapped = jax.shard_map(functools.partial(self._summed_step, micro_batches), mesh=self._mesh,
+                               in_specs=(P(), P(), P(), P(), P(DATA)), out_specs=(P(), P()))
+        return jax.jit(mapped, donate_argnums=(0, 1) if self._gpu else ())
+
     def _infer(self, params: Params, stats: Params, x: jax.Array) -> jax.Array:
         """Logits in inference mode (running statistics, no dropout: the key is not drawn from)."""
         return self._forward(params, stats, x, False, self._key)[0]
@@ -283,13 +349,16 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
     # --------------------------------------------------------------------------------------------------- contract
 
-    def _inputs(self, x: np.ndarray) -> jax.Array:
-        """Images as float32 NHWC, or token ids as int32, on the device."""
-        return jax.device_put(jnp.asarray(x, jnp.int32 if self.tokens else jnp.float32), self.device)
+    def _inputs(self, x: np.ndarray, placement: Any = None) -> jax.Array:
+        """Images as float32 NHWC, or token ids as int32, on the device (or ``placement``)."""
+        return jax.device_put(jnp.asarray(x, jnp.int32 if self.tokens else jnp.float32),
+                              self.device if placement is None else placement)
 
     def load(self, data: Any) -> None:
-        self.x_train, self.x_test = self._inputs(data.x_train), self._inputs(data.x_test)
-        self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self.device)
+        """Data-parallel: the training set on every device (each gathers its shard of a step from its copy), the
+        test set on the first (evaluation)."""
+        self.x_train, self.x_test = self._inputs(data.x_train, self._placement), self._inputs(data.x_test)
+        self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self._placement)
         self.y_test = jax.device_put(jnp.asarray(data.y_test, jnp.int32), self.device)
 
     def set_train_images(self, images: np.ndarray) -> None:
@@ -297,7 +366,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         step takes the dataset as an argument, so nothing is retraced."""
         if images.shape != self.x_train.shape:
             raise ValueError(f"images of shape {images.shape}, not {self.x_train.shape}")
-        self.x_train = jax.device_put(jnp.asarray(images, jnp.float32), self.device)
+        self.x_train = jax.device_put(jnp.asarray(images, jnp.float32), self._placement)
 
     def compilations(self) -> int | None:
         """Entries in the jit caches of the train step functions (one per traced and compiled input signature;
@@ -307,9 +376,14 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """One step (``_summed_step``, jitted once per (B, micro_batches)); ``indices`` go in as numpy at every step
-        (``position`` is not needed)."""
+        (``position`` is not needed). Data-parallel: ``_data_parallel_step``, without micro-batches."""
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         key = (len(indices), micro_batches)
+        if self._mesh is not None and key not in self._steps:
+            if micro_batches != 1:
+                raise ValueError("gradient accumulation with data parallelism is not supported")
+            shard(np.asarray(indices), len(self._mesh.devices), 0)  # raises ValueError unless N divides B
+            self._steps[key] = self._data_parallel_step(micro_batches)
         if key not in self._steps:
             # The state and the loss sum are donated on a GPU (https://docs.jax.dev/en/latest/faq.html#buffer-donation);
             # XLA's CPU client cannot reuse donated buffers (it would warn each time).
@@ -321,7 +395,15 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         idx = np.asarray(indices, dtype=np.int32)
         state = (self.params, self.opt_state, self.stats, self._key, self._scaler)
         if self._loss_sum is None:  # the first step: the sum starts (committed to the device, as the step returns it)
-            self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self.device)
+            self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self._placement)
+        elif self._mesh is not None and not self._gpu:
+            # Host devices: one data-parallel step in flight at a time. XLA's CPU client runs each device's part of a
+            # step on a thread of a pool of max(cores, devices) threads, where an all-reduce blocks its thread until
+            # every device arrives; with steps queued ahead, one device's next step can hold the threads another
+            # device needs to finish this one, and the all-reduce's rendezvous aborts the process after 40 s
+            # (jaxlib 0.10.2 on 2 cores and 2 host devices: within the first 100 queued steps; never with a sync per
+            # step, or with 2N threads). So the step waits for the one before (its loss sum) before it is queued.
+            self._loss_sum.block_until_ready()
         (self.params, self.opt_state, self.stats, self._key, self._scaler), self._loss_sum = self._steps[key](
             state, self._loss_sum, self.x_train, self.y_train, idx)
         self._loss_steps += 1
@@ -341,22 +423,33 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         if self._loss_sum is None:
             raise RuntimeError("no loss sum: read_loss reads only after a train_step")
         total = float(self._loss_sum)
-        self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self.device)
+        self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self._placement)
         return total
 
+    def _first(self, tree: Any) -> Any:
+        """Data-parallel: the first device's copy of each replicated array of ``tree`` (no copy is made); else
+        ``tree``."""
+        if self._mesh is None:
+            return tree
+        return jax.tree_util.tree_map(
+            lambda a: next(s.data for s in a.addressable_shards if s.device == self.device), tree)
+
     def evaluate(self, batch_size: int) -> tuple[float, float]:
+        """Data-parallel: on the first device, with its copy of the parameters and statistics (``_first``)."""
         n = int(self.x_test.shape[0])
         total = jnp.zeros((), jnp.float32)
         correct = jnp.zeros((), jnp.int32)
+        params, stats = self._first(self.params), self._first(self.stats)
         for start in range(0, n, batch_size):
-            loss, right = self._eval(self.params, self.stats, self.x_test[start:start + batch_size],
+            loss, right = self._eval(params, stats, self.x_test[start:start + batch_size],
                                      self.y_test[start:start + batch_size])
             total, correct = total + loss, correct + right
         count = int(self.y_test.size)  # samples, or every position of every sequence
         return float(total) / count, float(correct) / count
 
     def predict(self, images: np.ndarray) -> np.ndarray:
-        return np.asarray(self._logits(self.params, self.stats, self._inputs(images)), dtype=np.float32)
+        return np.asarray(self._logits(self._first(self.params), self._first(self.stats), self._inputs(images)),
+                          dtype=np.float32)
 
     def _canonical(self, name: str, value: Any) -> np.ndarray:
         array = np.array(value, dtype=np.float32)
@@ -371,10 +464,10 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         return np.ascontiguousarray(array)
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        return {name: self._canonical(name, value) for name, value in self.params.items()}
+        return {name: self._canonical(name, value) for name, value in self._first(self.params).items()}
 
     def get_buffers(self) -> dict[str, np.ndarray]:
-        return {name: self._canonical(name, value) for name, value in self.stats.items()}
+        return {name: self._canonical(name, value) for name, value in self._first(self.stats).items()}
 
     def reset_memory_stats(self) -> None:
         """JAX cannot reset its allocator's peak: ``memory_stats`` reports the peak since the worker started,
@@ -401,6 +494,13 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             "intra_op_threads": 1 if "xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "") else
             "XLA's default (every core; it has no intra-op thread count)",
         }
+        if self._mesh is not None:
+            out["data_parallel"] = {
+                "devices": [str(d) for d in self._mesh.devices.flat], "mechanism": DECLARATION.data_parallel_mechanism,
+                "batchnorm": "synchronised (pmean of the batch moments)" if self._sync_batchnorm else
+                "per device; running statistics: the mean of the devices' (pmean)",
+                "evaluation": "the first device",
+                "steps_in_flight": "any (GPUs)" if self._gpu else "one (host devices: see train_step)"}
         if self._compute.dtype != jnp.float32:
             out["master_weights"] = "float32"
         if self._scaler is not None:  # the scale after the last step (a sync)

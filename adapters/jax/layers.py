@@ -88,18 +88,26 @@ def pool(kind: str, size: int, stride: int) -> Layer:
     return layer
 
 
-def batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: float, flat: bool) -> Layer:
+def batchnorm(w: str, b: str, mean: str, var: str, momentum: float, epsilon: float, flat: bool,
+              sync_axis: str | None = None) -> Layer:
     """The canonical batchnorm (harness.spec.BatchNorm) over the last axis (channels of NHWC, or flat features), in
-    float32: a 16-bit input is cast up, the output is float32."""
+    float32: a 16-bit input is cast up, the output is float32. ``sync_axis``: the mesh axis of a data-parallel step
+    (inside ``jax.shard_map``) over which the batch moments are averaged (``lax.pmean`` of the shard's mean, then of
+    its mean squared deviation from that global mean: synchronised batchnorm, the moments of the global batch, its
+    count for the unbiased running variance); None: the moments of the batch this device sees."""
     axes = (0,) if flat else (0, 1, 2)
+
+    def moment(value: jax.Array) -> jax.Array:
+        local = jnp.mean(value, axis=axes)
+        return local if sync_axis is None else lax.pmean(local, sync_axis)
 
     def layer(p: Params, s: Params, x: jax.Array, train: bool, key: jax.Array) -> tuple[jax.Array, Params]:
         x = x.astype(jnp.float32)  # float32 whatever the compute dtype (statistics and output)
         if not train:
             return (x - s[mean]) / jnp.sqrt(s[var] + epsilon) * p[w] + p[b], {}
-        batch_mean = jnp.mean(x, axis=axes)
-        batch_var = jnp.mean(jnp.square(x - batch_mean), axis=axes)  # biased: what normalises
-        n = x.size // x.shape[-1]
+        batch_mean = moment(x)
+        batch_var = moment(jnp.square(x - batch_mean))  # biased: what normalises
+        n = x.size // x.shape[-1] * (1 if sync_axis is None else lax.axis_size(sync_axis))
         new = {mean: (1 - momentum) * s[mean] + momentum * lax.stop_gradient(batch_mean),
                var: (1 - momentum) * s[var] + momentum * lax.stop_gradient(batch_var) * n / max(n - 1, 1)}
         return (x - batch_mean) / jnp.sqrt(batch_var + epsilon) * p[w] + p[b], new

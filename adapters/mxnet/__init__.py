@@ -25,4 +25,15 @@ DECLARATION = Declaration(
                 "or batch_dot on the CPU ('dot only supports float32/float64 for CPU')",
         "tf32": "MXNet 1.9.1 has no TF32 switch; its fp32 on a GPU runs with NVIDIA_TF32_OVERRIDE=0",
     },
+    data_parallel="devices",
+    data_parallel_mechanism="Gluon over one context per device (mx.cpu(i) / mx.gpu(i)) with a gluon.Trainer on a "
+                            "'device' kvstore: the gradients are summed over the contexts (kvstore pushpull), then "
+                            "every context applies the same update (update_on_kvstore=False)",
+    sync_batchnorm=CUDA,
+    sync_batchnorm_note="mx.gluon.contrib.nn.SyncBatchNorm, on GPUs only and in fp32 only ('does not support FP16 "
+                        "training'): over CPU contexts MXNet 1.9.1's SyncBatchNorm deadlocks, because every CPU "
+                        "context draws its temporary workspace from one shared pool (MXNET_CPU_TEMP_COPY, 4 by "
+                        "default, in turn), and when two contexts' SyncBatchNorm operators (or one and an operator "
+                        "that the other waits for) draw the same one, the engine runs them one after the other while "
+                        "the first waits in the operator's barrier for the second (it hangs in the first step)",
 )

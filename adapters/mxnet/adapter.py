@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import Adapter, DeviceUnavailable, data_parallel_gap, micro_batch_size, shard
 from adapters.mxnet import DECLARATION, layers, training
 from adapters.mxnet.runtime import amp, autograd, gluon, mx, nd, nn
 from harness.neutral.models import initial_buffers
@@ -29,10 +29,11 @@ _CPUS_AT_IMPORT = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity
 
 HYBRIDIZE_FLAGS = {"static_alloc": True, "static_shape": True}
 
-_PROBED: dict[tuple[str, int, int, bool], bool] = {}
+_PROBED: dict[tuple[str, int, int, bool, int], bool] = {}
 
 
-def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...], hybridized: bool = True) -> bool:
+def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...], hybridized: bool = True,
+                           sync_contexts: tuple[mx.Context, ...] = ()) -> bool:
     """Whether MXNet's BatchNorm on ``ctx``, for inputs of per-sample ``shape`` (C, H, W) or (F,), updates its running
     variance with the biased batch variance (the canonical update uses the unbiased one, harness.spec.BatchNorm).
 
@@ -40,22 +41,26 @@ def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...], hybridized: 
     the unbiased one (https://github.com/apache/mxnet/issues/18751, #14357). So it is measured, not assumed: one
     training step of a fresh BatchNorm with momentum 0 (the running variance becomes the batch's) on two samples of
     ``shape`` with at most 2 x 2 spatial positions (n = 2 to 8 values per channel, so n / (n - 1) is far from 1), run
-    like the real net (``hybridized`` or not, forward and backward), compared with both variances. Cached per
-    (device, rank, channels, mode); raises RuntimeError if it matches neither."""
-    key = (str(ctx), len(shape), shape[0], hybridized)
+    like the real net (``hybridized`` or not, forward and backward), compared with both variances. With
+    ``sync_contexts`` (data-parallel synchronised batchnorm) it is ``gluon.contrib.nn.SyncBatchNorm`` over those
+    contexts, two samples on each, compared with the variances of all of them (the global batch). Cached per
+    (device, rank, channels, mode, contexts); raises RuntimeError if it matches neither."""
+    key = (str(ctx), len(shape), shape[0], hybridized, len(sync_contexts))
     if key not in _PROBED:
-        probe_shape = (2, shape[0], *(min(d, 2) for d in shape[1:]))
+        contexts = list(sync_contexts) or [ctx]
+        probe_shape = (2 * len(contexts), shape[0], *(min(d, 2) for d in shape[1:]))
         x = np.random.default_rng(0).standard_normal(probe_shape).astype(np.float32)
-        block = nn.BatchNorm(axis=1, momentum=0.0, in_channels=shape[0])
-        block.initialize(mx.init.Zero(), ctx=ctx)
+        block = (gluon.contrib.nn.SyncBatchNorm(in_channels=shape[0], num_devices=len(contexts), momentum=0.0)
+                 if sync_contexts else nn.BatchNorm(axis=1, momentum=0.0, in_channels=shape[0]))
+        block.initialize(mx.init.Zero(), ctx=contexts)
         if hybridized:
             block.hybridize(**HYBRIDIZE_FLAGS)
-        data = nd.array(x, ctx=ctx)
+        data = [nd.array(x[2 * i:2 * i + 2], ctx=c) for i, c in enumerate(contexts)]
         with autograd.record():
-            out = block(data)
-        out.backward()
+            outs = [block(part) for part in data]
+        autograd.backward(outs)
         nd.waitall()  # the CPU kernel's write of the running variance in backward is not declared to the engine
-        got = block.running_var.data().asnumpy().astype(np.float64)
+        got = block.running_var.data(contexts[0]).asnumpy().astype(np.float64)
         axes = (0, *range(2, x.ndim))
         biased = x.astype(np.float64).var(axis=axes)
         n = x.size // shape[0]
@@ -64,8 +69,8 @@ def _running_var_is_biased(ctx: mx.Context, shape: tuple[int, ...], hybridized: 
         elif np.allclose(got, biased * n / (n - 1), rtol=1e-4):
             _PROBED[key] = False
         else:
-            raise RuntimeError(f"MXNet's BatchNorm on {ctx} updated its running variance to {got}, neither the biased "
-                               f"({biased}) nor the unbiased batch variance")
+            raise RuntimeError(f"MXNet's {type(block).__name__} on {ctx} updated its running variance to {got}, "
+                               f"neither the biased ({biased}) nor the unbiased batch variance")
     return _PROBED[key]
 
 
@@ -87,10 +92,15 @@ def _omp_threads() -> int:
 class MXNetAdapter(Adapter, declaration=DECLARATION):
     def __init__(self) -> None:
         self.ctx = mx.cpu()
+        # every device's context: [self.ctx], or data-parallel (``options.data_parallel``) one per device, the first
+        # being self.ctx (evaluation, predict, get_weights)
+        self._contexts: list[mx.Context] = [self.ctx]
+        self._sync_batchnorm = False  # data-parallel with SyncBatchNorm instead of BatchNorm
         self._threads_requested: int | None = None
         # the losses since the last read, on the device: (B, k) -> float32 (B,) per-sample sums for k = 1, (1,) sums
-        # over the B samples for k > 1 micro-batches; each step's loss is the key's sum / B. And the steps in them.
-        self._loss_sums: dict[tuple[int, int], mx.nd.NDArray] = {}
+        # over the B samples for k > 1 micro-batches; data-parallel (B, 1, d) -> device d's (B / N,) per-sample sums on
+        # its context. Each step's loss is the sum of its keys' sums / B. And the steps in them.
+        self._loss_sums: dict[tuple[int, ...], mx.nd.NDArray] = {}
         self._loss_steps = 0
         # the blocks that hold parameters, by canonical layer name ("0", "3.1", "3.shortcut_bn"), and every parameter
         # and buffer by canonical full name: (Gluon parameter, trained), in info.param_names()/buffer_names() order
@@ -104,7 +114,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self._precision = "fp32"
         self._amp_dtype: str | None = None  # AMP's target dtype ("float16"), None without AMP
         self._hybridized = True
-        self._staged: mx.nd.NDArray | None = None  # this epoch's order on the device (stage_epoch)
+        self._staged: list[mx.nd.NDArray] = []  # this epoch's order on each device (stage_epoch)
         self._staged_batch = 0  # its samples per step
 
     def versions(self) -> dict[str, str]:
@@ -163,8 +173,77 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
                                       "memory_limit_requested_bytes": self.options.memory_limit_bytes}
         else:
             self.ctx = mx.cpu()
+        self._contexts, self._sync_batchnorm = [self.ctx], False
+        if self.options.data_parallel is not None:
+            self._prepare_data_parallel(self.options.data_parallel, device)
         self._threads_requested = threads
         mx.random.seed(seed)
+
+    def _prepare_data_parallel(self, parallel: Any, device: str) -> None:
+        """One Gluon context per device of the trial (``DataParallel.devices``): "cpu:i" is ``mx.cpu(i)``, "cuda:i"
+        ``mx.gpu(i)``; the first is ``self.ctx``. One process drives them all. On the CPU the contexts are one
+        physical device, but each is a device of its own to MXNet: its own arrays, its own engine worker threads
+        (``ThreadedEnginePerDevice`` keeps ``MXNET_CPU_WORKER_NTHREADS`` workers per CPU context, each operator with
+        ``OMP_NUM_THREADS`` OpenMP threads), and the kvstore copies and sums across them for real. Raises
+        DeviceUnavailable for a multi-process trial, a device of another kind than ``device``'s, or a GPU this build
+        does not see."""
+        contexts = []
+        for name, (kind, index) in zip(parallel.devices, parallel.one_process_devices("mxnet")):
+            if kind != device.partition(":")[0] or kind not in ("cpu", "cuda"):
+                raise DeviceUnavailable(f"the data-parallel trial's device {name} is not a {device.partition(':')[0]} "
+                                        f"device like the trial's ({device})")
+            if kind == "cuda" and (problem := self.device_problem(name)) is not None:
+                raise DeviceUnavailable(problem)
+            contexts.append(mx.gpu(index) if kind == "cuda" else mx.cpu(index))
+        self._contexts, self.ctx = contexts, contexts[0]
+        self._sync_batchnorm = parallel.sync_batchnorm
+
+    def unsupported(self, info: Any) -> str | None:
+        """``Adapter.unsupported``, and data-parallel what this adapter lacks on its device kind
+        (``adapters.base.data_parallel_gap``): synchronised batchnorm on the CPU (the declaration's
+        ``sync_batchnorm_note`` says why)."""
+        if len(self._contexts) > 1:
+            kind = "cpu" if self.ctx.device_type == "cpu" else "cuda"
+            why = data_parallel_gap(self.declaration, info, len(self._contexts), self._sync_batchnorm, kind)
+            if why is not None:
+                return why
+        return super().unsupported(info)
+
+    def _check_sync_batchnorm(self, info: Any) -> None:
+        """Raises ValueError when the trial asks for synchronised batchnorm, ``info`` has batchnorm, and this adapter
+        cannot: on the CPU (``unsupported``), or in fp16 (MXNet 1.9.1's SyncBatchNorm "does not support FP16
+        training")."""
+        if not (self._sync_batchnorm and any(layer.kind == "batchnorm" for layer in info.walk())):
+            return
+        if (why := self.unsupported(info)) is not None:
+            raise ValueError(why)  # on the CPU
+        if self._precision != "fp32":
+            raise ValueError(f"the mxnet adapter has no synchronised batchnorm in {self._precision}: MXNet "
+                             f"1.9.1's SyncBatchNorm 'does not support FP16 training'")
+
+    def _trainer(self, opt: Any) -> gluon.Trainer:
+        """The ``gluon.Trainer`` of ``self._params`` with optimizer ``opt``. One device: kvstore=None, the update runs
+        locally on it (no kvstore copy of the weights).
+
+        Data-parallel: Gluon's own default kvstore, "device" (https://mxnet.apache.org/versions/1.9.1/api/python/docs/
+        api/gluon/trainer.html, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/kvstore/): its CommDevice
+        sums each gradient over the contexts in a merge buffer on one of the devices themselves (on GPUs with
+        peer-to-peer copies where it can; "local" would sum on the host and copy back) and broadcasts the sum back into
+        every context's gradient (pushpull, Trainer._allreduce_grads). update_on_kvstore=False: every context then
+        applies the same update to its own copy with its own optimizer state (Trainer._update), as
+        DistributedDataParallel does: AMP's dynamic loss scaling needs the update after the all-reduce (it checks the
+        reduced gradients for overflow and skips the step), and it keeps the all-reduce a phase of its own
+        (Trainer.allreduce_grads / Trainer.update). The kvstore is created here, not at the first step: Trainer
+        creates it lazily and then broadcasts context 0's copy of every parameter to the others, the running
+        statistics included, which at the first step would overwrite each context's own statistics with context 0's
+        (and read them while the CPU batchnorm kernel may still be writing them: see _fix_running_variances). Here
+        every copy is the same; allreduce_grads creates the kvstore, broadcasts, and sums the still-zero gradients."""
+        if len(self._contexts) == 1:
+            return gluon.Trainer(self._params, opt, kvstore=None)
+        trainer = gluon.Trainer(self._params, opt, kvstore="device", update_on_kvstore=False)
+        trainer.allreduce_grads()
+        nd.waitall()
+        return trainer
 
     def build(self, info: Any, weights: dict[str, np.ndarray], optimizer: Any) -> None:
         """Builds the Gluon model of ``info`` with exactly ``weights`` and a ``gluon.Trainer``.
@@ -201,6 +280,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         if (why := self.unsupported_execution(self._precision, mode, kind)) is not None:
             raise ValueError(why)
         self._hybridized = mode == "compiled"
+        self._check_sync_batchnorm(info)
         # before the net's first forward pass traces or runs anything
         self._amp_dtype = training.init_amp(self._precision)
         net = nn.HybridSequential()
@@ -209,7 +289,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self.tokens = info.task != "image_classification"
         for layer in info.layers:
             self._add_layer(net, layer, ctx)
-        net.initialize(mx.init.Zero(), ctx=ctx)
+        net.initialize(mx.init.Zero(), ctx=self._contexts)  # data-parallel: a copy on every context
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         for name, (param, trained) in self._tensors.items():
             param.set_data(nd.array((weights if trained else buffers)[name], ctx=ctx, dtype=np.float32))
@@ -220,10 +300,9 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         # vocabulary); a per-sample loss, the mean over a sequence's positions for next-token logits (N, L, V)
         self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)
         opt = training.optimizer_for(optimizer)
-        # kvstore=None: one device, the update runs locally on it (no kvstore copy of the weights).
         self._params = net.collect_params()
         self._grad_req = "write"
-        self.trainer = gluon.Trainer(self._params, opt, kvstore=None)
+        self.trainer = self._trainer(opt)
         self._loss_sums, self._loss_steps = {}, 0
         if self._amp_dtype is not None:
             amp.init_trainer(self.trainer)  # dynamic loss scaling (see _scaled)
@@ -252,9 +331,17 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         elif kind == "batchnorm":
             # MXNet's momentum is the weight of the old running value: 1 - the canonical momentum. axis 1: the
             # channels of NCHW or the features of a flat input.
-            block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
-                                 in_channels=layer.input_shape[0])
-            if _running_var_is_biased(ctx, layer.input_shape, self._hybridized):
+            if self._sync_batchnorm:
+                # data-parallel over the global batch: mean and variance summed over the contexts (a barrier and a
+                # reduction across the contexts' engine threads inside the operator, forward and backward)
+                block = gluon.contrib.nn.SyncBatchNorm(in_channels=layer.input_shape[0],
+                                                       num_devices=len(self._contexts),
+                                                       momentum=1.0 - spec.momentum, epsilon=spec.epsilon)
+            else:
+                block = nn.BatchNorm(axis=1, momentum=1.0 - spec.momentum, epsilon=spec.epsilon,
+                                     in_channels=layer.input_shape[0])
+            sync = tuple(self._contexts) if self._sync_batchnorm else ()
+            if _running_var_is_biased(ctx, layer.input_shape, self._hybridized, sync):
                 per_sample = int(np.prod(layer.input_shape[1:]))  # values per channel in one sample: H x W or 1
                 self._variance_fixups.append((block, spec.momentum, per_sample))
         elif kind == "layernorm":  # over the last axis, biased variance (MXNet's LayerNorm, as torch.nn.LayerNorm)
@@ -291,50 +378,74 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             if activation is not None:
                 net.add(activation)
 
-    def _to_device_inputs(self, inputs: np.ndarray) -> mx.nd.NDArray:
-        """NHWC float32 images as NCHW, or (N, L) token ids as int64, on the device."""
+    def _to_device_inputs(self, inputs: np.ndarray, ctx: mx.Context | None = None) -> mx.nd.NDArray:
+        """NHWC float32 images as NCHW, or (N, L) token ids as int64, on ``ctx`` (default the first device)."""
+        ctx = self.ctx if ctx is None else ctx
         if self.tokens:
-            return nd.array(inputs, ctx=self.ctx, dtype=np.int64)
-        return nd.array(np.ascontiguousarray(inputs.transpose(0, 3, 1, 2)), ctx=self.ctx, dtype=np.float32)
+            return nd.array(inputs, ctx=ctx, dtype=np.int64)
+        return nd.array(np.ascontiguousarray(inputs.transpose(0, 3, 1, 2)), ctx=ctx, dtype=np.float32)
 
     def load(self, data: Any) -> None:
         """Images (NCHW float32) or token ids (N, L) int64, and int64 labels ((N,), or (N, L) for a next-token
-        model), resident on the device."""
-        self.x_train = self._to_device_inputs(data.x_train)
-        self.y_train = nd.array(data.y_train, ctx=self.ctx, dtype=np.int64)
+        model), resident on the device. Data-parallel: the training set resident on every device (each gathers its
+        shard of a step from its own copy, as a Gluon user's ``split_and_load`` would place each device's slice), the
+        test set on the first (evaluation)."""
+        self._train = [(self._to_device_inputs(data.x_train, ctx), nd.array(data.y_train, ctx=ctx, dtype=np.int64))
+                       for ctx in self._contexts]
+        self.x_train, self.y_train = self._train[0]
         self.x_test = self._to_device_inputs(data.x_test)
         self.y_test = nd.array(data.y_test, ctx=self.ctx, dtype=np.int64)
         nd.waitall()
 
     def set_train_images(self, images: np.ndarray) -> None:
-        """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place (``x[:] = ...``)."""
-        self.x_train[:] = np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32)
+        """Copies ``images`` (float32 NHWC) over the resident training images (NCHW) in place (``x[:] = ...``), on
+        every device."""
+        nchw = np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32)
+        for x, _ in self._train:
+            x[:] = nchw
 
     def stage_epoch(self, order: np.ndarray, samples_per_step: int) -> None:
         """The epoch's order on the device as one int64 NDArray (``Adapter.stage_epoch``), whose slices (views, no
         copy) are the steps' indices: ``nd.from_numpy`` of a private copy (zero-copy DLPack; MXNet holds the copy
         until the last operator that reads it is done), then ``as_in_context`` on a GPU (one asynchronous copy an
-        epoch). Measured on 1.9.1 on this project's CPU: wrapping a step's indices with ``from_numpy`` costs 60 us and
-        the gather that reads them then 157 us, against 8 us for a slice and 33 us for its gather; one call an epoch
-        instead of one a step (at batch 64 on digits 0.3 ms of a 4 ms step went to indices before this)."""
+        epoch); data-parallel, one such array on every device. Measured on 1.9.1 on this project's CPU: wrapping a
+        step's indices with ``from_numpy`` costs 60 us and the gather that reads them then 157 us, against 8 us for a
+        slice and 33 us for its gather; one call an epoch instead of one a step (at batch 64 on digits 0.3 ms of a 4 ms
+        step went to indices before this)."""
         order = np.ascontiguousarray(order, dtype=np.int64)
-        self._staged, self._staged_batch = self._wrap(order), samples_per_step
+        wrapped = nd.from_numpy(np.array(order, dtype=np.int64), zero_copy=True)
+        self._staged = [wrapped.as_in_context(ctx) for ctx in self._contexts]
+        self._staged_batch = samples_per_step
 
-    def _indices(self, indices: np.ndarray, position: int | None) -> mx.nd.NDArray:
-        """``indices`` as an int64 NDArray on the device: step ``position``'s slice of the staged epoch
-        (``stage_epoch``), else their own."""
+    def _indices(self, indices: np.ndarray, position: int | None, device: int = 0) -> mx.nd.NDArray:
+        """``indices`` as an int64 NDArray on device ``device``'s context: step ``position``'s slice of the staged
+        epoch (``stage_epoch``), else their own."""
         staged = self._staged
-        if position is not None and staged is not None:
+        if position is not None and staged:
             start = position * self._staged_batch
-            if len(indices) == self._staged_batch and start + len(indices) <= staged.shape[0]:
-                return staged[start:start + len(indices)]
-        return self._wrap(indices)
+            if len(indices) == self._staged_batch and start + len(indices) <= staged[device].shape[0]:
+                return staged[device][start:start + len(indices)]
+        return self._wrap(indices, self._contexts[device])
 
-    def _wrap(self, indices: np.ndarray) -> mx.nd.NDArray:
+    def _shards(self, indices: np.ndarray, position: int | None) -> list[mx.nd.NDArray]:
+        """Data-parallel: device d's part of the step, ``adapters.base.shard(indices, N, d)``, as an int64 NDArray on
+        its context: a slice of the staged step (a view), or its own wrapped copy."""
+        n = len(self._contexts)
+        parts = [shard(indices, n, d) for d in range(n)]  # raises ValueError unless N divides B
+        per = len(parts[0])
+        staged = self._staged
+        if position is not None and staged and len(indices) == self._staged_batch:
+            start = position * self._staged_batch
+            if start + len(indices) <= staged[0].shape[0]:
+                return [staged[d][start + d * per:start + (d + 1) * per] for d in range(n)]
+        return [self._wrap(part, ctx) for part, ctx in zip(parts, self._contexts)]
+
+    def _wrap(self, indices: np.ndarray, ctx: mx.Context | None = None) -> mx.nd.NDArray:
         """A private int64 copy of ``indices`` wrapped by ``nd.from_numpy`` (``train_step``'s docstring says why not
-        ``nd.array``), on cpu(0), then moved to the device by an asynchronous copy operator on a GPU."""
+        ``nd.array``), on cpu(0), then moved to ``ctx`` (default the first device) by an asynchronous copy operator
+        unless it is cpu(0)."""
         idx = nd.from_numpy(np.array(indices, dtype=np.int64), zero_copy=True)
-        return idx if self.ctx.device_type == "cpu" else idx.as_in_context(self.ctx)
+        return idx.as_in_context(self.ctx if ctx is None else ctx)  # the array itself when already there
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """Gathers the batch on the device (``nd.take``), runs forward and backward under ``autograd.record`` and
@@ -354,7 +465,14 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         synchronously after waiting for every operator already queued on the CPU (``NDArray::WaitToWrite`` pushes an
         empty write to the CPU queue and waits for it), which would make every step wait for the previous one.
         ``from_numpy`` only wraps the memory, so it is given a private copy, which MXNet keeps alive until the gather
-        has read it. In fp16 the backward pass starts from the loss times AMP's loss scale (``_scaled``)."""
+        has read it. In fp16 the backward pass starts from the loss times AMP's loss scale (``_scaled``).
+
+        Data-parallel (``options.data_parallel``, N contexts): ``_train_step_parallel``."""
+        if len(self._contexts) > 1:
+            if micro_batches != 1:
+                raise ValueError("gradient accumulation with data parallelism is not supported")
+            self._train_step_parallel(indices, position)
+            return
         idx = self._indices(indices, position)
         if micro_batches == 1:
             self._set_grad_req("write")
@@ -390,18 +508,51 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self._loss_sums[key] = nd.add_n(*sums) if held is None else nd.add_n(held, *sums)  # (1,): / B when read
         self._loss_steps += 1
 
-    def _add_loss(self, key: tuple[int, int], loss: mx.nd.NDArray) -> None:
+    def _train_step_parallel(self, indices: np.ndarray, position: int | None) -> None:
+        """One data-parallel step, as a Gluon user writes it for several contexts: context d gathers its shard
+        (``adapters.base.shard(indices, N, d)``, ``_shards``) from its own copy of the training set; under one
+        ``autograd.record`` every context runs the forward pass and its per-sample loss; ``autograd.backward`` over the
+        N losses leaves in each context's gradient arrays the gradient of its shard's summed loss; then
+        ``Trainer.step(B)`` with the global batch B: the kvstore sums each gradient over the N contexts (pushpull on
+        the "device" kvstore, see ``build``: the all-reduce) and every context applies the update rescaled by 1 / B
+        to its own copy, the update of the mean gradient over all B samples, the same on every context. Everything
+        is queued on the engine (each context's operators on that context's workers), nothing waited for.
+
+        Batchnorm normalises over each context's own shard (``nn.BatchNorm``, per device), or with
+        ``sync_batchnorm`` over the global batch (``SyncBatchNorm``); each context updates its own running statistics
+        (identical ones with SyncBatchNorm), corrected to the unbiased update (``_fix_running_variances``) with the
+        values per channel of the shard, or of the global batch. The loss (the per-sample losses of every shard) goes
+        into each context's own running sum: the global batch's mean when read."""
+        shards = self._shards(indices, position)
+        self._set_grad_req("write")
+        before = [[block.running_var.data(ctx).copy() for block, _, _ in self._variance_fixups]
+                  for ctx in self._contexts]
+        with autograd.record():
+            losses = [self.loss_fn(self.net(nd.take(x, idx)), nd.take(y, idx))
+                      for (x, y), idx in zip(self._train, shards)]
+            scaled = self._scaled(losses)
+        autograd.backward(scaled)
+        if self._variance_fixups:
+            normalised = len(indices) if self._sync_batchnorm else len(shards[0])  # samples each batchnorm saw
+            for ctx, old in zip(self._contexts, before):
+                self._fix_running_variances(old, normalised, ctx)
+        self.trainer.step(len(indices))
+        for device, loss in enumerate(losses):  # one sum per device; the step counted once
+            self._add_loss((len(indices), 1, device), loss, count=device == 0)
+
+    def _add_loss(self, key: tuple[int, ...], loss: mx.nd.NDArray, count: bool = True) -> None:
         """Adds a step's per-sample ``loss`` (float32 (B,)) into the running sum of ``key``: one queued operator
-        (``+=``, or a copy at the first step after a read), nothing waited for; counts the step."""
+        (``+=``, or a copy at the first step after a read), nothing waited for; counts the step if ``count``."""
         held = self._loss_sums.get(key)
         if held is None:
             self._loss_sums[key] = loss.copy()
         else:
             held += loss
-        self._loss_steps += 1
+        self._loss_steps += int(count)
 
-    def _scaled(self, loss: mx.nd.NDArray) -> mx.nd.NDArray:
-        """``loss`` (float32 (B,)) as backward should see it, inside ``autograd.record``: itself, or with AMP (fp16)
+    def _scaled(self, loss: Any) -> Any:
+        """``loss`` (float32 (B,), or data-parallel a list of each context's) as backward should see it, inside
+        ``autograd.record``: itself, or with AMP (fp16)
         ``amp.scale_loss``'s loss times the current loss scale, which also sets the Trainer's rescaling to 1 / scale
         so that ``Trainer.step`` unscales the gradients; the step checks them for inf/nan first and skips the update
         (halving the scale) when there are any (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/
@@ -413,7 +564,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         with amp.scale_loss(loss, self.trainer) as scaled:
             return scaled
 
-    def _fix_running_variances(self, before: list[mx.nd.NDArray], batch: int) -> None:
+    def _fix_running_variances(self, before: list[mx.nd.NDArray], batch: int, ctx: mx.Context | None = None) -> None:
         """Turns the running variance that a biased-variance kernel (MXNet's CPU BatchNorm; see
         ``_running_var_is_biased``) wrote in this forward and backward into the canonical one. With r the running
         variance before the step, v the biased batch variance, n the values per channel in the batch and c = n / (n -
@@ -424,14 +575,16 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         statistics are read-only inputs of the backward node), so an operator that only reads the running variance
         may run before the write (observed: it does). gamma's gradient is a declared output of the same backward
         kernel: ``reshape_like(var, gamma.grad())``, the running variance itself, reads it, which orders the
-        correction after that kernel."""
+        correction after that kernel. Data-parallel: on context ``ctx``'s copy (default the first device's), with
+        ``batch`` the samples its batchnorm normalised over (the shard's, or with SyncBatchNorm the global batch's)."""
+        ctx = self.ctx if ctx is None else ctx
         for (block, momentum, per_sample), old in zip(self._variance_fixups, before):
             n = batch * per_sample
             if n < 2:
                 raise ValueError(f"batchnorm needs more than 1 value per channel in a training batch, got {n}")
             c = n / (n - 1)
-            var = block.running_var.data()
-            written = nd.reshape_like(var, block.gamma.grad())  # = var, once the backward kernel is done
+            var = block.running_var.data(ctx)
+            written = nd.reshape_like(var, block.gamma.grad(ctx))  # = var, once the backward kernel is done
             nd.elemwise_sub(written * c, old * ((c - 1.0) * (1.0 - momentum)), out=var)
 
     def _set_grad_req(self, req: str) -> None:
@@ -452,8 +605,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         nd.waitall()
 
     def _take_loss_sum(self) -> float:
-        """Each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a trial) / B; the
-        sums are dropped."""
+        """Each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a trial;
+        data-parallel one per context) / B; the sums are dropped."""
         sums, self._loss_sums = self._loss_sums, {}
         return sum(float(held.sum().asscalar()) / key[0] for key, held in sums.items())
 
@@ -461,7 +614,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         """Outside ``autograd.record`` Gluon runs in inference mode. Batches of ``batch_size`` and a smaller last one
         reuse the hybridized graph (a new shape re-plans it; no padding is needed). For a next-token model the loss
         of a sequence is the mean over its L positions, so the mean over the sequences is the mean over every
-        position, and the accuracy counts every position."""
+        position, and the accuracy counts every position. Data-parallel: on the first device (``self.ctx``, where the
+        test set is), with its copy of the parameters and running statistics."""
         total_loss = nd.zeros((1,), ctx=self.ctx, dtype=np.float64)
         correct = nd.zeros((1,), ctx=self.ctx, dtype=np.int64)
         n = self.x_test.shape[0]
@@ -474,16 +628,23 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         """Logits, float32 (N, classes) or (N, L, vocab) for a next-token model, for NHWC images or (N, L) token
-        ids."""
+        ids. Data-parallel: on the first device."""
         logits = self.net(self._to_device_inputs(images if self.tokens else images.astype(np.float32)))
         return logits.asnumpy().astype(np.float32, copy=False)  # fp16 under AMP: its last dense layer's output
 
     def get_weights(self) -> dict[str, np.ndarray]:
-        # asnumpy copies to a new host array (after waiting for the writes queued on it)
-        return {name: param.data().asnumpy() for name, (param, trained) in self._tensors.items() if trained}
+        """The first device's copy (data-parallel: every context's is the same, each updated with the same summed
+        gradient by the same optimizer arithmetic); asnumpy copies to a new host array (after waiting for the writes
+        queued on it)."""
+        return {name: param.data(self.ctx).asnumpy() for name, (param, trained) in self._tensors.items() if trained}
 
     def get_buffers(self) -> dict[str, np.ndarray]:
-        return {name: param.data().asnumpy() for name, (param, trained) in self._tensors.items() if not trained}
+        """The first device's running statistics: what ``evaluate`` and ``predict`` use. Data-parallel with per-device
+        batchnorm, every context keeps its own, updated from its own shard, so they differ; this is device 0's, not
+        an average (Gluon's ``save_parameters`` would write the mean over the contexts: ``Parameter._reduce``). With
+        SyncBatchNorm every context's are the same."""
+        return {name: param.data(self.ctx).asnumpy() for name, (param, trained) in self._tensors.items()
+                if not trained}
 
     def memory_stats(self) -> dict[str, int]:
         """Always empty: MXNet 1.9.1 keeps no allocator peak counters. On a GPU, ``mx.context.gpu_memory_info`` gives
@@ -495,7 +656,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         """Thread settings as libmxnet read them at import, the precision, AMP's target dtype ("" without AMP), the
         execution mode and the hybridize flags ({} in the eager mode), AMP's loss scale and its policy (fp16), and,
         on a GPU, the memory pool type (``MXNET_GPU_MEM_POOL_TYPE``, default "Naive": https://mxnet.apache.org/
-        versions/1.9.1/api/faq/env_var)."""
+        versions/1.9.1/api/faq/env_var); data-parallel, the contexts, the kvstore and the batchnorm kind."""
         out: dict[str, Any] = {
             "intra_op_threads": _omp_threads(),
             "inter_op_threads": int(_ENV_AT_IMPORT["MXNET_CPU_WORKER_NTHREADS"] or 1),
@@ -515,6 +676,15 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         if scaler is not None:
             out["loss_scale"] = float(scaler.loss_scale)  # the current one (2^16 before the first step)
             out["loss_scaling"] = "dynamic (AMP LossScaler: x0.5 and skip the step on inf/nan, x2 after 2000 steps)"
+        if len(self._contexts) > 1:
+            # data-parallel: the contexts (on the CPU each with its own engine workers), the all-reduce, batchnorm
+            kvstore = getattr(getattr(self, "trainer", None), "_kvstore", None)  # created at the first step
+            out["data_parallel"] = {
+                "contexts": [str(ctx) for ctx in self._contexts],
+                "kvstore": kvstore.type if kvstore is not None else "device",
+                "update_on_kvstore": False,
+                "batchnorm": "SyncBatchNorm (global batch)" if self._sync_batchnorm else "BatchNorm (per device)",
+            }
         if self.ctx.device_type == "gpu":
             out["MXNET_GPU_MEM_POOL_TYPE"] = os.environ.get("MXNET_GPU_MEM_POOL_TYPE", "Naive")
             out["MXNET_CUDNN_AUTOTUNE_DEFAULT"] = os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT", "1")

@@ -20,6 +20,16 @@ import argparse
 import os
 import sys
 
+#: The standard driver runs of the per-framework tests (test_{framework}_data_parallel.py): name -> (devices, extra
+#: arguments of ``main``).
+RUNS = {
+    "sgd-1": (1, []), "sgd-2": (2, []),
+    "adam-1": (1, ["--optimizer", "adam"]), "adam-2": (2, ["--optimizer", "adam"]),
+    "accumulated-1": (1, ["--batch", "16", "--accumulation", "2"]),
+    "bn-1": (1, ["--batchnorm"]), "bn-2": (2, ["--batchnorm"]),
+    "bn-sync-2": (2, ["--batchnorm", "--sync-batchnorm"]),
+}
+
 
 def _model(batchnorm: bool):
     from harness.spec import ModelSpec
@@ -41,6 +51,19 @@ def set_data_parallel_environment(record, devices: int) -> None:
     """The declaration's ``data_parallel_environment`` in ``os.environ``, as the worker sets it
     (``Declaration.data_parallel_variables``), before the framework is imported."""
     os.environ.update(record.data_parallel_variables(devices, os.environ))
+
+
+def refusals(adapter, order) -> dict[str, str]:
+    """What a data-parallel ``adapter`` (two devices) says, as ValueError, to a step it cannot split: gradient
+    accumulation (refused under data parallelism) and 33 samples (not a multiple of the devices); name -> message."""
+    said = {}
+    for name, call in {"accumulation": lambda: adapter.train_step(order[:32], micro_batches=2),
+                       "uneven": lambda: adapter.train_step(order[:33])}.items():
+        try:
+            call()
+        except ValueError as err:
+            said[name] = str(err)
+    return said
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,15 +27,7 @@ import pytest
 from harness.neutral import models
 from harness.spec import ROOT
 from tests.adapters import kit
-
-#: driver runs: name -> (devices, extra arguments)
-RUNS = {
-    "sgd-1": (1, []), "sgd-2": (2, []),
-    "adam-1": (1, ["--optimizer", "adam"]), "adam-2": (2, ["--optimizer", "adam"]),
-    "accumulated-1": (1, ["--batch", "16", "--accumulation", "2"]),
-    "bn-1": (1, ["--batchnorm"]), "bn-2": (2, ["--batchnorm"]),
-    "bn-sync-2": (2, ["--batchnorm", "--sync-batchnorm"]),
-}
+from tests.adapters.data_parallel_run import RUNS
 
 #: Parameters of two runs that should train alike: |a - b| <= ATOL + RTOL |b|; with sync batchnorm the
 #: cross-framework tolerance of tests/adapters/test_equivalence.py (PARAM_ATOL = PARAM_RTOL = 1e-5).
@@ -52,7 +44,7 @@ from adapters.base import DataParallel, RunOptions, shard
 from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import datasets, models
 from tests.adapters import kit, scenarios
-from tests.adapters.data_parallel_run import _model
+from tests.adapters.data_parallel_run import _model, refusals
 
 data, info = kit.digits(_model(True))
 plain_info = kit.digits()[1]
@@ -103,14 +95,7 @@ for position in range(1, 4):
     two.train_step(order[position * 32:(position + 1) * 32])
     losses.append(float(two._last_loss.numpy()))
 out["three_losses"], out["read_three"] = losses, two.read_loss()
-errors = {}
-for name, call in {"accumulation": lambda: two.train_step(order[:32], micro_batches=2),
-                   "uneven": lambda: two.train_step(order[:33])}.items():
-    try:
-        call()
-    except ValueError as err:
-        errors[name] = str(err)
-out["errors"] = errors
+out["errors"] = refusals(two, order)
 
 # the compiled mode: the CNN on 1 and 2 devices, and batchnorm per device on 2
 compiled = {}
