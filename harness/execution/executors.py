@@ -9,12 +9,21 @@ the sweep and the report tell which trials ran beside which.
 
 Slots on one machine (``local_slots``):
 - GPUs: one trial per listed device at a time; each worker sees only its device (``CUDA_VISIBLE_DEVICES`` = its
-  index in the caller's visible list, so the worker trains on ``cuda:0``) while the sampler watches the same GPU by
-  its NVML index (CUDA_DEVICE_ORDER=PCI_BUS_ID, set for every worker, makes the two numberings agree;
+  entry in the caller's visible list, so the worker trains on ``cuda:0``) while the sampler watches the same GPU,
+  found through the worker's own CUDA_VISIBLE_DEVICES (``harness.execution.launcher.run_worker``;
+  CUDA_DEVICE_ORDER=PCI_BUS_ID, set for every worker, makes CUDA's numbers NVML's;
   https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#env-vars).
 - CPU: ``parallel`` disjoint core sets of ``threads`` cores each from this process's affinity mask; each worker is
   pinned to its set (``os.sched_setaffinity`` in the bootstrap, before the framework starts its threads). The
   launcher and its sampler threads are not pinned: they share the machine with the workers, which the report says.
+
+A data-parallel trial on N devices (``Trial.data_parallel``) takes N slots of one machine at once (``slots_for``):
+N GPUs (CUDA_VISIBLE_DEVICES lists them, the worker trains on cuda:0..N-1 and the sampler watches all N), or the
+union of N slots' cores and their threads together, so that each of its devices has what a one-device trial has and
+the scaling efficiency compares like with like. The one default slot (no ``parallel``, no ``devices``) is the whole
+machine: a data-parallel trial takes it alone, on the devices the plan named. A trial that needs more slots than
+the executor has can never run: ``check`` raises ExecutorError, and the sweep stops before anything runs.
+On Ray a data-parallel trial is one task asking for N GPUs (``num_gpus``; Ray places it on a node that has them).
 """
 
 from __future__ import annotations
@@ -52,7 +61,8 @@ class Slot:
 @dataclass
 class Placement:
     """Where and when a trial ran: ``node`` (host name, and Ray's node id on a cluster), ``device`` (as NVML numbers
-    it, or "cpu"), ``cpus`` (the pinned cores, or None), ``started``/``ended`` (time.time(), seconds)."""
+    it, or "cpu"), ``cpus`` (the pinned cores, or None), ``started``/``ended`` (time.time(), seconds), ``devices``
+    (a data-parallel trial's GPUs as NVML numbers them, where the executor chose them; else None: the trial's own)."""
 
     node: str
     device: str
@@ -60,6 +70,7 @@ class Placement:
     started: float
     ended: float
     node_id: str | None = None
+    devices: list[str] | None = None
 
 
 @dataclass
@@ -86,10 +97,11 @@ def visible_gpus(env: dict[str, str] | None = None) -> list[str] | None:
 def local_slots(device: str, parallel: int = 1, devices: list[str] | None = None, threads: int | None = None,
                 cpus: list[int] | None = None, env: dict[str, str] | None = None) -> list[Slot]:
     """The slots of this machine (module docstring). ``device``: the run's resolved device ("cpu" or "cuda:N");
-    ``parallel``: how many trials at once; ``devices``: the GPUs to use, one trial each at a time (overrides
-    ``parallel``); ``threads``: cores per CPU slot (default: the available cores split evenly); ``cpus``: the
-    available cores (default: this process's affinity mask). One slot without ``devices`` and with ``parallel`` 1
-    is today's single trial at a time, on ``device`` as it is (no CUDA_VISIBLE_DEVICES, no pinning).
+    ``parallel``: how many trials at once; ``devices``: the GPUs to use, one trial each at a time, a data-parallel
+    trial on N devices taking N of them (overrides ``parallel``); ``threads``: cores per CPU slot (default: the
+    available cores split evenly); ``cpus``: the available cores (default: this process's affinity mask). One slot
+    without ``devices`` and with ``parallel`` 1 is today's single trial at a time, on ``device`` as it is (no
+    CUDA_VISIBLE_DEVICES, no pinning).
 
     Raises ExecutorError when ``parallel`` is below 1, when the CPU slots would need more cores than there are, or
     when a listed device is not a GPU."""
@@ -131,26 +143,74 @@ def _affinity() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def _whole_machine(slots: list[Slot]) -> bool:
+    """One slot with neither a GPU of its own nor pinned cores: this machine as it is (``local_slots``' default)."""
+    return len(slots) == 1 and "CUDA_VISIBLE_DEVICES" not in slots[0].env and slots[0].cpus is None
+
+
+def joined(slots: list[Slot]) -> Slot:
+    """The slot a data-parallel trial runs on when it takes ``slots`` together: their GPUs (CUDA_VISIBLE_DEVICES lists
+    each slot's, in order, so the worker trains on cuda:0..N-1) or the union of their cores with their threads
+    summed. ``device`` is the first slot's (the record's ``placement.devices`` names them all)."""
+    if len(slots) == 1:
+        return slots[0]
+    env = {key: value for slot in slots for key, value in slot.env.items()}
+    gpus = [slot.env.get("CUDA_VISIBLE_DEVICES") for slot in slots]
+    if all(gpu is not None for gpu in gpus):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
+    cpus = (tuple(sorted({c for slot in slots for c in slot.cpus or ()}))
+            if all(slot.cpus is not None for slot in slots) else None)
+    threads = sum(slot.threads or 0 for slot in slots) if all(slot.threads for slot in slots) else None
+    return Slot(slots[0].device, slots[0].worker_device, env, cpus, threads)
+
+
+def placed_payload(payload: Payload, slot: Slot, count: int) -> Payload:
+    """``payload`` with its trial moved onto ``slot`` (taken from ``count`` slots): the slot's worker device and
+    threads, and for a data-parallel trial on GPUs the devices cuda:0..count-1 (the slot's CUDA_VISIBLE_DEVICES)."""
+    trial = replace(payload.trial, device=slot.worker_device)
+    if count > 1 and slot.worker_device.startswith("cuda"):
+        trial = replace(trial, devices=tuple(f"cuda:{i}" for i in range(count)))
+    if slot.threads is not None:
+        trial = replace(trial, threads=slot.threads)
+    return payload.model_copy(update={"trial": trial})
+
+
 class LocalExecutor:
-    """Runs trials on this machine, one per ``Slot`` at a time. With one slot the trial runs in the calling thread
-    (exactly the sequential sweep: a Ctrl-C reaches the launcher, which kills the worker); with several, each in a
-    thread of its own, and ``close`` kills the workers still running."""
+    """Runs trials on this machine, one per ``Slot`` at a time, a data-parallel trial on N devices on N slots at
+    once (``slots_for``, module docstring). With one slot the trial runs in the calling thread (exactly the
+    sequential sweep: a Ctrl-C reaches the launcher, which kills the worker); with several, each in a thread of its
+    own, and ``close`` kills the workers still running. The free slots are taken in the order of ``slots``."""
 
     def __init__(self, slots: list[Slot]):
         self.slots = list(slots)
         self.free = list(self.slots)
         self.capacity = len(self.slots)
-        self._pending: list[tuple[Any, Slot, Callable[[], Outcome], float]] = []
+        self._pending: list[tuple[Any, list[Slot], Callable[[], Outcome], float]] = []
         self._done: queue.Queue[Finished] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.running: dict[Any, tuple[Slot, float]] = {}
+        self.running: dict[Any, tuple[list[Slot], float]] = {}
 
     def describe(self) -> dict[str, Any]:
         return {"executor": "local", "slots": [asdict(s) for s in self.slots], "node": socket.gethostname()}
 
-    def has_room(self) -> bool:
-        return bool(self.free)
+    def slots_for(self, devices: int = 1) -> int:
+        """How many slots a trial on ``devices`` devices takes: one per device, or 1 on the whole machine's single
+        slot (the trial then trains on the devices its plan named)."""
+        return 1 if _whole_machine(self.slots) else max(1, devices)
+
+    def check(self, devices: int) -> None:
+        """Raises ExecutorError when a trial on ``devices`` devices needs more slots than this executor has (it could
+        never start)."""
+        if (need := self.slots_for(devices)) > len(self.slots):
+            where = ", ".join(s.device + (f" (cores {','.join(map(str, s.cpus))})" if s.cpus else "")
+                              for s in self.slots)
+            raise ExecutorError(f"a trial on {devices} devices takes {need} slots, one per device, and the local "
+                                f"executor has {len(self.slots)}: {where}")
+
+    def has_room(self, devices: int = 1) -> bool:
+        """Whether a trial on ``devices`` devices can start now (enough free slots)."""
+        return len(self.free) >= self.slots_for(devices)
 
     def running_here(self) -> dict[Any, float]:
         """The trials running now on this machine, with their start (time.time())."""
@@ -158,47 +218,53 @@ class LocalExecutor:
 
     def submit(self, key: Any, payload: Payload, timeout_s: float, interval_s: float | None,
                threads: int | None, on_event: Callable[[dict[str, Any]], None] | None = None) -> Slot:
-        """Starts the trial ``payload`` on a free slot (call ``has_room`` first) and returns the slot. The payload's
-        device and threads become the slot's."""
-        slot = self.free.pop(0)
-        trial = replace(payload.trial, device=slot.worker_device)
-        if slot.threads is not None:
-            trial = replace(trial, threads=slot.threads)
-            threads = slot.threads
-        payload = payload.model_copy(update={"trial": trial})
+        """Starts the trial ``payload`` on free slots (``slots_for`` its devices; call ``has_room`` first) and returns
+        the slot it runs on (``joined``). The payload's device(s) and threads become the slot's. Raises
+        ExecutorError when too few slots are free."""
+        need = self.slots_for(payload.trial.data_parallel)
+        if need > len(self.free):
+            raise ExecutorError(f"{key}: {need} slot(s) needed, {len(self.free)} free (ask has_room first)")
+        taken, self.free = self.free[:need], self.free[need:]
+        slot = joined(taken)
+        payload = placed_payload(payload, slot, need)
+        threads = slot.threads if slot.threads is not None else threads
 
         def work() -> Outcome:
-            return run_worker(payload, timeout_s, interval_s, slot.device, threads, on_event=on_event,
+            return run_worker(payload, timeout_s, interval_s, slot.worker_device, threads, on_event=on_event,
                               env=slot.env or None, cpus=list(slot.cpus) if slot.cpus else None,
                               stop=None if self.capacity == 1 else self._stop)
 
         started = time.time()
-        self.running[key] = (slot, started)
+        self.running[key] = (taken, started)
         if self.capacity == 1:
-            self._pending.append((key, slot, work, started))
+            self._pending.append((key, taken, work, started))
         else:
-            thread = threading.Thread(target=self._run, args=(key, slot, work, started), daemon=True,
+            thread = threading.Thread(target=self._run, args=(key, taken, work, started), daemon=True,
                                       name=f"harness-trial-{key}")
             self._threads.append(thread)
             thread.start()
         return slot
 
-    def _run(self, key: Any, slot: Slot, work: Callable[[], Outcome], started: float) -> None:
+    @staticmethod
+    def _placement(taken: list[Slot], started: float) -> Placement:
+        cpus = sorted({c for slot in taken for c in slot.cpus or ()}) or None
+        gpus = [slot.device for slot in taken] if len(taken) > 1 and taken[0].device.startswith("cuda") else None
+        return Placement(socket.gethostname(), taken[0].device, cpus, started, time.time(), devices=gpus)
+
+    def _run(self, key: Any, taken: list[Slot], work: Callable[[], Outcome], started: float) -> None:
         try:
             outcome = work()
         except BaseException as exc:  # noqa: BLE001 - a bug of the harness: the trial is recorded, the sweep goes on
             outcome = Outcome("error", f"the launcher failed: {type(exc).__name__}: {exc}"[:500])
-        self._done.put(Finished(key, outcome, Placement(socket.gethostname(), slot.device,
-                                                        list(slot.cpus) if slot.cpus else None, started,
-                                                        time.time())))
+        self._done.put(Finished(key, outcome, self._placement(taken, started)))
 
     def wait(self) -> Finished:
-        """The next trial to finish (blocks; wakes every 0.2 s so that signals reach the main thread)."""
+        """The next trial to finish (blocks; wakes every 0.2 s so that signals reach the main thread); its slots are
+        free again."""
         if self._pending:
-            key, slot, work, started = self._pending.pop(0)
+            key, taken, work, started = self._pending.pop(0)
             outcome = work()  # in this thread: an interrupt goes through run_worker, which kills the worker
-            finished = Finished(key, outcome, Placement(socket.gethostname(), slot.device,
-                                                        list(slot.cpus) if slot.cpus else None, started, time.time()))
+            finished = Finished(key, outcome, self._placement(taken, started))
         else:
             while True:
                 try:
@@ -206,8 +272,9 @@ class LocalExecutor:
                     break
                 except queue.Empty:
                     continue
-        slot, _ = self.running.pop(finished.key)
-        self.free.append(slot)
+        taken, _ = self.running.pop(finished.key)
+        back = [*self.free, *taken]
+        self.free = [slot for slot in self.slots if any(slot is other for other in back)]
         return finished
 
     def close(self) -> None:
@@ -220,20 +287,25 @@ class LocalExecutor:
 def _ray_trial(payload: Payload, timeout_s: float, interval_s: float | None, threads: int | None,
                gpu: bool) -> dict[str, Any]:
     """The body of the Ray task: runs the trial with today's launcher on the node where it landed and returns its
-    Outcome and Placement as plain data. On a GPU, Ray has set CUDA_VISIBLE_DEVICES to the GPU it granted
-    (https://docs.ray.io/en/latest/ray-core/scheduling/accelerators.html): the worker trains on cuda:0 and the
-    sampler watches that GPU by its index (``ray.get_gpu_ids``)."""
+    Outcome and Placement as plain data. On a GPU, Ray has set CUDA_VISIBLE_DEVICES to the GPUs it granted
+    (https://docs.ray.io/en/latest/ray-core/scheduling/accelerators.html): the worker trains on cuda:0 (a
+    data-parallel trial on cuda:0..N-1), and the sampler maps those to NVML's numbers through the same variable;
+    the placement names the granted GPUs by Ray's ids (``ray.get_gpu_ids``, the node's physical indexes)."""
     import ray
 
-    device = "cpu"
+    device, devices = "cpu", None
     if gpu:
-        ids = ray.get_gpu_ids()
-        device = f"cuda:{int(ids[0])}" if ids else "cuda:0"
-        payload = payload.model_copy(update={"trial": replace(payload.trial, device="cuda:0")})
+        ids = [int(i) for i in ray.get_gpu_ids()] or [0]
+        device = f"cuda:{ids[0]}"
+        trial = replace(payload.trial, device="cuda:0")
+        if trial.data_parallel > 1:
+            devices = [f"cuda:{i}" for i in ids]
+            trial = replace(trial, devices=tuple(f"cuda:{i}" for i in range(trial.data_parallel)))
+        payload = payload.model_copy(update={"trial": trial})
     started = time.time()
-    outcome = run_worker(payload, timeout_s, interval_s, device, threads)
+    outcome = run_worker(payload, timeout_s, interval_s, "cuda:0" if gpu else "cpu", threads)
     placement = Placement(socket.gethostname(), device, None, started, time.time(),
-                          ray.get_runtime_context().get_node_id())
+                          ray.get_runtime_context().get_node_id(), devices)
     return {"outcome": asdict(outcome), "placement": asdict(placement)}
 
 
@@ -252,9 +324,12 @@ def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 
 class RayExecutor:
     """Runs each trial as a Ray task (``_ray_trial``) asking for ``num_gpus=1`` on a GPU run, or ``num_cpus`` = the
-    trial's threads on the CPU (https://docs.ray.io/en/latest/ray-core/scheduling/resources.html). At most as many
-    trials are in flight as the cluster has GPUs (or CPUs / threads), so that ``after_oom: skip`` still sees the
-    smaller batch sizes end first; one at a time when the spec is ``exclusive``.
+    trial's threads on the CPU (https://docs.ray.io/en/latest/ray-core/scheduling/resources.html); a data-parallel
+    trial on N devices is one task asking for ``num_gpus=N`` and ``num_cpus=N`` (a core per rank or device), or on
+    the CPU ``num_cpus`` = max(threads, N) (a core per logical device at least), so Ray places it on one node that
+    has them all. At most as many trials are in flight as the cluster has GPUs (or CPUs / threads), and no more
+    GPUs (CPUs) than it has, so that ``after_oom: skip`` still sees the smaller batch sizes end first and a trial
+    never waits inside Ray for resources the sweep could see are taken; one at a time when the spec is ``exclusive``.
 
     ``address``: an existing cluster ("auto", "ray://host:10001", "host:6379"), or None for a local one on this
     machine (``ray.init()``; ``num_cpus`` caps it). ``retries``: how many times Ray may run a trial again after its
@@ -280,16 +355,15 @@ class RayExecutor:
                                     f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
             self.started_ray = True
         resources = ray.cluster_resources()
-        if gpu:
-            room = int(resources.get("GPU", 0))
-            if room < 1:
-                raise ExecutorError(f"the Ray cluster at {address or 'this machine'} has no GPU for a GPU run")
-        else:
-            room = max(1, int(resources.get("CPU", 1) // max(1, threads or 1)))
+        self.resource = "GPU" if gpu else "CPU"
+        self.total = int(resources.get(self.resource, 0 if gpu else 1))  # GPUs (CPUs) of the whole cluster
+        if gpu and self.total < 1:
+            raise ExecutorError(f"the Ray cluster at {address or 'this machine'} has no GPU for a GPU run")
+        room = self.total if gpu else max(1, self.total // max(1, threads or 1))
         self.capacity = 1 if exclusive else room
         self.address = address
         self._task = ray.remote(_ray_trial)
-        self.running: dict[Any, Any] = {}  # key -> ObjectRef
+        self.running: dict[Any, Any] = {}  # key -> (ObjectRef, submitted, GPUs or CPUs asked for)
 
     def describe(self) -> dict[str, Any]:
         nodes = [{"node_id": n["NodeID"], "host": n.get("NodeManagerHostname"), "alive": n.get("Alive"),
@@ -297,8 +371,27 @@ class RayExecutor:
         return {"executor": "ray", "address": self.address, "ray_version": self.ray.__version__,
                 "retries": self.retries, "capacity": self.capacity, "nodes": nodes}
 
-    def has_room(self) -> bool:
-        return len(self.running) < self.capacity
+    def units(self, devices: int = 1, threads: int | None = None) -> int:
+        """The GPUs (on a GPU run) or CPUs a trial on ``devices`` devices asks Ray for (the class docstring)."""
+        if self.gpu:
+            return max(1, devices)
+        return max(1, threads or self.threads or 1, devices)
+
+    def check(self, devices: int) -> None:
+        """Raises ExecutorError when no alive node of the cluster has the GPUs (CPUs) a trial on ``devices`` devices
+        asks for: one Ray task runs on one node, and Ray would keep such a task waiting forever."""
+        need = self.units(devices)
+        largest = max((int(n.get("Resources", {}).get(self.resource, 0)) for n in self.ray.nodes() if n.get("Alive")),
+                      default=0)
+        if need > largest:
+            raise ExecutorError(f"a trial on {devices} devices asks Ray for {need} {self.resource}s on one node; the "
+                                f"largest node of the cluster at {self.address or 'this machine'} has {largest}")
+
+    def has_room(self, devices: int = 1) -> bool:
+        """Whether a trial on ``devices`` devices can start now: fewer trials in flight than ``capacity``, and its
+        GPUs (CPUs) free among the cluster's."""
+        in_use = sum(units for _, _, units in self.running.values())
+        return len(self.running) < self.capacity and (not self.running or in_use + self.units(devices) <= self.total)
 
     def running_here(self) -> dict[Any, float]:
         """Nothing: where a running task landed is known only when it returns."""
@@ -307,22 +400,24 @@ class RayExecutor:
     def submit(self, key: Any, payload: Payload, timeout_s: float, interval_s: float | None,
                threads: int | None, on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Starts the trial as a Ray task (worker events are not streamed back: ``on_event`` is not called)."""
+        devices = payload.trial.data_parallel
+        units = self.units(devices, threads)
         options: dict[str, Any] = {"max_retries": self.retries, "retry_exceptions": False}
-        options.update({"num_gpus": 1, "num_cpus": 1} if self.gpu else {"num_cpus": max(1, threads or 1)})
+        options.update({"num_gpus": units, "num_cpus": units} if self.gpu else {"num_cpus": units})
         self.running[key] = (self._task.options(**options).remote(payload, timeout_s, interval_s, threads, self.gpu),
-                             time.time())
+                             time.time(), units)
 
     def wait(self) -> Finished:
         """The next trial to finish. A task whose node or worker process died is ``crashed`` with the reason
         "node lost: ..." (``ray.exceptions.NodeDiedError``, ``WorkerCrashedError``, ``ObjectLostError``); any other
         failure of the task itself is ``error``."""
-        refs = {ref: key for key, (ref, _) in self.running.items()}
+        refs = {ref: key for key, (ref, _, _) in self.running.items()}
         while True:
             ready, _ = self.ray.wait(list(refs), num_returns=1, timeout=0.5)
             if ready:
                 break
         key = refs[ready[0]]
-        _, submitted = self.running.pop(key)
+        _, submitted, _ = self.running.pop(key)
         exceptions = self.ray.exceptions
         try:
             value = self.ray.get(ready[0])
@@ -337,7 +432,7 @@ class RayExecutor:
     def close(self) -> None:
         """Cancels the tasks still running (``ray.cancel(force=True)`` kills their Ray workers, and with them the
         trial workers) and shuts down the local Ray instance this executor started."""
-        for ref, _ in self.running.values():
+        for ref, _, _ in self.running.values():
             try:
                 self.ray.cancel(ref, force=True)
             except Exception:  # noqa: BLE001 - already finished, or the cluster is gone

@@ -34,13 +34,15 @@ import psutil
 from harness.execution.bootstrap import BOOTSTRAP
 from harness.execution.protocol import Error, Payload, Phase, Start, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
+from harness.measure.multi_gpu import device_summaries
 from harness.measure.sampler import Sampler, make_backend, phase_stats, windows_from_events
 from harness.plan import STATUSES, Status, Trial
 from harness.spec import ROOT, FrameworkEntry
 
 # The statuses are harness.plan.Status's (one list): the launcher decides ok, oom, error, timeout and crashed; skipped
 # is decided by the runner (after_oom), unsupported by the worker or, for built-in adapters, the runner.
-__all__ = ["STATUSES", "Outcome", "classify", "run_worker", "worker_argv", "worker_env", "worker_settings"]
+__all__ = ["STATUSES", "Outcome", "classify", "run_worker", "sampled_devices", "worker_argv", "worker_env",
+           "worker_settings"]
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 
@@ -134,7 +136,11 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]
     sample, see Sampler), ``sample_cost_s`` (the backend calls' durations: median,
     max, total, count), ``stats`` (phase_stats over the train windows), ``energy`` (energy_over_windows plus
     ``joules_per_sample`` = joules / the worker's measured_samples), and ``throttle`` (throttle_summary) when any
-    sample has clocks-event reasons.
+    sample has clocks-event reasons. With several GPUs (a data-parallel trial, ``harness.measure.multi_gpu``):
+    ``stats`` and ``energy`` are the trial's over its devices (energy and power summed, memory the most loaded
+    device's, utilization the mean), ``stats`` also holds each device's ``<metric>@<i>``, and ``devices`` (one entry
+    per device: ``memory_peak_bytes``, ``gpu_util_mean_percent``, ``joules`` ...) and
+    ``memory_peak_over_devices_bytes`` with ``memory_peak_device`` come from ``device_summaries``.
     """
     info = sampler.backend.describe()
     info["interval_s"] = sampler.interval_s
@@ -157,6 +163,8 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]
     throttle = throttle_summary(sampler.samples, windows)
     if throttle is not None:
         info["throttle"] = throttle
+    if info.get("devices"):
+        info.update(device_summaries(sampler.samples, windows, info["devices"]))
     return info
 
 
@@ -170,15 +178,19 @@ def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, dev
     measure the sampler's cost.
     Never raises for anything the worker does.
 
-    ``device`` is what the sampler watches (NVML's index for a GPU); the worker trains on the payload's device.
-    ``env``: more variables for the worker (CUDA_VISIBLE_DEVICES, which makes a GPU the worker's cuda:0); ``cpus``:
-    the cores the worker is pinned to (its affinity mask, set by the bootstrap before any framework starts a thread;
-    ``os.sched_setaffinity``); ``stop``: an event that, once set, kills the worker (a parallel run being stopped).
+    ``device`` is what the sampler watches ("cpu", or "cuda:N" as the worker numbers its GPUs), and, for a
+    data-parallel trial on GPUs, every device of the trial (``sampled_devices``); the worker trains on the payload's
+    device(s). ``env``: more variables for the worker (CUDA_VISIBLE_DEVICES, which makes the GPUs it lists the
+    worker's cuda:0, cuda:1, ...: the sampler maps the worker's numbers to NVML's through it, else through this
+    process's); ``cpus``: the cores the worker is pinned to (its affinity mask, set by the bootstrap before any
+    framework starts a thread; ``os.sched_setaffinity``); ``stop``: an event that, once set, kills the worker (a
+    parallel run being stopped).
     """
     sampler: Sampler | None = None
     note: str | None = None
     if interval_s is not None:
-        backend, note = make_backend(device)
+        visible = (env or {}).get("CUDA_VISIBLE_DEVICES")
+        backend, note = make_backend(sampled_devices(payload, device), visible=visible)
         sampler = Sampler(backend, interval_s)
     started = time.monotonic()
     with tempfile.TemporaryFile() as log:
@@ -197,6 +209,15 @@ def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, dev
     note = "; ".join(filter(None, [note, *run.notes])) or None
     return Outcome(status, reason, run.events, list(sampler.samples), returncode, tail, wall,
                    sampler_info(sampler, note, run.events))
+
+
+def sampled_devices(payload: Payload, device: str) -> str | list[str]:
+    """What the sampler of ``payload``'s trial watches: ``device``, or, when that is a GPU and the trial is
+    data-parallel on GPUs, every device of the trial (``Trial.devices``, as the worker numbers them)."""
+    trial = payload.trial
+    if device.startswith("cuda") and trial.data_parallel > 1 and all(d.startswith("cuda") for d in trial.devices):
+        return list(trial.devices)
+    return device
 
 
 class _WorkerRun:

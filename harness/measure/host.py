@@ -23,6 +23,11 @@ class HostBackend:
     Listing a process's children walks all of /proc (psutil's ``children(recursive=True)``: about 1.3 ms, most of a
     sample's cost), so the tree is listed again at most every ``tree_refresh_s`` seconds; in between, a sample reads
     only the known processes (about 0.1 ms). A child that starts in between is counted from the next refresh on.
+
+    The tree holds every rank of a one-process-per-device data-parallel trial: rank 0 is the worker and starts ranks
+    1..N-1 as its own children (``harness.execution.ranks.Ranks.start``) before it imports its framework, so they are
+    counted from the first refresh after they start (at most ``tree_refresh_s`` later, in practice before the timed
+    windows: the framework imports, model build and warm-up come first) and the figures are sums over all ranks.
     """
 
     name = "host"

@@ -22,6 +22,11 @@ import psutil
 from harness.measure.host import process_tree
 
 
+def tree_pids(pid: int) -> set[int]:
+    """``pid`` and every process below it now (``process_tree``): the PIDs whose GPU memory is the worker's."""
+    return {pid, *(p.pid for p in process_tree(pid)[1:])}
+
+
 def _nvml() -> Any:
     import pynvml  # nvidia-ml-py
 
@@ -117,6 +122,9 @@ class NvmlBackend:
         self._permanent = _error_classes(self.nvml, *self.PERMANENT)
         self._pid: int | None = None
         self._pids: set[int] = set()
+        #: False when the caller sets ``_pids`` itself before each sample (``MultiNvmlBackend`` lists the worker's
+        #: process tree once for all its devices)
+        self.follow_tree = True
         self.selector = device
         self.mig = False
         self.gpm_min_interval_s = GPM_MIN_INTERVAL_S
@@ -231,8 +239,8 @@ class NvmlBackend:
         return float(nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
 
     def _process_memory(self) -> float | None:
-        if self._pid is not None:
-            self._pids = {self._pid, *(p.pid for p in process_tree(self._pid)[1:])}
+        if self._pid is not None and self.follow_tree:
+            self._pids = tree_pids(self._pid)
         total = 0
         found = False
         foreign = False

@@ -3,7 +3,9 @@
 The sampler is a thread in the launcher's process, never in the worker. Every ``interval_s`` (default 0.1 s) it asks
 its backend for one sample stamped with ``time.monotonic()``, the clock of the worker's events, and ``Sampler.poke``
 adds a sample at every timed window's edge. Backends: ``NvmlBackend`` (``harness.measure.nvml``) on a GPU,
-``HostBackend`` (``harness.measure.host``, psutil) otherwise; ``make_backend`` falls back to the host and says why.
+``MultiNvmlBackend`` (``harness.measure.multi_gpu``) on every GPU of a data-parallel trial, ``HostBackend``
+(``harness.measure.host``, psutil: the worker's whole process tree, every rank of a data-parallel trial)
+otherwise; ``make_backend`` falls back to the host and says why.
 Energy, power and throttling over the measured windows: ``harness.measure.energy``.
 
 Design: docs/design/sampling.md (the backends' metrics, why 0.1 s).
@@ -15,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,22 +54,38 @@ def interval_warning(interval_s: float | None) -> str | None:
             f"launcher CPU load, not resolution (default {DEFAULT_INTERVAL_S:g} s)")
 
 
-def make_backend(device: str, nvml: Any = None) -> tuple[Backend, str | None]:
-    """The backend for a trial's device: NVML for "cuda[:N]" when it can be initialised and the device found, else
-    the host backend. Returns (backend, note); the note says why NVML is not used, or is None. ``nvml``: the pynvml
-    module (tests pass a fake)."""
-    if not device.startswith("cuda"):
+def make_backend(device: str | Sequence[str], nvml: Any = None,
+                 visible: str | None = None) -> tuple[Backend, str | None]:
+    """The backend for a trial's device(s): NVML for "cuda[:N]" when it can be initialised and the device found, else
+    the host backend. Returns (backend, note); the note says why NVML is not used, or is None.
+
+    ``device``: "cpu", "cuda[:N]", or the list of a data-parallel trial's GPUs (two or more: a
+    ``harness.measure.multi_gpu.MultiNvmlBackend`` over them; the host backend, with the note, when NVML cannot
+    watch every one of them). Each "cuda:N" is CUDA's numbering in the worker, mapped to NVML's through
+    ``visible`` (the worker's CUDA_VISIBLE_DEVICES; None: this process's, ``nvml_visible_index``). ``nvml``: the
+    pynvml module (tests pass a fake)."""
+    devices = [device] if isinstance(device, str) else list(device)
+    if not devices or not all(d.startswith("cuda") for d in devices):
         return HostBackend(), None
+    made: list[NvmlBackend] = []
     try:
-        target = nvml_visible_index(device)
-        notes = []
-        order = os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        if isinstance(target, int) and order != "PCI_BUS_ID":
-            notes.append(f"CUDA_DEVICE_ORDER={order}: {device} was taken to be NVML device {target}, which holds only "
-                         f"in PCI bus order; use GPU UUIDs in CUDA_VISIBLE_DEVICES to be sure")
-        return NvmlBackend(target, nvml=nvml, notes=notes), None
+        for name in devices:
+            target = nvml_visible_index(name, visible)
+            notes = []
+            order = os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+            if isinstance(target, int) and order != "PCI_BUS_ID":
+                notes.append(f"CUDA_DEVICE_ORDER={order}: {name} was taken to be NVML device {target}, which holds "
+                             f"only in PCI bus order; use GPU UUIDs in CUDA_VISIBLE_DEVICES to be sure")
+            made.append(NvmlBackend(target, nvml=nvml, notes=notes))
     except Exception as err:  # noqa: BLE001 - no library, no driver, no such device: fall back, say why
+        for backend in made:
+            backend.close()
         return HostBackend(), f"NVML unavailable ({type(err).__name__}: {err}); sampling the host instead"
+    if len(made) == 1:
+        return made[0], None
+    from harness.measure.multi_gpu import MultiNvmlBackend  # it imports this module's statistics
+
+    return MultiNvmlBackend(made, devices), None
 
 
 @dataclass
@@ -216,9 +234,11 @@ def phase_stats(samples: list[dict[str, Any]], windows: list[tuple[float, float]
     timed windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the
     samples from the first window's start to the last one's end were used instead, evaluation pauses included;
     ``"none"`` when even that span holds no sample (statistics None, count 0). NON_STAT_METRICS (a counter, a bitmask)
-    are left out: see energy_over_windows and throttle_summary.
+    are left out, on every device of a multi-device sample too (``<metric>@<i>``, ``harness.measure.multi_gpu``): see
+    energy_over_windows and throttle_summary.
     """
-    metrics = sorted({k for s in samples for k in s if k not in ("t", "edge") and k not in NON_STAT_METRICS})
+    metrics = sorted({k for s in samples for k in s
+                      if k not in ("t", "edge") and k.partition("@")[0] not in NON_STAT_METRICS})
     stats: dict[str, dict[str, Any]] = {}
     for metric in metrics:
         for scope, ranges in scopes(windows):

@@ -57,6 +57,8 @@ class Placement(_Open):
     started: float = Field(description="wall clock at the trial's start, seconds since the epoch")
     ended: float = Field(description="wall clock at the trial's end, seconds since the epoch")
     beside: list[str] = Field(default_factory=list, description="ids of trials that ran at the same time on the node")
+    devices: list[str] | None = Field(None, description="a data-parallel trial's GPUs as NVML numbers them, where the "
+                                                        "executor chose them (slots, Ray); else null")
 
 
 class EpochMetrics(_Open):
@@ -123,7 +125,16 @@ class SamplerInfo(_Open):
                     "https://docs.nvidia.com/deploy/nvml-api/group__nvmlGpmFunctions.html), percent over each "
                     "sampling period: sm_active_percent (NVML_GPM_METRIC_SM_UTIL), sm_occupancy_percent "
                     "(NVML_GPM_METRIC_SM_OCCUPANCY), tensor_active_percent (NVML_GPM_METRIC_ANY_TENSOR_UTIL), "
-                    "dram_bw_util_percent (NVML_GPM_METRIC_DRAM_BW_UTIL)")
+                    "dram_bw_util_percent (NVML_GPM_METRIC_DRAM_BW_UTIL); a data-parallel trial on GPUs: these "
+                    "over its devices (energy and power summed, memory the most loaded device's, utilization the "
+                    "mean) and each device's as <metric>@<i>")
+    devices: list[dict[str, Any]] | None = Field(
+        None, description="a data-parallel trial on GPUs: per device, in the order of the record's devices: index, "
+                          "device (as the worker numbered it), device_selector, name, uuid, memory_peak_bytes (peak "
+                          "NVML memory of the trial's processes on it, else the device's: memory_source), "
+                          "gpu_util_mean_percent, joules, energy_method")
+    memory_peak_over_devices_bytes: float | None = Field(
+        None, description="a data-parallel trial on GPUs: the largest of its devices' memory_peak_bytes, bytes")
 
 
 class TrialRecord(_Open):

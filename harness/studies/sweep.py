@@ -10,12 +10,12 @@ from typing import Any
 
 from harness import __version__
 from harness.execution.environments import probe_entries
-from harness.execution.executors import LocalExecutor, local_slots
+from harness.execution.executors import ExecutorError, LocalExecutor, local_slots
 from harness.execution.launcher import Outcome
 from harness.execution.protocol import Payload
 from harness.measure import machine, peaks
 from harness.measure.machine import resolve_device
-from harness.plan import Status, Trial, check_devices, plan, unsupported_reason
+from harness.plan import Status, Trial, check_devices, data_parallel_settings, plan, unsupported_reason
 from harness.results.schema import SCHEMA_VERSION, Placement, SamplerInfo, TrialMetrics, TrialRecord
 from harness.results.store import (
     append_trial,
@@ -35,7 +35,8 @@ def trial_record(trial: Trial, outcome: Outcome) -> TrialRecord:
     result = outcome.result() or {}
     ready = next((e for e in outcome.events if e.get("event") == "ready"), {})
     metrics = dict(result.get("metrics", {}))
-    add_mfu({"metrics": metrics, "device": trial.device, "sampler": outcome.sampler}, trial.precision)
+    add_mfu({"metrics": metrics, "device": trial.device, "sampler": outcome.sampler,
+             "data_parallel": trial.data_parallel}, trial.precision)
     extra: dict[str, Any] = {}
     if outcome.status != "ok":
         extra["log_tail"] = outcome.log_tail[-2000:]
@@ -85,14 +86,16 @@ def add_mfu(record: dict[str, Any], precision: str = "fp32") -> None:
     (the name NVML reported) is in harness.measure.peaks, against the peak of the trial's ``precision`` (mixed
     precision: the low precision's, where the matrix work runs). A GPU trial whose device or precision is not in the
     table gets ``metrics.mfu_note`` instead, e.g. "unknown device: no peak (NVIDIA L40S)" (``peaks.missing``); a
-    CPU trial neither."""
+    CPU trial neither. A data-parallel trial (``record["data_parallel"]`` N > 1) achieves its FLOP/s on N GPUs: its
+    peak is N x the device's (GPUs of different names have no common entry: the note)."""
     achieved = record["metrics"].get("achieved_flops")
     if not achieved or not record["device"].startswith("cuda"):
         return
     name = record.get("sampler", {}).get("name")
     peak = peaks.lookup(name, precision)
     if peak is not None:
-        record["metrics"].update({"mfu": achieved / peak[0], "peak_flops": peak[0], "peak_source": peak[1]})
+        total = peak[0] * int(record.get("data_parallel") or 1)
+        record["metrics"].update({"mfu": achieved / total, "peak_flops": total, "peak_source": peak[1]})
     else:
         record["metrics"]["mfu_note"] = peaks.missing(name, precision)
 
@@ -132,8 +135,13 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
 
     ``executor``: where trials run (``harness.execution.executors``: ``LocalExecutor`` over this machine's slots, or
     ``RayExecutor``); default one trial at a time on this machine. It is closed (workers still running killed) when
-    the run ends or stops. run.json records it (``executors``: one entry per session, a resume adds one).
+    the run ends or stops. run.json records it (``executors``: one entry per session, a resume adds one). A
+    data-parallel trial takes as many of its slots or GPUs as it has devices, trials start strictly in plan order
+    (``_run_trials``), and a spec whose trials need more devices than ``executor`` has raises SpecError before
+    anything is written (``check_executor``).
     """
+    if executor is not None:
+        check_executor(spec, executor, spec_path)  # before anything is written
     run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path) if resume is not None else
                                _create(spec, out_root, spec_path))
     device = run_info["device"]
@@ -193,8 +201,14 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
     cannot build the model is recorded ``unsupported`` without a worker (``unsupported_record``); one whose row
     already ran out of memory at a smaller batch size is ``skipped`` (``after_oom: skip``; with several trials in
     flight, a larger size already dispatched runs anyway). Each record of a worker's trial carries its
-    ``placement``: node, device, pinned cores, start and end, and ``beside``: the trials that ran at the same time
-    on the same node."""
+    ``placement``: node, device(s), pinned cores, start and end, and ``beside``: the trials that ran at the same
+    time on the same node.
+
+    Scheduling: strictly in plan order. The next trial starts when the executor has room for it (a data-parallel
+    trial on N devices: N slots or GPUs, ``executor.has_room(N)``); until then no later trial starts, even one that
+    would fit. So a data-parallel trial is never starved by one-device trials taking each slot as it frees (it gets
+    the slots as the trials before it end), at the price of slots left idle while it waits for them; and nothing
+    deadlocks, since no trial needs more than the executor has (``check_executor``, before the run)."""
     if spec.exclusive:
         executor.capacity = 1
     oom_at = _oom_sizes(read_trials(run_dir))
@@ -205,12 +219,11 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
     in_flight: dict[str, Trial] = {}  # trial id -> trial, for the trials the executor is running
     try:
         while pending or executor.running:
-            while pending and executor.has_room() and len(executor.running) < executor.capacity:
+            while pending and _fits(executor, pending[0][1]):
                 index, trial = pending.pop(0)
                 if on_start is not None:
                     on_start(trial, index, len(trials))
-                key = (trial.row, trial.repeat, trial.variant)
-                limit = oom_at.get(key)
+                limit = oom_at.get((trial.row, trial.repeat, trial.variant))
                 if (reason := unsupported[_support_key(trial)]) is not None:
                     record = unsupported_record(trial, reason)
                 elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
@@ -224,18 +237,13 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
                 if on_end is not None:
                     on_end(trial, record.data())
             if not executor.running:
+                if pending and not _fits(executor, pending[0][1]):  # the executor is idle: room would never come
+                    executor.check(pending[0][1].data_parallel)
+                    raise RuntimeError(f"{pending[0][1].id}: the executor is idle and has no room for it")
                 continue
             finished = executor.wait()
-            trial, outcome = in_flight.pop(finished.key), finished.outcome
-            placement = placement_record(finished.placement, spans, executor)
-            update: dict[str, Any] = {"placement": Placement(**placement)}
-            if finished.placement.device != "?":  # the device the trial really ran on (a slot's GPU, a node's)
-                update["device"] = finished.placement.device
-            record = trial_record(trial, outcome).model_copy(update=update)
-            spans.append({"id": trial.id, **placement})
-            write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
-            write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
-            append_trial(run_dir, record.data())
+            trial = in_flight.pop(finished.key)
+            record = _finished_record(run_dir, trial, finished, spans, executor)
             if record.status == "oom":
                 key = (trial.row, trial.repeat, trial.variant)
                 oom_at[key] = min(oom_at.get(key, trial.batch_size), trial.batch_size)
@@ -243,6 +251,48 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
                 on_end(trial, record.data())
     finally:
         executor.close()
+
+
+def _fits(executor: Any, trial: Trial) -> bool:
+    """Whether ``trial`` may start now on ``executor``: below its capacity in trials, with room for its devices."""
+    return len(executor.running) < executor.capacity and executor.has_room(trial.data_parallel)
+
+
+def _finished_record(run_dir: Path, trial: Trial, finished: Any, spans: list[dict[str, Any]],
+                     executor: Any) -> TrialRecord:
+    """Writes the samples, events and record of a trial the executor ran (``finished``: its Finished) and returns
+    the record: its ``placement``, and the device(s) it really ran on (a slot's GPUs, a node's) as its ``device``
+    and ``devices``."""
+    outcome = finished.outcome
+    placement = placement_record(finished.placement, spans, executor)
+    update: dict[str, Any] = {"placement": Placement(**placement)}
+    if finished.placement.device != "?":
+        update["device"] = finished.placement.device
+    if finished.placement.devices:
+        update["devices"] = list(finished.placement.devices)
+    record = trial_record(trial, outcome).model_copy(update=update)
+    spans.append({"id": trial.id, **placement})
+    write_lines(run_dir / "samples" / f"{trial.id}.jsonl", outcome.samples)
+    write_lines(run_dir / "events" / f"{trial.id}.jsonl", outcome.events)
+    append_trial(run_dir, record.data())
+    return record
+
+
+def check_executor(spec: Spec, executor: Any, spec_path: str | Path | None = None) -> None:
+    """Raises SpecError (one line naming the file and the ``data_parallel`` field; the CLI exits 2) when a trial of
+    ``spec`` needs more devices than ``executor`` can ever give it at once (``executor.check``: more slots than the
+    local executor has, more GPUs than any Ray node). Stopping before the run, rather than recording such trials
+    ``unsupported``, is what the user who gave the executor its slots (``--devices``, ``--parallel``) and the spec
+    its device counts needs to hear: the two disagree, and a sweep without its largest device counts would measure
+    no scaling at all."""
+    for field, dp in data_parallel_settings(spec):
+        if dp is None or dp.size == 1:
+            continue
+        try:
+            executor.check(dp.size)
+        except ExecutorError as err:
+            raise SpecError(spec_path or "spec", field, f"{err}; give the executor more (--devices, --parallel) or "
+                                                        "the trial fewer devices") from None
 
 
 def placement_record(placement: Any, spans: list[dict[str, Any]], executor: Any) -> dict[str, Any]:

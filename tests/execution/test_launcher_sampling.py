@@ -30,7 +30,7 @@ def _fault_trial(tmp_path, batch=64, epochs=3):
 def test_a_worker_can_run_without_any_sampler(fault_adapter, monkeypatch, tmp_path):
     from harness.execution import launcher
 
-    monkeypatch.setattr(launcher, "make_backend", lambda device: pytest.fail("no backend may be made"))
+    monkeypatch.setattr(launcher, "make_backend", lambda *a, **k: pytest.fail("no backend may be made"))
     spec, trial = _fault_trial(tmp_path)
     threads_seen = set()
 
@@ -53,7 +53,7 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
     nvml.energy_mj = lambda: int(100_000 * time.monotonic())  # 100 W = 100_000 mJ/s
     made = {}
 
-    def make(device):
+    def make(device, visible=None):
         made["backend"] = NvmlBackend(0, nvml=nvml)
         return made["backend"], None
 

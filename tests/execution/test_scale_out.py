@@ -235,3 +235,66 @@ def test_a_parallel_run_stopped_by_sigterm_kills_its_workers_and_resumes(fault_a
     records = store.read_trials(run_dir)
     assert sorted(r["id"] for r in records) == sorted(f"fault-bs{b}-r0" for b in (8, 16, 32, 64, 128))
     assert all(r["status"] == "ok" for r in records)
+
+
+# --- data-parallel trials: several slots, or several GPUs of one Ray node, for one trial ---------------------------
+
+def _dp_adapters(monkeypatch, *site):
+    from tests.fakes.fault_adapter import DATA_PARALLEL_REGISTRATION, REGISTRATION
+
+    monkeypatch.setenv("HARNESS_ADAPTERS", f"{REGISTRATION},{DATA_PARALLEL_REGISTRATION}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([*map(str, site), str(ROOT)]))
+
+
+def test_a_data_parallel_trial_waits_for_its_slots_and_no_later_trial_overtakes_it(monkeypatch, tmp_path):
+    """Plan order: one-device, two-device, one-device, two-device trials on two slots. The two-device trial waits
+    for the slot the first one holds, and the one-device trial after it does not take the free slot meanwhile
+    (strict plan order: it would starve the two-device trial on a busier executor)."""
+    _dp_adapters(monkeypatch)
+    spec = checked_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16], repeats=2, warmup_steps=1,
+                                  variants={"data_parallel": [1, 2]}), tmp_path / "s.yaml")
+    run_dir = sweep.run_spec(spec, tmp_path / "runs",
+                             executor=LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])))
+    records = {r["id"]: r for r in store.read_trials(run_dir)}
+    one, pair, one_again, pair_again = (records[f"fault-dp-bs16-r{r}-v{v}"] for r, v in
+                                        ((0, "0"), (0, "1-dp2"), (1, "0"), (1, "1-dp2")))
+    assert all(r["status"] == "ok" for r in records.values()), [(r["id"], r["reason"]) for r in records.values()]
+    assert pair["placement"]["started"] >= one["placement"]["ended"]
+    assert one_again["placement"]["started"] >= pair["placement"]["started"]
+    assert pair_again["placement"]["started"] >= one_again["placement"]["ended"]
+    assert pair["placement"]["cpus"] == pair_again["placement"]["cpus"] == [0, 1]
+    assert len(one["placement"]["cpus"]) == 1 and pair["devices"] == ["cpu:0", "cpu:1"]
+    assert not {pair["id"], pair_again["id"]} & set(overlaps(list(records.values())))
+
+
+def test_a_data_parallel_trial_is_one_ray_task_with_all_its_gpus(no_ray, monkeypatch, tmp_path):
+    """A local Ray instance that declares 2 GPUs; NVML (the fake, tests/fakes/site, in Ray's workers) has two. The
+    trial on 2 GPUs is one task holding both (nothing else fits beside it), its worker sees the GPUs Ray granted
+    (CUDA_VISIBLE_DEVICES) as cuda:0 and cuda:1, and its sampler watches both; a trial on 3 GPUs could never be
+    placed and is refused."""
+    from harness.execution.protocol import Payload
+    from harness.plan import plan
+    from tests.fakes.nvml import uuids
+
+    _dp_adapters(monkeypatch, ROOT / "tests" / "fakes" / "site")
+    monkeypatch.setenv("HARNESS_FAKE_NVML_COUNT", "2")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    executor = RayExecutor(None, gpu=True, threads=1)
+    try:
+        assert executor.capacity == 2 and executor.has_room(2)
+        with pytest.raises(ExecutorError, match="asks Ray for 3 GPUs on one node; the largest node of the cluster at "
+                                                "this machine has 2"):
+            executor.check(3)
+        spec = checked_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16], data_parallel=2, warmup_steps=1),
+                            tmp_path / "s.yaml")
+        trial = plan(spec, "cuda:0")[0]
+        executor.submit(trial.id, Payload(trial=trial, spec=spec), 120, 0.05, 1)
+        assert not executor.has_room(1)  # both GPUs are the trial's
+        finished = executor.wait()
+    finally:
+        executor.close()
+    outcome = finished.outcome
+    assert outcome.status == "ok", outcome.reason + outcome.log_tail
+    assert finished.placement.devices == ["cuda:0", "cuda:1"] and finished.placement.device == "cuda:0"
+    assert outcome.result()["settings"]["cuda_visible_devices"] == "0,1"
+    assert outcome.sampler["backend"] == "nvml" and [d["uuid"] for d in outcome.sampler["devices"]] == list(uuids(2))

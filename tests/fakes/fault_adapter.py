@@ -35,8 +35,11 @@ class FaultAdapter(Adapter):
         return {"numpy": np.__version__}
 
     def settings(self):
-        # What a command prefix did to the worker: a variable it set, and the variables the payload carried.
-        return {"test_mark": os.environ.get("HARNESS_TEST_MARK"), "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+        # What a command prefix did to the worker: a variable it set, and the variables the payload carried (and the
+        # GPUs an executor gave it, where it did).
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return {"test_mark": os.environ.get("HARNESS_TEST_MARK"), "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+                **({"cuda_visible_devices": gpus} if gpus is not None else {})}
 
     def prepare(self, device, threads, seed):
         self.rng = np.random.default_rng(seed)
@@ -123,7 +126,8 @@ class FaultAdapter(Adapter):
 #: The fault adapter as a one-process-per-device framework: ``fault_dp``. Its ranks really start (the worker's
 #: ``harness.execution.ranks``), each trains on its shard of every step and records its pid in the folder
 #: HARNESS_FAULT_PIDS; it has no all-reduce (numpy, nothing to reduce over), so it tests processes, not numbers.
-#: HARNESS_FAULT_RANK=r injects HARNESS_FAULT in rank r only.
+#: HARNESS_FAULT_RANK=r injects HARNESS_FAULT in rank r only. HARNESS_FAULT_BARRIER=1 makes every rank wait in
+#: ``prepare`` until all ranks have recorded their pids (a framework's rendezvous), so all are alive when training.
 DATA_PARALLEL_REGISTRATION = "fault_dp=tests.fakes.fault_adapter:DataParallelFaultAdapter"
 
 
@@ -137,6 +141,10 @@ class DataParallelFaultAdapter(FaultAdapter, declaration=Declaration(
         if folder := os.environ.get("HARNESS_FAULT_PIDS"):
             with open(os.path.join(folder, f"rank{self.rank}-{os.getpid()}"), "w"):
                 pass
+            deadline = time.monotonic() + 60
+            while os.environ.get("HARNESS_FAULT_BARRIER") and time.monotonic() < deadline and len(
+                    [n for n in os.listdir(folder) if n.startswith("rank")]) < self.world:
+                time.sleep(0.02)
 
     def _maybe_fault(self, batch_size):
         wanted = os.environ.get("HARNESS_FAULT_RANK")

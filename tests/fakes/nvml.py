@@ -1,6 +1,7 @@
-"""A fake of the pynvml module (nvidia-ml-py), the hardware boundary of ``harness.measure.nvml`` and
-``harness.measure.machine.gpus``. It follows the NVML reference (https://docs.nvidia.com/deploy/nvml-api/) in what the
-harness calls: names, arguments, struct fields and error classes, with readings that identify which call produced
+"""A fake of the pynvml module (nvidia-ml-py), the hardware boundary of ``harness.measure.nvml``,
+``harness.measure.multi_gpu`` and ``harness.measure.machine.gpus``. It follows the NVML reference
+(https://docs.nvidia.com/deploy/nvml-api/) in what the harness calls: names, arguments, struct fields, error classes
+and the reference count of nvmlInit/nvmlShutdown, with readings that identify which call, and which GPU, produced
 them."""
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ Unknown = _error("NVMLError_Unknown", "Unknown Error", 999)
 InvalidArgument = _error("NVMLError_InvalidArgument", "Invalid Argument", 2)
 NotFound = _error("NVMLError_NotFound", "Not Found", 6)
 DriverNotLoaded = _error("NVMLError_DriverNotLoaded", "Driver Not Loaded", 9)
+Uninitialized = _error("NVMLError_Uninitialized", "Uninitialized", 1)
 VersionMismatch = _error("NVMLError_ArgumentVersionMismatch", "Argument Version Mismatch", 25)
 ERRORS = (NVMLError, NotSupported, NoPermission, FunctionNotFound, GpuIsLost, Unknown, InvalidArgument, NotFound,
-          DriverNotLoaded, VersionMismatch)
+          DriverNotLoaded, VersionMismatch, Uninitialized)
 
 UUID0 = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 UUID1 = "GPU-8932aaaa-0000-4106-c12f-20bd9faed9f6"
@@ -63,6 +65,21 @@ GPM_METRICS_GET_VERSION = GPM_SUPPORT_VERSION = 1
 GPM_METRIC_MAX = 477
 GPM_ACTIVITY = {GPM_SM_UTIL: 62.5, GPM_SM_OCCUPANCY: 31.25, GPM_ANY_TENSOR_UTIL: 45.0, GPM_DRAM_BW_UTIL: 20.0}
 MIG_GPU_INSTANCE = 1
+
+
+def uuids(count):
+    """``count`` distinct GPU UUIDs, UUID0 first: a machine of several GPUs (``fake_nvml(devices=uuids(4))``)."""
+    return (UUID0, *(f"GPU-{index:08x}-0000-4106-c12f-20bd9faed9f6" for index in range(1, count)))
+
+
+def reading(name, index):
+    """What GPU ``index`` reads for ``name``: GPU 0 the values the single-GPU tests know, each further GPU its own
+    (utilization 10 points lower per index, memory 1 GB more, power 50 W more, energy counting (index + 1) times
+    as fast, clocks 10 MHz lower, 1 degree hotter, the next clocks-event bit)."""
+    return {"gpu": 87 - 10 * index, "memory": 40 + index, "used_v2": 3_000_000_000 + 1_000_000_000 * index,
+            "used_v1": 3_200_000_000 + 1_000_000_000 * index, "power_mw": 250_500 + 50_000 * index,
+            "energy_factor": index + 1, "clock": 1410 - 10 * index, "temperature": 65 + index,
+            "reasons": 0x4 << index}[name]
 
 
 class GpmMetric:
@@ -95,6 +112,12 @@ def fake_nvml(fail=None, devices=(UUID0,), process_memory=(1_500_000_000, 500_00
     PIDs that the process list reports, paired with ``process_memory``; ``nvml.other_pid``: another process on the GPU.
     ``name``: what nvmlDeviceGetName returns for a whole GPU (bytes, as older bindings return it, or str).
 
+    Several GPUs: ``devices`` lists their UUIDs (``uuids(n)``); GPU i reads ``reading(name, i)``; every GPU lists
+    the same processes unless ``nvml.device_processes`` is set: a function of the GPU's index returning its
+    (pid, bytes) pairs, asked at each nvmlDeviceGetComputeRunningProcesses. NVML's reference count: each nvmlInit
+    adds one, each nvmlShutdown takes one (no error below zero, as the reference says), and every device call
+    raises NVMLError_Uninitialized while the count is zero (``nvml.init_count``).
+
     GPM: ``gpm`` is nvmlGpmQueryDeviceSupport's isSupportedDevice (False: a GPU older than Hopper);
     ``gpm_unsupported``: metric ids whose nvmlReturn in nvmlGpmMetricsGet is NVML_ERROR_NOT_SUPPORTED. The fake GPU's
     counters advance by ``nvml.gpm_activity[id]`` (percent) per tick, one tick per nvmlGpmSampleGet, so a metric over
@@ -106,6 +129,8 @@ def fake_nvml(fail=None, devices=(UUID0,), process_memory=(1_500_000_000, 500_00
     nvml.pids = []
     nvml.other_pid = os.getpid()  # a real process, outside the worker's tree
     nvml.energy_mj = lambda: 1_000_000 + 250 * nvml.calls["nvmlDeviceGetTotalEnergyConsumption"]
+    nvml.device_processes = None
+    nvml.init_count = 0
     handles = {f"handle{i}": uuid for i, uuid in enumerate(devices)}
     migs = {3: (1, 0, MIG_UUID)}  # slot index -> (GPU instance, compute instance, UUID)
 
@@ -119,19 +144,35 @@ def fake_nvml(fail=None, devices=(UUID0,), process_memory=(1_500_000_000, 500_00
                 error = plan
             if error is not None:
                 raise error
+            if name.startswith(("nvmlDevice", "nvmlGpm", "nvmlSystem")) and nvml.init_count <= 0:
+                raise Uninitialized()
             return result(*args, **kwargs)
         return function
 
+    def index_of(handle):
+        return int(handle[len("handle"):]) if handle in handles else 0  # a MIG device: its parent GPU's readings
+
+    def init():
+        nvml.init_count += 1
+
+    def shutdown():
+        nvml.init_count = max(0, nvml.init_count - 1)
+
     def memory(handle, version=None):
+        index = index_of(handle)
         if version is not None:
             assert version == V2
             return call("nvmlDeviceGetMemoryInfo_v2", lambda: types.SimpleNamespace(
-                total=MEMORY_TOTAL, used=3_000_000_000, reserved=200_000_000))()
+                total=MEMORY_TOTAL, used=reading("used_v2", index), reserved=200_000_000))()
         return call("nvmlDeviceGetMemoryInfo", lambda: types.SimpleNamespace(total=MEMORY_TOTAL,
-                                                                             used=3_200_000_000))()
+                                                                             used=reading("used_v1", index)))()
 
     def processes(handle):
-        mine = [types.SimpleNamespace(pid=pid, usedGpuMemory=m) for pid, m in zip(nvml.pids, process_memory)]
+        if nvml.device_processes is not None:
+            pairs = list(nvml.device_processes(index_of(handle)))
+        else:
+            pairs = list(zip(nvml.pids, process_memory))
+        mine = [types.SimpleNamespace(pid=pid, usedGpuMemory=m) for pid, m in pairs]
         return [*mine, types.SimpleNamespace(pid=nvml.other_pid, usedGpuMemory=5)]
 
     def by_index(index):
@@ -223,7 +264,7 @@ def fake_nvml(fail=None, devices=(UUID0,), process_memory=(1_500_000_000, 500_00
         setattr(nvml, cls.__name__, cls)
     nvml.NVML_CLOCK_SM, nvml.NVML_TEMPERATURE_GPU, nvml.nvmlMemory_v2 = CLOCK_SM, TEMPERATURE_GPU, V2
     functions = {
-        "nvmlInit": lambda: None, "nvmlShutdown": lambda: None,
+        "nvmlInit": init, "nvmlShutdown": shutdown,
         "nvmlSystemGetDriverVersion": lambda: DRIVER,
         "nvmlDeviceGetCount": lambda: len(devices),
         "nvmlDeviceGetHandleByIndex": by_index, "nvmlDeviceGetHandleByUUID": by_uuid,
@@ -231,14 +272,16 @@ def fake_nvml(fail=None, devices=(UUID0,), process_memory=(1_500_000_000, 500_00
         "nvmlDeviceGetName": lambda h: b"Fake GPU MIG 1g.10gb" if h == "mig-handle" else name,
         "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7, "nvmlDeviceGetMigDeviceHandleByIndex": mig_by_index,
         "nvmlDeviceGetGpuInstanceId": lambda h: migs[3][0], "nvmlDeviceGetComputeInstanceId": lambda h: migs[3][1],
-        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=87, memory=40),
+        "nvmlDeviceGetUtilizationRates": lambda h: types.SimpleNamespace(gpu=reading("gpu", index_of(h)),
+                                                                        memory=reading("memory", index_of(h))),
         "nvmlDeviceGetComputeRunningProcesses": processes,
-        "nvmlDeviceGetPowerUsage": lambda h: 250_500,
+        "nvmlDeviceGetPowerUsage": lambda h: reading("power_mw", index_of(h)),
         "nvmlDeviceGetEnforcedPowerLimit": lambda h: POWER_LIMIT_MW,
-        "nvmlDeviceGetTotalEnergyConsumption": lambda h: nvml.energy_mj(),
-        "nvmlDeviceGetClockInfo": lambda h, kind: 1410 if kind == CLOCK_SM else 7777,
-        "nvmlDeviceGetTemperature": lambda h, sensor: 65 if sensor == TEMPERATURE_GPU else 7777,
-        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: 0x4,
+        "nvmlDeviceGetTotalEnergyConsumption": lambda h: nvml.energy_mj() * reading("energy_factor", index_of(h)),
+        "nvmlDeviceGetClockInfo": lambda h, kind: reading("clock", index_of(h)) if kind == CLOCK_SM else 7777,
+        "nvmlDeviceGetTemperature": lambda h, sensor: (reading("temperature", index_of(h))
+                                                       if sensor == TEMPERATURE_GPU else 7777),
+        "nvmlDeviceGetCurrentClocksEventReasons": lambda h: reading("reasons", index_of(h)),
         "nvmlDeviceGetCurrentClocksThrottleReasons": lambda h: 0x40,
         "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": mig_parent,
         "nvmlGpmQueryDeviceSupport": gpm_support, "nvmlGpmSampleAlloc": gpm_alloc, "nvmlGpmSampleFree": gpm_free,

@@ -191,3 +191,92 @@ def test_real_nvml_gpm_sm_activity_while_training_and_idle(torch_child):
         assert busy[metric]["count"] >= 5 and 0 <= busy[metric]["mean"] <= 100, (metric, busy[metric])
     assert busy["sm_active_percent"]["mean"] > idle["sm_active_percent"]["mean"] + 20, (busy, idle)
     assert idle["sm_active_percent"]["mean"] < 10, idle["sm_active_percent"]  # needs the GPU to itself
+
+
+# Two "ranks": rank 0 starts rank 1 as its child (as harness.execution.ranks does), each holds 1 GiB on its own GPU
+# (cuda:<rank>), says "ready <rank>" and waits for standard input to close.
+RANKS_CHILD = """
+import subprocess, sys, torch
+rank = int(sys.argv[1])
+if rank == 0:
+    other = subprocess.Popen([sys.executable, "-c", sys.argv[2], "1", sys.argv[2]])
+x = torch.empty(1024 * 1024 * 1024, dtype=torch.uint8, device=f"cuda:{rank}")
+torch.cuda.synchronize()
+print("ready", rank, flush=True)
+sys.stdin.read()
+"""
+
+
+def _two_visible_gpus():
+    """The NVML selectors of CUDA's cuda:0 and cuda:1 here; skips when CUDA sees fewer than two GPUs."""
+    import pynvml
+
+    from harness.measure.nvml import nvml_visible_index
+
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    if count < 2:
+        pytest.skip(f"a data-parallel trial needs two GPUs; NVML sees {count}")
+    try:
+        return [nvml_visible_index(f"cuda:{i}") for i in range(2)]
+    except ValueError as err:
+        pytest.skip(f"a data-parallel trial needs two GPUs visible to CUDA: {err}")
+
+
+@pytest.mark.gpu
+def test_real_nvml_samples_every_gpu_of_a_two_rank_trial():
+    """Each GPU's memory is the rank's on it (1 GiB + its CUDA context), the trial's is the larger of the two, the
+    UUIDs are those of the GPUs CUDA numbers cuda:0 and cuda:1, and closing one GPU's backend leaves NVML open for
+    the other (nvmlInit/nvmlShutdown are reference counted)."""
+    import psutil
+    import pynvml
+
+    pytest.importorskip("torch")
+    selectors = _two_visible_gpus()
+    env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    proc = subprocess.Popen([sys.executable, "-c", RANKS_CHILD, "0", RANKS_CHILD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    backend, note = make_backend(["cuda:0", "cuda:1"])
+    try:
+        assert note is None, note
+        assert sorted(proc.stdout.readline().split()[1] for _ in range(2)) == ["0", "1"]
+        backend.attach(proc.pid)
+        samples = []
+        end = time.monotonic() + 1.0  # per-process memory can lag an allocation a little
+        while time.monotonic() < end:
+            samples.append(backend.sample())
+            time.sleep(0.1)
+        info = backend.describe()
+        backend.backends[0].close()
+        after = backend.backends[1].sample()  # NVML still open for the second GPU
+        assert after["device_memory_used_bytes"] > 0
+    finally:
+        backend.backends[1].close()
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+        except psutil.Error:
+            pass
+        proc.kill()
+        proc.wait()
+    pynvml.nvmlInit()
+    try:
+        uuids = []
+        for selector in selectors:
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(selector) if isinstance(selector, int)
+                      else pynvml.nvmlDeviceGetHandleByUUID(selector))
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuids.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+    finally:
+        pynvml.nvmlShutdown()
+    assert [d["uuid"] for d in info["devices"]] == uuids and len(set(uuids)) == 2
+    if any(s.get("process_memory_bytes@0") is None for s in samples):
+        pytest.skip(f"NVML does not attribute per-process memory here: {info['notes']}")
+    peaks = [max(s[f"process_memory_bytes@{i}"] for s in samples) for i in range(2)]
+    assert all(1024 * MIB <= peak < 2048 * MIB for peak in peaks), [p / MIB for p in peaks]
+    assert max(s["process_memory_bytes"] for s in samples) == max(peaks)
+    both = [s for s in samples if s.get("energy_mj") is not None]
+    assert all(s["energy_mj"] == s["energy_mj@0"] + s["energy_mj@1"] for s in both)
