@@ -53,7 +53,8 @@ def searches(tmp_path_factory):
 
     def search(framework):
         spec = cnn_spec(tmp, framework, memory_limit_mb=CAPS[framework])
-        return find_max_batch(spec, framework, tolerance=0.1)  # by default: 16, then the neutral model's guess
+        # by default: 16, then the neutral model's guess; the recommendation is tested apart (test_maxbatch_runs)
+        return find_max_batch(spec, framework, tolerance=0.1, margin=0.0, run_checks=0)
 
     with ThreadPoolExecutor(max_workers=3) as pool:  # at most three at a time on two cores
         futures = {fw: pool.submit(search, fw) for fw in CAPS}
@@ -108,7 +109,7 @@ def test_the_run_directory(searches, tmp_path):
     probes = store.read_lines(run_dir / "probes.jsonl")
     assert [p["batch_size"] for p in probes] == [p.batch_size for p in result.probes]
     text = (run_dir / "max_batch.md").read_text()
-    assert f"largest batch that fits: {result.limit}" in text and "| # | batch | status |" in text
+    assert f"largest batch that fits: {result.limit}" in text and "| # | batch | global | kind | status |" in text
 
 
 @pytest.mark.slow
@@ -163,7 +164,7 @@ def test_fit_memory_model_with_known_numbers():
 
 
 class _Outcome:
-    """What find_max_batch reads of a launcher Outcome, for the search-logic tests below."""
+    """What find_max_batch reads of a launcher Outcome, for the search-logic tests below (and test_maxbatch_runs)."""
 
     def __init__(self, status, peak=None, reason=""):
         self.status, self.reason, self.wall_seconds, self.log_tail, self.sampler = status, reason, 0.0, "", {}
@@ -173,16 +174,30 @@ class _Outcome:
         return None
 
 
-def _simulate(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b, payloads=None):
-    """Replaces the worker: fits(b) says whether batch size b fits this time. Returns the sizes probed, in order."""
+def is_run_check(payload):
+    """A run check's trial (harness.studies.max_batch.runcheck) has its epochs cut to several steps; a probe's are
+    whole (synthetic data sized to the batch) or cut to one step (with the dataset)."""
+    return (payload.trial.max_steps_per_epoch or 0) > 1
+
+
+def _simulate(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b, payloads=None, runs=None, run_fits=None,
+              run_peak=None):
+    """Replaces the worker: fits(b) says whether per-device batch size b fits this time. Returns the sizes probed,
+    in order. Run checks go to ``runs`` (their sizes) and ``run_fits``/``run_peak`` (default: fits and peak), and
+    are not in the sizes returned nor in ``payloads``."""
     sizes = []
 
     def fake_run_worker(payload, timeout_s, interval_s, device, threads=None, on_event=None):
-        b = payload.trial.batch_size
-        sizes.append(b)
-        if payloads is not None:
-            payloads.append(payload)
-        return _Outcome("ok", peak(b)) if fits(b) else _Outcome("oom", reason="RuntimeError: out of memory")
+        b = payload.trial.per_device_batch_size
+        run = is_run_check(payload)
+        if run and runs is not None:
+            runs.append(b)
+        elif not run:
+            sizes.append(b)
+            if payloads is not None:
+                payloads.append(payload)
+        ok, size_peak = (run_fits or fits, run_peak or peak) if run else (fits, peak)
+        return _Outcome("ok", size_peak(b)) if ok(b) else _Outcome("oom", reason="RuntimeError: out of memory")
 
     monkeypatch.setattr(search, "run_worker", fake_run_worker)
     return sizes
@@ -200,11 +215,18 @@ def _fits_first_time_only(flaky, limit):
 
 
 def _answer_invariants(result):
-    """What every answer must be: ok in both of its probes, never a size that fits sometimes."""
+    """What every answer must be: ok in both of its probes (the recommendation: or in every run check of it, at
+    least two), never a size that fits sometimes."""
     for size in (result.limit, result.recommended):
-        if size is not None:
+        if size is None:
+            continue
+        if size == result.recommended and result.recommended_by == "runs":
+            runs = result.statuses(size, "run")
+            assert len(runs) >= 2 and set(runs) == {"ok"} and "oom" not in result.statuses(size), max_batch.table(
+                result)
+        else:
             assert result.statuses(size) == ["ok", "ok"] and result.confirmed(size), max_batch.table(result)
-            assert size not in result.sometimes()
+        assert size not in result.sometimes()
     if result.smallest_oom is not None and result.limit is not None:
         assert result.smallest_oom > result.limit and "oom" in result.statuses(result.smallest_oom)
     band = result.sometimes()
@@ -216,11 +238,13 @@ def test_search_logic_probes_the_prediction_then_closes_the_bracket(monkeypatch,
     # 50 MB + 1 MB per sample under a 400 MB cap: the limit is 350; the model predicts it exactly.
     sizes = _simulate(monkeypatch, lambda b: 50e6 + 1e6 * b <= 400e6)
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
-    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.1)
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.1,
+                            run_checks=0)
     assert result.predicted_limit == 350 and result.limit == 350 and result.status == "found"
     # the prediction, one tolerance step above it, then the answer once more in a fresh worker
     assert sizes[:5] == [16, 64, 350, 357, 350]
     assert result.recommended == 315 and sizes[5:] == [315, 315]  # the margin target is probed and confirmed
+    assert result.recommended_by == "probes" and result.margin_samples == 35
     assert result.statuses(350) == ["ok", "ok"] and result.fits_sometimes is None
     assert [p.purpose for p in result.probes][4:] == ["confirmation", "margin", "confirmation"]
     _answer_invariants(result)
@@ -260,7 +284,8 @@ def test_search_logic_without_oom_and_with_non_monotonic_memory(monkeypatch, tmp
     # 200 fails although 400 fits: the margin's target is verified and the recommendation falls back to a size
     # that was probed successfully.
     _simulate(monkeypatch, lambda b: b <= 400 and b != 200, peak=lambda b: 1e6 * b)
-    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.05, margin=0.5)
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.05, margin=0.5,
+                            run_checks=0)
     assert result.limit == 400 and result.recommended == 64 and result.probed(200).status == "oom"
     assert any("not monotonic" in note for note in result.notes)
     assert result.fits_sometimes is None  # 200 failed every time: it fails, it does not fit sometimes
@@ -287,7 +312,8 @@ def test_search_logic_a_failed_confirmation_moves_the_answer_lower(monkeypatch, 
     # 341..350 fit the first time only: each candidate in turn fails its confirmation, until 336 fits twice.
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     sizes = _simulate(monkeypatch, _fits_first_time_only(set(range(341, 351)), 340))
-    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.01)
+    result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.01,
+                            run_checks=0)
     table = max_batch.table(result)
     confirmations = [p.batch_size for p in result.probes if p.purpose == "confirmation"]
     assert confirmations[:3] == [350, 345, 341] and all(result.statuses(b) == ["ok", "oom"] for b in (350, 345, 341))
@@ -325,8 +351,9 @@ def test_search_logic_invariants_under_noise(monkeypatch, tmp_path):
         limit, width = int(rng.integers(20, 600)), int(rng.integers(0, 40))
         _simulate(monkeypatch, lambda b, limit=limit, width=width, rng=rng:
                   b <= limit or (b <= limit + width and rng.random() < 0.5))
+        # run checks see the same noise; the default margin (None) follows the spread of the fake's peaks
         result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.05,
-                                margin=float(rng.choice([0.0, 0.1])))
+                                margin=rng.choice([None, 0.0, 0.1]), run_checks=int(rng.choice([0, 2])))
         assert result.status == "found", (seed, max_batch.table(result))
         # the bracket holds the true boundary: the smallest failing size is above it, within the tolerance
         assert limit < result.smallest_oom and result.limit <= limit + width
@@ -348,6 +375,7 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     digits = datasets.load(spec.dataset)
     assert len(digits.y_train) == 1438
     assert result.status == "no_oom" and result.limit == 1438 and max(sizes) == 1438 and sizes.count(1438) == 2
+    assert result.recommended == 1438 and result.recommended_by == "runs"  # the same peaks everywhere: no margin
     assert result.with_dataset and result.train_size == 1438 and result.max_batch == 1438
     assert result.dataset_bytes == digits.nbytes and result.probe_data_bytes_per_sample == 0
     assert all(p.spec.dataset.model_dump() == {"name": "digits", "test_fraction": 0.2} for p in payloads)
@@ -441,9 +469,11 @@ def test_cli_with_dataset_probes_hold_the_real_dataset(fault_adapter, write_spec
     assert result["with_dataset"] is True and result["train_size"] == 1438 and result["max_batch"] == 1438
     assert result["dataset_bytes"] == digits.nbytes and result["limit"] == 1438
     # 1024, then up to the bound (never above it), then the bound again: the answer, ok in both of its probes
-    assert [p["batch_size"] for p in result["probes"]] == [1024, 1438, 1438]
-    assert result["probes"][-1]["purpose"] == "confirmation"
-    for events in sorted((run_dir / "events").iterdir()):
+    probes = [p for p in result["probes"] if p["kind"] == "probe"]
+    assert [p["batch_size"] for p in probes] == [1024, 1438, 1438]
+    assert probes[-1]["purpose"] == "confirmation"
+    for probe in probes:
+        events = run_dir / "events" / f"probe{probe['index'] + 1}-bs{probe['batch_size']}.jsonl"
         metrics = next(e for e in store.read_lines(events) if e["event"] == "result")["metrics"]
         assert metrics["data_bytes"] == digits.nbytes and metrics["steps_per_epoch"] == 1, events.name
     assert "--with-dataset" in (run_dir / "max_batch.md").read_text()

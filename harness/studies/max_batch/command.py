@@ -13,12 +13,13 @@ from harness.measure.machine import resolve_device
 from harness.spec import SpecError
 from harness.studies.max_batch.output import RunWriter, mb, table
 from harness.studies.max_batch.probe import Probe
-from harness.studies.max_batch.search import find_max_batch
+from harness.studies.max_batch.search import check_data_parallel, find_max_batch
 
 
 def run(args: argparse.Namespace) -> int:
     """0 with the result printed, 1 when the search stopped on a non-OOM failure, 2 for a bad spec or arguments
-    (one line on standard error)."""
+    (one line on standard error, before anything runs: a --data-parallel below 1, above the devices this machine
+    has, or that the framework cannot train this model on, among them)."""
     try:
         spec = planning.load(args.spec)
         if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
@@ -29,27 +30,32 @@ def run(args: argparse.Namespace) -> int:
         searched = {**spec.model_dump(mode="json"), "frameworks": [entry.model_dump(exclude_none=True)],
                     **({"device": args.device} if args.device is not None else {})}
         device = args.device or resolve_device(spec.device)
+        check_data_parallel(spec, entry.name, device, args.data_parallel, args.spec)
         environments.probe_entries(planning.checked_spec(searched, args.spec), args.spec, device)
     except SpecError as err:
         print(str(err), file=sys.stderr)
         return 2
     settings = {"memory_limit_mb": args.memory_limit_mb, "margin": args.margin, "tolerance": args.tolerance,
                 "initial_sizes": args.initial_sizes, "max_batch": args.max_batch, "timeout_s": args.timeout,
-                "with_dataset": args.with_dataset}
+                "with_dataset": args.with_dataset, "data_parallel": args.data_parallel,
+                "run_checks": args.run_checks}
     writer = RunWriter(args.out, spec, args.framework, device, args.spec, settings)
 
     def on_probe(probe: Probe, outcome: Any) -> None:
         writer.probe(probe, outcome)
         peak = f", peak {mb(probe.peak_bytes)} MB" if probe.peak_bytes is not None else ""
         detail = f": {probe.reason[:120]}" if probe.reason else ""
-        print(f"probe {probe.index + 1}: batch {probe.batch_size} {probe.status}{detail}{peak} "
-              f"({probe.seconds:.1f} s, {probe.purpose})", file=sys.stderr, flush=True)
+        batch = (f"batch {probe.batch_size}" if probe.global_batch_size in (0, probe.batch_size) else
+                 f"batch {probe.batch_size} per device (global {probe.global_batch_size})")
+        print(f"{'run check' if probe.kind == 'run' else 'probe'} {probe.index + 1}: {batch} {probe.status}{detail}"
+              f"{peak} ({probe.seconds:.1f} s, {probe.purpose})", file=sys.stderr, flush=True)
 
     try:
         result = find_max_batch(spec, args.framework, device, memory_limit_mb=args.memory_limit_mb,
                                 margin=args.margin, tolerance=args.tolerance, initial_sizes=args.initial_sizes,
                                 max_batch=args.max_batch, timeout_s=args.timeout, spec_file=args.spec,
-                                with_dataset=args.with_dataset, on_probe=on_probe)
+                                with_dataset=args.with_dataset, data_parallel=args.data_parallel,
+                                run_checks=args.run_checks, on_probe=on_probe)
     except ValueError as err:
         print(f"{args.spec}: {err}", file=sys.stderr)
         return 2

@@ -24,15 +24,19 @@ def mb(value: float | None) -> str:
 
 
 def table(result: MaxBatchResult) -> str:
-    """The probes as a short plain-text table, in the order they ran, then the result lines."""
-    rows = [("#", "batch", "status", "peak MB", "model MB", "seconds", "purpose / reason")]
+    """The probes and run checks as a short plain-text table, in the order they ran (under data parallelism
+    ``batch`` is the per-device batch and ``global`` N x it), then the result lines."""
+    dp = result.data_parallel > 1
+    rows = [("#", "batch", *(("global",) if dp else ()), "status", "peak MB", "model MB", "seconds",
+             "purpose / reason")]
     for p in result.probes:
         model = mb(result.model.predict_peak(p.batch_size)) if result.model is not None else "-"
         note = p.purpose if p.status == "ok" else f"{p.purpose}: {p.reason}"[:70]
-        rows.append((str(p.index + 1), str(p.batch_size), p.status, mb(p.peak_bytes), model, f"{p.seconds:.1f}",
-                     note))
+        rows.append((str(p.index + 1), str(p.batch_size), *((str(result.global_batch(p.batch_size)),) if dp else ()),
+                     p.status, mb(p.peak_bytes), model, f"{p.seconds:.1f}", note))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i in (0, 1, 3, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    right = {0, 1, 2, 4, 5, 6} if dp else {0, 1, 3, 4, 5}
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              .rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("")
@@ -40,10 +44,26 @@ def table(result: MaxBatchResult) -> str:
     return "\n".join(lines)
 
 
+def per_device(result: MaxBatchResult, batch_size: int | None) -> str:
+    """A per-device batch in words: "370", or under data parallelism "185 per device, global 370"; "-" for None."""
+    if batch_size is None:
+        return "-"
+    if result.data_parallel == 1:
+        return str(batch_size)
+    return f"{batch_size} per device, global {result.global_batch(batch_size)}"
+
+
 def summary_lines(result: MaxBatchResult) -> list[str]:
-    """The result in a few lines: status, cap, probe data, memory model, the answer, the band, the notes."""
-    out = [f"{result.framework} on {result.device}: {result.status}: {result.reason}",
+    """The result in a few lines: status, cap, probe data, memory model, the answer, the band, the spread of the
+    answer's peak, the margin, the run checks, the recommendation, the notes."""
+    dp = f", data-parallel on {result.data_parallel} devices" if result.data_parallel > 1 else ""
+    out = [f"{result.framework} on {result.device}{dp}: {result.status}: {result.reason}",
            f"cap: {mb(result.cap_bytes)} MB ({result.cap_source})", f"probe data: {probe_data(result)}"]
+    if result.data_parallel > 1:
+        out.append(f"data parallelism: every batch below is per device (global = {result.data_parallel} x it); each "
+                   "probe is one data-parallel trial, and the cap applies to each worker process as in a run (a "
+                   "rank per device where the framework runs one process per device, else the one process that "
+                   "drives every device)")
     if result.model is not None:
         m = result.model
         out.append(f"memory model: {mb(m.fixed_bytes)} MB + {m.per_sample_bytes / 1e3:,.1f} kB x batch "
@@ -52,17 +72,52 @@ def summary_lines(result: MaxBatchResult) -> list[str]:
     else:
         out.append("memory model: not enough successful probes with a peak to fit")
     out.extend(neutral_lines(result))
-    out.append(f"largest batch that fits: {result.limit if result.limit is not None else '-'}"
+    out.append(f"largest batch that fits: {per_device(result, result.limit)}"
                + (" (ok in both of its probes)" if result.limit is not None else "")
                + (f" (smallest that failed: {result.smallest_oom})" if result.smallest_oom is not None else ""))
     band = result.fits_sometimes
     out.append("fits sometimes: " + ("none seen" if band is None else
                                      f"{band[0]}..{band[1]} (ok in some probes, out of memory in others: "
                                      "never the answer)"))
-    out.append(f"recommended (margin {result.margin:g}): "
-               f"{result.recommended if result.recommended is not None else '-'}")
+    out.extend(recommendation_lines(result))
     out.extend(f"note: {n}" for n in result.notes)
     return out
+
+
+def recommendation_lines(result: MaxBatchResult) -> list[str]:
+    """The spread of the peak across the answer's probes, the margin it justifies, what a run adds beyond a probe,
+    and the recommendation with what confirmed it."""
+    out = []
+    spread = result.peak_spread
+    if spread is not None:
+        worth = (f" ({spread['spread_samples']:,.1f} samples at {result.model.per_sample_bytes / 1e3:,.1f} kB per "
+                 "sample)" if spread["spread_samples"] is not None and result.model is not None else "")
+        out.append(f"peak at the answer: {mb(spread['min_bytes'])}..{mb(spread['max_bytes'])} MB over "
+                   f"{len(spread['peaks_bytes'])} probes, spread {mb(spread['spread_bytes'])} MB{worth}")
+    elif result.limit is not None:
+        out.append("peak at the answer: fewer than two probes reported one, no spread")
+    if result.margin_samples is not None:
+        out.append(f"margin: {result.margin_samples} samples below the limit ({result.margin_basis})")
+    offset = result.run_offset
+    if offset is not None and offset["offset_bytes"] is not None:
+        out.append(f"a run's peak against the probes': {offset['offset_bytes'] / 1e6:+,.1f} MB at batch size "
+                   f"{offset['batch_size']} ({offset['offset_samples']} samples kept below the margin's target)")
+    out.append(f"recommended: {per_device(result, result.recommended)}" + _confirmed_by(result))
+    return out
+
+
+def _confirmed_by(result: MaxBatchResult) -> str:
+    """How the recommendation was confirmed, in words ("" without one)."""
+    if result.recommended is None:
+        return ""
+    if result.recommended_by != "runs":
+        return " (ok in both of its probes)"
+    shape, peaks = result.run_check or {}, result.peaks(result.recommended, "run")
+    span = f"; peaks {mb(min(peaks))}..{mb(max(peaks))} MB" if peaks else ""
+    return (f" (ok in {result.statuses(result.recommended, 'run').count('ok')} run checks, each the spec's trial as "
+            f"`harness run` runs it: its {shape.get('dataset')} dataset ({shape.get('train_size')} training "
+            f"samples), warm-up steps {shape.get('warmup_steps')}, epochs {shape.get('epochs')} of at most "
+            f"{shape.get('steps_per_epoch')} steps, an evaluation after each{span})")
 
 
 def neutral_lines(result: MaxBatchResult) -> list[str]:
@@ -97,15 +152,16 @@ def probe_data(result: MaxBatchResult) -> str:
 
 def markdown(result: MaxBatchResult, spec: Spec) -> str:
     """max_batch.md: the result, the probes and how they were made."""
-    lines = [f"# Largest batch: {spec.name}, {result.framework} on {result.device}", ""]
+    dp = f", data-parallel on {result.data_parallel} devices" if result.data_parallel > 1 else ""
+    lines = [f"# Largest batch: {spec.name}, {result.framework} on {result.device}{dp}", ""]
     lines += [f"- {line}" for line in summary_lines(result)]
-    lines += ["", "## Probes", "", "| # | batch | status | peak MB | model MB | seconds | purpose | reason |",
-              "| ---: | ---: | --- | ---: | ---: | ---: | --- | --- |"]
+    lines += ["", "## Probes", "", "| # | batch | global | kind | status | peak MB | model MB | seconds | purpose | "
+                                   "reason |", "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | --- | --- |"]
     for p in result.probes:
         model = mb(result.model.predict_peak(p.batch_size)) if result.model is not None else "-"
         reason = p.reason.replace("|", "\\|")[:160]
-        lines.append(f"| {p.index + 1} | {p.batch_size} | {p.status} | {mb(p.peak_bytes)} | {model} | "
-                     f"{p.seconds:.1f} | {p.purpose} | {reason} |")
+        lines.append(f"| {p.index + 1} | {p.batch_size} | {result.global_batch(p.batch_size)} | {p.kind} | "
+                     f"{p.status} | {mb(p.peak_bytes)} | {model} | {p.seconds:.1f} | {p.purpose} | {reason} |")
     sources = sorted({p.peak_source for p in result.probes if p.peak_source})
     if result.with_dataset:
         data = (f"with the spec's dataset loaded whole, as in a run ({result.train_size} training images, "
@@ -115,17 +171,30 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
         data = (f"on synthetic images of the spec's shape and classes ({spec.accumulation_steps} x B training and B "
                 f"test images, {result.probe_data_bytes_per_sample:,} bytes per batch sample, inside the cap)")
     lines += ["", "## Method", "",
-              f"Each probe is one worker process: {PROBE_EPOCHS} optimizer steps (one per epoch, no warm-up) and an "
-              f"evaluation at the batch size, {data}. "
+              f"Each probe is one worker process{_group(result)}: {PROBE_EPOCHS} optimizer steps (one per epoch, no "
+              f"warm-up) and an evaluation at the batch size, {data}. "
               "OOM is the worker's status `oom` (the framework's own out-of-memory error); any other failure stops "
               "the search. The answer (and the recommendation) was ok in two probes, each in a fresh worker; a size "
               "that was ok in one probe and out of memory in another fits only sometimes: it is reported in the "
               "band, never as the answer, and the search went on below it. "
+              "The limit is that measured boundary. The recommendation keeps the margin above below it (by default "
+              "twice the spread of the peak across the answer's probes) and what a run holds beyond a probe (measured "
+              "by a run check at the smallest size that fitted), and was ok in every run check made of it: the "
+              "spec's own trial as `harness run` runs it (kind `run`), each in a fresh worker. "
               "The memory model is a least-squares line through the peaks of the successful probes; "
               f"peak sources: {', '.join(sources) or 'none'}. "
               "On the CPU the cap and the peaks count from the worker's memory once the framework is imported "
               "(see harness/execution/limits.py).", ""]
     return "\n".join(lines)
+
+
+def _group(result: MaxBatchResult) -> str:
+    """Under data parallelism, what a probe is beyond one worker process, in words ("" for one device)."""
+    if result.data_parallel == 1:
+        return ""
+    return (f" group, one data-parallel trial on {result.data_parallel} devices training the global batch "
+            f"({result.data_parallel} x the per-device batch; a process per device where the framework runs one, "
+            "each under the cap)")
 
 
 class RunWriter:

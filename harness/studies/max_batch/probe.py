@@ -1,6 +1,7 @@
 """One probe of the max-batch search (``harness.studies.max_batch.search`` says what a probe is and why): the spec
 it runs, how its memory peak and reason are read from the worker's outcome, the cap it runs under, and the records
-of probes and of the search's result."""
+of probes and of the search's result. A run check (``harness.studies.max_batch.runcheck``) is recorded as a probe of
+kind ``run``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from harness.neutral import datasets
 from harness.plan import checked_spec, entry_for
-from harness.spec import Spec
+from harness.spec import DataParallelSpec, Spec
 from harness.studies.max_batch.memory_model import MemoryModel
 
 CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
@@ -20,8 +21,12 @@ STATUSES = ("found", "no_oom", "nothing_fits", "stopped")
 
 @dataclass
 class Probe:
-    """One worker at one batch size. peak_bytes: the fitted memory figure (see the module docstring), None when the
-    worker did not report it; seconds: the worker's wall time."""
+    """One worker (one worker group: N ranks for PyTorch data parallelism) at one batch size. batch_size: the
+    per-device batch (the batch of one optimizer step on one device); global_batch_size: the samples of one step
+    over all devices, devices x batch_size (0: not set, read as batch_size). peak_bytes: the fitted memory figure
+    (see ``peak``; on the CPU bytes above the worker's baseline), None when the worker did not report it; seconds: the
+    worker's wall time. kind: ``probe`` (the search's, in its probe conditions) or ``run`` (a run check: the spec's
+    trial as ``harness run`` runs it, ``harness.studies.max_batch.runcheck``)."""
 
     index: int
     batch_size: int
@@ -32,6 +37,8 @@ class Probe:
     seconds: float
     purpose: str = ""
     log_tail: str = ""
+    global_batch_size: int = 0
+    kind: str = "probe"
 
 
 @dataclass
@@ -51,6 +58,15 @@ class MaxBatchResult:
     size the search may probe. with_dataset: the probes held the spec's real dataset (dataset_bytes bytes, train_size
     training images) instead of synthetic data (probe_data_bytes_per_sample bytes per batch sample). cap_bytes and
     the peaks are bytes; for the CPU they count from the worker's baseline (see harness.execution.limits).
+
+    Data parallelism: data_parallel N devices; every batch size above (limit, smallest_oom, recommended, the band,
+    max_batch) is the per-device batch, and ``global_batch`` gives N x it. The recommendation (``recommend``):
+    margin the fraction given (None: the margin the spread justifies), peak_spread the spread of the peak across the
+    answer's probes, margin_samples and margin_basis the samples kept below the limit and why, run_offset how much
+    above a probe's peak a run's peak is at the same size (bytes, and samples at the fitted per-sample bytes),
+    run_checks the run checks asked per candidate, run_check what one does (``runcheck.run_shape``), recommended_by
+    ``runs`` (ok in that many run checks), ``probes`` (ok in two probes) or "" (none). Docs:
+    docs/design/max-batch.md.
     """
 
     framework: str
@@ -59,7 +75,7 @@ class MaxBatchResult:
     reason: str
     cap_bytes: float
     cap_source: str
-    margin: float
+    margin: float | None
     tolerance: float
     probes: list[Probe] = field(default_factory=list)
     model: MemoryModel | None = None
@@ -77,20 +93,36 @@ class MaxBatchResult:
     dataset_bytes: int | None = None
     train_size: int | None = None
     probe_data_bytes_per_sample: int = 0
+    data_parallel: int = 1
+    peak_spread: dict[str, Any] | None = None
+    margin_samples: int | None = None
+    margin_basis: str = ""
+    run_offset: dict[str, Any] | None = None
+    run_checks: int = 0
+    run_check: dict[str, Any] | None = None
+    recommended_by: str = ""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as JSON data (run.json's ``result``): every field, the probes without their log tails, and the
+        global batches ``global_limit``, ``global_recommended``, ``global_smallest_oom`` (N x the per-device ones)."""
         out = asdict(self)
         out["probes"] = [{k: v for k, v in asdict(p).items() if k != "log_tail"} for p in self.probes]
+        out.update({f"global_{name}": self.global_batch(getattr(self, name))
+                    for name in ("limit", "recommended", "smallest_oom")})
         return out
 
-    def probed(self, batch_size: int) -> Probe | None:
-        """The first probe of ``batch_size``, None if it was not probed."""
-        return next((p for p in self.probes if p.batch_size == batch_size), None)
+    def global_batch(self, batch_size: int | None) -> int | None:
+        """The global batch of a per-device ``batch_size``: data_parallel x it (None for None)."""
+        return None if batch_size is None else batch_size * self.data_parallel
 
-    def statuses(self, batch_size: int) -> list[str]:
-        """The statuses of every probe of ``batch_size``, in the order they ran (empty if it was not probed)."""
-        return [p.status for p in self.probes if p.batch_size == batch_size]
+    def probed(self, batch_size: int, kind: str = "probe") -> Probe | None:
+        """The first probe of ``batch_size`` of ``kind``, None if it was not probed."""
+        return next((p for p in self.probes if p.batch_size == batch_size and p.kind == kind), None)
+
+    def statuses(self, batch_size: int, kind: str = "probe") -> list[str]:
+        """The statuses of every probe of ``kind`` of ``batch_size``, in the order they ran (empty if none)."""
+        return [p.status for p in self.probes if p.batch_size == batch_size and p.kind == kind]
 
     def fits(self, batch_size: int) -> bool:
         """True when ``batch_size`` was probed and every probe of it was ok."""
@@ -102,20 +134,28 @@ class MaxBatchResult:
         return self.fits(batch_size) and len(self.statuses(batch_size)) >= 2
 
     def sometimes(self) -> list[int]:
-        """The sizes seen both fitting and running out of memory, ascending."""
+        """The sizes seen both fitting and running out of memory in the search's probes, ascending."""
         return sorted({p.batch_size for p in self.probes if {"ok", "oom"} <= set(self.statuses(p.batch_size))})
+
+    def peaks(self, batch_size: int, kind: str = "probe") -> list[float]:
+        """The peaks (bytes) of the probes of ``kind`` of ``batch_size`` that were ok and reported one."""
+        return [p.peak_bytes for p in self.probes
+                if p.batch_size == batch_size and p.kind == kind and p.status == "ok" and p.peak_bytes is not None]
 
 
 def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
-               spec_file: str | Path = "<max-batch probe>", with_dataset: bool = False) -> Spec:
+               spec_file: str | Path = "<max-batch probe>", with_dataset: bool = False,
+               data_parallel: DataParallelSpec | None = None) -> Spec:
     """The spec one probe runs (see the module docstring): 3 epochs, no warm-up, and synthetic data of the spec's image
-    shape and classes (for token sequences, the spec's own synthetic tokens), accumulation_steps x ``batch_size``
-    training and ``batch_size`` test samples, or with ``with_dataset`` the spec's own dataset (the caller then
-    limits each epoch to one step, see ``_Search._run``); ``framework`` (a label or name, see
-    ``harness.plan.entry_for``) in its entry's interpreter. Raises SpecError."""
+    shape and classes (for token sequences, the spec's own synthetic tokens), accumulation_steps x G training and G
+    test samples, G the global batch (``batch_size`` per device x the devices of ``data_parallel``, None: one
+    device), or with ``with_dataset`` the spec's own dataset (the caller then limits each epoch to one step, see
+    ``_Search._run``); ``framework`` (a label or name, see ``harness.plan.entry_for``) in its entry's interpreter.
+    Raises SpecError."""
     shape, classes = datasets.describe(spec.dataset)
     entry = entry_for(spec, framework)
     data = spec.model_dump(mode="json")
+    batch_size *= 1 if data_parallel is None else data_parallel.size  # the global batch from here on
     sizes = {"size": batch_size * spec.accumulation_steps, "test_size": batch_size}
     if not with_dataset and data["dataset"]["name"] == "synthetic_tokens":  # token sequences: the same task, resized
         data["dataset"] = {**data["dataset"], **sizes}
@@ -126,6 +166,7 @@ def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: flo
         "epochs": PROBE_EPOCHS, "warmup_steps": 0,
         "repeats": 1, "variants": None,
         "target_accuracy": None, "memory_limit_mb": memory_limit_mb, "device": device,
+        "data_parallel": None if data_parallel is None else data_parallel.model_dump(mode="json"),
     })
     return checked_spec(data, spec_file)
 

@@ -1,0 +1,121 @@
+"""The answer in a real run: run checks, and the numbers that place the recommendation below the limit.
+
+A probe (``harness.studies.max_batch.probe``) is not a run's trial: it trains three optimizer steps with no warm-up
+on synthetic data sized to the batch (accumulation_steps x G training and G test images, G the global batch) and
+evaluates G test images after each step. A run's trial of the same spec holds the spec's whole dataset (e.g.
+specs/max_batch.yaml: 2048 training and 256 test images, 28 MB, against 8 MB for a probe at batch 344), takes its
+warm-up steps, trains every step of its epochs in timed windows and evaluates the whole test set. So a size that fits
+every probe can still run out of memory in a run. A **run check** is that trial: the spec's own, planned by
+``harness.plan.plan`` as ``harness run`` plans it (its dataset, warm-up, optimizer, evaluation, the cap, the devices),
+in a fresh worker group, with its epochs cut to at most ``RUN_EPOCHS`` and each epoch to at most ``RUN_STEPS`` steps
+(at least warmup_steps + 1), so that it costs a few seconds: memory reaches its steady peak within the first steps.
+
+The recommendation's numbers (docs/design/max-batch.md, step 6): the spread of the peak across the answer's probes
+(``peak_spread``), the margin below the limit it justifies (``margin_samples``) and how many samples' worth a run's
+peak stands above a probe's at the same size (``offset_samples``). Imports plan, spec and neutral only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from harness.neutral import datasets
+from harness.plan import Trial, checked_spec, entry_for, plan
+from harness.spec import DataParallelSpec, Spec, SyntheticData, SyntheticTokens
+
+RUN_CHECKS = 2  # run checks of a candidate for the recommendation, each in a fresh worker group
+RUN_STEPS = 5  # a run check's epochs are cut to this many steps (at least warmup_steps + 1)
+RUN_EPOCHS = 2  # and to at most this many epochs: training again after an evaluation, as a run does
+SPREAD_FACTOR = 2  # the default margin is this many times the spread of the peak across the answer's probes
+MAX_RUN_CANDIDATES = 4  # sizes tried for the recommendation before the search gives up on one
+
+
+def run_check_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
+                   spec_file: str | Path = "<max-batch run check>",
+                   data_parallel: DataParallelSpec | None = None) -> Spec:
+    """The spec of a run check at ``batch_size`` per device: the spec as it is (dataset, warm-up, optimizer,
+    allocator, accumulation, evaluation) for ``framework``'s entry alone, at the global batch (per-device x the
+    devices of ``data_parallel``; None: one device), with at most RUN_EPOCHS epochs, one repeat, no variants and no
+    target accuracy, under ``memory_limit_mb`` (MB = 10^6 bytes) on ``device``. Raises SpecError."""
+    data = spec.model_dump(mode="json")
+    data.update({
+        "frameworks": [entry_for(spec, framework).model_dump(mode="json", exclude_none=True)],
+        "batch_sizes": [batch_size * (1 if data_parallel is None else data_parallel.size)],
+        "epochs": min(spec.epochs, RUN_EPOCHS), "repeats": 1, "variants": None, "target_accuracy": None,
+        "memory_limit_mb": memory_limit_mb, "device": device,
+        "data_parallel": None if data_parallel is None else data_parallel.model_dump(mode="json"),
+    })
+    return checked_spec(data, spec_file)
+
+
+def run_check_trial(rspec: Spec, device: str) -> Trial:
+    """The trial of a run check's spec (``run_check_spec``) as ``harness run`` plans it, each epoch cut to
+    ``run_steps(rspec)`` steps."""
+    return replace(plan(rspec, device)[0], max_steps_per_epoch=run_steps(rspec))
+
+
+def run_steps(spec: Spec) -> int:
+    """The steps per epoch of a run check at most: RUN_STEPS, and more than the warm-up (the worker measures at
+    least one step after it)."""
+    return max(RUN_STEPS, spec.warmup_steps + 1)
+
+
+def run_train_size(spec: Spec) -> int:
+    """The training samples a run of ``spec`` holds (a synthetic dataset's ``size``; other datasets are loaded to
+    count them). Raises ValueError for a dataset that cannot be loaded."""
+    if isinstance(spec.dataset, (SyntheticData, SyntheticTokens)):
+        return spec.dataset.size
+    try:
+        return len(datasets.load(spec.dataset, seed=spec.seed).y_train)
+    except datasets.DatasetError as err:
+        raise ValueError(str(err)) from None
+
+
+def run_shape(spec: Spec, train_size: int) -> dict[str, Any]:
+    """What a run check of ``spec`` does, for the result and its text: dataset, training samples, epochs, steps per
+    epoch at most, warm-up steps."""
+    return {"dataset": spec.dataset.name, "train_size": train_size, "epochs": min(spec.epochs, RUN_EPOCHS),
+            "steps_per_epoch": run_steps(spec), "warmup_steps": spec.warmup_steps}
+
+
+def peak_spread(peaks: list[float], batch_size: int, per_sample_bytes: float | None) -> dict[str, Any] | None:
+    """The spread of the peak (bytes) across the probes of one size: {batch_size, peaks_bytes, min_bytes,
+    max_bytes, spread_bytes (max - min), spread_samples (spread / per_sample_bytes: the batch samples it is worth,
+    None without a positive per-sample figure)}; None with fewer than two peaks."""
+    if len(peaks) < 2:
+        return None
+    spread = max(peaks) - min(peaks)
+    samples = spread / per_sample_bytes if per_sample_bytes and per_sample_bytes > 0 else None
+    return {"batch_size": batch_size, "peaks_bytes": list(peaks), "min_bytes": min(peaks), "max_bytes": max(peaks),
+            "spread_bytes": spread, "spread_samples": samples}
+
+
+def margin_samples(limit: int, margin: float | None, spread: dict[str, Any] | None,
+                   headroom_bytes: float | None = None) -> tuple[int, str]:
+    """(samples kept below ``limit``, why) for the recommendation. ``margin`` (a fraction in [0, 1)) keeps
+    limit - floor(limit x (1 - margin)); None keeps the margin the spread justifies: ceil(SPREAD_FACTOR x
+    spread_samples), where spread is ``peak_spread`` of the answer (two fresh workers' peaks differ by about one
+    standard deviation: the mean range of two normal draws is 1.13 sigma; twice it keeps about two sigma of the
+    peak's variation free), 0 when no spread was measured. ``headroom_bytes``: where the cap was not reached (the
+    limit is the search's upper bound, not a memory boundary), the cap less the answer's highest peak; a spread that
+    fits SPREAD_FACTOR times into it needs no margin."""
+    if margin is not None:
+        return limit - math.floor(limit * (1 - margin) + 1e-9), f"--margin {margin:g}: {margin:.0%} of the limit"
+    if spread is None or spread.get("spread_samples") is None:
+        return 0, "no spread measured at the answer (fewer than two peaks, or no fitted bytes per sample)"
+    if headroom_bytes is not None and SPREAD_FACTOR * spread["spread_bytes"] <= headroom_bytes:
+        return 0, (f"the cap was not reached: {headroom_bytes / 1e6:,.1f} MB above the answer's highest peak, more "
+                   f"than {SPREAD_FACTOR} x its spread")
+    kept = math.ceil(SPREAD_FACTOR * spread["spread_samples"] - 1e-9)
+    return kept, f"{SPREAD_FACTOR} x the spread of the peak across the answer's probes"
+
+
+def offset_samples(offset_bytes: float | None, per_sample_bytes: float | None) -> int:
+    """The batch samples worth ``offset_bytes`` (how much a run's peak stands above a probe's at one size; a
+    negative or unknown offset is 0) at ``per_sample_bytes``, rounded up; 0 without a positive per-sample figure."""
+    if offset_bytes is None or offset_bytes <= 0 or not per_sample_bytes or per_sample_bytes <= 0:
+        return 0
+    return math.ceil(offset_bytes / per_sample_bytes - 1e-9)

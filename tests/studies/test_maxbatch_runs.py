@@ -1,0 +1,394 @@
+"""max-batch under data parallelism and the recommendation that must hold in a real run.
+
+Real workers under a real CPU cap, with ``MemoryAdapter`` below (numpy: each step writes a buffer of
+``BYTES_PER_SAMPLE`` per per-device sample, no BLAS, which hangs under a cap, so every probe takes a fraction of a
+second; one process per device, its ranks started by the worker as PyTorch's are): ``--data-parallel 2`` finds a
+per-device batch whose global batch is 2 x it; the user's case (an answer that fits its probes runs out of memory in a
+plain run, which holds the spec's whole dataset) is caught by the run checks, and a plain ``harness run`` at the
+recommendation is ok. Then the margin and confirmation rules with fake workers whose outcomes are chosen, and the
+checks of ``--data-parallel`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from adapters.base import Adapter, shard
+from adapters.declaration import Declaration
+
+#: What a step holds per per-device sample, beyond its images: written, so resident and counted by the cap.
+BYTES_PER_SAMPLE = 200_000
+REGISTRATION = "memory_dp=tests.studies.test_maxbatch_runs:MemoryAdapter"
+
+
+class MemoryAdapter(Adapter, declaration=Declaration(
+        name="memory_dp", title="memory_dp", adapter="tests.studies.test_maxbatch_runs:MemoryAdapter",
+        data_parallel="processes", data_parallel_mechanism="one numpy process per device, no all-reduce")):
+    """Memory that grows with the per-device batch, and nothing else: a step writes BYTES_PER_SAMPLE per sample of
+    its rank's shard; the dataset stays resident as the worker loaded it."""
+
+    def prepare(self, device, threads, seed):
+        dp = self.options.data_parallel
+        self.rank, self.world = (dp.rank, dp.size) if dp is not None else (0, 1)
+        self.loss_sum, self.loss_steps = 0.0, 0
+
+    def build(self, info, weights, optimizer):
+        self.weights = weights
+
+    def load(self, data):
+        self.x = data.x_train
+
+    def train_step(self, indices, micro_batches=1, position=None):
+        mine = shard(indices, self.world, self.rank)
+        held = np.ones((len(mine), BYTES_PER_SAMPLE // 8))
+        self.loss_sum += float(held[:, 0].mean()) + float(self.x[mine].mean())
+        self.loss_steps += 1
+
+    def wait(self):
+        pass
+
+    def read_loss(self):
+        mean = self.loss_sum / self.loss_steps if self.loss_steps else float("nan")
+        steps, self.loss_sum, self.loss_steps = self.loss_steps, 0.0, 0
+        return mean, steps
+
+    def evaluate(self, batch_size):
+        return 1.0, 0.1
+
+    def predict(self, images):
+        return np.zeros((len(images), 10), dtype=np.float32)
+
+    def get_weights(self):
+        return self.weights
+
+    def versions(self):
+        return {"numpy": np.__version__}
+
+    def is_oom(self, exc):
+        return isinstance(exc, MemoryError)
+
+
+MODEL = {"layers": [{"type": "flatten"}, {"type": "dense", "units": 10}]}
+
+
+def memory_spec(**changes):
+    """A spec for MemoryAdapter: 32x32x3 images (12,288 bytes each); in a run the dataset's 2048 + 256 images
+    (28 MB) are resident in every process, in a probe only the images of its batch."""
+    from tests.conftest import base_spec
+
+    return base_spec(**{"frameworks": ["memory_dp"], "model": MODEL, "device": "cpu", "cpu_threads": 2,
+                        "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 2048,
+                                    "test_size": 256},
+                        "memory_limit_mb": 80, "timeout_s": 60, **changes})
+
+
+@pytest.fixture
+def memory_adapter(monkeypatch):
+    from tests.conftest import ROOT
+
+    monkeypatch.setenv("HARNESS_ADAPTERS", REGISTRATION)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    return "memory_dp"
+
+
+@pytest.mark.serial  # caps memory
+def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, write_spec, tmp_path, capsys):
+    from harness import cli
+    from harness.results import store
+
+    path = write_spec(memory_spec())
+    assert cli.main(["max-batch", str(path), "--framework", "memory_dp", "--data-parallel", "2", "--tolerance",
+                     "0.1", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    run_dir = next((tmp_path / "out").iterdir())
+    run = json.loads((run_dir / "run.json").read_text())
+    result = run["result"]
+    assert run["settings"]["data_parallel"] == 2 and result["data_parallel"] == 2, out
+    limit = result["limit"]
+    assert result["status"] == "found" and result["global_limit"] == 2 * limit, out
+    # Each rank holds BYTES_PER_SAMPLE and its shard's image per per-device sample, and the probe's synthetic data:
+    # 2 x (1 + 1) images of the global batch (4 x 12,288 bytes per per-device sample): the cap, 80 MB, less the
+    # worker's own memory, allows at most 80e6 / 249 kB = 321 per device; measured 304 (258.6 kB per sample).
+    assert 150 <= limit <= 80e6 / (BYTES_PER_SAMPLE + 4 * 12_288), out
+    assert f"largest batch that fits: {limit} per device, global {2 * limit} (ok in both of its probes)" in out
+    assert result["smallest_oom"] is not None and result["smallest_oom"] - limit <= max(1, math.floor(0.1 * limit))
+    # every probe was one data-parallel trial of two ranks training the global batch, N x the per-device batch
+    probes = [p for p in result["probes"] if p["kind"] == "probe"]
+    assert all(p["global_batch_size"] == 2 * p["batch_size"] for p in result["probes"])
+    confirmation = next(p for p in probes if p["purpose"] == "confirmation" and p["batch_size"] == limit)
+    events = store.read_lines(run_dir / "events" / f"probe{confirmation['index'] + 1}-bs{limit}.jsonl")
+    metrics = next(e for e in events if e["event"] == "result")["metrics"]
+    assert metrics["data_parallel"] == 2 and metrics["batch_size"] == 2 * limit
+    assert metrics["per_device_batch_size"] == limit and metrics["devices"] == ["cpu:0", "cpu:1"]
+    oom = next(p for p in probes if p["batch_size"] == result["smallest_oom"] and p["status"] == "oom")
+    assert "MemoryError" in oom["reason"], oom
+    # the recommendation held in run checks of two devices, below the limit
+    assert result["recommended_by"] == "runs" and result["global_recommended"] == 2 * result["recommended"]
+    assert result["recommended"] < limit
+    assert "data-parallel on 2 devices" in (run_dir / "max_batch.md").read_text()
+
+
+@pytest.mark.serial  # caps memory
+def test_the_recommendation_holds_in_a_real_run_where_the_answer_does_not(memory_adapter, write_spec, tmp_path):
+    """The user's case, for real: the answer fits both of its probes (synthetic data of the batch's size), but a run
+    holds the spec's whole dataset (28 MB under an 80 MB cap) and runs out of memory at it. The run checks measure
+    what a run adds and place the recommendation below; a plain `harness run` there is ok, and one at the answer is
+    not."""
+    from harness import cli
+    from harness.plan import checked_spec
+    from harness.studies import max_batch
+    from harness.studies.max_batch import find_max_batch
+
+    spec = checked_spec(memory_spec(), tmp_path / "s.yaml")
+    result = find_max_batch(spec, "memory_dp", tolerance=0.1)
+    text = max_batch.table(result)
+    assert result.status == "found" and result.recommended_by == "runs", text
+    offset = result.run_offset
+    assert offset["batch_size"] == 16 and offset["offset_bytes"] > 20e6, text  # the dataset: 28 MB against 0.4 MB
+    assert result.recommended <= result.limit - offset["offset_samples"], text
+    assert result.statuses(result.recommended, "run") == ["ok", "ok"], text
+    assert f"recommended: {result.recommended} (ok in 2 run checks" in text
+    records = {}
+    for batch in (result.limit, result.recommended):
+        path = write_spec({**memory_spec(), "batch_sizes": [batch]}, f"run{batch}.yaml")
+        assert cli.main(["run", str(path), "--out", str(tmp_path / f"runs{batch}")]) == 0
+        run_dir = next((tmp_path / f"runs{batch}").iterdir())
+        records[batch] = json.loads((run_dir / "trials.jsonl").read_text().splitlines()[0])
+    assert records[result.limit]["status"] == "oom", records[result.limit]["reason"]
+    assert records[result.recommended]["status"] == "ok", records[result.recommended]["reason"]
+
+
+def test_bad_data_parallel_is_one_line_and_exit_2_before_anything_runs(write_spec, tmp_path, capsys):
+    from harness import cli
+    from harness.plan import available_cpus
+
+    path = write_spec({**memory_spec(), "frameworks": ["pytorch"]})
+    batchnorm = {"layers": [{"type": "conv2d", "filters": 4, "kernel_size": 3}, {"type": "batchnorm"},
+                            {"type": "flatten"}, {"type": "dense", "units": 10}]}
+    bn = write_spec({**memory_spec(), "frameworks": ["pytorch"], "model": batchnorm,
+                     "data_parallel": {"devices": 2, "sync_batchnorm": True}}, "bn.yaml")
+    accumulating = write_spec({**memory_spec(), "frameworks": ["pytorch"], "accumulation_steps": 2}, "acc.yaml")
+    cases = [
+        (path, "0", "the device count is at least 1, not 0"),
+        (path, str(available_cpus() + 1), f"{available_cpus() + 1} devices on the CPU, but this process may use"),
+        (bn, "2", "the pytorch adapter has no synchronised batchnorm on cpu"),
+        (accumulating, "2", "data parallelism and gradient accumulation are not combined"),
+    ]
+    for spec_path, devices, message in cases:
+        out = tmp_path / f"out{devices}"
+        assert cli.main(["max-batch", str(spec_path), "--framework", "pytorch", "--data-parallel", devices,
+                         "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{spec_path}: --data-parallel: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+# ------------------------------------------------------------------------------------ fake workers: the rules
+
+
+def fake_search(monkeypatch, tmp_path, fits, peak=lambda b: 50e6 + 1e6 * b, run_fits=None, run_peak=None,
+                **kwargs):
+    """find_max_batch with fake workers (tests/studies/test_maxbatch.py's): returns (result, probe sizes, run-check
+    sizes)."""
+    from harness.plan import checked_spec
+    from harness.studies.max_batch import find_max_batch
+    from tests.conftest import base_spec
+    from tests.studies.test_maxbatch import _simulate
+
+    runs = []
+    sizes = _simulate(monkeypatch, fits, peak=peak, runs=runs, run_fits=run_fits, run_peak=run_peak,
+                      payloads=kwargs.pop("payloads", None))
+    spec = checked_spec(base_spec(memory_limit_mb=400, **kwargs.pop("spec", {})), tmp_path / "s.yaml")
+    kwargs = {"initial_sizes": (16, 64), "tolerance": 0.02, **kwargs}
+    return find_max_batch(spec, "pytorch", device="cpu", **kwargs), sizes, runs
+
+
+def test_a_run_that_holds_more_than_the_probes_lowers_the_recommendation(monkeypatch, tmp_path):
+    """A run's peak is 30 MB above a probe's (its dataset): the answer, 350, would run out of memory in a run. The
+    run check at 16 measures the 30 MB, the recommendation keeps 30 samples (1 MB each) below the limit, and two
+    run checks there are ok; the limit stays the measured boundary."""
+    from harness.studies import max_batch
+
+    run_peak = lambda b: 80e6 + 1e6 * b  # noqa: E731
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
+                                      run_fits=lambda b: run_peak(b) <= 400e6, run_peak=run_peak)
+    assert result.limit == 350 and result.smallest_oom == 357  # the boundary of the probes, as before
+    assert result.peak_spread["spread_bytes"] == 0 and result.margin_samples == 0  # the same peak twice: no margin
+    assert result.run_offset["offset_bytes"] == pytest.approx(30e6) and result.run_offset["offset_samples"] == 30
+    assert runs == [16, 320, 320] and result.recommended == 320 and result.recommended_by == "runs"
+    lines = "\n".join(max_batch.summary_lines(result))
+    assert "a run's peak against the probes': +30.0 MB at batch size 16 (30 samples" in lines
+    assert "recommended: 320 (ok in 2 run checks, each the spec's trial as `harness run` runs it: its digits" in lines
+
+
+def test_the_margin_is_twice_the_spread_of_the_peak_at_the_answer(monkeypatch, tmp_path):
+    """The answer's two probes peak 6 MB apart (6 samples at about 1 MB each): the recommendation keeps 12 samples
+    free."""
+    from harness.studies import max_batch
+
+    seen = []
+
+    def peak(b):  # every other probe of a size 6 MB higher
+        seen.append(b)
+        return 50e6 + 1e6 * b + (6e6 if seen.count(b) % 2 == 0 else 0)
+
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: b <= 340, peak=peak,
+                                      run_peak=lambda b: 50e6 + 1e6 * b)
+    limit = result.limit
+    assert 334 <= limit <= 340 and result.statuses(limit) == ["ok", "ok"], max_batch.table(result)
+    spread = result.peak_spread
+    assert spread["batch_size"] == limit and spread["spread_bytes"] == pytest.approx(6e6)
+    assert spread["spread_samples"] == pytest.approx(6, rel=0.05)
+    assert result.margin_samples == math.ceil(2 * spread["spread_samples"] - 1e-9) == 12
+    assert result.recommended == limit - 12 and result.recommended_by == "runs"
+    lines = "\n".join(max_batch.summary_lines(result))
+    assert "peak at the answer: " in lines and "over 2 probes, spread 6.0 MB" in lines
+    assert f"margin: {result.margin_samples} samples below the limit (2 x the spread of the peak" in lines
+
+
+def test_a_margin_wider_than_the_limit_leaves_the_smallest_size_that_held_in_a_run(monkeypatch, tmp_path):
+    """The answer's second probe peaks 400 MB above its first (as TensorFlow's two replicas on two CPU devices did,
+    running one after the other or at once): twice that is more samples than the limit. The recommendation is then
+    tried at the smallest size that fitted and held in a run (16), never below, and the result says why."""
+    seen = []
+
+    def peak(b):
+        seen.append(b)
+        return 50e6 + 1e6 * b + (400e6 if seen.count(b) == 2 else 0)
+
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, peak=peak,
+                                      run_peak=lambda b: 50e6 + 1e6 * b)
+    assert result.peak_spread["spread_bytes"] == pytest.approx(400e6) and result.margin_samples > result.limit
+    assert runs == [16, 16, 16] and result.recommended == 16 and result.recommended_by == "runs"
+    assert any("leave no size above 16, the smallest that held in a run" in note for note in result.notes)
+
+
+def test_a_run_check_that_runs_out_of_memory_moves_the_recommendation_down(monkeypatch, tmp_path):
+    """Runs run out of memory above 300 though probes fit up to 350 and the run at 16 measured no offset (memory a
+    run adds only at large sizes): the target, 350, fails its first run check; one tolerance step down at a time
+    until two run checks are ok. The recommendation is never a size that ran out of memory in a run."""
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
+                                      run_fits=lambda b: b <= 330)
+    assert result.limit == 350 and result.margin_samples == 0
+    assert runs == [16, 350, 343, 336, 329, 329] and result.recommended == 329, runs  # gap: floor(0.02 x 350) = 7
+    assert result.statuses(350, "run") == ["oom"] and result.statuses(329, "run") == ["ok", "ok"]
+    # none fits in a run: nothing is recommended, and the result says so
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
+                                      run_fits=lambda b: b <= 16)
+    assert result.recommended is None and result.recommended_by == "" and len(runs) == 1 + 4
+    assert any("nothing is recommended" in note for note in result.notes)
+
+
+def test_runs_noisier_than_the_probes_grow_the_margin(monkeypatch, tmp_path):
+    """Two run checks at the target peak 10 MB apart, more than the answer's probes (0): the margin grows to twice
+    that (20 samples) and the recommendation moves below it, where the run checks are checked again."""
+    seen = []
+
+    def run_peak(b):
+        seen.append(b)
+        return 50e6 + 1e6 * b + (10e6 if seen.count(b) == 2 else 0)
+
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_peak=run_peak)
+    assert runs == [16, 350, 350, 330, 330] and result.recommended == 330
+    assert result.margin_samples == 20 and "across the run checks at 350" in result.margin_basis
+    assert any("the margin grows to 20 samples" in note for note in result.notes)
+    # an explicit --margin is kept as given: the run checks confirm it, their spread does not move it
+    seen.clear()
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_peak=run_peak,
+                                      margin=0.1)
+    assert result.margin_samples == 35 and runs == [16, 315, 315] and result.recommended == 315
+
+
+def test_without_run_checks_the_recommendation_is_confirmed_in_probes(monkeypatch, tmp_path):
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_checks=0,
+                                      margin=0.1)
+    assert runs == [] and result.recommended == 315 and result.recommended_by == "probes"
+    assert result.statuses(315) == ["ok", "ok"] and result.run_offset is None
+
+
+def test_data_parallel_probes_are_global_batches_of_per_device_sizes(monkeypatch, tmp_path):
+    """With data_parallel 2 every size is per device: each probe's trial trains 2 x it on cpu:0 and cpu:1, with
+    synthetic data of the global batch; the run checks too; the result's global batches are 2 x the per-device."""
+    from harness.studies import max_batch
+
+    payloads = []
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, payloads=payloads,
+                                      data_parallel=2, spec={"dataset": {"name": "synthetic", "shape": [8, 8, 1],
+                                                                         "classes": 10, "size": 4096}})
+    assert result.data_parallel == 2 and result.limit == 350 and result.global_batch(result.limit) == 700
+    assert result.to_dict()["global_limit"] == 700 and result.to_dict()["global_recommended"] == 2 * result.recommended
+    for payload in payloads:
+        trial = payload.trial
+        assert trial.data_parallel == 2 and trial.devices == ("cpu:0", "cpu:1")
+        assert trial.batch_size == 2 * trial.per_device_batch_size and payload.spec.dataset.size == trial.batch_size
+    # a training and a test sample (an 8 x 8 float32 image and an int64 label) per global sample, 2 per device
+    assert result.probe_data_bytes_per_sample == 2 * 2 * (64 * 4 + 8)
+    assert all(p.global_batch_size == 2 * p.batch_size for p in result.probes)
+    assert "largest batch that fits: 350 per device, global 700 (ok in both" in max_batch.table(result)
+    with pytest.raises(ValueError, match="the device count is at least 1"):
+        fake_search(monkeypatch, tmp_path, lambda b: True, data_parallel=0)
+
+
+def test_the_neutral_model_counts_every_replica_a_process_holds():
+    """TensorFlow drives both devices from one process (two replicas and both devices' activations under one cap);
+    PyTorch runs a process per device."""
+    from harness.neutral import datasets
+    from harness.plan import checked_spec
+    from harness.studies.max_batch import search
+    from tests.conftest import base_spec
+
+    spec = checked_spec(base_spec(memory_limit_mb=400, frameworks=["pytorch", "tensorflow"]), "s.yaml")
+    lines = {}
+    for framework in ("pytorch", "tensorflow"):
+        for devices in (1, 2):
+            dp = search.check_data_parallel(spec, framework, "cpu", devices, "s.yaml")
+            state = search._Search(spec, framework, "cpu", 400, None, 0.05, 1, 1000, 60, "s.yaml", False, None, dp)
+            lines[framework, devices] = state.result.neutral
+    data = 2 * datasets.sample_bytes(spec.dataset)  # digits: a training and a test sample (8 x 8 float32, a label)
+    one = lines["pytorch", 1]
+    assert lines["pytorch", 2].fixed_bytes == one.fixed_bytes
+    assert lines["pytorch", 2].per_sample_bytes == one.per_sample_bytes + data  # the global batch's images
+    assert lines["tensorflow", 2].fixed_bytes == 2 * lines["tensorflow", 1].fixed_bytes
+    activations = lines["tensorflow", 1].per_sample_bytes - data
+    assert lines["tensorflow", 2].per_sample_bytes == 2 * activations + 2 * data
+
+
+def test_runcheck_numbers():
+    from harness.studies.max_batch import runcheck
+
+    spread = runcheck.peak_spread([300e6, 306e6, 303e6], 340, 1e6)
+    assert spread["spread_bytes"] == pytest.approx(6e6) and spread["spread_samples"] == pytest.approx(6)
+    assert runcheck.peak_spread([300e6], 340, 1e6) is None
+    assert runcheck.peak_spread([300e6, 301e6], 340, None)["spread_samples"] is None
+    assert runcheck.margin_samples(340, None, spread) == (12, "2 x the spread of the peak across the answer's probes")
+    assert runcheck.margin_samples(340, 0.1, spread)[0] == 34  # 340 - floor(306)
+    assert runcheck.margin_samples(340, None, None)[0] == 0
+    # the cap not reached: the highest peak and twice its spread fit below the cap, no margin; else the spread's
+    assert runcheck.margin_samples(1000, None, spread, headroom_bytes=50e6)[0] == 0
+    assert runcheck.margin_samples(1000, None, spread, headroom_bytes=10e6)[0] == 12
+    assert runcheck.offset_samples(30e6, 1e6) == 30 and runcheck.offset_samples(30.5e6, 1e6) == 31
+    assert runcheck.offset_samples(-5e6, 1e6) == 0 and runcheck.offset_samples(5e6, None) == 0
+
+
+def test_a_run_check_is_the_spec_trial_as_a_run_plans_it(tmp_path):
+    """The spec's dataset, warm-up, optimizer and evaluation, the cap and the devices; its epochs cut to RUN_EPOCHS
+    of at most RUN_STEPS steps (more than the warm-up)."""
+    from harness.plan import checked_spec
+    from harness.studies.max_batch import runcheck
+    from tests.conftest import base_spec
+
+    spec = checked_spec(base_spec(epochs=5, warmup_steps=7, repeats=3, memory_limit_mb=300, target_accuracy=0.9,
+                                  variants={"optimizer": [{"name": "adam", "learning_rate": 0.001}]}),
+                        tmp_path / "s.yaml")
+    dp = checked_spec(base_spec(data_parallel=2), tmp_path / "d.yaml").data_parallel
+    rspec = runcheck.run_check_spec(spec, "pytorch", 100, 250, "cpu", tmp_path / "s.yaml", dp)
+    trial = runcheck.run_check_trial(rspec, "cpu")
+    assert rspec.dataset == spec.dataset and rspec.optimizer == spec.optimizer and rspec.variants is None
+    assert trial.batch_size == 200 and trial.per_device_batch_size == 100 and trial.data_parallel == 2
+    assert trial.epochs == runcheck.RUN_EPOCHS and trial.warmup_steps == 7 and trial.max_steps_per_epoch == 8
+    assert trial.memory_limit_bytes == 250_000_000 and trial.target_accuracy is None and rspec.repeats == 1
+    assert runcheck.run_train_size(spec) == 1438 and runcheck.run_shape(spec, 1438)["steps_per_epoch"] == 8
