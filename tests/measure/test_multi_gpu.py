@@ -5,10 +5,6 @@ unavailable and failing metrics on one GPU, the fallback, NVML's reference count
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from harness.measure.host import HostBackend
@@ -19,20 +15,6 @@ from tests.fakes.nvml import NotSupported, Unknown, fake_nvml, reading, uuids
 DEVICES = ["cuda:0", "cuda:1", "cuda:2"]
 VISIBLE = "2,0,1"  # the trial's cuda:0 is NVML's GPU 2, cuda:1 GPU 0, cuda:2 GPU 1
 NVML_OF = [2, 0, 1]
-
-
-@pytest.fixture
-def tree():
-    """A real process with a child: a worker (rank 0) and the rank it started."""
-    code = ("import subprocess, sys, time\n"
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
-            "print(c.pid, flush=True)\ntime.sleep(30)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    child = int(proc.stdout.readline())
-    yield proc.pid, child
-    os.kill(child, 9)
-    proc.kill()
-    proc.wait()
 
 
 def _three_gpus(tree_pids=None):

@@ -3,8 +3,6 @@ and unavailable calls, GPM, falling back to the host, and which GPU a device nam
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 import types
@@ -58,20 +56,6 @@ CALLS = {
     "nvmlDeviceGetTemperature": ("temperature_c",),
     "nvmlDeviceGetCurrentClocksEventReasons": ("throttle_reasons",),
 }
-
-
-@pytest.fixture
-def tree():
-    """A real process with a child: the worker's process tree."""
-    code = ("import subprocess, sys, time\n"
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
-            "print(c.pid, flush=True)\ntime.sleep(30)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    child = int(proc.stdout.readline())
-    yield proc.pid, child
-    os.kill(child, 9)
-    proc.kill()
-    proc.wait()
 
 
 def backend_on(nvml, tree_pids=None, device=0):
