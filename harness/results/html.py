@@ -141,10 +141,13 @@ def environment_table(run: dict[str, Any]) -> str:
     return "<table id=\"environment\">" + "".join(rows) + "</table>"
 
 
-def render(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None) -> str:
+def render(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None,
+           metric_svgs: dict[str, str] | None = None, trial_svgs: dict[str, str | None] | None = None) -> str:
     """The whole report.html of one run (``data``: ``harness.results.tables.compute``'s result; ``sections``:
     ``harness.results.report.sections(data)``, computed here when not given). Every section but the plot links, with
-    the plots of every metric after the Ohio State layout."""
+    the plots of every metric after the Ohio State layout. ``metric_svgs`` (metric key -> ``svg`` of its figure) and
+    ``trial_svgs`` (trial id -> ``svg`` of ``trial_figure``, None without samples): the figures the PNGs were saved
+    from, already rendered (``harness.results.report.write``); what they lack is drawn here."""
     if sections is None:
         from harness.results.report import sections as compute_sections
 
@@ -158,24 +161,31 @@ def render(data: dict[str, Any], run_dir: Path, sections: list[Section] | None =
             body += ["<h2 id=\"plots\">Every metric against batch size</h2>",
                      "<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">"]
             for metric in data["metrics"]:
-                fig, tips = metric_figure(data, metric)
-                body.append(svg(fig, tips))
+                body.append(metric_svgs[metric.key] if metric_svgs and metric.key in metric_svgs else
+                            svg(*metric_figure(data, metric)))
             body.append("</div>")
     body += ["<h2 id=\"trials-heading\">Trials</h2>", trials_table(data),
              "<h2>Each trial over time</h2><p>Sampled metrics against seconds since the worker started; warm-up "
              "grey, timed windows green.</p>"]
     for record in data["records"]:
-        fig = trial_figure(run_dir, record["id"]) if record["status"] == "ok" else None
-        if fig is not None:
-            body.append(f"<details class=\"trial\"><summary>{html.escape(record['id'])}</summary>{svg(fig)}</details>")
+        if record["status"] != "ok":
+            continue
+        if trial_svgs is not None and record["id"] in trial_svgs:
+            drawn = trial_svgs[record["id"]]
+        else:
+            fig = trial_figure(run_dir, record["id"])
+            drawn = svg(fig) if fig is not None else None
+        if drawn is not None:
+            body.append(f"<details class=\"trial\"><summary>{html.escape(record['id'])}</summary>{drawn}</details>")
     body += ["<h2>Machine and environment</h2>", environment_table(data["run"])]
     return _page(sections[0].title if sections else "report", body)
 
 
-def write(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None) -> Path:
+def write(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None,
+          metric_svgs: dict[str, str] | None = None, trial_svgs: dict[str, str | None] | None = None) -> Path:
     """Writes ``report.html`` into the run directory (see ``render``) and returns its path."""
     path = Path(run_dir) / "report.html"
-    path.write_text(render(data, Path(run_dir), sections), encoding="utf-8")
+    path.write_text(render(data, Path(run_dir), sections, metric_svgs, trial_svgs), encoding="utf-8")
     return path
 
 

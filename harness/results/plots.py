@@ -4,6 +4,7 @@ report.md links, and ``harness.results.html`` embeds the same figures as inline 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +52,19 @@ def metric_figure(data: dict[str, Any], metric: Metric) -> tuple[Any, dict[str, 
     return fig, tips
 
 
-def plot(data: dict[str, Any], out_dir: Path) -> list[Path]:
-    """One PNG per metric (``metric_figure``), ``out_dir/<metric key>.png``."""
+def plot(data: dict[str, Any], out_dir: Path,
+         then: Callable[[str, Any, dict[str, str]], None] | None = None) -> list[Path]:
+    """One PNG per metric (``metric_figure``), ``out_dir/<metric key>.png``; ``then(key, figure, tips)``, when given,
+    is called with each figure after it is saved (the HTML report saves it again), before it is closed."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for metric in data["metrics"]:
-        fig, _ = metric_figure(data, metric)
+        fig, tips = metric_figure(data, metric)
         path = out_dir / f"{metric.key}.png"
         fig.savefig(path)
+        if then is not None:
+            then(metric.key, fig, tips)
         plt.close(fig)
         paths.append(path)
     return paths
@@ -99,12 +104,15 @@ def trial_figure(run_dir: Path, trial_id: str) -> Any | None:
     return fig
 
 
-def plot_trial(run_dir: Path, trial_id: str, out: Path) -> Path | None:
-    """``trial_figure`` saved as a PNG at ``out``; None when the trial has no samples."""
+def plot_trial(run_dir: Path, trial_id: str, out: Path, then: Callable[[Any], None] | None = None) -> Path | None:
+    """``trial_figure`` saved as a PNG at ``out`` (``then(figure)``, when given, is called with it before it is
+    closed); None when the trial has no samples."""
     fig = trial_figure(run_dir, trial_id)
     if fig is None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
+    if then is not None:
+        then(fig)
     _pyplot().close(fig)
     return out

@@ -9,6 +9,7 @@ with no ``ok`` repeat shows the status instead (``oom``, ``error``, ``timeout``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -408,12 +409,29 @@ def write(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     data = build(run_dir)
     data["run"]["run_dir"] = str(run_dir)
-    plot(data, run_dir / "plots")
+    # each figure drawn once: saved as the PNG report.md links, then as report.html's inline SVG
+    metric_svgs: dict[str, str] = {}
+
+    def keep_metric(key: str, fig: Any, tips: dict[str, str]) -> None:
+        metric_svgs[key] = html.svg(fig, tips)
+
+    plot(data, run_dir / "plots", then=keep_metric)
+    trial_svgs: dict[str, str | None] = {}
+
+    def keep_trial(trial_id: str) -> Callable[[Any], None]:
+        trial_svgs[trial_id] = None  # no samples: no figure
+
+        def keep(fig: Any) -> None:
+            trial_svgs[trial_id] = html.svg(fig)
+
+        return keep
+
     for record in data["records"]:
         if record["status"] == "ok":
-            plot_trial(run_dir, record["id"], run_dir / "plots" / "trials" / f"{record['id']}.png")
+            plot_trial(run_dir, record["id"], run_dir / "plots" / "trials" / f"{record['id']}.png",
+                       then=keep_trial(record["id"]))
     computed = sections(data)
     path = run_dir / "report.md"
     path.write_text(to_markdown(computed), encoding="utf-8")
-    html.write(data, run_dir, computed)
+    html.write(data, run_dir, computed, metric_svgs, trial_svgs)
     return path
