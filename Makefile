@@ -36,9 +36,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # The suite in two parts: TEST_WORKERS processes side by side (pytest-xdist, a test file per process), then the
-# serial modules alone (tests/conftest.py SERIAL_MODULES: they measure time, pin cores or cap memory).
+# serial tests alone (tests/conftest.py SERIAL_MODULES and @pytest.mark.serial: they measure time or pin cores).
+# --no-loadscope-reorder: files start in collection order, the longest first (tests/conftest.py LONGEST_FIRST).
 test: envs lint
-	$(PY) -m pytest -m "not gpu and not serial" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not serial" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	$(PY) -m pytest -m "serial and not gpu" $(PYTEST_ARGS)
 
 test-gpu: $(VENV)/.installed

@@ -37,7 +37,8 @@ SIZES = {
     "cpu": {"batch_sizes": [4, 16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
             "timeout_s": 120,
-            "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "32"],
+            "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "16",
+                               "--run-checks", "1"],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"]},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).

@@ -4,7 +4,10 @@ results-as-data and report.html tests read."""
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,21 +40,44 @@ BASE_SPEC = {
 }
 
 
-#: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they pin
-#: cores or start Ray with a CPU count (scale_out), hold one-second deadlines on killed processes (interruptions), cap
-#: memory near each framework's limit with four searches at once (maxbatch), or judge planted slowdowns and timeouts
-#: against timing noise (compare, nightly, launcher, timing): a test running beside them would change what they
-#: measure.
-SERIAL_MODULES = frozenset({"test_scale_out", "test_interruptions", "test_maxbatch", "test_compare", "test_nightly",
-                            "test_launcher", "test_timing"})
+#: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they
+#: hold one-second deadlines on killed processes (interruptions) or time the loop's windows (timing): a test running
+#: beside them would change what they measure. A single test of that kind elsewhere carries ``@pytest.mark.serial``
+#: itself, saying why: Ray instances and pinned cores (scale_out), trial timeouts (launcher), the nightly's planted
+#: regressions. Memory caps are per process (RLIMIT_DATA) and compare's runs are constructed, so the max-batch
+#: searches and compare run in the parallel part.
+SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
+
+#: The parallel part's longest files, longest first (CPU seconds on this 2-core VM, 2026-11-24, in brackets): xdist
+#: hands whole files to its workers in collection order (``--dist loadfile --no-loadscope-reorder`` in the Makefile),
+#: so starting the long ones first keeps one of them from running alone at the end.
+LONGEST_FIRST = ("studies/test_maxbatch.py",  # 139: four real-cap searches, three at a time
+                 "test_gpu_check.py",  # 67
+                 "adapters/test_pytorch_data_parallel.py",  # 61
+                 "test_end_to_end.py",  # 61
+                 "adapters/test_tensorflow_data_parallel.py",  # 54
+                 "studies/test_nightly.py",  # ~60 of it in the parallel part
+                 "adapters/test_jax.py",  # 48
+                 "execution/test_environments.py",  # 43
+                 "adapters/test_jax_data_parallel.py",  # 31
+                 "results/test_results_data.py",  # 30
+                 "execution/test_data_parallel.py")  # 27
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks the items of ``SERIAL_MODULES`` ``serial`` (before ``-m`` selects)."""
+    """Marks the items of ``SERIAL_MODULES`` ``serial`` (before ``-m`` selects), and puts the files of
+    ``LONGEST_FIRST`` first, in its order (the rest keep theirs)."""
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def position(item):
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+
+    items.sort(key=position)  # stable: within a file and among the rest, the collection order stays
 
 
 def base_spec(**changes):
@@ -80,18 +106,42 @@ def fault_adapter(monkeypatch):
     return "fault"
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, key: str, make: Callable[[Path], object]) -> Path:
+    """A folder that ``make(folder)`` fills once per ``pytest`` command, however many xdist workers ask for it: the
+    first to ask makes it under a file lock, the others wait for it (the pattern of pytest-xdist's documentation,
+    "Making session-scoped fixtures execute only once"). Readers that write into it must take a copy."""
+    from filelock import FileLock  # not in envs/jax, whose suite loads this file too
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' base folders share this parent
+    folder = base / "made-once" / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not (folder.parent / f"{key}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder.parent / f"{key}.done").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def real_run(tmp_path_factory):
     """One real run: PyTorch, batch sizes 32 and 64, 2 repeats, 2 epochs, in fp32 and in fp16, which the PyTorch
-    adapter does not run on a CPU (recorded unsupported, no worker): a run with trials that have no samples."""
+    adapter does not run on a CPU (recorded unsupported, no worker): a run with trials that have no samples. Made once
+    for every worker (``made_once``); each worker gets its own copy."""
     from harness.plan import checked_spec
     from harness.results import report
     from harness.studies import sweep
 
-    tmp = tmp_path_factory.mktemp("data")
-    spec = checked_spec(base_spec(name="data", batch_sizes=[32, 64], repeats=2, epochs=2,
-                                  variants={"precision": ["fp32", "fp16"]}, sampler={"interval_s": 0.05}),
-                        tmp / "s.yaml")
-    run_dir = sweep.run_spec(spec, tmp / "runs")
-    report.write(run_dir)
-    return run_dir
+    def make(folder: Path) -> None:
+        spec = checked_spec(base_spec(name="data", batch_sizes=[32, 64], repeats=2, epochs=2,
+                                      variants={"precision": ["fp32", "fp16"]}, sampler={"interval_s": 0.05}),
+                            folder / "s.yaml")
+        report.write(sweep.run_spec(spec, folder / "runs"))
+
+    (made,) = (made_once(tmp_path_factory, "real_run", make) / "runs").iterdir()
+    copy_dir = tmp_path_factory.mktemp("data") / made.name
+    shutil.copytree(made, copy_dir)
+    return copy_dir

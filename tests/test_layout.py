@@ -67,3 +67,14 @@ def test_no_function_of_the_harness_is_much_over_60_lines():
                 if lines > 70:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_the_suites_schedule_names_real_files():
+    """tests/conftest.py's LONGEST_FIRST and SERIAL_MODULES name test files that exist: a renamed file would
+    otherwise fall silently to the end of the parallel part, or out of the serial one."""
+    from tests.conftest import LONGEST_FIRST, SERIAL_MODULES
+
+    for path in LONGEST_FIRST:
+        assert (ROOT / "tests" / path).is_file(), path
+    for module in SERIAL_MODULES:
+        assert list((ROOT / "tests").rglob(f"{module}.py")), module

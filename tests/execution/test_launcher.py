@@ -21,6 +21,7 @@ from harness.studies.sweep import run_spec
 from tests.conftest import base_spec
 
 
+@pytest.mark.serial  # a trial's timeout, timed
 def test_every_status_in_one_sweep(fault_adapter, monkeypatch, tmp_path):
     # batch 8 raises, 12 runs out of memory, 16 is killed by SIGKILL, 20 segfaults, 24 exits silently, 28 hangs;
     # 32 and 64 must still finish ok.

@@ -62,6 +62,7 @@ def test_bad_executor_flags_are_one_line_and_exit_2(write_spec, tmp_path):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.serial  # pins the machine's two cores
 def test_parallel_two_on_the_cpu_pins_disjoint_cores_and_gives_the_sequential_cells(fault_adapter, tmp_path):
     """Two trials at a time, each pinned to its own core: the same statuses, accuracies and losses as one at a time
     (the fault adapter's numpy regression is deterministic); each record names its cores and the trial beside it;
@@ -106,6 +107,7 @@ def no_ray():
         ray.shutdown()
 
 
+@pytest.mark.serial  # starts Ray with the machine's CPUs
 def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray, tmp_path):
     """Part of specs/quick.yaml (PyTorch in its own environment, two batch sizes, one epoch) on a local Ray instance
     of 2 CPUs, against the local executor: the same statuses, accuracies and losses (CPU training with one thread is
@@ -125,6 +127,7 @@ def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray,
     assert not ray.is_initialized()  # the executor shut down the instance it started
 
 
+@pytest.mark.serial  # starts Ray with the machine's CPUs
 def test_a_node_lost_mid_trial_is_crashed_and_the_sweep_goes_on(no_ray, fault_adapter, monkeypatch, tmp_path):
     """A simulated cluster of two 1-CPU nodes (``ray.cluster_utils.Cluster``); one node is removed while both run a
     trial: that trial is ``crashed`` with the reason "node lost", the other and every later trial complete on the
@@ -179,6 +182,7 @@ def _kill_session(sid):
             pass
 
 
+@pytest.mark.serial  # starts Ray with the machine's CPUs
 def test_a_killed_driver_on_ray_is_resumed(no_ray, fault_adapter, monkeypatch, write_spec, tmp_path):
     """The CLI on a local Ray instance, killed (SIGKILL) after its first record: ``--resume`` on Ray runs only what
     is missing, and every trial is recorded once."""
@@ -208,6 +212,7 @@ def test_a_killed_driver_on_ray_is_resumed(no_ray, fault_adapter, monkeypatch, w
     assert len(json.loads((run_dir / "run.json").read_text())["executors"]) == 2
 
 
+@pytest.mark.serial  # pins the machine's two cores
 def test_a_parallel_run_stopped_by_sigterm_kills_its_workers_and_resumes(fault_adapter, monkeypatch, write_spec,
                                                                          tmp_path):
     """``--parallel 2`` stopped with SIGTERM while two workers run: run.json says it was interrupted, no worker
@@ -267,6 +272,7 @@ def test_a_data_parallel_trial_waits_for_its_slots_and_no_later_trial_overtakes_
     assert not {pair["id"], pair_again["id"]} & set(overlaps(list(records.values())))
 
 
+@pytest.mark.serial  # starts Ray with the machine's CPUs
 def test_a_data_parallel_trial_is_one_ray_task_with_all_its_gpus(no_ray, monkeypatch, tmp_path):
     """A local Ray instance that declares 2 GPUs; NVML (the fake, tests/fakes/site, in Ray's workers) has two. The
     trial on 2 GPUs is one task holding both (nothing else fits beside it), its worker sees the GPUs Ray granted

@@ -95,7 +95,6 @@ def memory_adapter(monkeypatch):
     return "memory_dp"
 
 
-@pytest.mark.serial  # caps memory
 def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, write_spec, tmp_path, capsys):
     from harness import cli
     from harness.results import store
@@ -132,7 +131,6 @@ def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, wri
     assert "data-parallel on 2 devices" in (run_dir / "max_batch.md").read_text()
 
 
-@pytest.mark.serial  # caps memory
 def test_the_recommendation_holds_in_a_real_run_where_the_answer_does_not(memory_adapter, write_spec, tmp_path):
     """The user's case, for real: the answer fits both of its probes (synthetic data of the batch's size), but a run
     holds the spec's whole dataset (28 MB under an 80 MB cap) and runs out of memory at it. The run checks measure

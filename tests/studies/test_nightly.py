@@ -40,6 +40,7 @@ def small_spec(framework, tmp_path, **changes):
     return validate(data, tmp_path / "nightly.yaml")
 
 
+@pytest.mark.serial  # judges a planted slowdown against timing noise
 def test_compare_catches_a_planted_slowdown_and_not_noise(steady, monkeypatch, tmp_path):
     spec = small_spec(steady, tmp_path)
     base = run_spec(spec, tmp_path / "r")
@@ -130,6 +131,7 @@ def test_resume_refuses_a_different_spec(steady, write_spec, tmp_path):
     assert proc.returncode == 2 and "is not a run directory" in proc.stderr
 
 
+@pytest.mark.serial  # judges a planted slowdown against timing noise
 def test_history_across_three_runs(steady, monkeypatch, tmp_path):
     spec = small_spec(steady, tmp_path, repeats=1)
     history_file = tmp_path / "results" / "history.jsonl"
@@ -151,6 +153,7 @@ def test_history_across_three_runs(steady, monkeypatch, tmp_path):
     assert cli("history", "--file", str(history_file), "--metric", "nonsense", cwd=tmp_path).returncode == 2
 
 
+@pytest.mark.serial  # judges a planted slowdown against timing noise
 def test_nightly_script_sets_a_baseline_then_catches_a_regression(steady, write_spec, monkeypatch, tmp_path):
     from tests.conftest import ROOT
 
