@@ -2,7 +2,8 @@
 
 ``load`` and ``checked_spec`` are what the commands use: the field rules of ``harness.spec`` and then the checks that
 need the neutral model, the dataset files or the adapter registry (every framework named has an adapter; the model
-fits the dataset's images or tokens and its classes; a CIFAR-10 tarball exists; augmentation has images to augment).
+fits the dataset's images or tokens and its classes; a CIFAR-10 tarball exists; an image folder has class folders
+with images; augmentation has images to augment).
 Every failure is a ``SpecError``: one line naming the file and the field (for the model, the layer's path, e.g.
 ``model.layers.3.body``), which the CLI prints before exiting with status 2. ``unsupported_reason`` says, also before
 anything runs, which frameworks' adapters cannot build the model: their trials are recorded ``unsupported``. Imports
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
 from harness import spec as spec_module
-from harness.neutral import datasets, models
+from harness.neutral import datasets, image_folder, models
 from harness.spec import (
     Cifar10Data,
     CompileMode,
     DataParallelSpec,
     FrameworkEntry,
+    ImageFolderData,
     OptimizerSpec,
     Precision,
     Spec,
@@ -65,16 +67,35 @@ def check(spec: Spec, file: str | os.PathLike[str]) -> None:
             datasets.resolve_cifar10_path(spec.dataset, base_dir=base)
         except datasets.DatasetError as err:
             raise SpecError(file, "dataset.path", str(err)) from None
+    if isinstance(spec.dataset, ImageFolderData):  # the model is checked against the folder the spec means
+        spec = spec.model_copy(update={"dataset": check_image_folder(spec.dataset, file)})
     try:
         model_info(spec)
     except models.ModelError as err:
         raise SpecError(file, "model.layers" + (f".{err.path}" if err.path is not None else ""), str(err)) from None
+    except datasets.DatasetError as err:  # an image folder's listing or first header (its path as given)
+        raise SpecError(file, f"dataset.{err.field or 'path'}", str(err)) from None
     check_data_parallel(spec, file)
     augmenting = spec.augmentation or any((spec.variants and spec.variants.augmentation) or [])
     if augmenting and isinstance(spec.dataset, SyntheticTokens):
         field = "augmentation" if spec.augmentation else "variants.augmentation"
         raise SpecError(file, field, "augmentation (random crops and flips of images) needs an image dataset, not "
                                      "token sequences")
+
+
+def check_image_folder(cfg: ImageFolderData, file: str | os.PathLike[str]) -> ImageFolderData:
+    """An image folder's checks that need no decoding: the folder exists and has class folders, none of them empty,
+    the test classes are training classes, and without ``size`` the first image's size can be read from its header
+    (``harness.neutral.image_folder.describe``). A relative ``path`` is taken relative to the spec file. Returns
+    ``cfg`` with that path. Raises SpecError naming the dataset field to fix (``dataset.path``, ``dataset.size``)."""
+    base = Path(file).parent
+    if not cfg.path.is_absolute():
+        cfg = cfg.model_copy(update={"path": base / cfg.path})
+    try:
+        image_folder.describe(cfg)
+    except datasets.DatasetError as err:
+        raise SpecError(file, f"dataset.{err.field or 'path'}", str(err)) from None
+    return cfg
 
 
 def data_parallel_settings(spec: Spec) -> list[tuple[str, DataParallelSpec | None]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from harness.cli.common import OFFLINE_HELP
+
 
 def _sizes(text: str) -> list[int]:
     try:
@@ -71,11 +73,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cpu or cuda:N (default: the spec's device)")
     parser.add_argument("--timeout", type=float, help="seconds per probe (default: the spec's timeout_s)")
     parser.add_argument("--out", default="results", help="folder that receives the run directory (default: results)")
+    parser.add_argument("--offline", action="store_true", help=OFFLINE_HELP)
     parser.set_defaults(handler=handle)
     return parser
 
 
 def handle(args: argparse.Namespace) -> int:
+    from harness.cli.common import load_spec
     from harness.studies.max_batch import command
 
+    load_spec(args.spec, offline=args.offline)  # the dataset fetched or decoded once, before the first probe
     return command.run(args)

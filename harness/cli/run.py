@@ -7,7 +7,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.cli.common import EXIT_NOTHING_RAN, EXIT_USAGE, int_list, print_summary, str_list, summary_console
+from harness.cli.common import (
+    EXIT_NOTHING_RAN,
+    EXIT_USAGE,
+    OFFLINE_HELP,
+    int_list,
+    load_spec,
+    print_summary,
+    str_list,
+    summary_console,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -31,6 +40,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--retries", type=int, default=0, metavar="N",
                      help="ray: run a trial again up to N times when its node or worker dies (default 0: recorded "
                           "crashed, 'node lost')")
+    run.add_argument("--offline", action="store_true", help=OFFLINE_HELP)
     run.set_defaults(handler=handle)
 
 
@@ -81,12 +91,12 @@ def handle(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
-    from harness import plan
     from harness.results import report
     from harness.studies.sweep import raise_on_signals, run_spec
 
     overrides = {"frameworks": args.frameworks, "batch_sizes": args.batch_sizes, "epochs": args.epochs}
-    spec = plan.load(args.spec, overrides)
+    # the dataset fetched or decoded once, and the spec checked, before the first trial
+    spec = load_spec(args.spec, overrides, offline=args.offline, progress=False if args.no_progress else None)
     from harness.measure.sampler import interval_warning
 
     if (warning := interval_warning(spec.sampler.interval_s)) is not None:

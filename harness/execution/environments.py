@@ -22,7 +22,8 @@ from harness.spec import ROOT, FrameworkEntry, Spec, SpecError
 
 PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing TensorFlow alone takes seconds
 LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"}  # module -> distribution
-DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}}  # what loading a dataset needs in the worker
+#: What loading a dataset needs in the worker, module -> distribution.
+DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}, "image_folder": {"PIL": "Pillow"}}
 
 # Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS DEVICE MODULE...`` (the modules it must find:
 # the light dependencies and what the dataset needs; the registry travels as an argument: a container does not inherit

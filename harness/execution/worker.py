@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 import numpy as np
 
 from harness.execution.protocol import Epoch, Error, ErrorKind, Payload, Phase, Ready, Result, Start, event_line
-from harness.neutral.datasets import augment, epoch_order
+from harness.neutral.datasets import Data, augment, epoch_order
 from harness.plan import Trial
 
 if TYPE_CHECKING:
@@ -343,6 +343,15 @@ def run_options(adapter: Any, spec: Spec, trial: Trial, mode: str, rank: int = 0
                       memory_limit_bytes=trial.memory_limit_bytes, allocator=allocator, data_parallel=data_parallel)
 
 
+def _data_metrics(data: Data) -> dict[str, int]:
+    """``data_bytes``: bytes of the dataset's arrays; for a dataset read from image files, ``data_skipped_files``: the
+    unreadable files left out (``ImageFolderData.on_bad_file: skip``)."""
+    out = {"data_bytes": int(data.nbytes)}
+    if data.skipped_files is not None:
+        out["data_skipped_files"] = len(data.skipped_files)
+    return out
+
+
 def run(payload: Payload | dict[str, Any], events: Events) -> int:
     """Runs one trial end to end and reports it through ``events``. ``payload``: the Payload, or its JSON data
     (validated here). Returns the process exit status."""
@@ -386,7 +395,7 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
             "parameter_count": info.parameter_count,
             "train_flops_per_sample": info.train_flops_per_sample,
             "achieved_flops": metrics["throughput"] * info.train_flops_per_sample,
-            "data_bytes": data.nbytes,
+            **_data_metrics(data),
             "precision": precision,
             "compile": mode,
             "compile_meaning": adapter.COMPILE_MODES.get(mode, ""),

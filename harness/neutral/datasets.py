@@ -2,7 +2,9 @@
 
 Images are float32 NHWC arrays scaled to [0, 1] (the same normalisation for every framework, done here once);
 token sequences are int64 (N, L) arrays of ids in [0, vocab); labels are int64 class indices, (N,), or (N, L) for a
-next-token task (one label per position). Nothing is ever downloaded.
+next-token task (one label per position). Nothing here downloads: the CIFAR-10 archive is fetched, when missing,
+by ``harness.neutral.download`` in the orchestrating process before any trial starts; image folders are read by
+``harness.neutral.image_folder``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.neutral.info import Input
-from harness.spec import Cifar10Data, DigitsData, SyntheticData, SyntheticTokens
+from harness.spec import Cifar10Data, DigitsData, ImageFolderData, SyntheticData, SyntheticTokens
 
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"  # the archive's published checksum (cs.toronto.edu/~kriz/cifar.html)
@@ -26,7 +28,12 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 
 class DatasetError(Exception):
-    """A dataset that cannot be loaded (missing file, wrong checksum). The message says what to do."""
+    """A dataset that cannot be loaded (missing file, wrong checksum, unreadable image). ``str(err)`` is one line
+    that says what to do; ``field`` names the dataset field it concerns (``path``, ``size``), or None."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,9 @@ class Data:
     """A loaded dataset.
 
     x_train: float32 (N, H, W, C) in [0, 1], or int64 (N, L) token ids; y_train: int64 (N,), or (N, L) for a
-    next-token task; x_test, y_test likewise; num_classes: int (the vocabulary for a next-token task).
+    next-token task; x_test, y_test likewise; num_classes: int (the vocabulary for a next-token task);
+    skipped_files: for a dataset read from image files, the files left out as unreadable (paths relative to its
+    folder; empty when none were), None for the others.
     """
 
     x_train: np.ndarray
@@ -42,6 +51,7 @@ class Data:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    skipped_files: tuple[str, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -49,18 +59,23 @@ class Data:
         return int(self.x_train.nbytes + self.y_train.nbytes + self.x_test.nbytes + self.y_test.nbytes)
 
 
-DatasetSpec = DigitsData | SyntheticData | SyntheticTokens | Cifar10Data
+DatasetSpec = DigitsData | SyntheticData | SyntheticTokens | Cifar10Data | ImageFolderData
 
 
 def describe(cfg: DatasetSpec) -> tuple[tuple[int, ...], int]:
     """One sample's shape and the number of classes, without loading anything: an image's (H, W, C), or a token
-    sequence's (L,) (see ``describe_input`` for what a model needs to know)."""
+    sequence's (L,) (see ``describe_input`` for what a model needs to know). An image folder is listed, not decoded
+    (``image_folder.describe``); it raises DatasetError when the folder cannot be used."""
     if isinstance(cfg, DigitsData):
         return (8, 8, 1), 10
     if isinstance(cfg, SyntheticData):
         return tuple(cfg.shape), cfg.classes
     if isinstance(cfg, SyntheticTokens):
         return (cfg.length,), token_classes(cfg)
+    if isinstance(cfg, ImageFolderData):
+        from harness.neutral import image_folder  # it imports this module
+
+        return image_folder.describe(cfg)
     return (32, 32, 3), 10
 
 
@@ -90,7 +105,17 @@ def load(cfg: DatasetSpec, seed: int = 0) -> Data:
         return _synthetic(cfg, seed)
     if isinstance(cfg, SyntheticTokens):
         return _synthetic_tokens(cfg, seed)
+    if isinstance(cfg, ImageFolderData):
+        from harness.neutral import image_folder  # it imports this module
+
+        return image_folder.load(cfg)
     return _cifar10(cfg)
+
+
+def cache_folder(cache_dir: Path | None = None) -> Path:
+    """The folder that holds downloaded and decoded datasets: ``cache_dir`` when given, else ``$HARNESS_DATA``, else
+    ``~/.cache/harness`` (``~`` expanded). It may not exist yet."""
+    return Path(cache_dir or os.environ.get("HARNESS_DATA") or Path.home() / ".cache" / "harness").expanduser()
 
 
 def token_classes(cfg: SyntheticTokens) -> int:
@@ -224,21 +249,37 @@ def _synthetic_tokens(cfg: SyntheticTokens, seed: int) -> Data:
     return Data(x_train, y_train, x_test, y_test, token_classes(cfg))
 
 
+def cifar10_cache_path(cfg: Cifar10Data) -> Path:
+    """Where the CIFAR-10 archive belongs when ``dataset.path`` is not given: ``<cache>/cifar-10-python.tar.gz``,
+    cache = ``cfg.cache_dir``, ``$HARNESS_DATA`` or ``~/.cache/harness`` (``cache_folder``)."""
+    return cache_folder(cfg.cache_dir) / CIFAR10_ARCHIVE
+
+
+def missing_cifar10_message(path: Path, explicit: bool = False) -> str:
+    """The one line that says a CIFAR-10 archive is missing at ``path`` and where to put it. ``explicit``: the path
+    is ``dataset.path`` (never downloaded), not the cache's."""
+    if explicit:
+        return (f"no CIFAR-10 archive at {path} (dataset.path, which is never downloaded); download {CIFAR10_URL} "
+                "and put it there, or leave dataset.path out to have it downloaded into the cache")
+    return (f"no CIFAR-10 archive at {path}; download {CIFAR10_URL} and put it there (or set dataset.path); offline "
+            "(--offline or HARNESS_OFFLINE=1) the harness never downloads, else `harness run` and `harness "
+            "max-batch` download it there before the first trial")
+
+
 def resolve_cifar10_path(cfg: Cifar10Data, base_dir: Path | None = None) -> Path:
-    """Where the CIFAR-10 archive is: ``cfg.path``, else ``<cache>/cifar-10-python.tar.gz`` with cache =
-    ``cfg.cache_dir``, ``$HARNESS_DATA`` or ``~/.cache/harness``. Raises DatasetError saying where to put it."""
+    """Where the CIFAR-10 archive is: ``cfg.path``, else ``cifar10_cache_path(cfg)``. Raises DatasetError saying
+    where to put it (``missing_cifar10_message``) when there is no file there."""
     if cfg.path is not None:
         path = cfg.path if cfg.path.is_absolute() or base_dir is None else base_dir / cfg.path
     else:
-        cache = cfg.cache_dir or Path(os.environ.get("HARNESS_DATA", Path.home() / ".cache" / "harness"))
-        path = Path(cache).expanduser() / CIFAR10_ARCHIVE
+        path = cifar10_cache_path(cfg)
     if not path.is_file():
-        raise DatasetError(f"no CIFAR-10 archive at {path}; download {CIFAR10_URL} and put it there "
-                           f"(or set dataset.path); the harness never downloads")
+        raise DatasetError(missing_cifar10_message(path, explicit=cfg.path is not None), field="path")
     return path
 
 
-def _md5(path: Path) -> str:
+def file_md5(path: Path) -> str:
+    """The md5 hex digest of a file, read in 1 MiB chunks."""
     digest = hashlib.md5()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -253,7 +294,7 @@ def load_cifar10_archive(path: Path, expected_md5: str | None = CIFAR10_MD5) -> 
     (uint8 (N, 3072), channel-first rows) and ``b"labels"``. The checksum is verified before anything is unpickled
     (pickle must only read a trusted file). Raises DatasetError on a wrong checksum or a malformed archive.
     """
-    if expected_md5 is not None and (actual := _md5(path)) != expected_md5:
+    if expected_md5 is not None and (actual := file_md5(path)) != expected_md5:
         raise DatasetError(f"{path}: md5 {actual} is not CIFAR-10's {expected_md5}; the file is damaged or another "
                            "file")
     parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}

@@ -48,10 +48,10 @@ from harness.spec.layers import (
 __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data",
            "CompileMode", "DataParallelSpec", "Precision",
            "Conv2D", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding", "Flatten",
-           "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "Initializer", "Layer", "LayerNorm",
-           "MaxPool2D", "ModelSpec", "OptimizerSpec", "PlainLayer", "ROOT", "ReLU", "Residual", "SamplerSpec",
-           "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens", "TimingSpec",
-           "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
+           "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "ImageFolderData", "Initializer", "Layer",
+           "LayerNorm", "MaxPool2D", "ModelSpec", "OptimizerSpec", "PlainLayer", "ROOT", "ReLU", "Residual",
+           "SamplerSpec", "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens",
+           "TimingSpec", "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
 
 
 class DigitsData(_Strict):
@@ -102,10 +102,14 @@ class SyntheticTokens(_Strict):
 
 
 class Cifar10Data(_Strict):
-    """CIFAR-10 from the standard python tarball ``cifar-10-python.tar.gz`` (md5-verified), never downloaded.
+    """CIFAR-10 from the standard python tarball ``cifar-10-python.tar.gz``, md5-verified before it is read.
 
-    ``path`` is the tarball; without it the file is looked up in ``cache_dir``, else ``$HARNESS_DATA``, else
-    ``~/.cache/harness``. A relative path is taken relative to the spec file.
+    ``path``: the tarball; a relative path is taken relative to the spec file. A file named here is never
+    downloaded. ``cache_dir``: the folder that holds the archive when ``path`` is not given (default
+    ``$HARNESS_DATA``, else ``~/.cache/harness``). When the archive is not there, ``harness run`` and ``harness
+    max-batch`` download it there once, before any trial starts (``harness.neutral.download``; from
+    ``$HARNESS_CIFAR10_URL`` when set), unless ``--offline`` or ``HARNESS_OFFLINE=1`` asks for no network.
+    ``limit_train``: use only the first N training images. ``limit_test``: only the first N test images.
     """
 
     name: Literal["cifar10"]
@@ -115,7 +119,41 @@ class Cifar10Data(_Strict):
     limit_test: int | None = Field(default=None, gt=0)
 
 
-Dataset = Annotated[DigitsData | SyntheticData | SyntheticTokens | Cifar10Data, Field(discriminator="name")]
+class ImageFolderData(_Strict):
+    """Images in a folder with one sub-folder per class (``harness.neutral.image_folder``).
+
+    ``path``: the folder; a relative path is taken relative to the spec file. Its sub-folders are the classes, class
+    index = position in the sorted sub-folder names; their ``.jpg``, ``.jpeg`` and ``.png`` files are the images
+    (other files and hidden names are ignored). When ``path`` holds ``train/`` and ``test/``, each with class
+    sub-folders, they are the split (every test class must be a training class). ``test_fraction``: otherwise,
+    this fraction of each class's images (rounded, at least one kept for training) is the test set, chosen from the
+    file names and a fixed seed: the same split in every trial and framework.
+    ``size``: [height, width] in pixels that every image is resized to (bilinear, Pillow's ``Image.resize``); without
+    it every image must have the size of the first one. ``channels``: 3 (RGB) or 1 (grayscale); every image is
+    converted to it. ``on_bad_file``: ``error`` stops at the first file that cannot be decoded, naming it; ``skip``
+    leaves such files out and counts them (``metrics.data_skipped_files`` of the trial). ``cache_dir``: where the
+    decoded arrays are cached (default ``$HARNESS_DATA``, else ``~/.cache/harness``); a relative path is taken
+    relative to the spec file.
+    """
+
+    name: Literal["image_folder"]
+    path: Path
+    size: tuple[PositiveInt, PositiveInt] | None = None
+    channels: Literal[1, 3] = 3
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    on_bad_file: Literal["error", "skip"] = "error"
+    cache_dir: Path | None = None
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _height_and_width(cls, size: Any) -> Any:
+        if isinstance(size, (list, tuple)) and len(size) != 2:
+            raise ValueError(f"size is [height, width] in pixels, two numbers, not {len(size)}")
+        return size
+
+
+Dataset = Annotated[DigitsData | SyntheticData | SyntheticTokens | Cifar10Data | ImageFolderData,
+                    Field(discriminator="name")]
 
 
 class OptimizerSpec(_Strict):
@@ -449,4 +487,8 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
     if isinstance(spec.dataset, Cifar10Data) and spec.dataset.path and not spec.dataset.path.is_absolute():
         dataset = spec.dataset.model_copy(update={"path": (file.parent / spec.dataset.path).resolve()})
         spec = spec.model_copy(update={"dataset": dataset})
+    if isinstance(spec.dataset, ImageFolderData):  # absolute, so that a worker started elsewhere finds the folder
+        folders = {key: (file.parent / value).resolve() for key in ("path", "cache_dir")
+                   if (value := getattr(spec.dataset, key)) is not None and not value.is_absolute()}
+        spec = spec.model_copy(update={"dataset": spec.dataset.model_copy(update=folders)})
     return spec
