@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from adapters import jax, mxnet, pytorch, tensorflow
-from adapters.base import Adapter, DeviceUnavailable, data_parallel_gap, execution_gap, support_gap
+from adapters.base import Adapter, DeviceUnavailable, data_parallel_gap, execution_gap, input_gap, support_gap
 from adapters.declaration import Declaration
 
 if TYPE_CHECKING:
@@ -82,10 +82,11 @@ def get(name: str) -> type[Adapter]:
 
 
 def unsupported(name: str, info: ModelInfo, precision: str = "fp32", compile: str = "default",
-                device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False) -> str | None:
+                device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
+                input: str = "resident") -> str | None:
     """Why the adapter ``name`` cannot train ``info`` in ``precision`` with ``compile`` on ``device``, decided
-    without importing its framework, on ``data_parallel`` devices (with ``sync_batchnorm``): the reason
-    (``adapters.base.support_gap``, then ``execution_gap``, then ``data_parallel_gap``) for a
+    without importing its framework, on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``: the
+    reason (``adapters.base.support_gap``, then ``execution_gap``, ``data_parallel_gap``, ``input_gap``) for a
     built-in adapter that lacks something, else None (also for an adapter of ``HARNESS_ADAPTERS`` that replaces a
     built-in name or is not one: its worker decides)."""
     record = declaration(name)
@@ -93,4 +94,5 @@ def unsupported(name: str, info: ModelInfo, precision: str = "fp32", compile: st
         return None
     return support_gap(name, record.layers, record.tasks, info) or execution_gap(
         name, record.precisions, record.compile_modes, record.default_compile, precision, compile, device,
-        record.notes) or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device)
+        record.notes) or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device) or input_gap(
+        record, input, data_parallel)

@@ -16,7 +16,7 @@ which the class attributes below are set; a trial that needs anything else is ``
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -36,14 +36,15 @@ from adapters.declaration import (
     Declaration,
 )
 from harness.neutral.info import TASKS, describe_feature, requirements
-from harness.spec import AllocatorSpec, CompileMode, Precision
+from harness.spec import AllocatorSpec, CompileMode, InputMode, LoaderSpec, Precision
 
 __all__ = ["ALL_LAYERS", "ALL_TASKS", "BASIC_LAYERS", "BOTH", "CPU", "CUDA", "Adapter", "DataParallel", "Declaration",
            "DeviceUnavailable", "EAGER_ONLY", "FP32_ONLY", "IMAGE_TASKS", "RunOptions", "data_parallel_gap",
-           "device_kind", "execution_gap", "micro_batch_size", "shard", "support_gap"]
+           "device_kind", "input_gap", "execution_gap", "micro_batch_size", "shard", "support_gap"]
 
 if TYPE_CHECKING:
     from harness.neutral.datasets import Data
+    from harness.neutral.inputs import InputSource
     from harness.neutral.models import ModelInfo
     from harness.spec import OptimizerSpec
 
@@ -67,6 +68,10 @@ class RunOptions(BaseModel):
     allocator: AllocatorSpec = Field(default_factory=AllocatorSpec)
     #: data-parallel training over several devices (``DataParallel``); None: one device
     data_parallel: DataParallel | None = None
+    #: where each step's batch comes from (resident: gathered on the device; loader: ``open_loader``'s loader)
+    input: InputMode = "resident"
+    #: the loader's workers and prefetch (``input == "loader"``)
+    loader: LoaderSpec = Field(default_factory=LoaderSpec)
 
 
 class DataParallel(BaseModel):
@@ -177,6 +182,20 @@ def data_parallel_gap(record: Declaration, info: ModelInfo, devices: int, sync_b
     return None
 
 
+def input_gap(record: Declaration, source: str, devices: int = 1, from_files: bool = False,
+              augmentation: bool = False) -> str | None:
+    """None when the adapter of ``record`` trains with ``source`` (``harness.spec.InputMode``) on ``devices``
+    devices; else one line saying what it lacks. Loader mode needs the declaration's ``loader``, and is not combined
+    with data parallelism (each device would need its shard of every batch from the loader)."""
+    if source != "loader":
+        return None
+    if not record.loader:
+        return f"the {record.name} adapter has no data loader mode (input: loader)"
+    if devices > 1:
+        return "input: loader is not combined with data parallelism yet (each device would need its own shard)"
+    return None
+
+
 class DeviceUnavailable(RuntimeError):
     """The framework cannot use the requested device (a CPU-only build asked for cuda:N, an index out of range)."""
 
@@ -262,7 +281,8 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def load(self, data: Data) -> None:
         """Places the dataset on the device once (float32 NHWC images, or int64 (N, L) token ids; int64 labels, (N,)
-        or (N, L) for a next-token task); train_step gathers from it."""
+        or (N, L) for a next-token task); train_step gathers from it. With ``options.input == "loader"`` the test set
+        only: the training samples come through ``open_loader``'s loader."""
 
     def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
         """Replaces the training images on the device in place with ``images`` (float32 NHWC, the shape ``load``
@@ -270,6 +290,30 @@ class Adapter(abc.ABC):
         epoch when the trial augments its data (harness.neutral.datasets.augment). Raises NotImplementedError when the
         adapter cannot."""
         raise NotImplementedError(f"the {self.name} adapter cannot replace its training images (augmentation)")
+
+    # -- input pipeline (input: loader) ---------------------------------------------------------------------------
+
+    def open_loader(self, source: InputSource) -> None:
+        """Builds the framework's own data loader (the declaration's ``loader``) over ``source``
+        (``harness.neutral.inputs.InputSource``: ``source.read(indices, epoch)`` gives a batch's host arrays), with
+        ``options.loader``'s workers and prefetch as the framework's documentation recommends for training, and
+        records its settings under ``settings()["loader"]`` in the framework's own names. Called once, after
+        ``load`` and outside every timed window. Raises NotImplementedError without a loader mode."""
+        raise NotImplementedError(f"the {self.name} adapter has no data loader mode")
+
+    def epoch_batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Any]:
+        """The loader's batches of epoch ``epoch``, one per optimizer step: step ``p``'s batch holds
+        ``source.read(order[p * samples_per_step:(p + 1) * samples_per_step], epoch)``, on the device as the
+        framework's tensors (its transfer started, maybe not finished), for ``train_batch``; whole steps only. The
+        shared loop times each ``next`` of it: the time a step waited for its input. Called before the epoch's
+        first step, outside every timed window for the first epoch (inside a window that runs across an epoch's end,
+        as a training loop starts its next epoch's iterator)."""
+        raise NotImplementedError(f"the {self.name} adapter has no data loader mode")
+
+    def train_batch(self, batch: Any, micro_batches: int = 1) -> None:
+        """One optimizer step on a batch ``epoch_batches`` yielded: otherwise as ``train_step`` (micro-batches,
+        the loss sum, no read back)."""
+        raise NotImplementedError(f"the {self.name} adapter has no data loader mode")
 
     # -- steps ---------------------------------------------------------------------------------------------------
 

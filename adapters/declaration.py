@@ -69,6 +69,8 @@ class Declaration:
     data_parallel: how it trains on several devices, "" (it does not), "devices" (one process drives them all) or
     "processes" (one process per device, ranks started by the worker as torchrun would);
     data_parallel_mechanism: the framework's mechanism in words ("tf.distribute.MirroredStrategy"),
+    loader: the framework's own data loader that ``input: loader`` feeds each step through, in words
+    ("torch.utils.data.DataLoader"); "" when the adapter has no loader mode.
     data_parallel_environment: worker variables a data-parallel trial sets, "{devices}" standing for N (JAX's host
     device count); sync_batchnorm: the device kinds ("cpu", "cuda") on which it can normalise batchnorm over the
     global batch (where it cannot, the reason is ``sync_batchnorm_note``).
@@ -97,6 +99,7 @@ class Declaration:
     data_parallel_environment: Mapping[str, str] = field(default_factory=dict)
     sync_batchnorm: frozenset[str] = frozenset()
     sync_batchnorm_note: str = ""
+    loader: str = ""
 
     def __post_init__(self) -> None:
         for name in ("precisions", "compile_modes", "environment", "thread_environment", "allocator_environment",

@@ -12,6 +12,7 @@ anything runs, which frameworks' adapters cannot build the model: their trials a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -27,6 +28,8 @@ from harness.spec import (
     DataParallelSpec,
     FrameworkEntry,
     ImageFolderData,
+    InputMode,
+    LoaderSpec,
     OptimizerSpec,
     Precision,
     Spec,
@@ -159,15 +162,17 @@ def model_info(spec: Spec) -> models.ModelInfo:
 
 
 def unsupported_reason(spec: Spec, framework: str, precision: str | None = None, compile: str | None = None,
-                       device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False) -> str | None:
+                       device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
+                       input: str = "resident") -> str | None:
     """Why the adapter named ``framework`` cannot train the spec's model in ``precision`` with ``compile`` on
-    ``device`` (None: the spec's own), on ``data_parallel`` devices (with ``sync_batchnorm``), decided now without
+    ``device`` (None: the spec's own), on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``
+    (``harness.spec.InputMode``), decided now without
     importing the framework (``adapters.unsupported``: built-in adapters only; None for the others, whose workers
     decide before ``build``); None when it can. The spec must have passed ``check``."""
     from adapters import unsupported  # the registry imports no framework
 
     return unsupported(framework, model_info(spec), precision or spec.precision, compile or spec.compile, device,
-                       data_parallel, sync_batchnorm)
+                       data_parallel, sync_batchnorm, input)
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
@@ -208,7 +213,9 @@ class Trial:
     steps, or None (``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole epoch).
     data_parallel: N devices, each training on ``per_device_batch_size`` = micro_batch_size / N samples of every
     step (``adapters.base.shard``); devices: those N devices ("cpu:0".."cpu:N-1" or "cuda:i"), empty for one
-    device; sync_batchnorm: batchnorm over the global batch (``harness.spec.DataParallelSpec``).
+    device; sync_batchnorm: batchnorm over the global batch (``harness.spec.DataParallelSpec``). input: where each
+    step's batch comes from (``harness.spec.InputMode``); loader: the data loader's workers and prefetch
+    (``harness.spec.LoaderSpec``), for ``input == "loader"``.
     """
 
     id: str
@@ -239,6 +246,8 @@ class Trial:
     data_parallel: int = 1
     devices: tuple[str, ...] = ()
     sync_batchnorm: bool = False
+    input: InputMode = "resident"
+    loader: LoaderSpec = dataclasses.field(default_factory=LoaderSpec)
 
     def __post_init__(self) -> None:
         if self.samples_per_step != self.micro_batch_size * self.accumulation_steps:
@@ -297,6 +306,7 @@ class Variant(NamedTuple):
     precision: Precision
     compile: CompileMode
     data_parallel: DataParallelSpec | None = None
+    input: InputMode = "resident"
 
 
 def data_parallel_label(dp: DataParallelSpec | None) -> str:
@@ -306,22 +316,23 @@ def data_parallel_label(dp: DataParallelSpec | None) -> str:
 
 
 def variants(spec: Spec) -> list[Variant]:
-    """Every combination of the spec's variant lists (optimizer, augmentation, precision, compile, data_parallel, in
-    that order of nesting); one unnamed variant (the spec's own settings) when none are given. A label names only
-    what varies, e.g. "adam lr=0.001, bf16, compiled"."""
-    own = Variant("", spec.optimizer, spec.augmentation, spec.precision, spec.compile, spec.data_parallel)
+    """Every combination of the spec's variant lists (optimizer, augmentation, precision, compile, data_parallel,
+    input, in that order of nesting); one unnamed variant (the spec's own settings) when none are given. A label
+    names only what varies, e.g. "adam lr=0.001, bf16, compiled"."""
+    own = Variant("", spec.optimizer, spec.augmentation, spec.precision, spec.compile, spec.data_parallel, spec.input)
     if spec.variants is None:
         return [own]
     v = spec.variants
     out = []
-    for opt, aug, precision, compile, dp in itertools.product(
+    for opt, aug, precision, compile, dp, source in itertools.product(
             v.optimizer or [spec.optimizer], v.augmentation if v.augmentation is not None else [spec.augmentation],
-            v.precision or [spec.precision], v.compile or [spec.compile], _data_parallel_list(spec)):
+            v.precision or [spec.precision], v.compile or [spec.compile], _data_parallel_list(spec),
+            v.input or [spec.input]):
         parts = (([variant_label(opt)] if v.optimizer else []) +
                  ([f"aug {'on' if aug else 'off'}"] if v.augmentation is not None else []) +
                  ([precision] if v.precision else []) + ([compile] if v.compile else []) +
-                 ([data_parallel_label(dp)] if v.data_parallel else []))
-        out.append(Variant(", ".join(parts), opt, aug, precision, compile, dp))
+                 ([data_parallel_label(dp)] if v.data_parallel else []) + ([source] if v.input else []))
+        out.append(Variant(", ".join(parts), opt, aug, precision, compile, dp, source))
     return out
 
 
@@ -362,7 +373,8 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               learning_rate=scaled_learning_rate(spec, batch * spec.accumulation_steps, variant.optimizer),
               accumulation_steps=spec.accumulation_steps, samples_per_step=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
-              target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every)
+              target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every, input=variant.input,
+              loader=spec.loader)
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])
         for index, variant in enumerate(variants(spec))

@@ -26,6 +26,7 @@ DECLARATION = Declaration(
     data_parallel_mechanism=("torch.nn.parallel.DistributedDataParallel, one process per device (gloo on the CPU, "
                              "NCCL on CUDA GPUs), gradients all-reduced in buckets during the backward pass"),
     sync_batchnorm=CUDA,
+    loader="torch.utils.data.DataLoader",
     sync_batchnorm_note=("torch.nn.SyncBatchNorm runs on GPUs only: on the CPU its forward raises \"SyncBatchNorm "
                          "expected input tensor to be on GPU\" (torch 2.13)"),
 )

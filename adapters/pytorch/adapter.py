@@ -57,6 +57,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         self.scaler: torch.amp.GradScaler | None = None
         self._ranks: DataParallel | None = None  # options.data_parallel once prepare joined the process group
         self._sync_batchnorm = False  # build makes nn.SyncBatchNorm layers (in _layer)
+        self._loader_settings: dict[str, Any] = {}  # open_loader's DataLoader, for settings()
 
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__.split("+")[0], "torch_build": torch.__version__}
@@ -305,10 +306,38 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
                             device=self.device)
 
     def load(self, data: Any) -> None:
-        self.x_train = self._to_device_inputs(data.x_train)
-        self.y_train = torch.from_numpy(data.y_train).to(self.device)
+        if self.options.input == "resident":  # a loader brings the training batches itself (open_loader)
+            self.x_train = self._to_device_inputs(data.x_train)
+            self.y_train = torch.from_numpy(data.y_train).to(self.device)
         self.x_test = self._to_device_inputs(data.x_test)
         self.y_test = torch.from_numpy(data.y_test).to(self.device)
+
+    def open_loader(self, source: Any) -> None:
+        """A ``torch.utils.data.DataLoader`` over ``source`` (https://pytorch.org/docs/stable/data.html): a map-style
+        dataset whose ``__getitems__`` reads a whole batch (``source.read``) and converts it to the tensors
+        resident mode holds (NCHW float32, or int64 tokens), a batch sampler yielding each step's samples of the
+        epoch's order, ``num_workers`` = ``options.loader.workers`` worker processes (persistent across epochs),
+        ``prefetch_factor`` = ``options.loader.prefetch`` batches per worker, and ``pin_memory`` on CUDA so that
+        the copy to the device can overlap (``non_blocking``)."""
+        workers = self.options.loader.workers
+        self._batches = _EpochBatches()
+        self._loader = torch.utils.data.DataLoader(
+            _Samples(source, self.tokens), batch_sampler=self._batches, collate_fn=_as_is, num_workers=workers,
+            pin_memory=self.device.type == "cuda", persistent_workers=workers > 0,
+            prefetch_factor=self.options.loader.prefetch if workers > 0 else None)
+        self._loader_settings = {"loader": "torch.utils.data.DataLoader", "num_workers": workers,
+                                 "prefetch_factor": self.options.loader.prefetch if workers > 0 else None,
+                                 "persistent_workers": workers > 0, "pin_memory": self.device.type == "cuda",
+                                 "source": "files" if source.from_files else "memory"}
+
+    def epoch_batches(self, order: np.ndarray, samples_per_step: int, epoch: int) -> Any:
+        self._batches.order, self._batches.size, self._batches.epoch = order, samples_per_step, epoch
+        for x, y in self._loader:
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_batch(self, batch: Any, micro_batches: int = 1) -> None:
+        x, y = batch
+        self._count_compilations(lambda: self._train_on(x, y, micro_batches))
 
     def _autocast(self) -> Any:
         """``torch.autocast`` in the trial's low precision around a forward pass and its loss; nothing in fp32/tf32."""
@@ -342,37 +371,45 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
 
     def train_step(self, indices: np.ndarray, micro_batches: int = 1, position: int | None = None) -> None:
         """One optimizer step (``_train_step``; ``indices`` are converted at every step, ``position`` is not
-        needed); in the compiled mode the graphs TorchDynamo captures in it are counted
-        (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read around the step so that the graphs
-        of evaluation are not counted)."""
+        needed); in the compiled mode the graphs TorchDynamo captures in it are counted (``_count_compilations``)."""
+        self._count_compilations(lambda: self._train_step(indices, micro_batches))
+
+    def _count_compilations(self, step: Any) -> None:
+        """Runs ``step()``; in the compiled mode counts the graphs TorchDynamo captures in it
+        (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read around the step so that the graphs of
+        evaluation are not counted)."""
         if self._dynamo_counters is None:
-            self._train_step(indices, micro_batches)
+            step()
             return
         before = self._dynamo_counters["stats"]["unique_graphs"]
-        self._train_step(indices, micro_batches)
+        step()
         self._compilations += self._dynamo_counters["stats"]["unique_graphs"] - before
 
     def compilations(self) -> int | None:
         return self._compilations if self._dynamo_counters is not None else None
 
     def _train_step(self, indices: np.ndarray, micro_batches: int = 1) -> None:
-        """One optimizer step. With ``micro_batches`` k > 1, each of the k consecutive micro-batches is gathered,
-        run forward and backward on its own with its mean loss scaled by 1 / k (``backward`` adds into ``.grad``), so
-        that the one ``opt.step`` applies the mean gradient over all B samples while only one micro-batch's
-        activations are alive at a time. The recorded loss is the mean over all B samples. Data-parallel: this rank
-        runs its shard (``shard(indices, N, rank)``) through the DDP module, whose backward all-reduces the gradients
-        (their mean over the ranks: the global batch's with equal shards); the recorded loss is the shard's mean,
-        averaged over the ranks when it is read (``_take_loss_sum``). Gradient accumulation is not combined with it
-        (ValueError)."""
+        """One optimizer step on the resident samples ``indices``. Data-parallel: this rank runs its shard
+        (``shard(indices, N, rank)``) through the DDP module, whose backward all-reduces the gradients (their mean
+        over the ranks: the global batch's with equal shards); the recorded loss is the shard's mean, averaged over
+        the ranks when it is read (``_take_loss_sum``). Gradient accumulation is not combined with it (ValueError)."""
         if self._ranks is not None:
             if micro_batches > 1:
                 raise ValueError("gradient accumulation with data parallelism is not supported")
             indices = shard(indices, self._ranks.size, self._ranks.rank)
+        micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         idx = torch.from_numpy(indices).to(self.device, non_blocking=True)
+        self._train_on(self.x_train.index_select(0, idx), self.y_train.index_select(0, idx), micro_batches)
+
+    def _train_on(self, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 1) -> None:
+        """One optimizer step on the batch ``x``, ``y`` (on the device). With ``micro_batches`` k > 1, each of the k
+        consecutive micro-batches runs forward and backward on its own with its mean loss scaled by 1 / k
+        (``backward`` adds into ``.grad``), so that the one ``opt.step`` applies the mean gradient over all B samples
+        while only one micro-batch's activations are alive at a time. The recorded loss is the mean over all B
+        samples."""
+        micro_batch_size(len(x), micro_batches)  # raises ValueError for an uneven split
         self.opt.zero_grad(set_to_none=True)
         if micro_batches == 1:
-            x = self.x_train.index_select(0, idx)
-            y = self.y_train.index_select(0, idx)
             with self._autocast():
                 loss = self._loss(self.model(x), y)
             self._backward(loss)
@@ -380,11 +417,9 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             self._add_loss(loss)
             self._loss_steps += 1
             return
-        micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
-        for part in idx.chunk(micro_batches):
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
             with self._autocast():
-                loss = self._loss(self.model(self.x_train.index_select(0, part)), self.y_train.index_select(0, part))
-                loss = loss / micro_batches
+                loss = self._loss(self.model(xs), ys) / micro_batches
             self._backward(loss)
             self._add_loss(loss)  # k adds of mean / k: the step adds the mean over its B samples
         self._step()
@@ -502,6 +537,8 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
             out["memory_limit_bytes"] = None
             out.update(self._memory_limit)
+        if self._loader_settings:
+            out["loader"] = self._loader_settings
         if self._ranks is not None:
             out["data_parallel"] = {
                 "mechanism": "DistributedDataParallel", "backend": dist.get_backend(), "world_size": self._ranks.size,
@@ -524,3 +561,43 @@ def _leave() -> None:
     trial's last evaluation), and NCCL warns about a group left undestroyed."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _Samples(torch.utils.data.Dataset):
+    """The loader's map-style dataset: ``__getitems__`` reads a whole step (the batch sampler's list of (epoch,
+    index) pairs) through ``source.read`` and returns the tensors resident mode would gather (NCHW float32 images,
+    or int64 tokens; int64 labels), so that the DataLoader's workers do the conversion (collate: ``_as_is``)."""
+
+    def __init__(self, source: Any, tokens: bool):
+        self.source, self.tokens = source, tokens
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.source.read(np.fromiter((i for _, i in keys), dtype=np.int64, count=len(keys)), keys[0][0])
+        if not self.tokens:
+            x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _as_is(batch: Any) -> Any:
+    """The DataLoader's collate_fn: ``_Samples.__getitems__`` made the batch already."""
+    return batch
+
+
+class _EpochBatches:
+    """The DataLoader's batch sampler: the epoch's ``order`` cut into steps of ``size`` samples, each a list of
+    (epoch, index) pairs (the epoch draws the augmentation); set before each epoch's iterator (in the training
+    process, where a batch sampler runs)."""
+
+    def __init__(self) -> None:
+        self.order: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.size, self.epoch = 1, 0
+
+    def __len__(self) -> int:
+        return len(self.order) // self.size
+
+    def __iter__(self) -> Any:
+        for start in range(0, len(self) * self.size, self.size):
+            yield [(self.epoch, int(i)) for i in self.order[start:start + self.size]]

@@ -38,6 +38,10 @@ def load_spec(path: str | os.PathLike[str], overrides: dict[str, Any] | None = N
     spec = spec_module.load(path, overrides)
     try:
         download.fetch_dataset(spec.dataset, offline=offline, log=log, progress=progress)
+        if isinstance(spec.dataset, ImageFolderData) and spec.dataset.generate and not spec.dataset.path.exists():
+            made = spec.dataset.generate
+            log(f"writing {made.classes} x {made.per_class} generated images to {spec.dataset.path} (dataset.generate)")
+            image_folder.make_image_folder(spec.dataset.path, made.classes, made.per_class, made.size, made.seed)
         plan.check(spec, path)
         if isinstance(spec.dataset, ImageFolderData):
             prepared = image_folder.prepare(spec.dataset, log=log)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import numpy as np
@@ -130,8 +130,18 @@ class _Loop:
         self.compilations_warm: int | None = None  # the adapter's compilation count when warm-up ended
         self.epoch, self.position = 0, 0  # where training is: the epoch and the step within it
         self.order = np.arange(0)  # the epoch's sample order (begin_epoch)
+        self.loader = trial.input == "loader"  # each step's batch from the adapter's data loader (epoch_batches)
+        self.batches: Iterator[Any] = iter(())  # the epoch's loader batches
+        self.fetch_seconds = 0.0  # time spent waiting for the loader's next batch, every step's
+        self.input_wait_seconds = 0.0  # of that, inside the timed windows
 
     def step(self, order: np.ndarray, position: int) -> None:
+        if self.loader:  # the wait for the batch, timed alone: the input pipeline's share of the step
+            start = time.perf_counter()
+            batch = next(self.batches)
+            self.fetch_seconds += time.perf_counter() - start
+            self.adapter.train_batch(batch, micro_batches=self.accumulation)
+            return
         indices = order[position * self.batch:(position + 1) * self.batch]
         self.adapter.train_step(indices, micro_batches=self.accumulation, position=position)
 
@@ -157,6 +167,10 @@ class _Loop:
         """The epoch's order, staged (``Adapter.stage_epoch``), and its augmented images when augmenting."""
         self.epoch, self.position = epoch, 0
         self.order = epoch_order(self.n, self.seed, epoch)
+        if self.loader:  # the loader reads (and augments) the epoch's samples itself
+            self.batches = iter(self.adapter.epoch_batches(self.order[:self.steps_per_epoch * self.batch],
+                                                           self.batch, epoch))
+            return
         self.adapter.stage_epoch(self.order, self.batch)
         if self.augmentation:
             self.augment(epoch)
@@ -229,9 +243,10 @@ class _Loop:
         total = 0.0
         while True:
             left = self.steps_per_epoch - self.position
-            if not self.augmentation:
+            if not self.augmentation or self.loader:  # a loader augments as it reads: windows run on
                 left += (last - self.epoch) * self.steps_per_epoch
             count = self.window_steps(left)
+            fetched = self.fetch_seconds
             start = time.perf_counter()
             for _ in range(count):
                 if self.position == self.steps_per_epoch:
@@ -240,6 +255,7 @@ class _Loop:
                 self.position += 1
             self.adapter.wait()
             seconds = time.perf_counter() - start
+            self.input_wait_seconds += self.fetch_seconds - fetched
             losses.append(self.adapter.read_loss())  # the device is idle: only the read
             self.step_estimate = seconds / count
             self.step_seconds.append(self.step_estimate)
@@ -298,6 +314,11 @@ class _Loop:
             # compiled step had not seen), a garbage collection, or the machine's noise; the report names them
             "slow_windows": int(np.sum(per_step > SPIKE * np.median(per_step))),
             "timed_windows": len(self.step_seconds),
+            # input: loader: the time the timed steps waited for the loader's next batch (the shared loop's clock
+            # around each ``next``), and its share of the timed seconds; resident: no wait is timed (0)
+            "input": "loader" if self.loader else "resident",
+            "input_wait_seconds": self.input_wait_seconds,
+            "input_wait_share": self.input_wait_seconds / self.measured_seconds,
             "timing_window": self.timing.window,
             "final_train_loss": last["train_loss"],
             "test_loss": last["test_loss"],
@@ -340,7 +361,29 @@ def run_options(adapter: Any, spec: Spec, trial: Trial, mode: str, rank: int = 0
         data_parallel = DataParallel(devices=trial.devices, processes=processes, rank=rank,
                                      sync_batchnorm=trial.sync_batchnorm)
     return RunOptions(precision=trial.precision, compile=cast("CompileMode", mode),
-                      memory_limit_bytes=trial.memory_limit_bytes, allocator=allocator, data_parallel=data_parallel)
+                      memory_limit_bytes=trial.memory_limit_bytes, allocator=allocator, data_parallel=data_parallel,
+                      input=trial.input, loader=trial.loader)
+
+
+def _cannot_train(adapter: Any, info: Any, trial: Trial) -> str | None:
+    """Why the adapter cannot train the model ``info`` in this trial (``Adapter.unsupported``, then its declaration's
+    data-parallel and input gaps), or None."""
+    from adapters.base import data_parallel_gap, input_gap
+
+    return adapter.unsupported(info) or data_parallel_gap(
+        adapter.declaration, info, trial.data_parallel, trial.sync_batchnorm, trial.device) or input_gap(
+        adapter.declaration, trial.input, trial.data_parallel)
+
+
+def _load(adapter: Any, spec: Spec, trial: Trial, data: Data) -> None:
+    """``Adapter.load``; with ``input: loader`` then ``Adapter.open_loader`` over the trial's training set
+    (``harness.neutral.inputs.for_dataset``: an image folder's files, else host memory), augmented by the loader's
+    reads when the trial augments."""
+    adapter.load(data)
+    if trial.input == "loader":
+        from harness.neutral import inputs
+
+        adapter.open_loader(inputs.for_dataset(spec.dataset, data, trial.augmentation, trial.seed))
 
 
 def _data_metrics(data: Data) -> dict[str, int]:
@@ -357,7 +400,6 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
     (validated here). Returns the process exit status."""
     adapter = None
     try:
-        from adapters.base import data_parallel_gap
         from harness.neutral import datasets, models
 
         payload = payload if isinstance(payload, Payload) else Payload.model_validate(payload)
@@ -380,13 +422,12 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
             threads = max(1, threads // trial.data_parallel)  # the trial's threads shared by its ranks
         adapter.prepare(trial.device, threads, trial.seed)  # a rank's own device is in its options
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
-        if (why := adapter.unsupported(info) or data_parallel_gap(
-                adapter.declaration, info, trial.data_parallel, trial.sync_batchnorm, trial.device)) is not None:
+        if (why := _cannot_train(adapter, info, trial)) is not None:
             raise Unsupported(why)  # before the data is loaded and anything is built
         data = datasets.load(spec.dataset, seed=trial.seed)
         optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
         adapter.build(info, models.initial_weights(info, trial.seed), optimizer)
-        adapter.load(data)
+        _load(adapter, spec, trial, data)
         adapter.wait()
         events.emit(Ready(versions=adapter.versions(), settings=adapter.settings()))
         metrics = train(adapter, data, trial, events.emit)

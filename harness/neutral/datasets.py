@@ -146,22 +146,37 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0x0BA7C4]).permutation(n).astype(np.int64)
 
 
+def augment_pad(height: int) -> int:
+    """The zero padding of ``augment``'s crop on each side: ``max(1, height // 8)`` pixels."""
+    return max(1, height // 8)
+
+
+def augment_offsets(n: int, height: int, width: int, seed: int, epoch: int) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
+    """``augment``'s draws for epoch ``epoch`` of n images: the crop's row and column offsets, int64 (n,) each in
+    [0, 2 x pad], and whether each image is flipped, bool (n,). Sample i's draws depend on (seed, epoch, n) only, so a
+    loader that augments sample by sample (``harness.neutral.inputs``) makes the same images."""
+    pad = augment_pad(height)
+    rng = np.random.default_rng([seed, epoch, 0xA06])
+    dy = rng.integers(0, 2 * pad + 1, size=n)
+    dx = rng.integers(0, 2 * pad + 1, size=n)
+    flip = rng.random(n) < 0.5
+    return dy, dx, flip
+
+
 def augment(images: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     """Random crop and horizontal flip of every training image, drawn from (seed, epoch): the same augmented images
     for every framework. images: float32 (N, H, W, C). Returns a new array of the same shape.
 
     Crop: pad each side with ``max(1, H // 8)`` zero pixels (4 for 32x32, the usual CIFAR setting; 1 for 8x8) and cut
-    an H x W window at a random offset. Flip: left-right with probability 1/2.
+    an H x W window at a random offset. Flip: left-right with probability 1/2 (``augment_offsets``).
     """
     n, h, w, c = images.shape
-    pad = max(1, h // 8)
-    rng = np.random.default_rng([seed, epoch, 0xA06])
+    pad = augment_pad(h)
+    dy, dx, flip = augment_offsets(n, h, w, seed, epoch)
     padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    dy = rng.integers(0, 2 * pad + 1, size=n)
-    dx = rng.integers(0, 2 * pad + 1, size=n)
     rows = dy[:, None] + np.arange(h)[None, :]  # (N, H)
     cols = dx[:, None] + np.arange(w)[None, :]  # (N, W)
-    flip = rng.random(n) < 0.5
     cols = np.where(flip[:, None], cols[:, ::-1], cols)
     out = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
     return np.ascontiguousarray(out, dtype=np.float32)

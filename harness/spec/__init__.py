@@ -45,13 +45,13 @@ from harness.spec.layers import (
     Softmax,
 )
 
-__all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data",
-           "CompileMode", "DataParallelSpec", "Precision",
-           "Conv2D", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding", "Flatten",
-           "FrameworkEntry", "FrameworkItem", "GELU", "GlobalAvgPool2D", "ImageFolderData", "Initializer", "Layer",
-           "LayerNorm", "MaxPool2D", "ModelSpec", "OptimizerSpec", "PlainLayer", "ROOT", "ReLU", "Residual",
-           "SamplerSpec", "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens",
-           "TimingSpec", "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
+__all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data", "CompileMode",
+           "Conv2D", "DataParallelSpec", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding",
+           "Flatten", "FrameworkEntry", "FrameworkItem", "GELU", "GeneratedImages", "GlobalAvgPool2D",
+           "ImageFolderData", "Initializer", "InputMode", "Layer", "LayerNorm", "LoaderSpec", "MaxPool2D",
+           "ModelSpec", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU", "Residual", "SamplerSpec",
+           "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens", "TimingSpec",
+           "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
 
 
 class DigitsData(_Strict):
@@ -119,6 +119,18 @@ class Cifar10Data(_Strict):
     limit_test: int | None = Field(default=None, gt=0)
 
 
+class GeneratedImages(_Strict):
+    """A synthetic image folder written where ``ImageFolderData.path`` points when nothing is there yet
+    (``harness.neutral.image_folder.make_image_folder``: real JPEG files, each class its own colour and stripe
+    angle plus noise, drawn from ``seed``): ``classes`` folders of ``per_class`` images of ``size`` [height, width]
+    pixels."""
+
+    classes: int = Field(default=4, ge=2)
+    per_class: int = Field(default=128, ge=1)
+    size: tuple[PositiveInt, PositiveInt] = (64, 64)
+    seed: int = Field(default=0, ge=0)
+
+
 class ImageFolderData(_Strict):
     """Images in a folder with one sub-folder per class (``harness.neutral.image_folder``).
 
@@ -133,11 +145,13 @@ class ImageFolderData(_Strict):
     converted to it. ``on_bad_file``: ``error`` stops at the first file that cannot be decoded, naming it; ``skip``
     leaves such files out and counts them (``metrics.data_skipped_files`` of the trial). ``cache_dir``: where the
     decoded arrays are cached (default ``$HARNESS_DATA``, else ``~/.cache/harness``); a relative path is taken
-    relative to the spec file.
+    relative to the spec file. ``generate``: ``GeneratedImages`` written to ``path`` first when it does not exist
+    (a spec that brings its own data, e.g. specs/loader.yaml).
     """
 
     name: Literal["image_folder"]
     path: Path
+    generate: GeneratedImages | None = None
     size: tuple[PositiveInt, PositiveInt] | None = None
     channels: Literal[1, 3] = 3
     test_fraction: float = Field(default=0.2, gt=0, lt=1)
@@ -239,6 +253,20 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 #: Execution mode: ``default`` (each framework's usual one), ``eager`` or ``compiled``; what each means per framework
 #: is its adapter's ``COMPILE_MODES`` (README, "Precision and compilation").
 CompileMode = Literal["default", "eager", "compiled"]
+#: Where a step's batch comes from: ``resident`` (the training set placed on the device once, each step gathering its
+#: batch there) or ``loader`` (each framework's own data loader reads it on the host and copies it over).
+InputMode = Literal["resident", "loader"]
+
+
+class LoaderSpec(_Strict):
+    """The data loader of ``input: loader`` (docs/guide/data.md#input-pipelines). ``workers``: processes (PyTorch's
+    and Gluon's ``num_workers``), parallel calls (tf.data's ``num_parallel_calls``) or threads (JAX) that read and
+    decode samples; 0 reads them in the training process. ``prefetch``: batches read ahead of the step (PyTorch's
+    ``prefetch_factor`` per worker, tf.data's ``prefetch``, Gluon's ``prefetch``, JAX's device-put queue). Each trial
+    records the names and values its framework used (``settings.loader``)."""
+
+    workers: int = Field(default=2, ge=0)
+    prefetch: int = Field(default=2, ge=1)
 
 
 class DataParallelSpec(_Strict):
@@ -293,7 +321,8 @@ class VariantsSpec(_Strict):
     optimizer: several optimizers (each a full optimizer spec), e.g. SGD with momentum and Adam, for the
     seed-002 comparison of how optimizers tolerate large batches. augmentation: e.g. [false, true]. precision: e.g.
     [fp32, bf16]. compile: e.g. [eager, compiled]. data_parallel: device counts (or ``DataParallelSpec``s), e.g.
-    [1, 2, 4, 8] for the scaling at each global batch size (1: one device, no data parallelism).
+    [1, 2, 4, 8] for the scaling at each global batch size (1: one device, no data parallelism). input: e.g.
+    [resident, loader], the same training fed from the device and through the framework's data loader.
     """
 
     optimizer: list[OptimizerSpec] | None = Field(default=None, min_length=1)
@@ -301,6 +330,7 @@ class VariantsSpec(_Strict):
     precision: list[Precision] | None = Field(default=None, min_length=1)
     compile: list[CompileMode] | None = Field(default=None, min_length=1)
     data_parallel: list[DataParallelSpec] | None = Field(default=None, min_length=1)
+    input: list[InputMode] | None = Field(default=None, min_length=1)
 
 
 class Spec(_Strict):
@@ -330,7 +360,9 @@ class Spec(_Strict):
     ``--parallel`` and ``--devices`` on the command line do the same. exclusive: one trial at a time, whatever the
     executor could run at once, for studies where trials beside each other would disturb what is measured (host
     contention: CPU runs, data loading, memory bandwidth). data_parallel: ``DataParallelSpec``; ``batch_sizes`` are
-    then global batches per optimizer step, each device training on batch size / N.
+    then global batches per optimizer step, each device training on batch size / N. input: ``InputMode``
+    (default ``resident``); ``loader`` feeds every step through the framework's own data loader, configured by
+    ``loader`` (``LoaderSpec``), and records the time each step waited for its batch.
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
@@ -365,6 +397,8 @@ class Spec(_Strict):
     devices: list[str] | None = Field(default=None, min_length=1)
     exclusive: bool = False
     data_parallel: DataParallelSpec | None = None
+    input: InputMode = "resident"
+    loader: LoaderSpec = LoaderSpec()
 
     @field_validator("base_batch_size")
     @classmethod

@@ -212,7 +212,7 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
     if spec.exclusive:
         executor.capacity = 1
     oom_at = _oom_sizes(read_trials(run_dir))
-    unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device, key[3], key[4])
+    unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device, key[3], key[4], key[5])
                    for key in {_support_key(t) for t in trials}}
     pending = list(enumerate(trials))
     spans: list[dict[str, Any]] = []  # placements of the trials finished in this session, for ``beside``
@@ -361,7 +361,7 @@ def _oom_sizes(records: list[dict[str, Any]]) -> dict[tuple[str, int, str], int]
     return oom_at
 
 
-def _support_key(trial: Trial) -> tuple[str, str, str, int, bool]:
+def _support_key(trial: Trial) -> tuple[str, str, str, int, bool, str]:
     """What decides whether a built-in adapter can run a trial (``harness.plan.unsupported_reason``'s arguments
     besides the spec and the device)."""
-    return trial.framework, trial.precision, trial.compile, trial.data_parallel, trial.sync_batchnorm
+    return trial.framework, trial.precision, trial.compile, trial.data_parallel, trial.sync_batchnorm, trial.input
