@@ -27,6 +27,10 @@ DECLARATION = Declaration(
     # the CPU as N host devices; the worker appends it to XLA_FLAGS (never replaces them) before JAX is imported
     data_parallel_environment={"XLA_FLAGS": "--xla_force_host_platform_device_count={devices}"},
     sync_batchnorm=BOTH,
+    # input: loader. Grain (Google's loader for JAX; requirements/jax-*.txt): a grain.MapDataset whose element p is
+    # step p's batch of the epoch's order, read ahead by grain.ReadOptions(num_threads) threads, and the batches
+    # jax.device_put ahead of the step (adapters.jax.adapter: JaxAdapter.open_loader, _device_prefetch)
+    loader="grain.MapDataset",
     sync_batchnorm_note=("lax.pmean of the batch moments over the devices (two all-reduces per batchnorm layer); "
                          "without it each device normalises its own shard and the running statistics are the mean "
                          "of the devices'"),

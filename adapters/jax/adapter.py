@@ -1,5 +1,6 @@
 """JAX adapter: the canonical layers as ``jax.lax`` ops over a parameter dict (``adapters.jax.layers``), optax
-optimizers, one jit-compiled train step per (batch size, micro-batches), data resident on the device, NHWC.
+optimizers, one jit-compiled train step per (batch size, micro-batches), data resident on the device, NHWC; or, with
+``input: loader``, each step's batch from a Grain pipeline put on the device ahead of the step (``open_loader``).
 ``JaxAdapter`` implements ``adapters.base.Adapter``: one mode, "compiled" (``jax.jit`` of the whole step, XLA); fp32
 (``lax.Precision.HIGHEST``), tf32 (GPUs), bf16, and fp16 (GPUs) with dynamic loss scaling (``_scaled_update``).
 Weights go into TensorFlow's layouts in ``build`` and back in ``get_weights`` / ``get_buffers``.
@@ -9,10 +10,13 @@ Design: docs/design/framework-caveats.md#jax (why no flax, layouts, precision, m
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 # Before the import: otherwise JAX maps 75 % of GPU memory at its first use
@@ -72,7 +76,11 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self.tokens = self.next_token = False
         self._perms: dict[str, np.ndarray] = {}  # canonical name -> the permutation applied to its first axis
         self._transforms: dict[str, str] = {}  # canonical name -> "conv" | "dense" (layout changes get_weights undoes)
-        self._steps: dict[tuple[int, int], Any] = {}
+        # The jitted train steps: (B, micro-batches) -> resident mode's (``_summed_step``), and (B, micro-batches,
+        # "loader") -> loader mode's (``_summed_batch_step``).
+        self._steps: dict[tuple[Any, ...], Any] = {}
+        self._source: Any = None  # input: loader: open_loader's InputSource, read through grain in epoch_batches
+        self._loader_settings: dict[str, Any] = {}  # open_loader's pipeline, for settings()
         self._memory: dict[str, Any] = {}
         self._precision, self._compute = "fp32", L.FP32
         self._scaler: tuple[jax.Array, jax.Array] | None = None  # fp16: (loss scale, finite steps in a row)
@@ -86,7 +94,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
     def versions(self) -> dict[str, str]:
         out = {"jax": jax.__version__, "optax": optax.__version__}
-        for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin"):
+        for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", *(
+                ("grain",) if self.options.input == "loader" else ())):
             try:
                 out[dist.replace("-", "_")] = importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
@@ -289,18 +298,33 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
     def _step(self, micro_batches: int, state: tuple[Any, ...], x_all: jax.Array, y_all: jax.Array,
               indices: jax.Array) -> tuple[tuple[Any, ...], jax.Array]:
-        """One optimizer step (jitted with the state donated). With k micro-batches, each runs forward and backward
-        on its own (running statistics updated after each, as k forward passes in training mode would), the
-        gradients and losses averaged over the k before the one update. ``state`` is (parameters, optimizer state,
-        running statistics, PRNG key, fp16's (loss scale, finite steps in a row) or None)."""
+        """Resident mode's optimizer step: the samples ``indices`` (int32 (B,)) gathered from the dataset on the
+        device (``x_all``, ``y_all``; data-parallel: the device's shard of them), then ``_train_on`` them, in one
+        traced function. Each micro-batch's samples are gathered on their own, as it is trained on (the parts are
+        drawn lazily): with gradient accumulation only one micro-batch's inputs are made at a time."""
+        def parts() -> Iterator[tuple[jax.Array, jax.Array]]:
+            for part in jnp.split(indices, micro_batches):
+                yield x_all[part], y_all[part]
+        return self._train_on(micro_batches, state, parts())
+
+    def _train_on(self, micro_batches: int, state: tuple[Any, ...],
+                  parts: Iterable[tuple[jax.Array, jax.Array]]) -> tuple[tuple[Any, ...], jax.Array]:
+        """One optimizer step on a batch on the device, given as its ``micro_batches`` k consecutive parts (x, y) of
+        B / k samples each (x float32 (B / k, H, W, C) images or int32 (B / k, L) tokens, y int32 (B / k,) or
+        (B / k, L) labels): the path that resident mode (``_step``, gathering each part) and loader mode
+        (``_summed_batch_step``, slicing the loader's batch) share. Each part runs forward and backward on its own
+        (running statistics updated after each, as k forward passes in training mode would), the gradients and
+        losses averaged over the k before the one update. ``state`` is (parameters, optimizer state, running
+        statistics, PRNG key, fp16's (loss scale, finite steps in a row) or None); returns the new state and the
+        step's loss (float32 (): the mean over the B samples)."""
         params, opt_state, stats, key, scaler = state
         key, step_key = jax.random.split(key)
         if self._mesh is not None:  # each device its own dropout masks
             step_key = jax.random.fold_in(step_key, lax.axis_index(DATA))
         grad_fn = jax.grad(self._loss, has_aux=True)
         grads, loss = None, jnp.zeros((), jnp.float32)
-        for part, part_key in zip(jnp.split(indices, micro_batches), jax.random.split(step_key, micro_batches)):
-            part_grads, (stats, part_loss) = grad_fn(params, stats, x_all[part], y_all[part], part_key,
+        for (x_part, y_part), part_key in zip(parts, jax.random.split(step_key, micro_batches)):
+            part_grads, (stats, part_loss) = grad_fn(params, stats, x_part, y_part, part_key,
                                                      None if scaler is None else scaler[0])
             grads = part_grads if grads is None else jax.tree_util.tree_map(jnp.add, grads, part_grads)
             loss = loss + part_loss
@@ -324,6 +348,14 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         """``_step``, and ``loss_sum`` (float32 ()) plus its loss, inside the same executable: the running sum that
         ``read_loss`` reads never costs a dispatch or a read of its own."""
         state, loss = self._step(micro_batches, state, x_all, y_all, indices)
+        return state, loss_sum + loss
+
+    def _summed_batch_step(self, micro_batches: int, state: tuple[Any, ...], loss_sum: jax.Array, x: jax.Array,
+                           y: jax.Array) -> tuple[tuple[Any, ...], jax.Array]:
+        """Loader mode's step: ``_train_on`` the loader's batch, and ``loss_sum`` plus its loss, in one executable
+        (as ``_summed_step``)."""
+        state, loss = self._train_on(micro_batches, state, zip(jnp.split(x, micro_batches),
+                                                               jnp.split(y, micro_batches)))
         return state, loss_sum + loss
 
     def _data_parallel_step(self, micro_batches: int) -> Any:
@@ -356,10 +388,60 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
 
     def load(self, data: Any) -> None:
         """Data-parallel: the training set on every device (each gathers its shard of a step from its copy), the
-        test set on the first (evaluation)."""
-        self.x_train, self.x_test = self._inputs(data.x_train, self._placement), self._inputs(data.x_test)
-        self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self._placement)
+        test set on the first (evaluation). ``input: loader``: the test set only (the training batches come through
+        ``open_loader``'s pipeline)."""
+        if self.options.input == "resident":
+            self.x_train = self._inputs(data.x_train, self._placement)
+            self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self._placement)
+        self.x_test = self._inputs(data.x_test)
         self.y_test = jax.device_put(jnp.asarray(data.y_test, jnp.int32), self.device)
+
+    def unsupported(self, info: Any) -> str | None:
+        """The declaration's gaps (``support_gap``); with ``input: loader`` also a missing ``grain`` (the loader,
+        installed by requirements/jax-cpu.txt and jax-gpu.txt), found without importing it."""
+        if self.options.input == "loader" and importlib.util.find_spec("grain") is None:
+            return ("the jax adapter's data loader (input: loader) is grain, which is not installed in this "
+                    "environment (requirements/jax-cpu.txt, requirements/jax-gpu.txt)")
+        return super().unsupported(info)
+
+    def open_loader(self, source: Any) -> None:
+        """Grain (https://google-grain.readthedocs.io, Google's data loader for JAX), its dataset API: in
+        ``epoch_batches`` a ``grain.MapDataset`` whose element p is step p's batch of the epoch's order (``_Steps``:
+        one ``source.read`` of the step's samples, the whole batch at once, as PyTorch's ``__getitems__`` reads it),
+        made an iterator by ``to_iter_dataset(grain.ReadOptions(num_threads=workers, prefetch_buffer_size=workers x
+        prefetch))``: ``options.loader.workers`` threads read elements ahead, returned in the dataset's order (0: each
+        is read in the training thread when asked for). The buffer is grain's elements in flight, so it must be at
+        least the threads (grain 0.2.18 warns that fewer would run otherwise); ``workers x prefetch`` batches read
+        ahead is PyTorch's ``num_workers x prefetch_factor``. Then ``_device_prefetch``: ``options.loader.prefetch``
+        batches already given to ``jax.device_put`` ahead of the step.
+
+        Why a MapDataset of steps and not per-sample elements with ``.batch(B)``, or ``grain.DataLoader`` with a
+        sampler: the trial's order is given per epoch (``harness.neutral.datasets.epoch_order``), and an element per
+        step follows it exactly; reading 32 digits one by one and stacking them took 1.2 ms a batch against 0.17 ms
+        for one read (grain 0.2.18, one CPU thread). Why not ``grain.experimental.device_put``: it is experimental,
+        and its stages are threads, which would read in the background even with 0 workers; the device queue needs
+        no thread, as ``jax.device_put`` only starts the transfer (https://docs.jax.dev/en/latest/async_dispatch.html).
+        Records the settings under ``settings()["loader"]``."""
+        import grain  # here, not at the top: resident mode neither needs grain nor pays for its import
+
+        workers, prefetch = self.options.loader.workers, self.options.loader.prefetch
+        self._source = source
+        self._read_options = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=workers * prefetch)
+        self._loader_settings = {
+            "loader": DECLARATION.loader, "num_threads": workers, "prefetch_buffer_size": workers * prefetch,
+            "device_put_prefetch": prefetch, "source": "files" if source.from_files else "memory"}
+
+    def epoch_batches(self, order: np.ndarray, samples_per_step: int, epoch: int) -> Iterator[Any]:
+        """Step p's (x, y), p = 0 ... len(order) // samples_per_step - 1: ``source.read(order[p * samples_per_step:
+        (p + 1) * samples_per_step], epoch)`` as float32 (B, H, W, C) images or int32 (B, L) tokens and int32
+        labels (the dtypes resident mode trains on), committed to the device by ``jax.device_put`` (the transfer
+        started, maybe not finished). Nothing is read before the first ``next``, as a ``for`` loop over a loader
+        starts it; the pipeline's threads end with the epoch (``_device_prefetch``)."""
+        import grain
+
+        steps = grain.MapDataset.source(_Steps(self._source, order, samples_per_step, epoch, self.tokens))
+        return _device_prefetch(steps.to_iter_dataset(self._read_options), self.device,
+                                self.options.loader.prefetch)
 
     def set_train_images(self, images: np.ndarray) -> None:
         """A new device array of the same shape and dtype (JAX arrays are immutable; the old one is freed): the train
@@ -369,8 +451,9 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self.x_train = jax.device_put(jnp.asarray(images, jnp.float32), self._placement)
 
     def compilations(self) -> int | None:
-        """Entries in the jit caches of the train step functions (one per traced and compiled input signature;
-        ``_cache_size`` of a jitted function, the count jax's own tests read); None where this jax lacks it."""
+        """Entries in the jit caches of the train step functions, resident and loader mode's (one per traced and
+        compiled input signature; ``_cache_size`` of a jitted function, the count jax's own tests read); None where
+        this jax lacks it."""
         sizes = [getattr(step, "_cache_size", None) for step in self._steps.values()]
         return None if any(size is None for size in sizes) else sum(size() for size in sizes if size is not None)
 
@@ -392,7 +475,25 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         # Plain numpy into the jitted step: jit copies it to the device of the committed data. jnp.asarray first
         # would block the host until the queued steps are nearly done (measured: 2.2 vs 1.2 ms of host time per
         # step at batch 64 on the CPU, benchmarks/harness_vs_loop.py), losing the overlap of dispatch and compute.
-        idx = np.asarray(indices, dtype=np.int32)
+        self._run(self._steps[key], self.x_train, self.y_train, np.asarray(indices, dtype=np.int32))
+
+    def train_batch(self, batch: Any, micro_batches: int = 1) -> None:
+        """One step on a batch of ``epoch_batches`` (``_summed_batch_step``, jitted once per (B, micro_batches): every
+        batch of a trial has the same shapes and dtypes, so it compiles once). Not data-parallel (``input_gap``
+        refuses loader mode with several devices): raises ValueError there."""
+        x, y = batch
+        micro_batch_size(int(x.shape[0]), micro_batches)  # raises ValueError for an uneven split
+        key = (int(x.shape[0]), micro_batches, "loader")
+        if key not in self._steps:
+            if self._mesh is not None:
+                raise ValueError("input: loader is not combined with data parallelism (adapters.base.input_gap)")
+            self._steps[key] = jax.jit(functools.partial(self._summed_batch_step, micro_batches),
+                                       donate_argnums=(0, 1) if self._gpu else ())  # as in train_step
+        self._run(self._steps[key], x, y)
+
+    def _run(self, step: Any, *inputs: Any) -> None:
+        """Queues ``step(state, loss sum, *inputs)`` (a jitted ``_summed_step`` or ``_summed_batch_step``) and keeps
+        its new state and loss sum; counts the step."""
         state = (self.params, self.opt_state, self.stats, self._key, self._scaler)
         if self._loss_sum is None:  # the first step: the sum starts (committed to the device, as the step returns it)
             self._loss_sum = jax.device_put(jnp.zeros((), jnp.float32), self._placement)
@@ -404,8 +505,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             # (jaxlib 0.10.2 on 2 cores and 2 host devices: within the first 100 queued steps; never with a sync per
             # step, or with 2N threads). So the step waits for the one before (its loss sum) before it is queued.
             self._loss_sum.block_until_ready()
-        (self.params, self.opt_state, self.stats, self._key, self._scaler), self._loss_sum = self._steps[key](
-            state, self._loss_sum, self.x_train, self.y_train, idx)
+        (self.params, self.opt_state, self.stats, self._key, self._scaler), self._loss_sum = step(
+            state, self._loss_sum, *inputs)
         self._loss_steps += 1
 
     def wait(self) -> None:
@@ -489,11 +590,15 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             "matmul_precision": self._compute.precision.name.lower(),  # of those ops; "highest" is float32
             "donated_state": self._gpu,
             # How often each train step was compiled: 1 each, or a retrace happened (and cost a timed step).
-            "train_step_compilations": {f"{b}x{k}": _cache_size(f) for (b, k), f in self._steps.items()},
+            # (a loader-mode step is named "<B>x<k> loader")
+            "train_step_compilations": {" ".join([f"{key[0]}x{key[1]}", *key[2:]]): _cache_size(f)
+                                        for key, f in self._steps.items()},
             "allocator_peak": "since the worker started (JAX cannot reset it)",
             "intra_op_threads": 1 if "xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "") else
             "XLA's default (every core; it has no intra-op thread count)",
         }
+        if self._loader_settings:
+            out["loader"] = self._loader_settings
         if self._mesh is not None:
             out["data_parallel"] = {
                 "devices": [str(d) for d in self._mesh.devices.flat], "mechanism": DECLARATION.data_parallel_mechanism,
@@ -516,6 +621,49 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         # XLA reports an allocation failure as a runtime error with the RESOURCE_EXHAUSTED status.
         types = _oom_types()
         return bool(types) and isinstance(exc, types) and "RESOURCE_EXHAUSTED" in str(exc)
+
+
+class _Steps:
+    """The epoch as a sequence of steps, for ``grain.MapDataset.source`` (a ``Sequence``: ``__len__`` and
+    ``__getitem__``): element p is ``source.read(order[p * size:(p + 1) * size], epoch)`` (``harness.neutral.inputs
+    .InputSource``, augmented for the epoch) as float32 (size, H, W, C) images or int32 (size, L) tokens and int32
+    labels; whole steps only. Read in grain's threads."""
+
+    def __init__(self, source: Any, order: np.ndarray, size: int, epoch: int, tokens: bool):
+        self.source, self.order, self.size, self.epoch, self.tokens = source, order, size, epoch, tokens
+
+    def __len__(self) -> int:
+        return len(self.order) // self.size
+
+    def __getitem__(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= position < len(self):
+            raise IndexError(f"step {position} of {len(self)}")
+        x, y = self.source.read(self.order[position * self.size:(position + 1) * self.size], self.epoch)
+        return np.asarray(x, np.int32 if self.tokens else np.float32), np.asarray(y, np.int32)
+
+
+def _device_prefetch(batches: Any, device: Any, size: int) -> Iterator[Any]:
+    """The elements of ``batches`` (an iterable of host arrays or tuples of them), each ``jax.device_put`` on
+    ``device`` ``size`` elements before it is yielded: flax's ``jax_utils.prefetch_to_device`` pattern
+    (https://flax.readthedocs.io/en/latest/api_reference/flax.jax_utils.html), a queue filled in the consuming thread,
+    where ``device_put`` only starts each transfer (https://docs.jax.dev/en/latest/async_dispatch.html). The iterator
+    of ``batches`` is made at the first ``next`` and closed (grain's ends its threads) when this one ends or is
+    dropped."""
+    iterator = iter(batches)
+    queue: collections.deque[Any] = collections.deque()
+
+    def enqueue(count: int) -> None:
+        for batch in itertools.islice(iterator, count):
+            queue.append(jax.device_put(batch, device))
+    try:
+        enqueue(size)
+        while queue:
+            yield queue.popleft()
+            enqueue(1)
+    finally:
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
 
 
 def _scaled_update(tx: optax.GradientTransformation, grads: Params, params: Params, opt_state: Any,

@@ -1,8 +1,9 @@
 """MXNet adapter: a Gluon ``HybridSequential``, hybridized with ``static_alloc``/``static_shape`` in the "compiled"
-mode (the default) and imperative in "eager", data resident on the device, NCHW images and (N, L, D) sequences, the
-canonical weights copied in unchanged. ``MXNetAdapter`` implements ``adapters.base.Adapter``; the blocks Gluon lacks
-(residual, embedding, attention, sequence pooling) are ``adapters.mxnet.layers``', AMP and the optimizers
-``adapters.mxnet.training``'. Precisions: fp32 everywhere, fp16 on a CUDA GPU (AMP); bf16 and tf32 are not declared.
+mode (the default) and imperative in "eager", data resident on the device or fed by Gluon's ``DataLoader`` (``input:
+loader``), NCHW images and (N, L, D) sequences, the canonical weights copied in unchanged. ``MXNetAdapter``
+implements ``adapters.base.Adapter``; the blocks Gluon lacks (residual, embedding, attention, sequence pooling) are
+``adapters.mxnet.layers``', AMP and the optimizers ``adapters.mxnet.training``'. Precisions: fp32 everywhere, fp16
+on a CUDA GPU (AMP); bf16 and tf32 are not declared.
 
 Design: docs/design/framework-caveats.md#mxnet (the asynchronous engine, threads, the two modes, why no bf16 or tf32).
 """
@@ -13,6 +14,7 @@ import importlib.metadata
 import os
 import platform
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -116,6 +118,10 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self._hybridized = True
         self._staged: list[mx.nd.NDArray] = []  # this epoch's order on each device (stage_epoch)
         self._staged_batch = 0  # its samples per step
+        self._train: list[tuple[mx.nd.NDArray, mx.nd.NDArray]] = []  # the resident training set on each device (load)
+        self._loader: Any = None  # input: loader: open_loader's gluon.data.DataLoader
+        self._batches = _EpochBatches()  # its batch sampler, set before each epoch (epoch_batches)
+        self._loader_settings: dict[str, Any] = {}  # open_loader's DataLoader, for settings()
 
     def versions(self) -> dict[str, str]:
         out = {"mxnet": mx.__version__}
@@ -389,10 +395,12 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         """Images (NCHW float32) or token ids (N, L) int64, and int64 labels ((N,), or (N, L) for a next-token
         model), resident on the device. Data-parallel: the training set resident on every device (each gathers its
         shard of a step from its own copy, as a Gluon user's ``split_and_load`` would place each device's slice), the
-        test set on the first (evaluation)."""
-        self._train = [(self._to_device_inputs(data.x_train, ctx), nd.array(data.y_train, ctx=ctx, dtype=np.int64))
-                       for ctx in self._contexts]
-        self.x_train, self.y_train = self._train[0]
+        test set on the first (evaluation). With ``options.input == "loader"`` the test set only (the training batches
+        come from ``open_loader``'s DataLoader)."""
+        if self.options.input == "resident":
+            self._train = [(self._to_device_inputs(data.x_train, ctx),
+                            nd.array(data.y_train, ctx=ctx, dtype=np.int64)) for ctx in self._contexts]
+            self.x_train, self.y_train = self._train[0]
         self.x_test = self._to_device_inputs(data.x_test)
         self.y_test = nd.array(data.y_test, ctx=self.ctx, dtype=np.int64)
         nd.waitall()
@@ -474,39 +482,111 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             self._train_step_parallel(indices, position)
             return
         idx = self._indices(indices, position)
+
+        def take(part: slice | None) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+            chosen = idx if part is None else idx[part]
+            return nd.take(self.x_train, chosen), nd.take(self.y_train, chosen)
+
+        self._train_on(take, len(indices), micro_batches)
+
+    def _train_on(self, take: Callable[[slice | None], tuple[mx.nd.NDArray, mx.nd.NDArray]], batch: int,
+                  micro_batches: int) -> None:
+        """One step on a batch of ``batch`` samples on the device, which ``take`` gives: ``take(None)`` the whole
+        batch (x, y), ``take(slice(a, b))`` its samples a:b (resident mode gathers them, ``train_step``; a loader's
+        batch is sliced, ``train_batch``), so that a micro-batch's samples are made when it runs. The rest is
+        ``train_step``'s: forward and backward under ``autograd.record``, ``Trainer.step(batch)``, the loss into the
+        running sum; with ``micro_batches`` k > 1 the gradients of k consecutive micro-batches of B / k added up
+        (``grad_req`` ``add``) before the one ``Trainer.step(B)``."""
         if micro_batches == 1:
             self._set_grad_req("write")
-            x = nd.take(self.x_train, idx)
-            y = nd.take(self.y_train, idx)
+            x, y = take(None)
             before = [block.running_var.data().copy() for block, _, _ in self._variance_fixups]
             with autograd.record():
                 loss = self.loss_fn(self.net(x), y)
                 scaled = self._scaled(loss)
             scaled.backward()
             if before:
-                self._fix_running_variances(before, len(indices))
-            self.trainer.step(len(indices))
-            self._add_loss((len(indices), 1), loss)  # per sample: no mean queued every step
+                self._fix_running_variances(before, batch)
+            self.trainer.step(batch)
+            self._add_loss((batch, 1), loss)  # per sample: no mean queued every step
             return
-        micro = micro_batch_size(len(indices), micro_batches)
+        micro = micro_batch_size(batch, micro_batches)
         self._set_grad_req("add")
         self._params.zero_grad()
         sums = []
-        for start in range(0, len(indices), micro):
-            part = idx[start:start + micro]
+        for start in range(0, batch, micro):
             before = [block.running_var.data().copy() for block, _, _ in self._variance_fixups]
             with autograd.record():
-                loss = self.loss_fn(self.net(nd.take(self.x_train, part)), nd.take(self.y_train, part))
+                x, y = take(slice(start, start + micro))
+                loss = self.loss_fn(self.net(x), y)
                 scaled = self._scaled(loss)
             scaled.backward()  # adds the gradient of this micro-batch's summed loss into the parameters' grads
             if before:
                 self._fix_running_variances(before, micro)
             sums.append(loss.sum())
-        self.trainer.step(len(indices))  # the sum over all B samples, rescaled by 1 / B: the mean gradient
-        key = (len(indices), micro_batches)
+        self.trainer.step(batch)  # the sum over all B samples, rescaled by 1 / B: the mean gradient
+        key = (batch, micro_batches)
         held = self._loss_sums.get(key)
         self._loss_sums[key] = nd.add_n(*sums) if held is None else nd.add_n(held, *sums)  # (1,): / B when read
         self._loss_steps += 1
+
+    # -- input: loader -------------------------------------------------------------------------------------------
+
+    def open_loader(self, source: Any) -> None:
+        """A ``gluon.data.DataLoader`` over ``source`` (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
+        gluon/data/index.html#mxnet.gluon.data.DataLoader): a Dataset (``_Samples``) whose item of key (epoch, indices)
+        is a whole step read with one ``source.read`` and made NCHW (or int64 tokens) in the reading worker, as the
+        other frameworks' loaders read a step; a ``batch_sampler`` (``_EpochBatches``) yielding each step of the epoch's
+        order as one such key, and ``batchify_fn`` (``_one``) passing that item on; ``num_workers`` =
+        ``options.loader.workers`` worker processes (Gluon's multiprocessing pool, forked here once and kept for every
+        epoch; 0: read in this process at each ``next``), ``prefetch`` = ``options.loader.prefetch`` batches asked of
+        the workers ahead of the step (Gluon's ``prefetch`` works only with workers), ``thread_pool`` False: processes,
+        as Gluon's default. The pool forks this process after the model and the test set exist; MXNet stops its engine
+        around a fork and restarts it in the parent (``pthread_atfork`` handlers, ``LibraryInitializer`` in
+        src/initialize.cc of 1.9.1), and the workers run no MXNet operator: the items come back as numpy arrays (pickled
+        through the pool's pipe), not as NDArrays in shared memory (Gluon's ``default_mp_batchify_fn``), and
+        ``epoch_batches`` wraps them without a copy. (Checked with the worker's settings,
+        ``MXNET_CPU_WORKER_NTHREADS=1`` and ``OMP_NUM_THREADS=1``: no hang, the same batches as in this process, so
+        ``thread_pool`` is not needed.) ``auto_reload`` False (1.9.1's default): an epoch's iterator, and its
+        prefetching, starts when ``epoch_batches`` asks for the epoch's first batch, after the sampler holds the epoch's
+        order. Records the settings under ``settings()["loader"]``."""
+        if len(self._contexts) > 1:
+            raise ValueError("the mxnet adapter's loader does not feed a data-parallel trial (input_gap)")
+        workers, prefetch = self.options.loader.workers, self.options.loader.prefetch
+        self._batches = _EpochBatches()
+        self._loader = gluon.data.DataLoader(_Samples(source, self.tokens), batch_sampler=self._batches,
+                                             batchify_fn=_one, num_workers=workers, prefetch=prefetch,
+                                             thread_pool=False)
+        self._loader_settings = {"loader": "mxnet.gluon.data.DataLoader", "num_workers": workers,
+                                 "prefetch": prefetch if workers > 0 else None, "thread_pool": False,
+                                 "source": "files" if source.from_files else "memory"}
+
+    def epoch_batches(self, order: np.ndarray, samples_per_step: int, epoch: int) -> Iterator[Any]:
+        """The batches of epoch ``epoch`` (``Adapter.epoch_batches``): the sampler set to ``order`` (int64 (N,)) in
+        whole steps of ``samples_per_step`` and ``epoch``, then the DataLoader's iterator; each batch (x, y), NCHW
+        float32 images or int64 (B, L) tokens and int64 labels ((B,) or (B, L)), wrapped by ``nd.from_numpy``
+        (zero-copy; ``nd.array`` would wait for every operator queued on the CPU first, see ``train_step``) and
+        moved to the adapter's context with ``as_in_context`` (on a GPU an asynchronous copy operator; on the CPU
+        the array itself)."""
+        if self._loader is None:
+            raise RuntimeError("epoch_batches before open_loader")
+        self._batches.order, self._batches.size, self._batches.epoch = order, samples_per_step, epoch
+        for x, y in self._loader:
+            yield (nd.from_numpy(x, zero_copy=True).as_in_context(self.ctx),
+                   nd.from_numpy(y, zero_copy=True).as_in_context(self.ctx))
+
+    def train_batch(self, batch: Any, micro_batches: int = 1) -> None:
+        """One step on a loader's batch (x, y) from ``epoch_batches``: ``_train_on``, a micro-batch being a slice of
+        the batch (a view); otherwise as ``train_step``. Not data-parallel (ValueError): ``adapters.base.input_gap``
+        refuses a loader there."""
+        if len(self._contexts) > 1:
+            raise ValueError("the mxnet adapter's loader does not feed a data-parallel trial (input_gap)")
+        x, y = batch
+
+        def take(part: slice | None) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+            return (x, y) if part is None else (x[part], y[part])
+
+        self._train_on(take, int(x.shape[0]), micro_batches)
 
     def _train_step_parallel(self, indices: np.ndarray, position: int | None) -> None:
         """One data-parallel step, as a Gluon user writes it for several contexts: context d gathers its shard
@@ -690,6 +770,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             out["MXNET_CUDNN_AUTOTUNE_DEFAULT"] = os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT", "1")
             out["NVIDIA_TF32_OVERRIDE"] = os.environ.get("NVIDIA_TF32_OVERRIDE", "")
             out.update(self._memory_limit)
+        if self._loader_settings:
+            out["loader"] = self._loader_settings
         return out
 
     def is_oom(self, exc: BaseException) -> bool:
@@ -715,3 +797,45 @@ def _activation(name: str) -> nn.HybridBlock | None:
     if name == "relu":
         return nn.Activation("relu")
     return nn.GELU() if name == "gelu" else None
+
+
+class _Samples(gluon.data.Dataset):
+    """The loader's Dataset: the item of key (epoch, indices), int64 (B,) indices of one step, is that step's batch
+    read with ``source.read(indices, epoch)``: images as NCHW float32 (B, C, H, W) (what resident mode holds), or
+    int64 (B, L) tokens, and int64 labels, numpy arrays. Its length is the source's samples."""
+
+    def __init__(self, source: Any, tokens: bool):
+        self.source, self.tokens = source, tokens
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        epoch, indices = key
+        x, y = self.source.read(indices, epoch)
+        if self.tokens:
+            return np.ascontiguousarray(x, dtype=np.int64), y
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2), dtype=np.float32), y
+
+
+def _one(items: list[Any]) -> Any:
+    """The DataLoader's batchify_fn: a step is one key, whose item (``_Samples``) is the batch already."""
+    return items[0]
+
+
+class _EpochBatches(gluon.data.Sampler):
+    """The DataLoader's batch sampler: the epoch's ``order`` cut into steps of ``size`` samples, each yielded as a
+    batch of one key (``epoch``, the step's int64 indices) (the epoch draws the augmentation); set before each
+    epoch's iterator (in the training process, where Gluon iterates a batch sampler)."""
+
+    def __init__(self) -> None:
+        self.order: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.size, self.epoch = 1, 0
+
+    def __len__(self) -> int:
+        return len(self.order) // self.size
+
+    def __iter__(self) -> Iterator[list[tuple[int, np.ndarray]]]:
+        order, size, epoch = np.asarray(self.order, dtype=np.int64), self.size, self.epoch
+        for start in range(0, len(order) // size * size, size):
+            yield [(epoch, order[start:start + size])]

@@ -29,6 +29,7 @@ DECLARATION = Declaration(
     data_parallel_mechanism=("tf.distribute.MirroredStrategy over N logical CPU devices "
                              "(tf.config.set_logical_device_configuration) or N GPUs; one process"),
     sync_batchnorm=BOTH,
+    loader="tf.data.Dataset",
     sync_batchnorm_note=("the moments all-reduced in the replica context (ReplicaContext.all_reduce), as Keras's "
                          "BatchNormalization(synchronized=True) does (the adapter's batchnorm is FusedBatchNormV3, "
                          "not Keras's); eager mode only (not inside the compiled mode's per-replica XLA function)"),

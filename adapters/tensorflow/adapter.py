@@ -1,9 +1,10 @@
 """TensorFlow adapter: raw ``tf.Variable``s and ``tf.nn`` ops in ``tf.function``s (XLA in the "compiled" mode only),
-data resident on the device, NHWC for images, (B, L, D) for sequences. ``TensorFlowAdapter`` implements
-``adapters.base.Adapter``; its layers are in ``adapters.tensorflow.layers`` (Keras's own for layernorm and
-attention), its optimizer update and fp16's loss scaling in ``adapters.tensorflow.training``. Every parameter and
-buffer is kept under its canonical name with the variables that hold it and the inverse of its layout conversion
-(``build``), from which ``get_weights`` and ``get_buffers`` rebuild the canonical arrays.
+data resident on the device or fed by a ``tf.data`` pipeline (``input: loader``), NHWC for images, (B, L, D) for
+sequences. ``TensorFlowAdapter`` implements ``adapters.base.Adapter``; its layers are in ``adapters.tensorflow.layers``
+(Keras's own for layernorm and attention), its optimizer update and fp16's loss scaling in
+``adapters.tensorflow.training``. Every parameter and buffer is kept under its canonical name with the variables that
+hold it and the inverse of its layout conversion (``build``), from which ``get_weights`` and ``get_buffers`` rebuild the
+canonical arrays.
 
 Design: docs/design/framework-caveats.md#tensorflow (Keras's two layers, tracing, XLA, mixed precision, the optimizer).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silences TF's C++ INFO and WARNING logs
@@ -66,6 +68,12 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         self._compilations = 0  # tracings of train step functions (see compilations)
         self._train_calls: dict[tuple[int, int], Any] = {}  # the same -> its concrete function, what a step calls
         self._staged: list[tf.Tensor] = []  # this epoch's index batches on the device, by the step's position
+        # input: loader (train_batch): (batch size, micro-batches) -> traced step on a batch, and its concrete function
+        self._batch_fns: dict[tuple[int, int], Any] = {}
+        self._batch_calls: dict[tuple[int, int], Any] = {}
+        self._source: Any = None  # open_loader's InputSource
+        self._sample_specs: tuple[tuple[int, ...], tf.DType, tuple[int, ...]] = ((), tf.float32, ())  # build
+        self._loader_settings: dict[str, Any] = {}  # open_loader's tf.data pipeline, for settings()
         self._compute = tf.float32  # the compute dtype (build, from options.precision)
         self._jit = False  # XLA (build, from options.compile)
         self._loss_scale: DynamicLossScale | None = None  # fp16 only
@@ -227,6 +235,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         self._compute, self._jit = _COMPUTE[self._precision()], self._mode() == "compiled"
         self._params, self._buffers = {}, {}
         self._train_fns, self._train_calls, self._replica_fns = {}, {}, []
+        self._batch_fns, self._batch_calls = {}, {}
         self._last_loss = None
         self.next_token, self.tokens = info.task == "next_token", info.task != "image_classification"
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
@@ -249,6 +258,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         else:
             c, h, w = info.input_shape
             input_spec, label_spec = tf.TensorSpec((None, h, w, c), tf.float32), tf.TensorSpec((None,), tf.int64)
+        # one sample's input shape and dtype and its labels' shape, as a loader's batches carry them (open_loader)
+        self._sample_specs = (tuple(input_spec.shape[1:]), input_spec.dtype, tuple(label_spec.shape[1:]))
         if self._strategy is not None and self._jit:  # see _replica_step
             self._replica_fns = [tf.function(self._replica_gradients, jit_compile=True, autograph=False),
                                  tf.function(self._apply, jit_compile=True, autograph=False)]
@@ -399,11 +410,17 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             return tf.reduce_sum(tf.cast(loss, tf.float64)), correct
 
     def _train(self, indices: tf.Tensor) -> tf.Tensor:
-        """One step; the loss is the mean over the samples, or over every position of a next-token model's (B, L)
-        labels (``sparse_softmax_cross_entropy_with_logits`` takes (B, L, V) logits as they are)."""
+        """One step on the resident samples ``indices`` (int64 (B,)): their batch gathered on the device, then
+        ``_train_on``."""
         with tf.device(self.device):
-            x = tf.gather(self.x_train, indices)
-            y = tf.gather(self.y_train, indices)
+            return self._train_on(tf.gather(self.x_train, indices), tf.gather(self.y_train, indices))
+
+    def _train_on(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        """One step on the batch ``x`` (float32 (B, H, W, C) images or int64 (B, L) tokens), ``y`` (int64 (B,) or
+        (B, L)) on the device, the body of a step's function (resident mode gathers the batch, ``_train``; a loader
+        brings it, ``train_batch``); the loss is the mean over the samples, or over every position of a next-token
+        model's (B, L) labels (``sparse_softmax_cross_entropy_with_logits`` takes (B, L, V) logits as they are)."""
+        with tf.device(self.device):
             with tf.GradientTape() as tape:
                 logits = self._forward(x, training=True)
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
@@ -431,20 +448,40 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             self._loss_scale.apply(grads, self._update)
 
     def _train_accumulated(self, indices: tf.Tensor, micro_batches: int) -> tf.Tensor:
-        """Gradient accumulation: a ``tf.while_loop`` over the k micro-batches (rows of ``indices`` reshaped to (k,
-        B / k)) whose loop variables are the running sums of the gradients of each micro-batch's mean loss / k, then
-        one optimizer update with the sums: the mean gradient over all B samples. ``parallel_iterations=1`` keeps the
-        iterations strictly one after the other, so only one micro-batch's activations are alive at a time (an
-        unrolled Python loop would leave TF's executor free to run the independent forward passes side by side,
+        """Gradient accumulation on the resident samples ``indices`` (int64 (B,)): ``_accumulate`` with micro-batch i
+        gathered on the device from row i of ``indices`` reshaped to (k, B / k), inside the loop (one micro-batch's
+        samples at a time)."""
+        with tf.device(self.device):
+            parts = tf.reshape(indices, (micro_batches, -1))
+
+            def micro_batch(i: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+                part = tf.gather(parts, i)
+                return tf.gather(self.x_train, part), tf.gather(self.y_train, part)
+
+            return self._accumulate(micro_batch, micro_batches)
+
+    def _train_on_accumulated(self, x: tf.Tensor, y: tf.Tensor, micro_batches: int) -> tf.Tensor:
+        """Gradient accumulation on a loader's batch ``x``, ``y`` (``_train_on``'s shapes): ``_accumulate`` with
+        micro-batch i the i-th of k consecutive slices of B / k samples (``x`` reshaped to (k, B / k, ...))."""
+        with tf.device(self.device):
+            xs = tf.reshape(x, (micro_batches, -1, *x.shape[1:]))
+            ys = tf.reshape(y, (micro_batches, -1, *y.shape[1:]))
+            return self._accumulate(lambda i: (tf.gather(xs, i), tf.gather(ys, i)), micro_batches)
+
+    def _accumulate(self, micro_batch: Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]],
+                    micro_batches: int) -> tf.Tensor:
+        """Gradient accumulation, the body of a step's function: a ``tf.while_loop`` over the k micro-batches
+        (``micro_batch(i)``: the i-th (x, y) of B / k samples, made inside the loop) whose loop variables are the
+        running sums of the gradients of each micro-batch's mean loss / k, then one optimizer update with the sums:
+        the mean gradient over all B samples. ``parallel_iterations=1`` keeps the iterations strictly one after the
+        other, so only one micro-batch's activations are alive at a time (an unrolled Python loop would leave TF's
+        executor free to run the independent forward passes side by side,
         https://www.tensorflow.org/api_docs/python/tf/while_loop); the graph's size does not grow with k either."""
         k = micro_batches
         with tf.device(self.device):
-            parts = tf.reshape(indices, (k, -1))
 
             def body(i: tf.Tensor, loss_sum: tf.Tensor, *grad_sums: tf.Tensor) -> tuple[tf.Tensor, ...]:
-                part = tf.gather(parts, i)
-                x = tf.gather(self.x_train, part)
-                y = tf.gather(self.y_train, part)
+                x, y = micro_batch(i)
                 with tf.GradientTape() as tape:
                     logits = self._forward(x, training=True)
                     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) / k
@@ -519,17 +556,20 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         train step; the rest are ``tf.constant``s. Data-parallel on GPUs, the training inputs are mirrored variables,
         a copy on each GPU, from which each replica gathers its shard; on the CPU there is one copy, on the first
         logical device, since the logical devices share the host's memory (TF hands a host tensor from one to another
-        without copying it)."""
+        without copying it). With ``options.input == "loader"`` the test set only (the training batches come from
+        ``open_loader``'s pipeline)."""
         dtype = np.int64 if self.tokens else np.float32
         mirrored = self._strategy is not None and self._gpu
-        with self._strategy.scope() if mirrored and self._strategy is not None else tf.device(self.device):
-            self.x_train = tf.Variable(data.x_train.astype(dtype, copy=False), trainable=False, name="x_train")
-            self.y_train = (tf.Variable(data.y_train.astype(np.int64), trainable=False, name="y_train") if mirrored
-                            else tf.constant(data.y_train, dtype=tf.int64))
+        if self.options.input == "resident":
+            with self._strategy.scope() if mirrored and self._strategy is not None else tf.device(self.device):
+                self.x_train = tf.Variable(data.x_train.astype(dtype, copy=False), trainable=False, name="x_train")
+                self.y_train = (tf.Variable(data.y_train.astype(np.int64), trainable=False, name="y_train")
+                                if mirrored else tf.constant(data.y_train, dtype=tf.int64))
         with tf.device(self.device):
             self.x_test = tf.constant(data.x_test, dtype=dtype)
             self.y_test = tf.constant(data.y_test, dtype=tf.int64)
         self._train_fns, self._train_calls = {}, {}  # the train step captures the training tensors when it is traced
+        self._batch_fns, self._batch_calls = {}, {}
         self._compilations = 0  # tracings of train step functions (tf.function's experimental_get_tracing_count)
 
     def set_train_images(self, images: np.ndarray) -> None:
@@ -578,15 +618,105 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             else:
                 micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
                 python_fn = functools.partial(self._train_accumulated, micro_batches=micro_batches)
-            # The concrete function, called directly: a tf.function's own call matches its arguments against its
-            # signature every time (measured on the CPU: 400 us a call against 225 us for the concrete function,
-            # about 5 % of a step at batch 64; benchmarks/harness_vs_loop.py).
-            function = tf.function(python_fn, input_signature=signature, autograph=False,
-                                   jit_compile=self._jit and self._strategy is None)
-            self._train_fns[key], self._train_calls[key] = function, function.get_concrete_function()
-            self._compilations += function.experimental_get_tracing_count()
-            fn = self._train_calls[key]
+            fn = self._trace(python_fn, signature, key, self._train_fns, self._train_calls)
         self._last_loss = fn(self._indices_tensor(indices, position))  # the function also adds it to the loss sum
+        self._loss_steps += 1
+
+    def _trace(self, python_fn: Callable[..., tf.Tensor], signature: list[tf.TensorSpec], key: tuple[int, int],
+               functions: dict[tuple[int, int], Any], calls: dict[tuple[int, int], Any]) -> Any:
+        """``python_fn`` as a step's ``tf.function`` with the fully static ``signature`` (XLA-compiled in the compiled
+        mode, one device), traced now and counted in ``compilations``; kept under ``key`` in ``functions``, and its
+        concrete function in ``calls``, which is returned: what a step calls. The concrete function is called
+        directly because a tf.function's own call matches its arguments against its signature every time (measured
+        on the CPU: 400 us a call against 225 us for the concrete function, about 5 % of a step at batch 64;
+        benchmarks/harness_vs_loop.py)."""
+        function = tf.function(python_fn, input_signature=signature, autograph=False,
+                               jit_compile=self._jit and self._strategy is None)
+        functions[key], calls[key] = function, function.get_concrete_function()
+        self._compilations += function.experimental_get_tracing_count()
+        return calls[key]
+
+    # -- input: loader ---------------------------------------------------------------------------------------------
+
+    def open_loader(self, source: Any) -> None:
+        """Keeps ``source`` (``harness.neutral.inputs.InputSource``) for the ``tf.data`` pipeline that
+        ``epoch_batches`` builds each epoch as TensorFlow's input-pipeline guide recommends
+        (https://www.tensorflow.org/guide/data_performance): ``tf.data.Dataset.from_tensor_slices`` of the epoch's
+        index batches (int64 (steps, B)), ``map`` of a function that reads one whole step with ``source.read``
+        (through ``tf.numpy_function``: the harness's reader, Pillow for an image folder's files), giving the batch
+        static shapes, with ``num_parallel_calls`` = ``options.loader.workers`` and ``deterministic=True`` (batches in
+        order) or, with 0 workers, a sequential ``map`` (no ``num_parallel_calls``), then ``prefetch`` of
+        ``options.loader.prefetch`` batches (https://www.tensorflow.org/api_docs/python/tf/data/Dataset#map,
+        #prefetch). Every read runs in this process, on tf.data's threads: ``tf.numpy_function`` holds the GIL
+        while its Python function runs (https://www.tensorflow.org/api_docs/python/tf/numpy_function), so parallel
+        reads overlap only where numpy and Pillow release it, and they contend with the training loop's own Python.
+        Records the settings under ``settings()["loader"]``."""
+        if self._strategy is not None:
+            raise ValueError("the tensorflow adapter's loader does not feed a data-parallel trial (input_gap)")
+        workers, prefetch = self.options.loader.workers, self.options.loader.prefetch
+        self._source = source
+        self._loader_settings = {
+            "loader": "tf.data.Dataset", "num_parallel_calls": workers or None, "prefetch": prefetch,
+            "deterministic": True, "source": "files" if source.from_files else "memory",
+            "read": "tf.numpy_function (the harness's reader, Pillow for files)"}
+
+    def epoch_batches(self, order: np.ndarray, samples_per_step: int, epoch: int) -> Iterator[Any]:
+        """The batches of epoch ``epoch`` (``Adapter.epoch_batches``): the pipeline of ``open_loader`` over ``order``
+        (int64 (N,)) cut into whole steps of ``samples_per_step``, with ``epoch`` a constant of its read (the
+        augmentation's draws), iterated in this eager context: each batch is (x, y), float32 (B, H, W, C) images or
+        int64 (B, L) tokens and int64 (B,) or (B, L) labels, with static shapes, so that ``train_batch``'s function
+        is traced once. On a GPU each batch is then copied to the device (``tf.identity`` under ``tf.device``)
+        before the step's function is called; on the CPU the pipeline's tensors are already there. The pipeline is
+        built, and its iterator started, when the epoch's first batch is asked for, as a training loop's ``for x, y
+        in dataset`` starts each epoch: 5 to 30 ms on the CPU (measured with TF 2.21, mostly the iterator's start),
+        counted in that step's wait for its input."""
+        if self._source is None:
+            raise RuntimeError("epoch_batches before open_loader")
+        steps = len(order) // samples_per_step
+        index_batches = np.ascontiguousarray(order[:steps * samples_per_step], dtype=np.int64).reshape(
+            steps, samples_per_step)
+        x_shape, x_dtype, y_shape = self._sample_specs
+        read = _Reader(self._source, x_dtype.as_numpy_dtype)
+        workers, prefetch = self.options.loader.workers, self.options.loader.prefetch
+
+        def read_batch(indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            # stateful (the default): tf.data's map_parallelization optimization, on by default, would run a
+            # stateless map in parallel even with 0 workers (tf.data.experimental.OptimizationOptions)
+            x, y = tf.numpy_function(read, [indices, tf.constant(epoch, tf.int64)], (x_dtype, tf.int64),
+                                     stateful=True, name="read")
+            x.set_shape((samples_per_step, *x_shape))
+            y.set_shape((samples_per_step, *y_shape))
+            return x, y
+
+        dataset = tf.data.Dataset.from_tensor_slices(index_batches)
+        if workers:
+            dataset = dataset.map(read_batch, num_parallel_calls=workers, deterministic=True)
+        else:
+            dataset = dataset.map(read_batch)
+        for x, y in dataset.prefetch(prefetch):
+            if self._gpu:
+                with tf.device(self.device):
+                    x, y = tf.identity(x), tf.identity(y)
+            yield x, y
+
+    def train_batch(self, batch: Any, micro_batches: int = 1) -> None:
+        """One step on a loader's batch (x, y) from ``epoch_batches``: the shared step (``_train_on``, or with
+        ``micro_batches`` k > 1 ``_accumulate`` over k consecutive slices of B / k) in a ``tf.function`` whose
+        ``input_signature`` is the batch's static shapes, traced on the first call with each (B, micro_batches) and
+        never again, as ``train_step``'s (and XLA-compiled in the compiled mode). Not data-parallel (ValueError):
+        ``adapters.base.input_gap`` refuses a loader there."""
+        if self._strategy is not None:
+            raise ValueError("the tensorflow adapter's loader does not feed a data-parallel trial (input_gap)")
+        x, y = batch
+        key = (int(x.shape[0]), micro_batches)
+        fn = self._batch_calls.get(key)
+        if fn is None:
+            micro_batch_size(key[0], micro_batches)  # raises ValueError for an uneven split
+            python_fn = (self._train_on if micro_batches == 1 else
+                         functools.partial(self._train_on_accumulated, micro_batches=micro_batches))
+            signature = [tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec(y.shape, y.dtype)]
+            fn = self._trace(python_fn, signature, key, self._batch_fns, self._batch_calls)
+        self._last_loss = fn(x, y)  # the function also adds it to the loss sum
         self._loss_steps += 1
 
     def compilations(self) -> int | None:
@@ -688,7 +818,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         """Threads, data format, the precision ("precision", "compute_dtype"), the execution mode ("compile",
         "jit_compile"), the optimizer's implementation and, in fp16, the loss scale now ("loss_scale"); on a GPU
         also the allocator settings and whether TF32 is on; data-parallel, the replicas' devices
-        ("data_parallel_devices"), the strategy's cross-device ops ("cross_device_ops") and "sync_batchnorm"."""
+        ("data_parallel_devices"), the strategy's cross-device ops ("cross_device_ops") and "sync_batchnorm"; with
+        ``input: loader`` the tf.data pipeline's settings ("loader", ``open_loader``)."""
         intra = tf.config.threading.get_intra_op_parallelism_threads()
         inter = tf.config.threading.get_inter_op_parallelism_threads()
         out: dict[str, Any] = {"intra_op_threads": intra or _default_threads(),  # 0 is TF's "all schedulable CPUs"
@@ -710,6 +841,8 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             out["data_parallel_devices"] = list(self._replica_devices)
             out["cross_device_ops"] = type(ops).__name__ + (f" ({implementation})" if implementation else "")
             out["sync_batchnorm"] = self.options.data_parallel.sync_batchnorm
+        if self._loader_settings:
+            out["loader"] = self._loader_settings
         return out
 
     def unsupported(self, info: Any) -> str | None:
@@ -750,6 +883,18 @@ def _strategy(devices: tuple[str, ...]) -> tf.distribute.MirroredStrategy:
     if devices not in _STRATEGIES:
         _STRATEGIES[devices] = tf.distribute.MirroredStrategy(list(devices))
     return _STRATEGIES[devices]
+
+
+class _Reader:
+    """The ``tf.numpy_function`` of a loader's read: ``source.read(indices, epoch)`` (int64 (B,) indices, the epoch
+    an int64 scalar) as (x in ``dtype``, int64 labels), the dtypes the pipeline declares."""
+
+    def __init__(self, source: Any, dtype: Any):
+        self.source, self.dtype = source, dtype
+
+    def __call__(self, indices: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self.source.read(indices, int(epoch))
+        return x.astype(self.dtype, copy=False), y.astype(np.int64, copy=False)
 
 
 def _canonical(held: L.Held) -> np.ndarray:

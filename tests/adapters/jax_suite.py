@@ -13,9 +13,9 @@ import pytest
 from jax import lax
 
 from adapters.jax.adapter import JaxAdapter
-from harness.neutral import datasets, models
+from harness.neutral import datasets, inputs, models
 from harness.spec import OptimizerSpec
-from tests.adapters import kit, loss_runs, reference, scenarios
+from tests.adapters import kit, loader_checks, loss_runs, reference, scenarios
 from tests.trials import run_options
 
 
@@ -63,6 +63,47 @@ def test_the_epoch_loss_is_every_steps_mean_whatever_the_windows():
     accumulated = loss_runs.loop(JaxAdapter, {"window": 7}, batch=16, accumulation=2)
     assert accumulated["steps"] == [44, 44]
     np.testing.assert_allclose(accumulated["train_loss"], runs["fast"]["train_loss"], rtol=1e-5, atol=0)
+
+
+def test_the_loader_trains_as_resident_mode_does():
+    """input: loader through grain (``loader_checks.check``: the parameters and epoch losses of resident mode, with
+    0 and 1 reading threads), its pipeline recorded under settings()["loader"]; with gradient accumulation too, the
+    loader's step compiled once for two epochs, and only the test set placed on the device."""
+    assert loader_checks.check(JaxAdapter, "grain.MapDataset") == {
+        "loader": "grain.MapDataset", "num_threads": 1, "prefetch_buffer_size": 2, "device_put_prefetch": 2,
+        "source": "memory"}
+    data, info = kit.digits()
+    runs = {}
+    for source in ("resident", "loader"):
+        adapter = JaxAdapter()
+        adapter.options = run_options({"input": source, "loader": {"workers": 2, "prefetch": 3}})
+        adapter.prepare("cpu", 1, 0)
+        adapter.build(info, models.initial_weights(info, 0), kit.SGD)
+        adapter.load(data)
+        if source == "loader":
+            assert not hasattr(adapter, "x_train") and not hasattr(adapter, "y_train")
+            adapter.open_loader(inputs.for_dataset(None, data, augmentation=True, seed=0))
+        losses = []
+        for epoch in range(2):
+            order = datasets.epoch_order(len(data.y_train), 0, epoch)[:5 * 32]
+            if source == "loader":
+                for batch in adapter.epoch_batches(order, 32, epoch):
+                    adapter.train_batch(batch, micro_batches=2)
+            else:
+                adapter.set_train_images(datasets.augment(data.x_train, 0, epoch))
+                for position in range(5):
+                    adapter.train_step(order[position * 32:(position + 1) * 32], micro_batches=2)
+            losses.append(adapter.read_loss())
+        runs[source] = losses, adapter.get_weights(), adapter.settings()
+    (losses, weights, settings), (resident_losses, resident, _) = runs["loader"], runs["resident"]
+    assert [steps for _, steps in losses] == [5, 5]
+    np.testing.assert_allclose([loss for loss, _ in losses], [loss for loss, _ in resident_losses], rtol=1e-5)
+    for name, value in resident.items():
+        np.testing.assert_allclose(weights[name], value, rtol=loader_checks.RTOL, atol=loader_checks.ATOL,
+                                   err_msg=name)
+    assert settings["train_step_compilations"] == {"32x2 loader": 1}
+    assert settings["loader"] == {"loader": "grain.MapDataset", "num_threads": 2, "prefetch_buffer_size": 6,
+                                  "device_put_prefetch": 3, "source": "memory"}
 
 
 def test_oom_is_classified_by_status_and_type():
