@@ -18,6 +18,7 @@ import pandas as pd
 
 from harness.results import html
 from harness.results.data_parallel import data_parallel_section
+from harness.results.input_pipeline import input_pipeline_section
 from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import GPM_METRICS, Metric, scaled, title
 from harness.results.placement import side_by_side_section
@@ -319,10 +320,10 @@ def slow_window_notes(data: dict[str, Any]) -> Section | None:
 
 def study_sections(data: dict[str, Any]) -> list[Section | None]:
     """Sections for the batch-size studies a spec turns on: learning-rate scaling and gradient accumulation,
-    data-parallel scaling, time to a target accuracy, powers of two against their neighbours, and mixed precision's
-    accuracy against fp32's (None for each the run does not have)."""
-    return [scaling_section(data), data_parallel_section(data), time_to_target_section(data),
-            powers_of_two_section(data), precision_accuracy_section(data)]
+    data-parallel scaling, the input pipeline (resident against loader), time to a target accuracy, powers of two
+    against their neighbours, and mixed precision's accuracy against fp32's (None for each the run does not have)."""
+    return [scaling_section(data), data_parallel_section(data), input_pipeline_section(data),
+            time_to_target_section(data), powers_of_two_section(data), precision_accuracy_section(data)]
 
 
 def _per_cell(data: dict[str, Any], read: Any, digits: int) -> list[tuple[str, list[str]]]:
