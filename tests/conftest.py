@@ -60,6 +60,7 @@ LONGEST_FIRST = ("studies/test_maxbatch.py",  # 139: four real-cap searches, thr
                  "adapters/test_jax.py",  # 48
                  "execution/test_environments.py",  # 43
                  "adapters/test_jax_data_parallel.py",  # 31
+                 "execution/test_input_pipeline.py",  # ~35: eight trials reading an image folder
                  "results/test_results_data.py",  # 30
                  "execution/test_data_parallel.py")  # 27
 

@@ -107,7 +107,9 @@ def input_pipeline_section(data: dict[str, Any]) -> Section | None:
         Paragraph("Loader over resident throughput, and the loader's input wait: the time the timed steps spent "
                   "waiting for the loader's next batch (the training loop's clock around each fetch), as a share of "
                   "the timed seconds. A share near 0 means the loader kept up; what is left of a low utilization "
-                  "then is the step itself."),
+                  "then is the step itself. Where the step is dispatched asynchronously (JAX, MXNet's engine, "
+                  "TensorFlow on a GPU) a fetch can also wait for the device to finish the step before (its copy "
+                  "queues behind it): there the share is an upper bound, and loader / resident the bottom line."),
         simple_table(header, wait_rows, align),
         *((Paragraph(f"{util.title} ({what}), median over the ok repeats, in both modes:"),
            simple_table(header, util_rows, align)) if util is not None and util_rows else ()),
