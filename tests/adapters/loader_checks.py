@@ -26,7 +26,7 @@ def train(adapter_cls, source: str, workers: int = 1, augmentation: bool = True)
     data, info = kit.digits()
     adapter = adapter_cls()
     adapter.options = RunOptions(input=source, loader=LoaderSpec(workers=workers, prefetch=2))
-    adapter.prepare("cpu", 1, 0)
+    adapter.prepare("cpu", 2, 0)  # kit.make's threads: TensorFlow fixes its thread pools once per process
     adapter.build(info, models.initial_weights(info, 0), kit.SGD)
     adapter.load(data)
     if source == "loader":
