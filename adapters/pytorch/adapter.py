@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -337,7 +338,9 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
 
     def train_batch(self, batch: Any, micro_batches: int = 1) -> None:
         x, y = batch
-        self._count_compilations(lambda: self._train_on(x, y, micro_batches))
+        micro_batch_size(len(x), micro_batches)  # raises ValueError for an uneven split
+        self._count_compilations(lambda: self._train_on(zip(x.chunk(micro_batches), y.chunk(micro_batches)),
+                                                        micro_batches))
 
     def _autocast(self) -> Any:
         """``torch.autocast`` in the trial's low precision around a forward pass and its loss; nothing in fp32/tf32."""
@@ -399,27 +402,23 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             indices = shard(indices, self._ranks.size, self._ranks.rank)
         micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
         idx = torch.from_numpy(indices).to(self.device, non_blocking=True)
-        self._train_on(self.x_train.index_select(0, idx), self.y_train.index_select(0, idx), micro_batches)
+        # each micro-batch gathered as it is trained on: only one micro-batch's inputs exist at a time
+        self._train_on(((self.x_train.index_select(0, part), self.y_train.index_select(0, part))
+                        for part in idx.chunk(micro_batches)), micro_batches)
 
-    def _train_on(self, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 1) -> None:
-        """One optimizer step on the batch ``x``, ``y`` (on the device). With ``micro_batches`` k > 1, each of the k
-        consecutive micro-batches runs forward and backward on its own with its mean loss scaled by 1 / k
+    def _train_on(self, parts: Iterable[tuple[torch.Tensor, torch.Tensor]], micro_batches: int) -> None:
+        """One optimizer step on a batch on the device, given as its ``micro_batches`` k consecutive parts (x, y) of
+        B / k samples (resident mode gathers each as it comes, ``_train_step``; a loader's batch is chunked,
+        ``train_batch``). Each part runs forward and backward on its own, with k > 1 its mean loss scaled by 1 / k
         (``backward`` adds into ``.grad``), so that the one ``opt.step`` applies the mean gradient over all B samples
         while only one micro-batch's activations are alive at a time. The recorded loss is the mean over all B
         samples."""
-        micro_batch_size(len(x), micro_batches)  # raises ValueError for an uneven split
         self.opt.zero_grad(set_to_none=True)
-        if micro_batches == 1:
+        for x, y in parts:
             with self._autocast():
                 loss = self._loss(self.model(x), y)
-            self._backward(loss)
-            self._step()
-            self._add_loss(loss)
-            self._loss_steps += 1
-            return
-        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-            with self._autocast():
-                loss = self._loss(self.model(xs), ys) / micro_batches
+                if micro_batches > 1:
+                    loss = loss / micro_batches
             self._backward(loss)
             self._add_loss(loss)  # k adds of mean / k: the step adds the mean over its B samples
         self._step()
@@ -564,9 +563,10 @@ def _leave() -> None:
 
 
 class _Samples(torch.utils.data.Dataset):
-    """The loader's map-style dataset: ``__getitems__`` reads a whole step (the batch sampler's list of (epoch,
-    index) pairs) through ``source.read`` and returns the tensors resident mode would gather (NCHW float32 images,
-    or int64 tokens; int64 labels), so that the DataLoader's workers do the conversion (collate: ``_as_is``)."""
+    """The loader's map-style dataset: ``__getitems__`` reads a whole step (the batch sampler's one key, (epoch, the
+    step's int64 indices)) through ``source.read`` and returns the tensors resident mode would gather (NCHW float32
+    images, or int64 tokens; int64 labels), so that the DataLoader's workers do the conversion (collate:
+    ``_as_is``)."""
 
     def __init__(self, source: Any, tokens: bool):
         self.source, self.tokens = source, tokens
@@ -574,8 +574,9 @@ class _Samples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.source.read(np.fromiter((i for _, i in keys), dtype=np.int64, count=len(keys)), keys[0][0])
+    def __getitems__(self, keys: list[tuple[int, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ((epoch, indices),) = keys
+        x, y = self.source.read(indices, epoch)
         if not self.tokens:
             x = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
         return torch.from_numpy(x), torch.from_numpy(y)
@@ -587,9 +588,9 @@ def _as_is(batch: Any) -> Any:
 
 
 class _EpochBatches:
-    """The DataLoader's batch sampler: the epoch's ``order`` cut into steps of ``size`` samples, each a list of
-    (epoch, index) pairs (the epoch draws the augmentation); set before each epoch's iterator (in the training
-    process, where a batch sampler runs)."""
+    """The DataLoader's batch sampler: the epoch's ``order`` cut into steps of ``size`` samples, each one key
+    (epoch, the step's int64 indices) (the epoch draws the augmentation), as Gluon's loader gets them; set before
+    each epoch's iterator (in the training process, where a batch sampler runs)."""
 
     def __init__(self) -> None:
         self.order: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -600,4 +601,4 @@ class _EpochBatches:
 
     def __iter__(self) -> Any:
         for start in range(0, len(self) * self.size, self.size):
-            yield [(self.epoch, int(i)) for i in self.order[start:start + self.size]]
+            yield [(self.epoch, self.order[start:start + self.size])]
