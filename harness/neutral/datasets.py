@@ -171,12 +171,19 @@ def augment(images: np.ndarray, seed: int, epoch: int) -> np.ndarray:
     Crop: pad each side with ``max(1, H // 8)`` zero pixels (4 for 32x32, the usual CIFAR setting; 1 for 8x8) and cut
     an H x W window at a random offset. Flip: left-right with probability 1/2 (``augment_offsets``).
     """
-    n, h, w, c = images.shape
+    n, h, w, _ = images.shape
+    return crop_and_flip(images, *augment_offsets(n, h, w, seed, epoch))
+
+
+def crop_and_flip(images: np.ndarray, dy: np.ndarray, dx: np.ndarray, flip: np.ndarray) -> np.ndarray:
+    """``augment``'s crop and flip of images float32 (B, H, W, C) with their draws (``augment_offsets``' int64 (B,)
+    offsets and bool (B,) flips, sample b's in position b): zero-padded by ``augment_pad(H)`` on each side, the
+    H x W window at (dy, dx), mirrored left-right where ``flip``. Returns a new float32 array of the same shape."""
+    n, h, w, _ = images.shape
     pad = augment_pad(h)
-    dy, dx, flip = augment_offsets(n, h, w, seed, epoch)
     padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    rows = dy[:, None] + np.arange(h)[None, :]  # (N, H)
-    cols = dx[:, None] + np.arange(w)[None, :]  # (N, W)
+    rows = dy[:, None] + np.arange(h)[None, :]  # (B, H)
+    cols = dx[:, None] + np.arange(w)[None, :]  # (B, W)
     cols = np.where(flip[:, None], cols[:, ::-1], cols)
     out = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
     return np.ascontiguousarray(out, dtype=np.float32)

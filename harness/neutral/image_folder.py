@@ -351,14 +351,13 @@ def load(cfg: ImageFolderData) -> Data:
                 skipped_files=tuple(str(s) for s in arrays["skipped"]))
 
 
-def train_files(cfg: ImageFolderData) -> tuple[Path, ...]:
-    """The training images' files, in the order of ``load``'s ``x_train`` (the listing's, the skipped files left
-    out): what a data loader decodes (``harness.neutral.inputs.InputSource``). Reads the cache's list of skipped files,
-    decoding into the cache first when it lacks it. Raises DatasetError."""
+def train_files(cfg: ImageFolderData, skipped: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    """The training images' files, in the order of ``load``'s ``x_train``: the listing's, less ``skipped`` (``load``'s
+    ``Data.skipped_files``, paths relative to the folder): what a data loader decodes
+    (``harness.neutral.inputs.InputSource``). Lists the folder, decodes nothing. Raises DatasetError."""
+    left_out = set(skipped)
     listing = scan(cfg)
-    arrays, _, _ = _decoded(cfg, listing)
-    skipped = {str(s) for s in arrays["skipped"]}
-    return tuple(listing.root / rel for rel, _ in listing.train if rel not in skipped)
+    return tuple(listing.root / rel for rel, _ in listing.train if rel not in left_out)
 
 
 def _class_image(rng: np.random.Generator, label: int, classes: int, size: tuple[int, int]) -> np.ndarray:

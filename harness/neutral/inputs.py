@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from harness.neutral.datasets import Data, DatasetSpec, augment_offsets, augment_pad
+from harness.neutral.datasets import Data, DatasetSpec, augment_offsets, crop_and_flip
 from harness.spec import ImageFolderData
 
 
@@ -80,14 +80,7 @@ class InputSource:
             cached = (epoch, *augment_offsets(len(self), x.shape[1], x.shape[2], self.seed, epoch))
             self._offsets = cached
         _, dy, dx, flip = cached
-        h, w = x.shape[1], x.shape[2]
-        pad = augment_pad(h)
-        padded = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-        rows = dy[indices][:, None] + np.arange(h)[None, :]
-        cols = dx[indices][:, None] + np.arange(w)[None, :]
-        cols = np.where(flip[indices][:, None], cols[:, ::-1], cols)
-        out = padded[np.arange(len(indices))[:, None, None], rows[:, :, None], cols[:, None, :]]
-        return np.ascontiguousarray(out, dtype=np.float32)
+        return crop_and_flip(np.asarray(x), dy[indices], dx[indices], flip[indices])
 
     def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_offsets": None}
@@ -100,7 +93,7 @@ def for_dataset(cfg: DatasetSpec | None, data: Data, augmentation: bool = False,
         from harness.neutral import image_folder
 
         size = (int(data.x_train.shape[1]), int(data.x_train.shape[2]))
-        files = image_folder.train_files(cfg)
+        files = image_folder.train_files(cfg, data.skipped_files or ())
         if len(files) != len(data.y_train):
             raise ValueError(f"{cfg.path}: {len(files)} training files but {len(data.y_train)} cached images")
         return InputSource(data.y_train, files=files, decode=Decode(size, cfg.channels), augmentation=augmentation,
