@@ -82,5 +82,5 @@ def handle(args: argparse.Namespace) -> int:
     from harness.cli.common import load_spec
     from harness.studies.max_batch import command
 
-    load_spec(args.spec, offline=args.offline)  # the dataset fetched or decoded once, before the first probe
-    return command.run(args)
+    spec = load_spec(args.spec, offline=args.offline)  # checked, its dataset fetched or decoded, before any probe
+    return command.run(args, spec)

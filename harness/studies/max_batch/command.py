@@ -10,18 +10,18 @@ from typing import Any
 from harness import plan as planning
 from harness.execution import environments
 from harness.measure.machine import resolve_device
-from harness.spec import SpecError
+from harness.spec import Spec, SpecError
 from harness.studies.max_batch.output import RunWriter, mb, table
 from harness.studies.max_batch.probe import Probe
 from harness.studies.max_batch.search import check_data_parallel, find_max_batch
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, spec: Spec) -> int:
     """0 with the result printed, 1 when the search stopped on a non-OOM failure, 2 for a bad spec or arguments
     (one line on standard error, before anything runs: a --data-parallel below 1, above the devices this machine
-    has, or that the framework cannot train this model on, among them)."""
+    has, or that the framework cannot train this model on, among them). ``spec``: the spec file ``args.spec`` as
+    the command read and checked it (``harness.cli.common.load_spec``, its data ready)."""
     try:
-        spec = planning.load(args.spec)
         if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
             raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
         entry = planning.entry_for(spec, args.framework)
