@@ -71,6 +71,9 @@ class Declaration:
     data_parallel_mechanism: the framework's mechanism in words ("tf.distribute.MirroredStrategy"),
     loader: the framework's own data loader that ``input: loader`` feeds each step through, in words
     ("torch.utils.data.DataLoader"); "" when the adapter has no loader mode.
+    family, backend: an adapter that runs one API on several frameworks (Keras 3: family "keras") names the backend
+    it runs on ("jax", "torch", "tensorflow"); a spec entry ``{name: <family>, backend: <backend>}`` selects it.
+    native: the built-in adapter of the framework it runs on ("jax"), for the report's "over native" ratios.
     data_parallel_environment: worker variables a data-parallel trial sets, "{devices}" standing for N (JAX's host
     device count); sync_batchnorm: the device kinds ("cpu", "cuda") on which it can normalise batchnorm over the
     global batch (where it cannot, the reason is ``sync_batchnorm_note``).
@@ -100,6 +103,9 @@ class Declaration:
     sync_batchnorm: frozenset[str] = frozenset()
     sync_batchnorm_note: str = ""
     loader: str = ""
+    family: str = ""
+    backend: str = ""
+    native: str = ""
 
     def __post_init__(self) -> None:
         for name in ("precisions", "compile_modes", "environment", "thread_environment", "allocator_environment",
@@ -111,6 +117,8 @@ class Declaration:
             raise ValueError(f"{self.name}: default mode {self.default_compile!r} is not among its compile_modes")
         if self.data_parallel not in ("", "devices", "processes"):
             raise ValueError(f"{self.name}: data_parallel {self.data_parallel!r} is not '', 'devices' or 'processes'")
+        if bool(self.family) != bool(self.backend) or (self.family and self.name != f"{self.family}-{self.backend}"):
+            raise ValueError(f"{self.name}: family and backend go together, and the name is family-backend")
         if bool(self.cpu_allocator_cap) != bool(self.cpu_allocator):
             raise ValueError(f"{self.name}: cpu_allocator_cap and cpu_allocator go together")
 

@@ -63,7 +63,7 @@ def checked_spec(data: Any, file: str | os.PathLike[str]) -> Spec:
 def check(spec: Spec, file: str | os.PathLike[str]) -> None:
     """The checks that need the adapters, the dataset files and the model. Raises SpecError naming ``file``."""
     for i, entry in enumerate(spec.entries):
-        check_framework_name(entry.name, file, f"frameworks.{i}")
+        check_framework_name(entry.name, file, f"frameworks.{i}", entry.backend)
     base = Path(file).parent
     if isinstance(spec.dataset, Cifar10Data):
         try:
@@ -183,14 +183,31 @@ def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
             or next((e for e in entries if e.name == framework), None) or FrameworkEntry(name=framework))
 
 
-def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "frameworks") -> None:
-    """Raises SpecError unless an adapter is registered under ``name`` (``adapters.available_names``)."""
-    from adapters import available_names  # the registry imports no framework
+def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "frameworks",
+                         backend: str | None = None) -> None:
+    """Raises SpecError unless an adapter is registered under ``name`` (``adapters.available_names``). ``backend``:
+    the entry's (``FrameworkEntry.backend``, already joined to ``name``): a family without that backend, or a
+    framework that has none, is named with the fix. A family's own name ("keras") without a backend says to give
+    one."""
+    from adapters import available_names, backends  # the registry imports no framework
 
     known = available_names()
-    if name not in known:
-        where = f" at index {field.rsplit('.', 1)[1]}" if "." in field else ""
-        raise SpecError(file, "frameworks", f"unknown framework {name!r}{where}; expected one of {', '.join(known)}")
+    if name in known:
+        return
+    where = f" at index {field.rsplit('.', 1)[1]}" if "." in field else ""
+    if backend is not None:
+        family = name[:-len(backend) - 1]
+        if offered := backends(family):
+            raise SpecError(file, f"{field}.backend", f"{family} has no backend {backend!r}; expected one of "
+                                                      f"{', '.join(offered)}")
+        families = sorted({n.split('-')[0] for n in known if backends(n.split('-')[0])})
+        raise SpecError(file, f"{field}.backend", f"{family} takes no backend (only {', '.join(families)} "
+                                                  "does); remove it" if family in known else
+                        f"unknown framework {family!r}{where}; expected one of {', '.join(known)}")
+    if offered := backends(name):
+        raise SpecError(file, field, f"{name} runs on a backend: write {{name: {name}, backend: {offered[0]}}} "
+                                     f"(backends: {', '.join(offered)})")
+    raise SpecError(file, "frameworks", f"unknown framework {name!r}{where}; expected one of {', '.join(known)}")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ class FrameworkEntry(_Strict):
     ``{name: pytorch, label: "PyTorch 2.15", python: envs/pytorch/bin/python}`` or ``{name: mxnet, command: [docker,
     run, --rm, -i, --pid=host, -v, "{root}:{root}", nvcr.io/nvidia/mxnet:23.09-py3, python]}``.
 
+    backend: for an adapter that runs on several frameworks, which one (Keras 3: ``{name: keras, backend: jax}``);
+    the entry's ``name`` then becomes the adapter's, ``keras-jax`` (so ``{name: keras-jax}`` says the same), and the
+    plan checks that such an adapter exists (``harness.plan.check_framework_name``).
     label: the row's name in reports, compare and history (default: ``name``); labels are unique within a spec.
     python: the interpreter (a path; a relative one is taken relative to the spec file's folder). command: an argv
     prefix that starts a Python (``taskset -c 2-7 {python}``, ``docker run -i ... python``, ``srun ... python``);
@@ -38,9 +41,18 @@ class FrameworkEntry(_Strict):
     """
 
     name: str = Field(min_length=1)
+    backend: str | None = Field(default=None, min_length=1, pattern=r"^[a-z0-9_]+$")
     label: str | None = Field(default=None, min_length=1, max_length=80)
     python: str | None = Field(default=None, min_length=1)
     command: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_with_backend(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(backend := data.get("backend"), str) and isinstance(
+                name := data.get("name"), str) and backend and not name.endswith(f"-{backend}"):
+            return {**data, "name": f"{name}-{backend}"}
+        return data
 
     @model_validator(mode="after")
     def _python_through_command(self) -> FrameworkEntry:

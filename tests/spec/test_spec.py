@@ -44,6 +44,12 @@ def test_shipped_specs_are_valid(tmp_path, monkeypatch):
     ({"batch_sizes": [32, 32]}, "batch_sizes", "listed twice"),
     ({"frameworks": ["pytorch", "caffe"]}, "frameworks", "unknown framework 'caffe'"),
     ({"frameworks": []}, "frameworks", "at least 1"),
+    ({"frameworks": [{"name": "keras", "backend": "mxnet"}]}, "frameworks.0.backend",
+     "keras has no backend 'mxnet'; expected one of jax, torch, tensorflow"),
+    ({"frameworks": ["keras"]}, "frameworks.0", "keras runs on a backend: write {name: keras, backend: jax}"),
+    ({"frameworks": [{"name": "pytorch", "backend": "jax"}]}, "frameworks.0.backend",
+     "pytorch takes no backend (only keras does); remove it"),
+    ({"frameworks": [{"name": "keras", "backend": "JAX!"}]}, "frameworks.0.backend", "should match pattern"),
     ({"epoch": 3}, "epoch", "unknown field"),
     ({"device": "gpu"}, "device", "'auto', 'cpu' or 'cuda:N'"),
     ({"optimizer": {"name": "rmsprop"}}, "optimizer.name", "'sgd' or 'adam'"),
@@ -118,6 +124,19 @@ def test_cli_bad_spec_exits_2_with_one_line_and_no_run_directory(write_spec, tmp
     assert proc.stderr.strip() == f"{path}: batch_sizes.0: Input should be greater than 0"
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not out.exists()
+
+
+def test_a_keras_entry_names_its_backend_adapter(write_spec):
+    """``{name: keras, backend: jax}`` is the adapter keras-jax (its label the user's, else that name), and says
+    the same as ``{name: keras-jax}``; the trial's framework is that adapter."""
+    from harness import plan
+
+    spec = plan.load(write_spec(base_spec(frameworks=[
+        {"name": "keras", "backend": "jax"}, {"name": "keras", "backend": "torch", "label": "kt"},
+        "keras-tensorflow"])))
+    assert [(e.name, e.row) for e in spec.entries] == [("keras-jax", "keras-jax"), ("keras-torch", "kt"),
+                                                        ("keras-tensorflow", "keras-tensorflow")]
+    assert {t.framework for t in plan.plan(spec, "cpu")} == {"keras-jax", "keras-torch", "keras-tensorflow"}
 
 
 def test_cli_override_error_names_the_spec_file(write_spec, tmp_path):
