@@ -13,7 +13,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-from adapters import jax, mxnet, pytorch, tensorflow
+from adapters import jax, keras, mxnet, pytorch, tensorflow
 from adapters.base import Adapter, DeviceUnavailable, data_parallel_gap, execution_gap, input_gap, support_gap
 from adapters.declaration import Declaration
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from harness.neutral.models import ModelInfo
 
 __all__ = ["Adapter", "BUILTIN", "Declaration", "DeviceUnavailable", "attention", "available_names", "declaration",
-           "get", "records", "unsupported"]
+           "backends", "get", "records", "unsupported", "with_backend"]
 
 #: The built-in adapters' declarations by name, one line per framework (the order reports list them in).
 BUILTIN: dict[str, Declaration] = {d.name: d for d in (
@@ -29,12 +29,25 @@ BUILTIN: dict[str, Declaration] = {d.name: d for d in (
     tensorflow.DECLARATION,
     mxnet.DECLARATION,
     jax.DECLARATION,
+    *keras.DECLARATIONS,
 )}
 
 
 def records() -> tuple[Declaration, ...]:
     """The built-in adapters' declarations, in the registry's order."""
     return tuple(BUILTIN.values())
+
+
+def backends(family: str) -> list[str]:
+    """The backends the built-in adapters of ``family`` ("keras") run on, in the registry's order; [] for a name that
+    is no family."""
+    return [record.backend for record in BUILTIN.values() if record.family == family]
+
+
+def with_backend(family: str, backend: str) -> str | None:
+    """The name of the built-in adapter of ``family`` on ``backend`` (``{name: keras, backend: jax}`` ->
+    "keras-jax"), or None when there is none."""
+    return next((r.name for r in BUILTIN.values() if r.family == family and r.backend == backend), None)
 
 
 def declaration(name: str) -> Declaration | None:

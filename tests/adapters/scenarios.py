@@ -283,5 +283,9 @@ if __name__ == "__main__":
     import adapters
 
     framework, path = sys.argv[1], sys.argv[2]
-    which = sys.argv[3] if len(sys.argv) > 3 else "layers"
-    np.savez(path, **(run_blocks if which == "blocks" else run)(adapters.get(framework)))
+    which = sys.argv[3] if len(sys.argv) > 3 else "layers"  # layers, blocks, or all (both, in one process)
+    cls = adapters.get(framework)
+    if which == "all":
+        np.savez(path, **run(cls), **run_blocks(cls))
+    else:
+        np.savez(path, **(run_blocks if which == "blocks" else run)(cls))

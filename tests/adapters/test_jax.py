@@ -14,7 +14,6 @@ import subprocess
 import numpy as np
 import pytest
 
-from adapters.pytorch.adapter import PyTorchAdapter
 from harness.execution import environments
 from harness.spec import ROOT
 from tests.adapters import scenarios
@@ -45,7 +44,7 @@ def test_the_jax_adapter_suite_passes_in_its_own_environment(jax_python):
 
 
 @pytest.fixture(scope="module")
-def runs(jax_python, tmp_path_factory):
+def runs(jax_python, tmp_path_factory, pytorch_runs):
     """{"jax": ..., "pytorch": ...}: scenarios.run of each (JAX in envs/jax, PyTorch here)."""
     path = tmp_path_factory.mktemp("jax") / "jax.npz"
     proc = subprocess.run([jax_python, "-m", "tests.adapters.scenarios", "jax", str(path)], cwd=ROOT,
@@ -53,7 +52,7 @@ def runs(jax_python, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(path) as loaded:
         jax_out = dict(loaded)
-    return {"jax": jax_out, "pytorch": scenarios.run(PyTorchAdapter)}
+    return {"jax": jax_out, "pytorch": pytorch_runs}
 
 
 def test_the_same_scenarios_ran(runs):

@@ -34,14 +34,29 @@ def test_every_declaration_is_complete_and_its_adapter_class_takes_it():
     and JAX's in its own environment by tests/adapters/jax_suite.py)."""
     from harness.neutral import memory
 
-    assert list(adapters.BUILTIN) == ["pytorch", "tensorflow", "mxnet", "jax"]
+    assert list(adapters.BUILTIN) == ["pytorch", "tensorflow", "mxnet", "jax", "keras-jax", "keras-torch",
+                                      "keras-tensorflow"]
     for name, record in adapters.BUILTIN.items():
         assert record.name == name and record.title and record.distributions, name
-        assert record.adapter.startswith(f"adapters.{name}.adapter:"), record.adapter
+        package = record.family or name
+        assert record.adapter.startswith(f"adapters.{package}.adapter:"), record.adapter
+        assert not record.native or (adapters.BUILTIN[record.native].title in record.title), name
         assert record.precisions["fp32"] == base.BOTH and record.default_compile in record.compile_modes, name
         assert (record.layers, record.tasks) == (base.ALL_LAYERS, base.ALL_TASKS), name
         assert record.attention in memory.ATTENTIONS and record.attention == adapters.attention(name), name
         assert set(record.notes) <= set(record.precisions) | {"bf16", "tf32"}, name
+
+
+def test_a_family_names_its_backends():
+    """Keras's three declarations: keras-<backend>, each naming the native adapter of its framework, and found by
+    ``with_backend`` (what ``{name: keras, backend: ...}`` resolves through)."""
+    assert adapters.backends("keras") == ["jax", "torch", "tensorflow"] and adapters.backends("pytorch") == []
+    assert [adapters.with_backend("keras", b) for b in ("jax", "torch", "tensorflow", "mxnet")] == [
+        "keras-jax", "keras-torch", "keras-tensorflow", None]
+    assert {adapters.BUILTIN[f"keras-{b}"].native for b in ("jax", "torch", "tensorflow")} == {
+        "jax", "pytorch", "tensorflow"}
+    with pytest.raises(ValueError, match="family and backend go together"):
+        dataclasses.replace(adapters.BUILTIN["keras-jax"], name="keras-torch")
 
 
 def test_a_declaration_that_contradicts_itself_is_refused():

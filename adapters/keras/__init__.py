@@ -1,0 +1,70 @@
+"""Keras 3 on each of its backends: one declaration per backend (importing this module imports no framework); the
+adapter is ``adapters.keras.adapter`` (one class, ``KerasAdapter``, a subclass per backend that names it), its layers
+and optimizers ``adapters.keras.layers``.
+
+A spec selects one as ``{name: keras, backend: jax}`` (or by its name, ``keras-jax``); each runs in its own
+environment (``harness envs create keras-jax``: requirements/keras-jax-cpu.txt), and the worker sets KERAS_BACKEND
+before Keras is imported (``adapters.keras.adapter.import_keras``).
+"""
+
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+
+#: The backends, as KERAS_BACKEND names them, in the order reports list them.
+BACKENDS = ("jax", "torch", "tensorflow")
+
+#: Why no backend trains in tf32 here.
+TF32_NOTE = ("Keras 3 has no TF32 dtype policy (https://keras.io/api/mixed_precision/policy/); fp32 here turns each "
+             "backend's TF32 off, and a TF32 comparison belongs to the native adapters")
+
+
+def _keras(backend: str, title: str, native: str, distributions: tuple[str, ...], default: str,
+           modes: dict[str, str], attention: str, **extra: object) -> Declaration:
+    return Declaration(
+        name=f"keras-{backend}",
+        title=f"Keras ({title})",
+        adapter=f"adapters.keras.adapter:Keras{title}Adapter",
+        family="keras",
+        backend=backend,
+        native=native,
+        distributions=("keras", *distributions),
+        # mixed_bfloat16 and mixed_float16 (loss scaling through the LossScaleOptimizer that Model.compile wraps
+        # around the optimizer): https://keras.io/api/mixed_precision/policy/
+        precisions={"fp32": BOTH, "bf16": BOTH, "fp16": CUDA},
+        notes={"fp16": FP16_NOTE, "tf32": TF32_NOTE},
+        compile_modes=modes,
+        default_compile=default,
+        layers=ALL_LAYERS,
+        tasks=ALL_TASKS,
+        attention=attention,
+        data_parallel_mechanism=("not measured through Keras: keras.distribution.DataParallel exists for the JAX "
+                                 "backend only; the native adapters train data-parallel"),
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+JAX = _keras(
+    "jax", "JAX", "jax", ("jax", "jaxlib"), "compiled",
+    {"eager": "Model.compile(jit_compile=False): the train step's jax ops dispatched one by one",
+     "compiled": "Model.compile(jit_compile=True): jax.jit of Keras's train step (Keras's default on JAX)"},
+    # keras.ops.dot_product_attention on JAX is jax.nn.dot_product_attention's XLA path: the probabilities are kept
+    "unfused",
+    # as the native JAX adapter: JAX's GPU backend would otherwise map 75 % of the GPU's memory when it starts
+    environment={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+)
+TORCH = _keras(
+    "torch", "PyTorch", "pytorch", ("torch",), "eager",
+    {"eager": "Model.compile(jit_compile=False): eager torch ops (Keras's default on PyTorch)",
+     "compiled": "Model.compile(jit_compile=True): torch.compile of Keras's train step"},
+    # Keras 3.15's MultiHeadAttention(use_causal_mask=True) calls torch's scaled_dot_product_attention(is_causal=True)
+    "fused",
+)
+TENSORFLOW = _keras(
+    "tensorflow", "TensorFlow", "tensorflow", ("tensorflow", "tensorflow-cpu"), "eager",
+    {"eager": "Model.compile(jit_compile=False): a tf.function graph without XLA (Keras's default on a CPU)",
+     "compiled": "Model.compile(jit_compile=True): tf.function(jit_compile=True), XLA (Keras's default on a GPU)"},
+    "unfused",
+    environment={"TF_CPP_MIN_LOG_LEVEL": "2"},
+    thread_environment={"TF_NUM_INTRAOP_THREADS": "{threads}", "TF_NUM_INTEROP_THREADS": "1"},
+)
+
+DECLARATIONS = (JAX, TORCH, TENSORFLOW)

@@ -1,0 +1,148 @@
+"""Keras 3 on each backend, held to what every adapter is held to: its suite in its own environment
+(tests/adapters/keras_suite.py: the shared checks against the numpy reference), and the same training as PyTorch,
+step by step (tests/adapters/scenarios.py: the CNN, the batchnorm models, the narrow ResNet and the causal decoder,
+10 steps of SGD with momentum and of Adam, gradient accumulation, the loop's epoch losses), with the tolerances the
+native adapters meet (tests/adapters/test_jax.py). One file per backend imports these tests
+(test_keras_jax.py, ...), so that the backends run side by side; each defines the ``keras_name`` fixture."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from harness.execution import environments
+from harness.spec import ROOT
+from tests.adapters import scenarios
+
+SUITE_TESTS = 16  # the tests in keras_suite.py: all must pass, none may be skipped
+
+
+@pytest.fixture(scope="module")
+def keras_python(keras_name) -> str:
+    """envs/<keras_name> (made when missing, ``harness envs create``), with pytest for its suite."""
+    python = str(environments.create(keras_name, ROOT / "envs")[0])
+    if subprocess.run([python, "-c", "import pytest"], capture_output=True).returncode != 0:
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "pytest>=8"], check=True)
+    return python
+
+
+def _env(keras_name: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", "HARNESS_KERAS_ADAPTER": keras_name,
+            "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def test_the_keras_adapter_suite_passes_in_its_own_environment(keras_python, keras_name):
+    proc = subprocess.run([keras_python, "-m", "pytest", "tests/adapters/keras_suite.py", "-q", "-p",
+                           "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=_env(keras_name))
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(rf"\b{SUITE_TESTS} passed\b", summary) and not re.search(r"skipped|failed|error", summary), tail
+
+
+def _scenarios(python: str, name: str, path, which: str) -> dict[str, np.ndarray]:
+    proc = subprocess.run([python, "-m", "tests.adapters.scenarios", name, str(path), which], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=_env(name))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(path) as loaded:
+        return dict(loaded)
+
+
+@pytest.fixture(scope="module")
+def keras_runs(keras_python, keras_name, tmp_path_factory) -> dict[str, np.ndarray]:
+    """scenarios.run and scenarios.run_blocks of Keras, in its environment (one process)."""
+    return _scenarios(keras_python, keras_name, tmp_path_factory.mktemp("keras") / "all.npz", "all")
+
+
+@pytest.fixture(scope="module")
+def runs(keras_runs, pytorch_runs):
+    """{"keras": ..., "pytorch": ...}: scenarios.run of each (Keras in its environment, PyTorch here)."""
+    return {"keras": {k: v for k, v in keras_runs.items() if k in pytorch_runs}, "pytorch": pytorch_runs}
+
+
+@pytest.fixture(scope="module")
+def block_runs(keras_runs, pytorch_block_runs):
+    """{"keras": ..., "pytorch": ...}: scenarios.run_blocks of each."""
+    return {"keras": {k: v for k, v in keras_runs.items() if k.startswith("blocks-")}, "pytorch": pytorch_block_runs}
+
+
+def test_layers_and_blocks_are_apart(keras_runs, pytorch_runs, pytorch_block_runs):
+    """The one-process run holds exactly the keys of both runs, none of them shared."""
+    assert not set(pytorch_runs) & set(pytorch_block_runs)
+    assert sorted(keras_runs) == sorted([*pytorch_runs, *pytorch_block_runs])
+
+
+def test_the_same_scenarios_ran(runs):
+    assert sorted(runs["keras"]) == sorted(runs["pytorch"]) and len(runs["keras"]) > 100
+
+
+def test_same_input_gives_same_logits(runs):
+    """|a - b| <= 1e-5 + 1e-4 * |b| for the logits, 1e-5 relative for the test loss and accuracy."""
+    for key in (k for k in runs["pytorch"] if k.startswith("logits-") or k.startswith("norm-inference-")):
+        if key.endswith("|predict|"):
+            np.testing.assert_allclose(runs["keras"][key], runs["pytorch"][key], rtol=1e-4, atol=1e-5, err_msg=key)
+        else:
+            np.testing.assert_allclose(runs["keras"][key], runs["pytorch"][key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("scenario", [f"ten-{name}" for name in scenarios.OPTIMIZERS] +
+                         [f"norm-ten-{name}" for name in scenarios.NORM_MODELS])
+@pytest.mark.parametrize("step", [1, 10])
+def test_parameters_agree_after_steps(runs, scenario, step):
+    """SGD with momentum and weight decay (the coupled L2 term), Adam with weight decay and PyTorch's placement of
+    epsilon, and the batchnorm models (running statistics included): every array within 1e-5 + 1e-5 * |b| of
+    PyTorch's after 1 and 10 steps, the losses within 1e-5 relative; every array moved."""
+    scenarios.assert_trained_alike(runs["keras"], runs["pytorch"], scenario, step, rtol=1e-5,
+                                   moved=lambda name: not name.endswith(".bias"), min_move=1e-4)
+
+
+@pytest.mark.parametrize("name", list(scenarios.OPTIMIZERS))
+def test_loss_curves_of_a_real_run_agree(runs, name):
+    """Two epochs of batch 32 (88 steps): every step's loss within 5e-3 relative, the final test loss too, the
+    accuracy within one test image."""
+    key = f"curve-{name}|losses|"
+    assert len(runs["pytorch"][key]) == 88
+    np.testing.assert_allclose(runs["keras"][key], runs["pytorch"][key], rtol=5e-3, atol=0)
+    loss_k, acc_k = runs["keras"][f"curve-{name}|evaluate|"]
+    loss_t, acc_t = runs["pytorch"][f"curve-{name}|evaluate|"]
+    assert loss_k == pytest.approx(loss_t, rel=5e-3) and abs(acc_k - acc_t) <= 1.5 / 359
+
+
+def test_a_fast_and_a_slowed_framework_report_the_same_epoch_loss(runs):
+    """The loop's epoch losses (train_on_batch's host losses summed) read every 3 steps and slowed in auto windows
+    agree with PyTorch's the other way round, within 1e-5 relative."""
+    for a, b in (("slow", "fast"), ("fast", "slow")):
+        np.testing.assert_allclose(runs["keras"][f"loop-train-loss|{a}|"], runs["pytorch"][f"loop-train-loss|{b}|"],
+                                   rtol=1e-5, atol=0, err_msg=f"keras {a} vs pytorch {b}")
+
+
+def test_gradient_accumulation_equals_one_large_batch(runs):
+    """Four micro-batches of 8 through the optimizer's gradient_accumulation_steps = one batch of 32, over 3 steps
+    (and both equal PyTorch's)."""
+    one, four = scenarios.group(runs["keras"], "accumulation-1"), scenarios.group(runs["keras"], "accumulation-4")
+    np.testing.assert_allclose(four["accumulation-4|losses|"], one["accumulation-1|losses|"], rtol=1e-5)
+    for key, value in one.items():
+        if key.split("|")[1] == "3":
+            np.testing.assert_allclose(four[key.replace("accumulation-1", "accumulation-4")], value, rtol=1e-5,
+                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(value, runs["pytorch"][key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def test_the_residual_and_transformer_models_give_the_same_logits(block_runs):
+    scenarios.assert_same_block_logits(block_runs["keras"], block_runs["pytorch"])
+
+
+@pytest.mark.parametrize("scenario", scenarios.BLOCK_SCENARIOS)
+@pytest.mark.parametrize("step", [1, 10])
+def test_the_residual_and_transformer_models_train_the_same(block_runs, scenario, step):
+    """The narrow ResNet (batchnorm in training mode, running statistics included) and the causal decoder
+    (next-token loss over every position; on TensorFlow the embedding's IndexedSlices gradient made dense), 1 and
+    10 steps of SGD with momentum and of Adam: every array within 1e-5 + 1e-4 * |b| of PyTorch's, the losses within
+    1e-5 relative, every weight moved by step 10."""
+    scenarios.assert_trained_alike(block_runs["keras"], block_runs["pytorch"], scenario, step, rtol=1e-4,
+                                   moved=lambda name: name.endswith(".weight"), min_move=1e-5)
