@@ -19,6 +19,7 @@ import pandas as pd
 from harness.results import html
 from harness.results.data_parallel import data_parallel_section
 from harness.results.input_pipeline import input_pipeline_section
+from harness.results.keras_native import keras_native_section
 from harness.results.memory_breakdown import memory_breakdown_section
 from harness.results.metrics import GPM_METRICS, Metric, scaled, title
 from harness.results.placement import side_by_side_section
@@ -34,7 +35,6 @@ from harness.results.sections import (
     simple_table,
     to_markdown,
 )
-from harness.results.stats import overlaps
 from harness.results.tables import (
     MEMORY_NOTE,
     SPAN_NOTE,
@@ -45,6 +45,7 @@ from harness.results.tables import (
     metric_row,
     metric_table,
     noise_pairs,
+    noise_verdict,
     ohio_state_rows,
 )
 
@@ -90,12 +91,13 @@ def _versions(records: list[dict[str, Any]]) -> str:
 
 def sections(data: dict[str, Any]) -> list[Section]:
     """The whole report as sections (``data``: ``harness.results.tables.compute``'s result): the header, the
-    environments, the Ohio State layout, the memory layers, one section per metric, the study sections, how the
-    sampler fared, the failed trials and the plots. Sections with nothing to say are left out."""
+    environments, the Ohio State layout, the memory layers, one section per metric, Keras over native (where a Keras
+    row's native framework is in the run), the study sections, how the sampler fared, the failed trials and the
+    plots. Sections with nothing to say are left out."""
     found = [header_section(data), environment_section(data), ohio_state_section(data), memory_layers_section(data),
              memory_breakdown_section(data), *(metric_section(data, metric) for metric in data["metrics"]),
-             *study_sections(data), measurement_notes(data), slow_window_notes(data), side_by_side_section(data),
-             failed_section(data), plots_section(data)]
+             keras_native_section(data), *study_sections(data), measurement_notes(data), slow_window_notes(data),
+             side_by_side_section(data), failed_section(data), plots_section(data)]
     return [section for section in found if section is not None]
 
 
@@ -392,10 +394,7 @@ def powers_of_two_section(data: dict[str, Any]) -> Section | None:
                 if other not in sizes or not base or not values:
                     continue
                 change = (np.median(values) - np.median(base)) / np.median(base) * 100
-                overlap = overlaps(cis.get((fw, n)), cis.get((fw, other)))
-                verdict = ("single runs: no interval" if overlap is None else
-                           "no measurable difference" if overlap else
-                           "faster" if change > 0 else "slower")
+                verdict = noise_verdict(cis.get((fw, n)), cis.get((fw, other)), float(change))
                 rows.append([title(fw), str(n), str(other), f"{change:+.1f}", verdict])
     return Section("powers_of_two", "Powers of two against their neighbours", (
         Paragraph("Throughput of n - 1 and n + 1 relative to the power of two n. With repeats, 'no measurable "
