@@ -55,6 +55,9 @@ LONGEST_FIRST = ("studies/test_maxbatch.py",  # 139: four real-cap searches, thr
                  "test_gpu_check.py",  # 67
                  "adapters/test_pytorch_data_parallel.py",  # 61
                  "test_end_to_end.py",  # 61
+                 "adapters/test_keras_tensorflow.py",  # ~50: its suite and scenarios in envs/keras-tensorflow
+                 "adapters/test_keras_torch.py",  # ~45
+                 "adapters/test_keras_jax.py",  # ~45
                  "adapters/test_tensorflow_data_parallel.py",  # 54
                  "studies/test_nightly.py",  # ~60 of it in the parallel part
                  "adapters/test_jax.py",  # 48
