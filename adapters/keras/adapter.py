@@ -19,11 +19,8 @@ import numpy as np
 
 from adapters import keras as declarations
 from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
-from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
+from harness.neutral.models import ORDER_FREE, chw_to_hwc_permutation, flatten_feeds_dense, initial_buffers
 
-#: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep Keras's (H, W, C)
-#: order: elementwise, or per feature with their parameters permuted like the dense layer's rows (batchnorm).
-_ORDER_FREE = frozenset({"relu", "gelu", "dropout", "batchnorm"})
 #: The dtype policy of each precision (https://keras.io/api/mixed_precision/policy/).
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
@@ -267,12 +264,12 @@ class KerasAdapter(Adapter):
         if kind == "embedding":
             return self._embedding(layer, x, weights, tag), None
         if kind == "flatten":
-            if len(layer.input_shape) == 3 and _flatten_feeds_dense(following):
+            if len(layer.input_shape) == 3 and flatten_feeds_dense(following):
                 return self._keras.layers.Flatten(name=tag)(x), tuple(layer.input_shape)  # NHWC: (H, W, C) order
             if len(layer.input_shape) == 3:
                 x = self._keras.layers.Permute((3, 1, 2), name=f"{tag}_chw")(x)  # the canonical (C, H, W) order
             return self._keras.layers.Flatten(name=tag)(x), None
-        return self._parameterless(layer, x, tag), (flatten_from if kind in _ORDER_FREE | {"softmax"} else None)
+        return self._parameterless(layer, x, tag), (flatten_from if kind in ORDER_FREE | {"softmax"} else None)
 
     def _parameterless(self, layer: Any, x: Any, tag: str) -> Any:
         """Pooling, dropout, relu, gelu and a trailing softmax (folded into the loss: the identity here)."""
@@ -577,18 +574,6 @@ def _activation(name: str) -> Any:
 
         return exact_gelu
     return None if name in (None, "none", "linear") else name
-
-
-def _flatten_feeds_dense(following: Any) -> bool:
-    """Whether the layers after a flatten of (C, H, W) reach a dense layer through ``_ORDER_FREE`` layers only: then
-    the flatten keeps Keras's (H, W, C) order and that dense layer's rows (and those batchnorms' features) are
-    permuted; otherwise the flatten permutes to channel-first first."""
-    for layer in following:
-        if layer.kind == "dense":
-            return True
-        if layer.kind not in _ORDER_FREE:
-            return False
-    return False
 
 
 class KerasJAXAdapter(KerasAdapter, declaration=declarations.JAX):

@@ -26,11 +26,8 @@ from adapters.base import Adapter, DataParallel, DeviceUnavailable, device_kind,
 from adapters.tensorflow import DECLARATION
 from adapters.tensorflow import layers as L
 from adapters.tensorflow.training import DynamicLossScale, dense_gradients, make_update
-from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
+from harness.neutral.models import chw_to_hwc_permutation, flatten_feeds_dense, initial_buffers
 
-#: Layers between a flatten of (C, H, W) and the dense layer after it that let the flatten keep TF's (H, W, C) order:
-#: elementwise, or per feature with their parameters permuted like the dense layer's rows (batchnorm).
-_ORDER_FREE = frozenset({"relu", "gelu", "dropout", "batchnorm"})
 #: The compute dtype of each precision (tf32 is float32 with TF32 matmuls and convolutions on a GPU).
 _COMPUTE = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
 
@@ -295,10 +292,10 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
                    ) -> tuple[L.Layer, tuple[int, int, int] | None]:
         """One layer's or block's variables (TF layout, under canonical names) and forward function; also the
         (C, H, W) shape the next dense layer's input was flattened from in (H, W, C) order, or None. ``following``:
-        the top-level layers after this one (a flatten looks ahead, ``_flatten_feeds_dense``)."""
+        the top-level layers after this one (a flatten looks ahead, ``flatten_feeds_dense``)."""
         spec, kind, name = layer.spec, layer.kind, layer.name
         w, b = f"{name}.weight", f"{name}.bias"
-        if kind == "residual":  # its input is never an (H, W, C)-ordered flatten: see _flatten_feeds_dense
+        if kind == "residual":  # its input is never an (H, W, C)-ordered flatten: see flatten_feeds_dense
             body = [self._add_layer(child, weights, buffers, None)[0] for child in layer.body]
             shortcut = [self._add_layer(child, weights, buffers, None)[0] for child in layer.shortcut]
             return L.residual(body, shortcut, spec.activation), None
@@ -332,7 +329,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             return L.sequence_pool(spec.mode), None
         if kind == "flatten":
             features = int(np.prod(layer.input_shape))
-            if len(layer.input_shape) == 3 and _flatten_feeds_dense(following):
+            if len(layer.input_shape) == 3 and flatten_feeds_dense(following):
                 return L.flatten(features, channels_first=False), tuple(layer.input_shape)  # NHWC: (H, W, C) order
             return L.flatten(features, channels_first=len(layer.input_shape) == 3), None
         if kind == "dropout":
@@ -901,15 +898,3 @@ def _canonical(held: L.Held) -> np.ndarray:
     """The canonical array of a parameter or buffer from the current values of the variables that hold it."""
     variables, to_canonical = held
     return np.array(to_canonical(*[v.numpy() for v in variables]), dtype=np.float32, order="C")  # always a copy
-
-
-def _flatten_feeds_dense(following: Any) -> bool:
-    """Whether the layers after a flatten of (C, H, W) reach a dense layer through ``_ORDER_FREE`` layers only: then
-    the flatten keeps TF's (H, W, C) order and that dense layer's rows (and those batchnorms' features) are permuted;
-    otherwise (a residual block, a layernorm, the model's output first) the flatten transposes to channel-first."""
-    for layer in following:
-        if layer.kind == "dense":
-            return True
-        if layer.kind not in _ORDER_FREE:
-            return False
-    return False

@@ -27,12 +27,19 @@ from harness.neutral.info import (
     requirements,
 )
 from harness.neutral.shapes import attention_flops, layer_info
-from harness.neutral.weights import chw_to_hwc_permutation, initial_buffers, initial_weights, initialize
+from harness.neutral.weights import (
+    ORDER_FREE,
+    chw_to_hwc_permutation,
+    flatten_feeds_dense,
+    initial_buffers,
+    initial_weights,
+    initialize,
+)
 from harness.spec import ModelSpec
 
-__all__ = ["FEATURES", "Input", "LayerInfo", "ModelError", "ModelInfo", "TASKS", "analyze", "attention_flops",
-           "chw_to_hwc_permutation", "describe_feature", "initial_buffers", "initial_weights", "initialize",
-           "requirements"]
+__all__ = ["FEATURES", "ORDER_FREE", "Input", "LayerInfo", "ModelError", "ModelInfo", "TASKS", "analyze",
+           "attention_flops", "chw_to_hwc_permutation", "describe_feature", "flatten_feeds_dense", "initial_buffers",
+           "initial_weights", "initialize", "requirements"]
 
 
 def analyze(model: ModelSpec, input: Input | tuple[int, ...], num_classes: int) -> ModelInfo:

@@ -9,6 +9,7 @@ blocks: a top-level conv2d or dense layer i draws its weight and then its bias f
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -115,6 +116,24 @@ def initial_buffers(info: ModelInfo) -> dict[str, np.ndarray]:
             fill = 1.0 if local == "running_var" else 0.0
             buffers[f"{layer.name}.{local}"] = np.full(shape, fill, dtype=np.float32)
     return buffers
+
+
+#: Layers between a flatten of (C, H, W) and the dense layer after it that let an NHWC framework flatten in its own
+#: (H, W, C) order: elementwise, or per feature with their parameters permuted like the dense layer's rows (batchnorm).
+ORDER_FREE = frozenset({"relu", "gelu", "dropout", "batchnorm"})
+
+
+def flatten_feeds_dense(following: Sequence[LayerInfo]) -> bool:
+    """Whether the layers after a flatten of (C, H, W) (``following``: the top-level layers after it) reach a dense
+    layer through ``ORDER_FREE`` layers only: then an NHWC adapter (TensorFlow, Keras) may flatten in (H, W, C) order
+    and permute that dense layer's rows (and those batchnorms' features, ``chw_to_hwc_permutation``); otherwise (a
+    residual block, a layernorm, the model's output first) it transposes to channel-first before flattening."""
+    for layer in following:
+        if layer.kind == "dense":
+            return True
+        if layer.kind not in ORDER_FREE:
+            return False
+    return False
 
 
 def chw_to_hwc_permutation(shape_chw: tuple[int, int, int]) -> np.ndarray:

@@ -105,32 +105,19 @@ def test_parameters_agree_after_steps(runs, scenario, step):
 def test_loss_curves_of_a_real_run_agree(runs, name):
     """Two epochs of batch 32 (88 steps): every step's loss within 5e-3 relative, the final test loss too, the
     accuracy within one test image."""
-    key = f"curve-{name}|losses|"
-    assert len(runs["pytorch"][key]) == 88
-    np.testing.assert_allclose(runs["keras"][key], runs["pytorch"][key], rtol=5e-3, atol=0)
-    loss_k, acc_k = runs["keras"][f"curve-{name}|evaluate|"]
-    loss_t, acc_t = runs["pytorch"][f"curve-{name}|evaluate|"]
-    assert loss_k == pytest.approx(loss_t, rel=5e-3) and abs(acc_k - acc_t) <= 1.5 / 359
+    scenarios.assert_curves_agree(runs["keras"], runs["pytorch"], name)
 
 
 def test_a_fast_and_a_slowed_framework_report_the_same_epoch_loss(runs):
     """The loop's epoch losses (train_on_batch's host losses summed) read every 3 steps and slowed in auto windows
     agree with PyTorch's the other way round, within 1e-5 relative."""
-    for a, b in (("slow", "fast"), ("fast", "slow")):
-        np.testing.assert_allclose(runs["keras"][f"loop-train-loss|{a}|"], runs["pytorch"][f"loop-train-loss|{b}|"],
-                                   rtol=1e-5, atol=0, err_msg=f"keras {a} vs pytorch {b}")
+    scenarios.assert_epoch_losses_agree(runs["keras"], runs["pytorch"])
 
 
 def test_gradient_accumulation_equals_one_large_batch(runs):
     """Four micro-batches of 8 through the optimizer's gradient_accumulation_steps = one batch of 32, over 3 steps
     (and both equal PyTorch's)."""
-    one, four = scenarios.group(runs["keras"], "accumulation-1"), scenarios.group(runs["keras"], "accumulation-4")
-    np.testing.assert_allclose(four["accumulation-4|losses|"], one["accumulation-1|losses|"], rtol=1e-5)
-    for key, value in one.items():
-        if key.split("|")[1] == "3":
-            np.testing.assert_allclose(four[key.replace("accumulation-1", "accumulation-4")], value, rtol=1e-5,
-                                       atol=1e-6, err_msg=key)
-            np.testing.assert_allclose(value, runs["pytorch"][key], rtol=1e-5, atol=1e-5, err_msg=key)
+    scenarios.assert_accumulation_alike(runs["keras"], runs["pytorch"])
 
 
 def test_the_residual_and_transformer_models_give_the_same_logits(block_runs):

@@ -275,6 +275,37 @@ def assert_same_block_logits(ours: dict[str, np.ndarray], torch: dict[str, np.nd
         np.testing.assert_allclose(ours[key + "evaluate|"], torch[key + "evaluate|"], rtol=1e-5, err_msg=name)
 
 
+def assert_curves_agree(ours: dict[str, np.ndarray], torch: dict[str, np.ndarray], name: str) -> None:
+    """``run``'s two-epoch curve of optimizer ``name`` (88 steps of batch 32) against PyTorch's: every step's loss
+    within 5e-3 relative and the final test loss too, the accuracy within one test image."""
+    key = f"curve-{name}|losses|"
+    assert len(torch[key]) == 88
+    np.testing.assert_allclose(ours[key], torch[key], rtol=5e-3, atol=0)
+    loss_o, acc_o = ours[f"curve-{name}|evaluate|"]
+    loss_t, acc_t = torch[f"curve-{name}|evaluate|"]
+    assert abs(loss_o - loss_t) <= 5e-3 * abs(loss_t) and abs(acc_o - acc_t) <= 1.5 / 359
+
+
+def assert_epoch_losses_agree(ours: dict[str, np.ndarray], torch: dict[str, np.ndarray]) -> None:
+    """The loop's epoch losses slowed in auto windows against PyTorch's read every 3 steps, and the other way round,
+    within 1e-5 relative (tests/adapters/test_train_loss.py says why)."""
+    for a, b in (("slow", "fast"), ("fast", "slow")):
+        np.testing.assert_allclose(ours[f"loop-train-loss|{a}|"], torch[f"loop-train-loss|{b}|"], rtol=1e-5, atol=0,
+                                   err_msg=f"{a} vs pytorch {b}")
+
+
+def assert_accumulation_alike(ours: dict[str, np.ndarray], torch: dict[str, np.ndarray]) -> None:
+    """Four micro-batches of 8 equal one batch of 32 over 3 steps (losses within 1e-5 relative, parameters within
+    1e-6 + 1e-5 * |b|), and both equal PyTorch's."""
+    one, four = group(ours, "accumulation-1"), group(ours, "accumulation-4")
+    np.testing.assert_allclose(four["accumulation-4|losses|"], one["accumulation-1|losses|"], rtol=1e-5)
+    for key, value in one.items():
+        if key.split("|")[1] == "3":
+            np.testing.assert_allclose(four[key.replace("accumulation-1", "accumulation-4")], value, rtol=1e-5,
+                                       atol=1e-6, err_msg=key)
+            np.testing.assert_allclose(value, torch[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
 #: The block scenarios that train (each compared after 1 and 10 steps).
 BLOCK_SCENARIOS = [f"blocks-{m}-{o}" for m in BLOCK_MODELS for o in BLOCK_OPTIMIZERS]
 
