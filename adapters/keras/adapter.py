@@ -63,7 +63,7 @@ class KerasAdapter(Adapter):
         self._buffers: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._order: Any = None
         self._steps_staged = 0
-        self.tokens = self.next_token = False
+        self.tokens = False
         self._settings: dict[str, Any] = {}
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class KerasAdapter(Adapter):
             raise RuntimeError("the Keras adapter's build ran before prepare")
         self._params, self._buffers = {}, {}
         self._optimizer_spec, self._compiled_for = optimizer, None
-        self.next_token, self.tokens = info.task == "next_token", info.task != "image_classification"
+        self.tokens = info.task != "image_classification"
         buffers = {**initial_buffers(info), **{k: v for k, v in weights.items() if k in info.buffer_names()}}
         if self.tokens:
             inputs = keras.Input(shape=tuple(info.input_shape), dtype="int32", name="tokens")
