@@ -189,7 +189,7 @@ class _Loop:
     def augment(self, epoch: int) -> None:
         """This epoch's augmented training images, loaded to the device outside the timed windows."""
         self.emit(Phase(name="augment", epoch=epoch, edge="start"))
-        self.adapter.set_train_images(augment(self.data.x_train, self.seed, epoch))
+        self.adapter.set_train_images(augment(self.data.train_images, self.seed, epoch))
         self.adapter.wait()
         self.emit(Phase(name="augment", epoch=epoch, edge="end"))
 
@@ -424,7 +424,8 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
         if (why := _cannot_train(adapter, info, trial)) is not None:
             raise Unsupported(why)  # before the data is loaded and anything is built
-        data = datasets.load(spec.dataset, seed=trial.seed)
+        # a loader reads an image folder's training images from their files: they are not held here as well
+        data = datasets.load(spec.dataset, seed=trial.seed, train_images=trial.input == "resident")
         optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
         adapter.build(info, models.initial_weights(info, trial.seed), optimizer)
         _load(adapter, spec, trial, data)

@@ -40,13 +40,14 @@ class DatasetError(Exception):
 class Data:
     """A loaded dataset.
 
-    x_train: float32 (N, H, W, C) in [0, 1], or int64 (N, L) token ids; y_train: int64 (N,), or (N, L) for a
-    next-token task; x_test, y_test likewise; num_classes: int (the vocabulary for a next-token task);
-    skipped_files: for a dataset read from image files, the files left out as unreadable (paths relative to its
-    folder; empty when none were), None for the others.
+    x_train: float32 (N, H, W, C) in [0, 1], or int64 (N, L) token ids; None when a data loader reads the training
+    images from their files (``load(..., train_images=False)``); y_train: int64 (N,), or (N, L) for a next-token
+    task; x_test, y_test likewise; num_classes: int (the vocabulary for a next-token task); skipped_files: for a
+    dataset read from image files, the files left out as unreadable (paths relative to its folder; empty when none
+    were), None for the others.
     """
 
-    x_train: np.ndarray
+    x_train: np.ndarray | None
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
@@ -55,8 +56,17 @@ class Data:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all four arrays (what an adapter places on the device)."""
-        return int(self.x_train.nbytes + self.y_train.nbytes + self.x_test.nbytes + self.y_test.nbytes)
+        """Bytes of the arrays held (what an adapter places on the device): all four, or without ``x_train`` when
+        the training images stay in their files."""
+        held = self.x_train.nbytes if self.x_train is not None else 0
+        return int(held + self.y_train.nbytes + self.x_test.nbytes + self.y_test.nbytes)
+
+    @property
+    def train_images(self) -> np.ndarray:
+        """``x_train``; ValueError when the training images were left in their files (``train_images=False``)."""
+        if self.x_train is None:
+            raise ValueError("the training images were left in their files (a data loader reads them)")
+        return self.x_train
 
 
 DatasetSpec = DigitsData | SyntheticData | SyntheticTokens | Cifar10Data | ImageFolderData
@@ -97,8 +107,11 @@ def sample_bytes(cfg: DatasetSpec) -> int:
     return 4 * int(np.prod(shape)) + 8
 
 
-def load(cfg: DatasetSpec, seed: int = 0) -> Data:
-    """Loads the dataset a spec names. ``seed`` drives synthetic data only. Raises DatasetError."""
+def load(cfg: DatasetSpec, seed: int = 0, train_images: bool = True) -> Data:
+    """Loads the dataset a spec names. ``seed`` drives synthetic data only. ``train_images`` False leaves an image
+    folder's training images in their files (``Data.x_train`` None) for a data loader that decodes them as it reads
+    (``input: loader``); every other dataset is held in host memory either way, and a loader reads it there. Raises
+    DatasetError."""
     if isinstance(cfg, DigitsData):
         return _digits(cfg)
     if isinstance(cfg, SyntheticData):
@@ -108,7 +121,7 @@ def load(cfg: DatasetSpec, seed: int = 0) -> Data:
     if isinstance(cfg, ImageFolderData):
         from harness.neutral import image_folder  # it imports this module
 
-        return image_folder.load(cfg)
+        return image_folder.load(cfg, train_images=train_images)
     return _cifar10(cfg)
 
 
@@ -348,6 +361,6 @@ def load_cifar10_archive(path: Path, expected_md5: str | None = CIFAR10_MD5) -> 
 def _cifar10(cfg: Cifar10Data) -> Data:
     data = load_cifar10_archive(resolve_cifar10_path(cfg))
     if cfg.limit_train or cfg.limit_test:
-        data = Data(data.x_train[: cfg.limit_train], data.y_train[: cfg.limit_train],
+        data = Data(data.train_images[: cfg.limit_train], data.y_train[: cfg.limit_train],
                     data.x_test[: cfg.limit_test], data.y_test[: cfg.limit_test], data.num_classes)
     return data

@@ -22,8 +22,9 @@ modification times (ns), the split and labels, and the options that change the a
 on_bad_file, the resize filter): a changed, added or removed file makes a new key. The file is written to a
 temporary name in the same folder and renamed into place (``os.replace``), so workers that decode at the same time
 never read a partial file. ``harness run`` and ``harness max-batch`` decode into the cache before the first trial
-(``prepare``): the workers, whose environments need not have Pillow, then only read the ``.npz``. Old cache files
-are not removed (delete ``<cache>/image_folder/`` to reclaim the space).
+(``prepare``): the workers, whose environments need not have Pillow, then only read the ``.npz``, each split its own
+member (``load(cfg, train_images=False)`` reads the test images alone). Old cache files are not removed (delete
+``<cache>/image_folder/`` to reclaim the space).
 
 Bad input: a file Pillow cannot decode stops the load with a DatasetError naming it (``on_bad_file: error``) or is
 left out and listed in ``Data.skipped_files`` (``on_bad_file: skip``). A missing folder, no class folders, an empty
@@ -54,7 +55,7 @@ from harness.spec import ImageFolderData
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 SPLIT_SEED = 20240101  # the fixed seed of the test_fraction split
 RESIZE_FILTER = "bilinear"  # Pillow's Image.Resampling.BILINEAR; part of the cache key
-CACHE_VERSION = 1  # bump when the cached arrays' meaning changes
+CACHE_VERSION = 2  # bump when the cached arrays' meaning changes (2: x_train and x_test apart)
 
 
 @dataclass(frozen=True)
@@ -300,21 +301,26 @@ def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
         raise
 
 
-def _read_cache(path: Path) -> dict[str, np.ndarray] | None:
+_CACHED = ("x_train", "x_test", "y", "train", "skipped")
+
+
+def _read_cache(path: Path, keys: Sequence[str] = _CACHED) -> dict[str, np.ndarray] | None:
+    """The cache file's arrays ``keys`` (an ``.npz`` reads each member only when asked for), or None when the file is
+    absent or damaged."""
     try:
         with np.load(path, allow_pickle=False) as npz:
-            return {key: npz[key] for key in ("x", "y", "train", "skipped")}
+            return {key: npz[key] for key in keys}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None  # absent, or damaged: decode again
 
 
 def _decoded(cfg: ImageFolderData, listing: Listing, log: Callable[[str], None] | None = None,
-             ) -> tuple[dict[str, np.ndarray], Path, bool]:
-    """The cached arrays (x uint8 (N, H, W, C), y int64 (N,), train: the count of training images, skipped: str
-    array), decoding and caching them first when the cache lacks them (``log`` gets one line before that); the cache
-    file; whether it decoded."""
+             keys: Sequence[str] = _CACHED) -> tuple[dict[str, np.ndarray], Path, bool]:
+    """The cached arrays ``keys`` of (x_train uint8 (N_train, H, W, C), x_test likewise, y int64 (N,) training then
+    test, train: the count of training images, skipped: str array), decoding and caching them first when the cache
+    lacks them (``log`` gets one line before that); the cache file; whether it decoded."""
     path = cache_path(cfg, listing)
-    if (cached := _read_cache(path)) is not None:
+    if (cached := _read_cache(path, keys)) is not None:
         return cached, path, False
     if log is not None:
         log(f"decoding {len(listing.files)} images of {listing.root} ({len(listing.classes)} classes) into the cache "
@@ -322,32 +328,36 @@ def _decoded(cfg: ImageFolderData, listing: Listing, log: Callable[[str], None] 
     x, y, skipped = _decode_all(cfg, listing)
     left_out = set(skipped)
     n_train = sum(1 for rel, _ in listing.train if rel not in left_out)
-    arrays = {"x": x, "y": y, "train": np.asarray(n_train, dtype=np.int64),
+    arrays = {"x_train": x[:n_train], "x_test": x[n_train:], "y": y, "train": np.asarray(n_train, dtype=np.int64),
               "skipped": np.asarray(skipped, dtype=str) if skipped else np.zeros(0, dtype="<U1")}
     _write_atomically(path, arrays)
-    return arrays, path, True
+    return {key: arrays[key] for key in keys}, path, True
 
 
 def prepare(cfg: ImageFolderData, log: Callable[[str], None] | None = None) -> Prepared:
     """Makes sure the cache holds the folder's decoded arrays (decoding them when it does not), without building
     the float32 arrays. ``log`` gets one line before decoding starts. Raises DatasetError."""
     start = time.perf_counter()
-    arrays, path, decoded = _decoded(cfg, scan(cfg), log)
+    arrays, path, decoded = _decoded(cfg, scan(cfg), log, keys=("y", "train", "skipped"))
     n_train = int(arrays["train"])
     return Prepared(path, decoded, n_train, len(arrays["y"]) - n_train, tuple(str(s) for s in arrays["skipped"]),
                     time.perf_counter() - start)
 
 
-def load(cfg: ImageFolderData) -> Data:
+def load(cfg: ImageFolderData, train_images: bool = True) -> Data:
     """The folder as ``Data``: float32 (N, H, W, C) images in [0, 1] and int64 (N,) labels for each split, in the
     listing's order (class, then path), ``num_classes`` the class folders, ``skipped_files`` the files left out as
-    unreadable. Reads the cache, decoding into it first when it lacks the arrays. Raises DatasetError."""
+    unreadable. ``train_images`` False: ``x_train`` is None and the training images are not read from the cache at
+    all, for a data loader that decodes them from their files (``train_files``). Reads the cache, decoding into it
+    first when it lacks the arrays. Raises DatasetError."""
     listing = scan(cfg)
-    arrays, _, _ = _decoded(cfg, listing)
+    keys = ("x_train", "x_test", "y", "train", "skipped") if train_images else ("x_test", "y", "train", "skipped")
+    arrays, _, _ = _decoded(cfg, listing, keys=keys)
     n_train = int(arrays["train"])
-    x = arrays["x"].astype(np.float32) / np.float32(255.0)
+    scale = np.float32(255.0)
+    x_train = arrays["x_train"].astype(np.float32) / scale if train_images else None
     y = arrays["y"].astype(np.int64)
-    return Data(x[:n_train], y[:n_train], x[n_train:], y[n_train:], len(listing.classes),
+    return Data(x_train, y[:n_train], arrays["x_test"].astype(np.float32) / scale, y[n_train:], len(listing.classes),
                 skipped_files=tuple(str(s) for s in arrays["skipped"]))
 
 

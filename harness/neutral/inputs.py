@@ -88,14 +88,15 @@ class InputSource:
 
 def for_dataset(cfg: DatasetSpec | None, data: Data, augmentation: bool = False, seed: int = 0) -> InputSource:
     """The loader's source of a trial's training set: an image folder's files, decoded at each read as its cache
-    holds them (``image_folder.decode``, then / 255); any other dataset's ``data.x_train`` in host memory."""
+    holds them (``image_folder.decode``, then / 255), whether or not ``data`` holds them too; any other dataset's
+    ``data.x_train`` in host memory."""
     if isinstance(cfg, ImageFolderData):
         from harness.neutral import image_folder
 
-        size = (int(data.x_train.shape[1]), int(data.x_train.shape[2]))
+        (height, width, _), _ = image_folder.describe(cfg)  # the size the cache's images were decoded to
         files = image_folder.train_files(cfg, data.skipped_files or ())
         if len(files) != len(data.y_train):
             raise ValueError(f"{cfg.path}: {len(files)} training files but {len(data.y_train)} cached images")
-        return InputSource(data.y_train, files=files, decode=Decode(size, cfg.channels), augmentation=augmentation,
-                           seed=seed)
-    return InputSource(data.y_train, images=data.x_train, augmentation=augmentation, seed=seed)
+        return InputSource(data.y_train, files=files, decode=Decode((height, width), cfg.channels),
+                           augmentation=augmentation, seed=seed)
+    return InputSource(data.y_train, images=data.train_images, augmentation=augmentation, seed=seed)

@@ -70,6 +70,17 @@ def test_every_loader_trains_on_the_same_images_as_resident_mode(folder_run):
     assert max(everyone) - min(everyone) <= 1e-3 * max(everyone), losses
 
 
+def test_a_loader_worker_holds_no_decoded_training_image(folder_run):
+    """Through a loader the training images are read from their files only: the worker holds the test set and the
+    labels (``data_bytes``), not a decoded copy of the training set beside them as resident mode does."""
+    held = {(r["framework"], r["metrics"]["input"]): r["metrics"]["data_bytes"] for r in store.read_trials(folder_run)}
+    image = 12 * 12 * 3 * 4  # float32 12 x 12 RGB
+    for entry in FRAMEWORKS:
+        resident, loader = held[(entry["name"], "resident")], held[(entry["name"], "loader")]
+        train_images, rest = divmod(resident - loader, image)
+        assert rest == 0 and 60 <= train_images < 90, (resident, loader)  # the training part of 3 x 30 images
+
+
 def test_the_report_sets_the_modes_side_by_side(folder_run):
     text = (folder_run / "report.md").read_text()
     section = text[text.index("## Input pipeline"):]

@@ -13,7 +13,7 @@ from PIL import Image
 
 from harness import plan
 from harness.cli.common import load_spec
-from harness.neutral import datasets, image_folder
+from harness.neutral import datasets, image_folder, inputs
 from harness.neutral.datasets import DatasetError
 from harness.spec import ImageFolderData, SpecError
 from tests.conftest import ROOT, base_spec
@@ -225,6 +225,29 @@ def test_the_cache_is_read_again_and_a_changed_file_invalidates_it(tmp_path, mon
     np.testing.assert_array_equal(datasets.load(cfg).x_train, third.x_train)
     assert len(decoded) == 24
     np.load(current)  # a readable .npz again
+
+
+def test_a_loader_leaves_the_training_images_in_their_files(tmp_path):
+    """``train_images=False`` (a loader trial): no training image is read from the cache; the test set and the labels
+    are the full load's, and the loader's reads from the files are the cache's training images."""
+    image_folder.make_image_folder(tmp_path / "d", classes=2, per_class=6, size=(10, 8), seed=3)
+    cfg = cfg_for(tmp_path / "d", tmp_path)
+    full = datasets.load(cfg)
+    light = datasets.load(cfg, train_images=False)
+    assert light.x_train is None and full.x_train is not None
+    np.testing.assert_array_equal(light.x_test, full.x_test)
+    np.testing.assert_array_equal(light.y_train, full.y_train)
+    assert light.nbytes == full.nbytes - full.x_train.nbytes
+    with pytest.raises(ValueError, match="left in their files"):
+        _ = light.train_images
+    source = inputs.for_dataset(cfg, light)
+    assert source.from_files
+    x, y = source.read(np.arange(len(full.y_train)), 0)
+    np.testing.assert_array_equal(x, full.x_train)
+    np.testing.assert_array_equal(y, full.y_train)
+    # the cache holds each split as its own member, so the test images are read without the training ones
+    with np.load(image_folder.cache_path(cfg, image_folder.scan(cfg))) as npz:
+        assert {"x_train", "x_test"} <= set(npz.files) and "x" not in npz.files
 
 
 def test_a_cache_miss_without_pillow_says_what_to_do(tmp_path, monkeypatch):

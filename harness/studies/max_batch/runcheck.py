@@ -69,7 +69,7 @@ def run_train_size(spec: Spec) -> int:
     if isinstance(spec.dataset, (SyntheticData, SyntheticTokens)):
         return spec.dataset.size
     try:
-        return len(datasets.load(spec.dataset, seed=spec.seed).y_train)
+        return len(datasets.load(spec.dataset, seed=spec.seed, train_images=False).y_train)
     except datasets.DatasetError as err:
         raise ValueError(str(err)) from None
 
