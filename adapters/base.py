@@ -37,10 +37,11 @@ from adapters.declaration import (
 )
 from harness.neutral.info import TASKS, describe_feature, requirements
 from harness.spec import AllocatorSpec, CompileMode, InputMode, LoaderSpec, Precision
+from harness.spec.devices import device_index, device_kind
 
 __all__ = ["ALL_LAYERS", "ALL_TASKS", "BASIC_LAYERS", "BOTH", "CPU", "CUDA", "Adapter", "DataParallel", "Declaration",
            "DeviceUnavailable", "EAGER_ONLY", "FP32_ONLY", "IMAGE_TASKS", "RunOptions", "data_parallel_gap",
-           "device_kind", "input_gap", "execution_gap", "micro_batch_size", "shard", "support_gap"]
+           "device_index", "device_kind", "input_gap", "execution_gap", "micro_batch_size", "shard", "support_gap"]
 
 if TYPE_CHECKING:
     from harness.neutral.datasets import Data
@@ -106,7 +107,7 @@ class DataParallel(BaseModel):
                                     f"process, not {self.processes}")
         if len(set(self.devices)) != len(self.devices):
             raise DeviceUnavailable(f"the data-parallel trial names a device twice: {', '.join(self.devices)}")
-        return [(kind, int(index or 0)) for kind, _, index in (name.partition(":") for name in self.devices)]
+        return [(device_kind(name), device_index(name)) for name in self.devices]
 
 
 def shard(indices: npt.NDArray[np.int64], devices: int, device: int) -> npt.NDArray[np.int64]:
@@ -132,11 +133,6 @@ def micro_batch_size(samples_per_step: int, micro_batches: int) -> int:
     if micro_batches < 1 or samples_per_step % micro_batches:
         raise ValueError(f"{samples_per_step} samples cannot be split into {micro_batches} equal micro-batches")
     return samples_per_step // micro_batches
-
-
-def device_kind(device: str) -> str:
-    """"cpu" or "cuda" for a device string ("cpu", "cuda", "cuda:1")."""
-    return device.partition(":")[0]
 
 
 def execution_gap(adapter: str, precisions: Mapping[str, frozenset[str]], modes: Mapping[str, str], default: str,

@@ -37,6 +37,7 @@ from harness.spec import (
     SyntheticTokens,
     TimingSpec,
 )
+from harness.spec.devices import device_index
 
 #: Every status a trial can end with, in one place: the launcher classifies a worker's end into one
 #: (``harness.execution.launcher``: ok, oom, error, timeout, crashed), the sweep decides the others before any worker
@@ -141,7 +142,7 @@ def check_devices(spec: Spec, file: str | os.PathLike[str], device: str, gpus: i
                                              f"{available_cpus()} cores (one logical device per core at most)")
             continue
         wanted = data_parallel_devices(dp, device)
-        if gpus is not None and (missing := [d for d in wanted if int(d.partition(":")[2]) >= gpus]):
+        if gpus is not None and (missing := [d for d in wanted if device_index(d) >= gpus]):
             raise SpecError(file, field, f"{', '.join(missing)} named, but this machine has {gpus} GPU(s)")
 
 
@@ -152,7 +153,7 @@ def data_parallel_devices(dp: DataParallelSpec, device: str) -> tuple[str, ...]:
         return tuple(dp.devices)
     if device == "cpu":
         return tuple(f"cpu:{i}" for i in range(dp.size))
-    first = int(device.partition(":")[2] or 0)
+    first = device_index(device)
     return tuple(f"cuda:{first + i}" for i in range(dp.size))
 
 

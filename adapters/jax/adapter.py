@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size, shard
+from adapters.base import Adapter, DeviceUnavailable, device_index, micro_batch_size, shard
 from adapters.jax import DECLARATION
 from adapters.jax import layers as L
 from harness.neutral.models import chw_to_hwc_permutation, initial_buffers
@@ -114,7 +114,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
                 return f"JAX {jax.__version__} sees no GPU (a CPU-only build: no CUDA plugin installed)"
             return f"JAX {jax.__version__} sees no GPU ({str(err).splitlines()[0][:160]})"
-        index = int(device.partition(":")[2] or 0)
+        index = device_index(device)
         return None if index < len(devices) else f"JAX sees {len(devices)} GPU(s); {device} is not one"
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
@@ -126,7 +126,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             self._apply_memory_limit()
             if (problem := self.device_problem(device)) is not None:
                 raise DeviceUnavailable(problem)
-            self.device, self._gpu = jax.devices("gpu")[int(device.partition(":")[2] or 0)], True
+            self.device, self._gpu = jax.devices("gpu")[device_index(device)], True
         else:
             self.device = jax.devices("cpu")[0]
         self._mesh, self._placement, self._sync_batchnorm = None, self.device, False

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from adapters import keras as declarations
-from adapters.base import Adapter, DeviceUnavailable, micro_batch_size
+from adapters.base import Adapter, DeviceUnavailable, device_index, micro_batch_size
 from harness.neutral.models import ORDER_FREE, chw_to_hwc_permutation, flatten_feeds_dense, initial_buffers
 
 #: The dtype policy of each precision (https://keras.io/api/mixed_precision/policy/).
@@ -113,7 +113,7 @@ class KerasAdapter(Adapter):
         tf.config.list_physical_devices("GPU")), which creates no context."""
         if not device.startswith("cuda"):
             return None
-        index, fw = int(device.partition(":")[2] or 0), self._backend_module()
+        index, fw = device_index(device), self._backend_module()
         if self.BACKEND == "torch":
             count = fw.cuda.device_count()
             what = f"PyTorch {fw.__version__}"
@@ -142,7 +142,7 @@ class KerasAdapter(Adapter):
         if (problem := self.device_problem(device)) is not None:
             raise DeviceUnavailable(problem)
         self._gpu = device.startswith("cuda")
-        index = int(device.partition(":")[2] or 0)
+        index = device_index(device)
         fw = self._backend_module()
         fp32 = self.options.precision == "fp32"
         applied: dict[str, Any] = {}

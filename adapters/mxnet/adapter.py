@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from adapters.base import Adapter, DeviceUnavailable, data_parallel_gap, micro_batch_size, shard
+from adapters.base import (
+    Adapter,
+    DeviceUnavailable,
+    data_parallel_gap,
+    device_index,
+    device_kind,
+    micro_batch_size,
+    shard,
+)
 from adapters.mxnet import DECLARATION, layers, training
 from adapters.mxnet.runtime import amp, autograd, gluon, mx, nd, nn
 from harness.neutral.models import initial_buffers
@@ -147,7 +155,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         gpus = mx.context.num_gpus()
         if gpus == 0:
             return f"MXNet {mx.__version__} sees no CUDA device (a CPU-only build, or no driver)"
-        index = int(device.partition(":")[2] or 0)
+        index = device_index(device)
         return None if index < gpus else f"MXNet sees {gpus} CUDA device(s); {device} is not one"
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
@@ -165,7 +173,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         if device.startswith("cuda"):
             if (problem := self.device_problem(device)) is not None:
                 raise DeviceUnavailable(problem)
-            index = int(device.partition(":")[2] or 0)
+            index = device_index(device)
             # fp32 means fp32, as in the PyTorch adapter: MXNet has no TF32 switch of its own, and cuDNN 8's default
             # math mode allows TF32 on Ampere and later. cuBLAS and cuDNN read NVIDIA_TF32_OVERRIDE when MXNet creates
             # their handles, at its first GPU operator, after this; a value the launcher set is kept.
@@ -195,8 +203,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         does not see."""
         contexts = []
         for name, (kind, index) in zip(parallel.devices, parallel.one_process_devices("mxnet")):
-            if kind != device.partition(":")[0] or kind not in ("cpu", "cuda"):
-                raise DeviceUnavailable(f"the data-parallel trial's device {name} is not a {device.partition(':')[0]} "
+            if kind != device_kind(device) or kind not in ("cpu", "cuda"):
+                raise DeviceUnavailable(f"the data-parallel trial's device {name} is not a {device_kind(device)} "
                                         f"device like the trial's ({device})")
             if kind == "cuda" and (problem := self.device_problem(name)) is not None:
                 raise DeviceUnavailable(problem)

@@ -26,6 +26,7 @@ from adapters.base import (
     DataParallel,
     DeviceUnavailable,
     data_parallel_gap,
+    device_index,
     device_kind,
     micro_batch_size,
     shard,
@@ -76,7 +77,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"a CUDA {torch.version.cuda} build"
             return f"PyTorch {torch.__version__} sees no CUDA device ({build})"
-        index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        index, count = device_index(device), torch.cuda.device_count()
         return None if index < count else f"PyTorch sees {count} CUDA device(s); {device} is not one"
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
@@ -90,7 +91,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         if device.startswith("cuda"):
             if (problem := self.device_problem(device)) is not None:
                 raise DeviceUnavailable(problem)
-            index = int(device.partition(":")[2] or 0)
+            index = device_index(device)
             torch.cuda.set_device(index)
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);
             # tf32 asks for it.

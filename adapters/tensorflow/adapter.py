@@ -22,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silence
 import numpy as np
 import tensorflow as tf
 
-from adapters.base import Adapter, DataParallel, DeviceUnavailable, device_kind, micro_batch_size, shard
+from adapters.base import Adapter, DataParallel, DeviceUnavailable, device_index, device_kind, micro_batch_size, shard
 from adapters.tensorflow import DECLARATION
 from adapters.tensorflow import layers as L
 from adapters.tensorflow.training import DynamicLossScale, dense_gradients, make_update
@@ -105,7 +105,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             cuda_build = tf.sysconfig.get_build_info().get("is_cuda_build", False)
             why = "no GPU was found by this CUDA build" if cuda_build else "a CPU-only build"
             return f"TensorFlow {tf.__version__} sees no GPU ({why})"
-        index = int(device.partition(":")[2] or 0)
+        index = device_index(device)
         return None if index < len(gpus) else f"TensorFlow sees {len(gpus)} GPU(s); {device} is not one"
 
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
@@ -125,7 +125,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             if (problem := self.device_problem(device)) is not None:
                 raise DeviceUnavailable(problem)
             gpus = tf.config.list_physical_devices("GPU")
-            index = int(device.partition(":")[2] or 0)
+            index = device_index(device)
             tf.config.set_visible_devices([gpus[index]], "GPU")
             self._configure_gpu_memory(gpus[index])
             # fp32 means fp32: no TF32 in matmuls or convolutions (the other frameworks' defaults differ otherwise);
@@ -161,7 +161,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
                 if (problem := self.device_problem(d)) is not None:
                     raise DeviceUnavailable(problem)
             gpus = tf.config.list_physical_devices("GPU")
-            picked = sorted({int(d.partition(":")[2] or 0) for d in data_parallel.devices})
+            picked = sorted({device_index(d) for d in data_parallel.devices})
             if len(picked) != n:
                 raise ValueError(f"the data-parallel devices {', '.join(data_parallel.devices)} repeat a GPU")
             tf.config.set_visible_devices([gpus[i] for i in picked], "GPU")

@@ -39,6 +39,7 @@ from typing import Any
 
 from harness.execution.launcher import Outcome, run_worker
 from harness.execution.protocol import Payload
+from harness.spec.devices import device_index, is_gpu
 
 #: The reason of a trial whose node left the cluster while it ran (``RayExecutor``).
 NODE_LOST = "node lost"
@@ -108,9 +109,9 @@ def local_slots(device: str, parallel: int = 1, devices: list[str] | None = None
     if parallel < 1:
         raise ExecutorError(f"--parallel must be at least 1, not {parallel}")
     if devices:
-        if any(not d.startswith("cuda:") for d in devices):
+        if not all(is_gpu(d) for d in devices):
             raise ExecutorError(f"devices must all be cuda:N, not {', '.join(devices)}")
-        names = [f"cuda:{int(d.partition(':')[2])}" for d in devices]
+        names = [f"cuda:{device_index(d)}" for d in devices]
     elif parallel == 1:
         return [Slot(device, device)]
     elif device.startswith("cuda"):
@@ -121,7 +122,7 @@ def local_slots(device: str, parallel: int = 1, devices: list[str] | None = None
         visible = visible_gpus(env)
         slots = []
         for name in names:
-            index = int(name.partition(":")[2])
+            index = device_index(name)
             if visible is not None and index >= len(visible):
                 raise ExecutorError(f"{name} is not visible (CUDA_VISIBLE_DEVICES={','.join(visible)})")
             physical = visible[index] if visible is not None else str(index)

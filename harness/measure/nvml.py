@@ -20,6 +20,7 @@ from typing import Any, cast
 import psutil
 
 from harness.measure.host import process_tree
+from harness.spec.devices import device_index, is_gpu
 
 
 def tree_pids(pid: int) -> set[int]:
@@ -43,10 +44,9 @@ def nvml_visible_index(device: str, visible: str | None = None) -> int | str:
     launcher sets for its workers. As CUDA does, the list ends at the first invalid entry (e.g. "-1"). Raises ValueError
     when ``device`` is not a CUDA device or is not among the visible ones (an empty CUDA_VISIBLE_DEVICES hides all).
     """
-    kind, _, number = device.partition(":")
-    if kind != "cuda" or not (number == "" or number.isdigit()):
+    if device != "cuda" and not is_gpu(device):
         raise ValueError(f"{device!r} is not a CUDA device (cuda or cuda:N)")
-    index = int(number or 0)
+    index = device_index(device)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     if visible is None:
         return index

@@ -19,6 +19,7 @@ import yaml
 from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from harness.spec.base import SpecError, _Strict
+from harness.spec.devices import is_gpu
 from harness.spec.frameworks import ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries, select_frameworks
 from harness.spec.layers import (
     GELU,
@@ -301,8 +302,7 @@ class DataParallelSpec(_Strict):
         if not devices:
             raise ValueError("devices lists at least one GPU")
         for device in devices:
-            prefix, _, index = device.partition(":")
-            if prefix != "cuda" or not index.isdigit():
+            if not is_gpu(device):
                 raise ValueError(f"data-parallel devices are GPUs as cuda:N, not {device!r} (on the CPU give a count)")
         if len(set(devices)) != len(devices):
             twice = next(d for d in devices if devices.count(d) > 1)
@@ -449,8 +449,7 @@ class Spec(_Strict):
         if devices is None:
             return None
         for device in devices:
-            prefix, _, index = device.partition(":")
-            if prefix != "cuda" or not index.isdigit():
+            if not is_gpu(device):
                 raise ValueError(f"devices lists GPUs as cuda:N, not {device!r}")
         if len(set(devices)) != len(devices):
             raise ValueError("a device is listed twice")
@@ -459,10 +458,7 @@ class Spec(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, device: str) -> str:
-        if device in ("auto", "cpu"):
-            return device
-        prefix, _, index = device.partition(":")
-        if prefix == "cuda" and index.isdigit():
+        if device in ("auto", "cpu") or is_gpu(device):
             return device
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda:N', not {device!r}")
 

@@ -52,7 +52,8 @@ def test_bad_executor_flags_are_one_line_and_exit_2(write_spec, tmp_path):
     spec = write_spec(base_spec())
     for flags, message in ((["--parallel", "64"], "needs 64 cores"),
                            (["--retries", "2"], "--address and --retries apply to --executor ray"),
-                           (["--executor", "ray", "--parallel", "2"], "apply to --executor local")):
+                           (["--executor", "ray", "--parallel", "2"], "apply to --executor local"),
+                           (["--devices", "cuda:x"], "devices must all be cuda:N, not cuda:x")):
         proc = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--out", str(tmp_path), *flags],
                               capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
