@@ -204,7 +204,9 @@ class KerasAdapter(Adapter):
         features of a batchnorm between the two; attention's (3D, D) in-projection split into Keras's query, key and
         value kernels (D, heads, D / heads)), its logits float32 in every policy (a float32 ``Activation`` last, as
         https://keras.io/api/mixed_precision/ recommends). A trailing softmax is left to the loss. Compiled at the
-        first step (``_compile``), when the micro-batches per step are known."""
+        first step (``_compile``), when the micro-batches per step are known. Kernels and embedding tables are made
+        with the "zeros" initializer and then assigned (``_keep``): Keras's random initializers would only be
+        overwritten, and on JAX each draw compiles its own kernel (a third of a CNN's build time, measured)."""
         keras = self._keras
         if keras is None:
             raise RuntimeError("the Keras adapter's build ran before prepare")
@@ -304,7 +306,8 @@ class KerasAdapter(Adapter):
         kernel = _f32(weights[f"{name}.weight"])
         conv = keras.layers.Conv2D(kernel.shape[0], spec.kernel_size, strides=spec.stride,
                                    padding=spec.padding if isinstance(spec.padding, str) else "valid",
-                                   use_bias=spec.use_bias, activation=_activation(spec.activation), name=tag)
+                                   use_bias=spec.use_bias, activation=_activation(spec.activation),
+                                   kernel_initializer="zeros", name=tag)  # assigned below (see _keep)
         y = conv(x)
         self._keep(f"{name}.weight", (conv.kernel,), (kernel.transpose(2, 3, 1, 0),), lambda k: k.transpose(3, 2, 0, 1))
         if spec.use_bias:
@@ -321,7 +324,8 @@ class KerasAdapter(Adapter):
         if flatten_from is not None:
             perm = chw_to_hwc_permutation(flatten_from)
             weight, inverse = weight[:, perm], np.argsort(perm)
-        dense = self._keras.layers.Dense(weight.shape[0], activation=_activation(layer.spec.activation), name=tag)
+        dense = self._keras.layers.Dense(weight.shape[0], activation=_activation(layer.spec.activation),
+                                         kernel_initializer="zeros", name=tag)  # assigned below
         y = dense(x)
         self._keep(f"{name}.weight", (dense.kernel,), (np.ascontiguousarray(weight.T),),
                    lambda k: k.T if inverse is None else k.T[:, inverse])
@@ -374,7 +378,7 @@ class KerasAdapter(Adapter):
         length, dim = layer.input_shape
         heads = spec.heads
         head_dim = dim // heads
-        mha = keras.layers.MultiHeadAttention(heads, head_dim, name=tag)
+        mha = keras.layers.MultiHeadAttention(heads, head_dim, kernel_initializer="zeros", name=tag)  # assigned below
         y = mha(x, x, use_causal_mask=spec.causal)
         found = {"/".join(v.path.split("/")[-2:]): v for v in mha.weights}
         kernels = tuple(found[f"{part}/kernel"] for part in ("query", "key", "value"))

@@ -75,7 +75,7 @@ class TokenAndPosition(keras.layers.Layer):
     def __init__(self, vocab: int, length: int, dim: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.length, self.dim = int(length), int(dim)
-        self.token = keras.layers.Embedding(vocab, dim, dtype="float32", name="token")
+        self.token = keras.layers.Embedding(vocab, dim, dtype="float32", embeddings_initializer="zeros", name="token")
 
     def build(self, input_shape: Any) -> None:
         self.token.build(input_shape)
