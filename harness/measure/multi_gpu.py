@@ -77,8 +77,6 @@ class MultiNvmlBackend:
         if len(backends) != len(devices) or len(backends) < 2:
             raise ValueError(f"{len(backends)} backend(s) for {len(devices)} device(s): one each, two or more")
         self.backends, self.devices = list(backends), list(devices)
-        for backend in self.backends:
-            backend.follow_tree = False
         self._pid: int | None = None
         self.unavailable: dict[str, str] = {}
         self._update_unavailable()
@@ -97,10 +95,7 @@ class MultiNvmlBackend:
     def sample(self) -> dict[str, Any]:
         """One sample: every device's readings (``<metric>@<i>``) and the trial's (``AGGREGATION``)."""
         pids = tree_pids(self._pid) if self._pid is not None else set()
-        readings = []
-        for backend in self.backends:
-            backend._pids = pids
-            readings.append(backend.sample())
+        readings = [backend.sample(pids) for backend in self.backends]
         out: dict[str, Any] = {}
         for index, values in enumerate(readings):
             out.update({device_key(metric, index): value for metric, value in values.items()})

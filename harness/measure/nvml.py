@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, cast
 
 import psutil
@@ -122,9 +122,7 @@ class NvmlBackend:
         self._permanent = _error_classes(self.nvml, *self.PERMANENT)
         self._pid: int | None = None
         self._pids: set[int] = set()
-        #: False when the caller sets ``_pids`` itself before each sample (``MultiNvmlBackend`` lists the worker's
-        #: process tree once for all its devices)
-        self.follow_tree = True
+        self._listed: Collection[int] | None = None  # the processes the caller listed for this sample (``sample``)
         self.selector = device
         self.mig = False
         self.gpm_min_interval_s = GPM_MIN_INTERVAL_S
@@ -239,7 +237,9 @@ class NvmlBackend:
         return float(nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
 
     def _process_memory(self) -> float | None:
-        if self._pid is not None and self.follow_tree:
+        if self._listed is not None:
+            self._pids = set(self._listed)
+        elif self._pid is not None:
             self._pids = tree_pids(self._pid)
         total = 0
         found = False
@@ -277,8 +277,12 @@ class NvmlBackend:
         nvml = self.nvml
         return float(nvml.nvmlDeviceGetTemperature(self.handle, nvml.NVML_TEMPERATURE_GPU))
 
-    def sample(self) -> dict[str, Any]:
-        """One sample. The energy counter is read first, closest to the sample's timestamp."""
+    def sample(self, pids: Collection[int] | None = None) -> dict[str, Any]:
+        """One sample. The energy counter is read first, closest to the sample's timestamp. ``pids``: the processes
+        whose GPU memory is the trial's (``process_memory_bytes``) when the caller has listed them (a
+        ``MultiNvmlBackend`` lists the worker's process tree once for all its devices); None: the attached process's
+        tree, listed here when that metric is read."""
+        self._listed = pids
         out: dict[str, Any] = {}
         nvml, handle = self.nvml, self.handle
         rates: dict[str, Any] = {}
