@@ -110,6 +110,12 @@ def data_parallel_settings(spec: Spec) -> list[tuple[str, DataParallelSpec | Non
     return [("data_parallel", spec.data_parallel)]
 
 
+def accumulation_conflict(devices: int, accumulation_steps: int) -> str:
+    """What a spec (or a max-batch search) that combines data parallelism and gradient accumulation is told."""
+    return (f"{devices} devices with accumulation_steps {accumulation_steps}: data parallelism and gradient "
+            "accumulation are not combined in one trial (compare them as separate trials)")
+
+
 def check_data_parallel(spec: Spec, file: str | os.PathLike[str]) -> None:
     """Every global batch size splits into N equal per-device batches, and data parallelism is not combined with
     gradient accumulation. Raises SpecError naming ``file`` and the field."""
@@ -117,9 +123,7 @@ def check_data_parallel(spec: Spec, file: str | os.PathLike[str]) -> None:
         if dp is None or dp.size == 1:
             continue
         if spec.accumulation_steps > 1:
-            raise SpecError(file, field, f"{dp.size} devices with accumulation_steps {spec.accumulation_steps}: "
-                                         "data parallelism and gradient accumulation are not combined in one trial "
-                                         "(compare them as separate trials)")
+            raise SpecError(file, field, accumulation_conflict(dp.size, spec.accumulation_steps))
         for i, batch in enumerate(spec.batch_sizes):
             if batch % dp.size:
                 raise SpecError(file, f"batch_sizes.{i}", f"the global batch size {batch} does not split into "

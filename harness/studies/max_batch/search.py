@@ -29,7 +29,7 @@ from harness.execution.launcher import run_worker
 from harness.execution.protocol import Payload
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets, memory
-from harness.plan import check_devices, entry_for, model_info, plan
+from harness.plan import accumulation_conflict, check_devices, entry_for, model_info, plan
 from harness.spec import DataParallelSpec, Spec, SpecError
 from harness.studies.max_batch import runcheck
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
@@ -124,8 +124,7 @@ def check_data_parallel(spec: Spec, framework: str, device: str, devices: int | 
     if dp is None or dp.size == 1:
         return None
     if spec.accumulation_steps > 1:
-        raise SpecError(spec_file, field, f"{dp.size} devices with accumulation_steps {spec.accumulation_steps}: "
-                                          "data parallelism and gradient accumulation are not combined")
+        raise SpecError(spec_file, field, accumulation_conflict(dp.size, spec.accumulation_steps))
     gpus = None
     if device != "cpu":
         from harness.measure import machine
