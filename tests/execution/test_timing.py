@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from harness.execution.worker import train
+from harness.neutral.datasets import Data
 from harness.results.report import timing_mode
 from harness.spec import SpecError, TimingSpec, load
 from tests.trials import loop_trial
+
+
+def _data(samples: int, shape: tuple[int, ...]) -> Data:
+    """A dataset of ``samples`` zero images of ``shape`` (H, W, C) and no test set: the loop's input, nothing more."""
+    return Data(np.zeros((samples, *shape), np.float32), np.zeros(samples, np.int64),
+                np.zeros((0, *shape), np.float32), np.zeros(0, np.int64), 2)
 
 
 def step_loss(step: int) -> float:
@@ -77,7 +83,7 @@ def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, war
            read_s: float = 0.0, evaluate_every: int = 1, augmentation: bool = False, events: list | None = None,
            adapter_cls: type = RecordingAdapter):
     adapter = adapter_cls(step_s, read_s)
-    data = SimpleNamespace(y_train=np.zeros(samples, dtype=np.int64), x_train=np.zeros((samples, 8, 8, 1)))
+    data = _data(samples, (8, 8, 1))
     trial = loop_trial(batch, timing, epochs=epochs, warmup_steps=warmup, evaluate_every=evaluate_every,
                        augmentation=augmentation)
     events = [] if events is None else events
@@ -148,7 +154,7 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
             time.sleep(0.2)
 
     adapter.train_step = train_step
-    data = SimpleNamespace(y_train=np.zeros(200, dtype=np.int64), x_train=np.zeros((200, 1, 1, 1)))
+    data = _data(200, (1, 1, 1))
     trial = loop_trial(4, {"window": 5}, warmup_steps=2)
     metrics = train(adapter, data, trial, lambda event: None)
     assert metrics["slow_windows"] == 1 and metrics["step_time_max_s"] > 5 * metrics["step_time_median_s"]
@@ -175,7 +181,7 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
             adapter.count += 1
 
     adapter.train_step, adapter.compilations = train_step, lambda: adapter.count
-    data = SimpleNamespace(y_train=np.zeros(200, dtype=np.int64), x_train=np.zeros((200, 1, 1, 1)))
+    data = _data(200, (1, 1, 1))
     trial = loop_trial(4, {"window": 5}, warmup_steps=2)
     metrics = train(adapter, data, trial, lambda event: None)
     assert (metrics["compilations_warmup"], metrics["recompilations"]) == (1, 1)
