@@ -53,20 +53,17 @@ def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
     assert "samples/s" in proc.stdout and "report:" in proc.stdout
 
 
-@pytest.mark.slow
-def test_augmentation_variants_train_every_framework_on_the_same_images(write_spec, tmp_path):
-    """variants.augmentation [false, true]: the harness augments once per epoch and each adapter overwrites its
-    resident images in place. The three frameworks start from the same weights and see the same batches of the same
-    augmented images, so their last training losses agree closely; augmentation changes them."""
-    spec = write_spec(base_spec(name="aug", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[128],
-                                epochs=2, warmup_steps=1, variants={"augmentation": [False, True]}))
+def test_augmentation_variants_through_the_cli(write_spec, tmp_path):
+    """variants.augmentation [false, true] from the command line: the harness augments once per epoch, outside the
+    timed windows, and the augmented images change the training. That every framework trains on the same augmented
+    images (their losses agree) is tests/execution/test_input_pipeline.py's, resident and through each loader."""
+    spec = write_spec(base_spec(name="aug", frameworks=["pytorch"], batch_sizes=[128], epochs=2, warmup_steps=1,
+                                variants={"augmentation": [False, True]}))
     _, run_dir = run_cli(spec, tmp_path)
     records = store.read_trials(run_dir)
-    assert len(records) == 6 and all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
-    loss = {(r["framework"], r["variant"]): r["metrics"]["final_train_loss"] for r in records}
-    for variant in ("aug off", "aug on"):
-        values = [loss[(fw, variant)] for fw in ("pytorch", "tensorflow", "mxnet")]
-        assert max(values) - min(values) < 1e-3 * max(values), (variant, values)
-    assert abs(loss[("pytorch", "aug on")] - loss[("pytorch", "aug off")]) > 1e-3, loss
-    events = (run_dir / "events" / f"{records[-1]['id']}.jsonl").read_text()
+    assert len(records) == 2 and all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
+    loss = {r["variant"]: r["metrics"]["final_train_loss"] for r in records}
+    assert set(loss) == {"aug off", "aug on"} and abs(loss["aug on"] - loss["aug off"]) > 1e-3, loss
+    augmented = next(r for r in records if r["variant"] == "aug on")
+    events = (run_dir / "events" / f"{augmented['id']}.jsonl").read_text()
     assert events.count('"name": "augment"') == 4  # start and end, once per epoch, outside the timed windows
