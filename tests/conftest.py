@@ -48,24 +48,24 @@ BASE_SPEC = {
 #: searches and compare run in the parallel part.
 SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 
-#: The parallel part's longest files, longest first (CPU seconds on this 2-core VM, 2026-11-24, in brackets): xdist
-#: hands whole files to its workers in collection order (``--dist loadfile --no-loadscope-reorder`` in the Makefile),
-#: so starting the long ones first keeps one of them from running alone at the end.
-LONGEST_FIRST = ("studies/test_maxbatch.py",  # 139: four real-cap searches, three at a time
-                 "test_gpu_check.py",  # 67
-                 "adapters/test_pytorch_data_parallel.py",  # 61
-                 "test_end_to_end.py",  # 61
-                 "adapters/test_keras_tensorflow.py",  # ~50: its suite and scenarios in envs/keras-tensorflow
-                 "adapters/test_keras_torch.py",  # ~45
-                 "adapters/test_keras_jax.py",  # ~45
-                 "adapters/test_tensorflow_data_parallel.py",  # 54
-                 "studies/test_nightly.py",  # ~60 of it in the parallel part
-                 "adapters/test_jax.py",  # 48
-                 "execution/test_environments.py",  # 43
-                 "adapters/test_jax_data_parallel.py",  # 31
-                 "execution/test_input_pipeline.py",  # ~35: eight trials reading an image folder
-                 "results/test_results_data.py",  # 30
-                 "execution/test_data_parallel.py")  # 27
+#: The parallel part's longest files, longest first (their seconds in the parallel part of make test on this 2-core
+#: VM, 2026-11-24, in brackets): xdist hands whole files to its workers in collection order (``--dist loadfile
+#: --no-loadscope-reorder`` in the Makefile), so starting the long ones first keeps one of them from running alone at
+#: the end.
+LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~100: four real-cap searches, three at a time
+                 "test_gpu_check.py",  # ~70
+                 "studies/test_nightly.py",  # ~55 of it in the parallel part
+                 "test_end_to_end.py",  # ~45: the four frameworks in their environments, then augmentation
+                 "adapters/test_jax.py",  # ~40
+                 "adapters/test_tensorflow_data_parallel.py",  # ~37
+                 "adapters/test_keras_tensorflow.py",  # ~35: its suite and scenarios in envs/keras-tensorflow
+                 "adapters/test_keras_torch.py",  # ~35
+                 "adapters/test_keras_jax.py",  # ~35
+                 "adapters/test_pytorch_data_parallel.py",  # ~35
+                 "execution/test_input_pipeline.py",  # ~32: eight trials reading an image folder
+                 "results/test_results_data.py",  # ~26
+                 "execution/test_data_parallel.py",  # ~25
+                 "adapters/test_jax_data_parallel.py")  # ~24
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -82,6 +82,14 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=position)  # stable: within a file and among the rest, the collection order stays
+
+
+@pytest.fixture(scope="session")
+def envs():
+    """{framework: its envs/ python}, made when missing (kept when up to date: see environments.create)."""
+    from harness.execution import environments
+
+    return {fw: str(environments.create(fw, ROOT / "envs")[0]) for fw in ("pytorch", "tensorflow", "mxnet", "jax")}
 
 
 def base_spec(**changes):

@@ -1,4 +1,5 @@
-"""The main job end to end: `python -m harness run` with all three real frameworks on digits, then the report."""
+"""The main job end to end: `python -m harness run` with the four frameworks, each in its own environment, on
+digits, then the report."""
 
 from __future__ import annotations
 
@@ -22,14 +23,19 @@ def run_cli(spec, tmp_path):
     return proc, run_dir
 
 
+FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
+
+
 @pytest.mark.slow
-def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
-    spec = write_spec(base_spec(name="e2e", frameworks=["pytorch", "tensorflow", "mxnet"], batch_sizes=[32, 256],
+def test_cli_runs_every_framework_in_its_own_environment_and_writes_the_report(envs, write_spec, tmp_path):
+    """As the main job does (specs/quick.yaml): each framework in its envs/ interpreter, PyTorch, TensorFlow and JAX
+    on numpy 2, MXNet on numpy 1.26; the same model trains to the same losses, and the report says where each ran."""
+    spec = write_spec(base_spec(name="e2e", frameworks=[{"name": fw, "python": f"{{root}}/envs/{fw}/bin/python"}
+                                                        for fw in FRAMEWORKS], batch_sizes=[32, 256],
                                 epochs=2, warmup_steps=2))
     proc, run_dir = run_cli(spec, tmp_path)
     records = store.read_trials(run_dir)
-    assert [r["id"] for r in records] == ["pytorch-bs32-r0", "tensorflow-bs32-r0", "mxnet-bs32-r0",
-                                          "pytorch-bs256-r0", "tensorflow-bs256-r0", "mxnet-bs256-r0"]
+    assert [r["id"] for r in records] == [f"{fw}-bs{bs}-r0" for bs in (32, 256) for fw in FRAMEWORKS]
     for r in records:
         assert r["status"] == "ok", (r["id"], r["reason"], r.get("log_tail", "")[-1500:])
         m = r["metrics"]
@@ -38,16 +44,31 @@ def test_cli_runs_all_frameworks_and_writes_the_report(write_spec, tmp_path):
         assert m["parameter_count"] == 4 * 9 + 4 + 64 * 10 + 10  # tiny CNN: conv 4x1x3x3, dense 64 -> 10
         assert r["sampler"]["backend"] == "host" and r["sampler"]["stats"]["rss_bytes"]["count"] >= 1
         assert r["versions"] and r["settings"]["intra_op_threads"] == 1
-        # the framework's own count of train step graphs: TensorFlow traced its step once, in warm-up, and never in
-        # the timed windows; PyTorch eager and MXNet keep no count
-        expected = (1, 0) if r["framework"] == "tensorflow" else (None, None)
+        # the framework's own count of train step compilations: TensorFlow traced and JAX compiled its step once,
+        # in warm-up, and never in the timed windows; PyTorch eager and MXNet keep no count
+        expected = (1, 0) if r["framework"] in ("tensorflow", "jax") else (None, None)
         assert (m["compilations_warmup"], m["recompilations"]) == expected, r["id"]
-    accuracy = {r["id"]: r["metrics"]["test_accuracy"] for r in records}
-    assert min(accuracy[f"{fw}-bs32-r0"] for fw in ("pytorch", "tensorflow", "mxnet")) > 0.8, accuracy
+    for bs in (32, 256):  # the same model, weights and batches: the same training, wherever it ran
+        cell = [r["metrics"] for r in records if r["batch_size"] == bs]
+        losses, accuracies = [m["final_train_loss"] for m in cell], [m["test_accuracy"] for m in cell]
+        assert max(losses) - min(losses) < 1e-3 * max(losses), (bs, losses)
+        assert max(accuracies) - min(accuracies) <= 1 / 359 + 1e-9, (bs, accuracies)  # one of 359 test images
+    assert min(r["metrics"]["test_accuracy"] for r in records if r["batch_size"] == 32) > 0.8
     run = json.loads((run_dir / "run.json").read_text())
     assert run["finished"] and run["device"] == "cpu" and run["spec"]["name"] == "e2e"
+    entries = {e["name"]: e for e in run["frameworks"]}
+    assert all(entries[fw]["numpy"].startswith("2.") for fw in ("pytorch", "tensorflow", "jax"))
+    assert entries["mxnet"]["numpy"].startswith("1.26.")
+    assert entries["pytorch"]["versions"]["torch"] == "2.13.0" and entries["mxnet"]["versions"]["mxnet"] == "1.9.1"
+    assert entries["jax"]["versions"]["jax"] == "0.10.2"
+    assert {fw: e["executable"] for fw, e in entries.items()} == envs
+    assert any(p.startswith("numpy==2.") for p in entries["pytorch"]["packages"])  # the environment's pip freeze
+    assert not any(p.lower().startswith("torch==") for p in entries["mxnet"]["packages"])
+    assert not any(p.startswith("harness==") for e in entries.values() for p in e["packages"])  # not installed there
+    assert entries["mxnet"]["python"] == envs["mxnet"] and entries["mxnet"]["python_version"].startswith("3.")
     report = (run_dir / "report.md").read_text()
     assert "| PyTorch CPU use % |" in report and "| MXNet accuracy after 2 epochs % |" in report
+    assert "## Frameworks and their environments" in report and f"`{envs['mxnet']}`" in report
     for metric in ("throughput", "util", "memory", "accuracy", "seconds_per_epoch"):
         assert (run_dir / "plots" / f"{metric}.png").stat().st_size > 1000
     assert "samples/s" in proc.stdout and "report:" in proc.stdout
