@@ -34,7 +34,7 @@ SIZES = {
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 4096, "test_size": 1024},
             "timeout_s": 240, "max_batch_args": [],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "2"]},
-    "cpu": {"batch_sizes": [4, 16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
+    "cpu": {"batch_sizes": [16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
             "timeout_s": 120,
             "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "16",
