@@ -121,8 +121,6 @@ class NvmlBackend:
         self.transient: dict[str, dict[str, Any]] = {}
         self._permanent = _error_classes(self.nvml, *self.PERMANENT)
         self._pid: int | None = None
-        self._pids: set[int] = set()
-        self._listed: Collection[int] | None = None  # the processes the caller listed for this sample (``sample``)
         self.selector = device
         self.mig = False
         self.gpm_min_interval_s = GPM_MIN_INTERVAL_S
@@ -198,7 +196,6 @@ class NvmlBackend:
     # --- sampling ---------------------------------------------------------------------------------------------------
     def attach(self, pid: int) -> None:
         self._pid = pid
-        self._pids = {pid}
 
     def _read(self, metric: str, read: Callable[[], Any], out: dict[str, Any], *also: str) -> None:
         """out[metric] = read(), degrading as the module docstring says; ``also`` share the call's fate."""
@@ -236,16 +233,17 @@ class NvmlBackend:
             self._memory_version = 1
         return float(nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
 
-    def _process_memory(self) -> float | None:
-        if self._listed is not None:
-            self._pids = set(self._listed)
-        elif self._pid is not None:
-            self._pids = tree_pids(self._pid)
+    def _process_memory(self, listed: Collection[int] | None) -> float | None:
+        """The GPU memory of the processes ``listed`` (``sample``'s ``pids``), or of the attached process's tree."""
+        if listed is not None:
+            pids = set(listed)
+        else:
+            pids = tree_pids(self._pid) if self._pid is not None else set()
         total = 0
         found = False
         foreign = False
         for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
-            if proc.pid in self._pids:
+            if proc.pid in pids:
                 found = True
                 if proc.usedGpuMemory is None:  # NVML_VALUE_NOT_AVAILABLE (MIG, some containers)
                     return None
@@ -282,7 +280,6 @@ class NvmlBackend:
         whose GPU memory is the trial's (``process_memory_bytes``) when the caller has listed them (a
         ``MultiNvmlBackend`` lists the worker's process tree once for all its devices); None: the attached process's
         tree, listed here when that metric is read."""
-        self._listed = pids
         out: dict[str, Any] = {}
         nvml, handle = self.nvml, self.handle
         rates: dict[str, Any] = {}
@@ -297,7 +294,7 @@ class NvmlBackend:
             ("power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, "nvmlDeviceGetPowerUsage", ()),
             ("gpu_util_percent", utilization, "nvmlDeviceGetUtilizationRates", ("mem_util_percent",)),
             ("device_memory_used_bytes", self._memory_used, "nvmlDeviceGetMemoryInfo", ()),
-            ("process_memory_bytes", self._process_memory, "nvmlDeviceGetComputeRunningProcesses", ()),
+            ("process_memory_bytes", lambda: self._process_memory(pids), "nvmlDeviceGetComputeRunningProcesses", ()),
             ("sm_clock_mhz", lambda: float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
              "nvmlDeviceGetClockInfo(NVML_CLOCK_SM)", ()),
             ("temperature_c", self._temperature, "nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)", ()),
