@@ -351,7 +351,7 @@ def load(cfg: ImageFolderData, train_images: bool = True) -> Data:
     all, for a data loader that decodes them from their files (``train_files``). Reads the cache, decoding into it
     first when it lacks the arrays. Raises DatasetError."""
     listing = scan(cfg)
-    keys = ("x_train", "x_test", "y", "train", "skipped") if train_images else ("x_test", "y", "train", "skipped")
+    keys = _CACHED if train_images else tuple(key for key in _CACHED if key != "x_train")
     arrays, _, _ = _decoded(cfg, listing, keys=keys)
     n_train = int(arrays["train"])
     scale = np.float32(255.0)
@@ -361,12 +361,11 @@ def load(cfg: ImageFolderData, train_images: bool = True) -> Data:
                 skipped_files=tuple(str(s) for s in arrays["skipped"]))
 
 
-def train_files(cfg: ImageFolderData, skipped: tuple[str, ...] = ()) -> tuple[Path, ...]:
-    """The training images' files, in the order of ``load``'s ``x_train``: the listing's, less ``skipped`` (``load``'s
-    ``Data.skipped_files``, paths relative to the folder): what a data loader decodes
-    (``harness.neutral.inputs.InputSource``). Lists the folder, decodes nothing. Raises DatasetError."""
+def train_files(listing: Listing, skipped: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    """The training images' files, in the order of ``load``'s ``x_train``: ``listing``'s (``scan``), less ``skipped``
+    (``load``'s ``Data.skipped_files``, paths relative to the folder): what a data loader decodes
+    (``harness.neutral.inputs.InputSource``). Decodes nothing."""
     left_out = set(skipped)
-    listing = scan(cfg)
     return tuple(listing.root / rel for rel, _ in listing.train if rel not in left_out)
 
 

@@ -93,8 +93,9 @@ def for_dataset(cfg: DatasetSpec | None, data: Data, augmentation: bool = False,
     if isinstance(cfg, ImageFolderData):
         from harness.neutral import image_folder
 
-        (height, width, _), _ = image_folder.describe(cfg)  # the size the cache's images were decoded to
-        files = image_folder.train_files(cfg, data.skipped_files or ())
+        listing = image_folder.scan(cfg)  # once: a large folder takes a while to list
+        height, width = image_folder.reference_size(cfg, listing)  # the size the cache's images were decoded to
+        files = image_folder.train_files(listing, data.skipped_files or ())
         if len(files) != len(data.y_train):
             raise ValueError(f"{cfg.path}: {len(files)} training files but {len(data.y_train)} cached images")
         return InputSource(data.y_train, files=files, decode=Decode((height, width), cfg.channels),

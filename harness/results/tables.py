@@ -84,6 +84,7 @@ def noise_pairs(data: dict[str, Any], metric: Metric) -> list[str]:
                 pairs.append(f"{title(fw)}: batch size {x} vs {y}")
     return pairs
 
+
 def noise_verdict(base: tuple[float, float] | None, new: tuple[float, float] | None, change: float,
                   higher: str = "faster", lower: str = "slower") -> str:
     """The report's verdict on two cells from their 95% intervals (``ci_map``): "single runs: no interval" when
@@ -93,6 +94,7 @@ def noise_verdict(base: tuple[float, float] | None, new: tuple[float, float] | N
     overlap = overlaps(base, new)
     return ("single runs: no interval" if overlap is None else "no measurable difference" if overlap else
             higher if change > 0 else lower)
+
 
 def span_cells(records: list[dict[str, Any]], metric: Metric) -> set[tuple[str, int]]:
     """(framework, batch size) cells whose sampler statistics came from the whole measured span instead of the timed
