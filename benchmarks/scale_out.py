@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harness.execution.executors import LocalExecutor, RayExecutor, local_slots  # noqa: E402
+from harness.execution.executors import LocalExecutor, local_slots  # noqa: E402
+from harness.execution.ray_executor import RayExecutor  # noqa: E402
 from harness.plan import checked_spec  # noqa: E402
 from harness.results.store import read_trials  # noqa: E402
 from harness.studies import sweep  # noqa: E402
@@ -65,12 +66,13 @@ def timed_sweep(spec: Any, executor_name: str, out: Path) -> dict[str, Any]:
                                exclusive=executor_name == "ray1")
         init = time.perf_counter() - started
     started = time.perf_counter()
-    run_dir = sweep.run_spec(spec, out / executor_name, executor=executor)
+    with executor:  # made here, closed here (a local Ray instance shut down), inside the time as before
+        run_dir = sweep.run_spec(spec, out / executor_name, executor=executor)
     wall = time.perf_counter() - started
     records = read_trials(run_dir)
     return {"executor": executor_name, "wall_s": wall, "init_s": init, "trials": len(records),
-            "ok": sum(r["status"] == "ok" for r in records),
-            "trial_wall_s": sum(r["wall_seconds"] for r in records)}
+            "ok": sum(r.status == "ok" for r in records),
+            "trial_wall_s": sum(r.wall_s for r in records)}
 
 
 def _stats(values: list[float], digits: int = 2) -> str:

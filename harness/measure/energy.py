@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.measure.sampler import belongs, scopes
+from harness.measure.windows import belongs, scopes
 
 # NVML refreshes its power and energy readings roughly every 20-100 ms depending on the GPU (NVIDIA does not document
 # the period; PETSc's PetscLogGpuEnergyMeter notes: "For newer GPUs, energy readings are updated every 20-100ms").

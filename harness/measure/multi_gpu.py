@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.measure.energy import energy_over_windows
 from harness.measure.nvml import NvmlBackend, tree_pids
-from harness.measure.sampler import phase_stats
+from harness.measure.windows import phase_stats
 
 #: How a metric combines over the devices of a trial (module docstring); every other metric is averaged.
 AGGREGATION = {"energy_mj": "sum", "power_w": "sum", "process_memory_bytes": "max", "device_memory_used_bytes": "max",

@@ -5,7 +5,7 @@ which any kernel ran, not the share of SMs in use), device and per-process memor
 temperature, throttle reasons and, on Hopper and newer, the GPM metrics (SM activity, SM occupancy, tensor-pipe
 activity, DRAM bandwidth utilization) over the interval since the previous GPM read. A metric NVML cannot give is
 marked unavailable with its reason (``describe()["unavailable"]``) or left None in one sample; nothing is raised into
-the run.
+the run. The GPM metrics are read by ``harness.measure.gpm.GpmReader``.
 
 Design: docs/design/sampling.md (each metric's NVML call, GPM intervals, polling instead of nvmlDeviceGetSamples).
 """
@@ -13,12 +13,12 @@ Design: docs/design/sampling.md (each metric's NVML call, GPM intervals, polling
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, cast
 
 import psutil
 
+from harness.measure.gpm import GPM_METRICS, GPM_MIN_INTERVAL_S, GpmReader
 from harness.measure.host import process_tree
 from harness.spec.devices import device_index, is_gpu
 
@@ -63,14 +63,6 @@ def nvml_visible_index(device: str, visible: str | None = None) -> int | str:
         raise ValueError(f"{device} is not among the {len(entries)} device(s) that CUDA_VISIBLE_DEVICES={visible!r} "
                          f"makes visible")
     return entries[index]
-
-
-#: GPM metric -> the nvmlGpmMetricId_t constant it reads (pynvml names them as nvml.h does).
-GPM_METRICS = {"sm_active_percent": "NVML_GPM_METRIC_SM_UTIL", "sm_occupancy_percent": "NVML_GPM_METRIC_SM_OCCUPANCY",
-               "tensor_active_percent": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
-               "dram_bw_util_percent": "NVML_GPM_METRIC_DRAM_BW_UTIL"}
-#: Shortest interval between two GPM sample reads, seconds: the reference says it "should be greater than 100ms".
-GPM_MIN_INTERVAL_S = 0.1
 
 
 def _error_classes(nvml: Any, *names: str) -> tuple[type[BaseException], ...]:
@@ -123,15 +115,15 @@ class NvmlBackend:
         self._pid: int | None = None
         self.selector = device
         self.mig = False
-        self.gpm_min_interval_s = GPM_MIN_INTERVAL_S
-        self._gpm: dict[str, Any] | None = None  # set up at the first sample: buffers, target, the kept sample
-        self._gpm_call = ""
+        self.gpm_min_interval_s = GPM_MIN_INTERVAL_S  # GPM reads at most this often (seconds)
+        self._gpm: GpmReader | None = None
         self.nvml.nvmlInit()
         try:
             self.handle = self._resolve(device)
         except BaseException:
             self.close()
             raise
+        self._gpm = GpmReader(self.nvml, self.handle, self.mig, self.unavailable, self.notes, self._failed)
         self.uuid = self._text("nvmlDeviceGetUUID")
         self.device_name = self._text("nvmlDeviceGetName")
         self._memory_version = 2 if getattr(self.nvml, "nvmlMemory_v2", None) is not None else 1
@@ -197,26 +189,33 @@ class NvmlBackend:
     def attach(self, pid: int) -> None:
         self._pid = pid
 
-    def _read(self, metric: str, read: Callable[[], Any], out: dict[str, Any], *also: str) -> None:
-        """out[metric] = read(), degrading as the module docstring says; ``also`` share the call's fate."""
+    def _read(self, metric: str, read: _Named, out: dict[str, Any], *also: str) -> None:
+        """out[metric] = read(), degrading as the module docstring says (``_failed``); ``also`` share the call's
+        fate."""
         if metric in self.unavailable:
             return
         try:
             out[metric] = read()
-            return
-        except AttributeError as err:  # the bindings lack the call
-            reason = f"nvidia-ml-py: {err}"
         except Exception as err:  # noqa: BLE001 - sampling never raises into the run
-            if isinstance(err, self._permanent):
-                reason = f"{getattr(read, 'call', metric)}: {err}"
-            else:
-                for name in (metric, *also):
-                    out[name] = None  # this sample lacks it; later ones may have it
-                    entry = self.transient.setdefault(name, {"count": 0, "last": ""})
-                    entry["count"] += 1
-                    entry["last"] = f"{type(err).__name__}: {err}"
-                return
-        for name in (metric, *also):
+            self._failed(read.call, err, (metric, *also), out)
+
+    def _failed(self, call: str, err: BaseException, names: Iterable[str], out: dict[str, Any]) -> None:
+        """The module docstring's degradation of the metrics ``names`` after ``call`` raised ``err``: missing
+        bindings (AttributeError) and PERMANENT errors make them unavailable with the reason; any other error leaves
+        them None in this sample (``out``) and is counted in ``transient`` (later samples may have them)."""
+        names = [n for n in names if n not in self.unavailable]
+        if isinstance(err, AttributeError):  # the bindings lack the call
+            reason = f"nvidia-ml-py: {err}"
+        elif isinstance(err, self._permanent):
+            reason = f"{call}: {err}"
+        else:
+            for name in names:
+                out[name] = None  # this sample lacks it; later ones may have it
+                entry = self.transient.setdefault(name, {"count": 0, "last": ""})
+                entry["count"] += 1
+                entry["last"] = f"{type(err).__name__}: {err}"
+            return
+        for name in names:
             self.unavailable[name] = reason
 
     def _memory_used(self) -> float:
@@ -304,129 +303,13 @@ class NvmlBackend:
             self._read(metric, _Named(read, call), out, *also)
             if metric == "gpu_util_percent" and "r" in rates:
                 out["mem_util_percent"] = float(rates["r"].memory)
-        self._gpm_sample(out)
+        if self._gpm is not None:
+            self._gpm.sample(out, self.gpm_min_interval_s)
         return out
 
-    # --- GPM (Hopper and newer) -------------------------------------------------------------------------------------
-    def _gpm_failed(self, call: str, err: BaseException, names: Iterable[str], out: dict[str, Any]) -> None:
-        """The module docstring's degradation for GPM metrics ``names`` after ``call`` raised ``err``."""
-        names = [n for n in names if n not in self.unavailable]
-        if isinstance(err, AttributeError):
-            reason = f"nvidia-ml-py: {err}"
-        elif isinstance(err, self._permanent):
-            reason = f"{call}: {err}"
-        else:
-            for name in names:
-                out[name] = None
-                entry = self.transient.setdefault(name, {"count": 0, "last": ""})
-                entry["count"] += 1
-                entry["last"] = f"{type(err).__name__}: {err}"
-            return
-        for name in names:
-            self.unavailable[name] = reason
-
-    def _gpm_setup(self) -> dict[str, Any]:
-        """Checks support and allocates the two sample buffers; raises as the NVML calls do, ``self._gpm_call`` naming
-        the call that raised."""
-        nvml = self.nvml
-        if self.mig:  # GPM of a MIG device: its parent GPU, for the MIG device's GPU instance
-            self._gpm_call = "nvmlDeviceGetDeviceHandleFromMigDeviceHandle"
-            parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self.handle)
-            self._gpm_call = "nvmlDeviceGetGpuInstanceId"
-            instance = int(nvml.nvmlDeviceGetGpuInstanceId(self.handle))
-        else:
-            parent, instance = self.handle, None
-        ids = {name: int(getattr(nvml, constant)) for name, constant in GPM_METRICS.items()}
-        self._gpm_call = "nvmlGpmQueryDeviceSupport"
-        if not nvml.nvmlGpmQueryDeviceSupport(parent).isSupportedDevice:
-            raise _GpmUnsupported("nvmlGpmQueryDeviceSupport: isSupportedDevice 0 (GPM needs a Hopper or newer GPU)")
-        nvml.c_nvmlGpmMetricsGet_t  # noqa: B018 - bindings without the struct fail here, before any allocation
-        self._gpm_call = "nvmlGpmSampleAlloc"
-        buffers: list[Any] = []
-        try:
-            for _ in range(2):
-                buffers.append(nvml.nvmlGpmSampleAlloc())
-        except BaseException:
-            for buffer in buffers:
-                nvml.nvmlGpmSampleFree(buffer)
-            raise
-        if self.mig:
-            self.notes.append("MIG device: the GPM metrics (sm_active_percent ...) cover its GPU instance, every "
-                              "compute instance in it (nvmlGpmMigSampleGet)")
-        return {"parent": parent, "instance": instance, "ids": ids, "buffers": buffers, "kept": None, "kept_t": 0.0}
-
-    def _gpm_read(self, gpm: dict[str, Any], buffer: Any) -> None:
-        if gpm["instance"] is None:
-            self.nvml.nvmlGpmSampleGet(gpm["parent"], buffer)
-        else:
-            self.nvml.nvmlGpmMigSampleGet(gpm["parent"], gpm["instance"], buffer)
-
-    def _gpm_sample(self, out: dict[str, Any]) -> None:
-        """Adds the GPM metrics over the interval since the kept GPM sample to ``out``, then keeps the new one."""
-        names = [n for n in GPM_METRICS if n not in self.unavailable]
-        if not names:
-            return
-        nvml = self.nvml
-        if self._gpm is None:
-            try:
-                self._gpm = self._gpm_setup()
-            except _GpmUnsupported as err:
-                self.unavailable.update({n: str(err) for n in names})
-                return
-            except Exception as err:  # noqa: BLE001 - sampling never raises into the run
-                self._gpm_failed(self._gpm_call, err, names, out)
-                return
-        gpm = self._gpm
-        now = time.monotonic()
-        if gpm["kept"] is not None and now - gpm["kept_t"] <= self.gpm_min_interval_s:
-            out.update({n: None for n in names})  # too soon after the last read: the next sample covers this time
-            return
-        fresh = next(b for b in gpm["buffers"] if b is not gpm["kept"])
-        call = "nvmlGpmSampleGet" if gpm["instance"] is None else "nvmlGpmMigSampleGet"
-        try:
-            self._gpm_read(gpm, fresh)
-        except Exception as err:  # noqa: BLE001
-            self._gpm_failed(call, err, names, out)
-            return
-        # the read's end, not its start: the next read (which checks its start against this) is then more than the
-        # minimum interval after this one however long the call took
-        kept, gpm["kept"], gpm["kept_t"] = gpm["kept"], fresh, time.monotonic()
-        if kept is None:
-            out.update({n: None for n in names})  # the first sample: no interval yet
-            return
-        try:
-            request = nvml.c_nvmlGpmMetricsGet_t()
-            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-            request.numMetrics = len(names)
-            request.sample1, request.sample2 = kept, fresh
-            for i, name in enumerate(names):
-                request.metrics[i].metricId = gpm["ids"][name]
-            result = nvml.nvmlGpmMetricsGet(request)
-        except Exception as err:  # noqa: BLE001
-            self._gpm_failed("nvmlGpmMetricsGet", err, names, out)
-            return
-        for i, name in enumerate(names):
-            metric = result.metrics[i]
-            if int(metric.nvmlReturn) == 0:
-                out[name] = float(metric.value)
-            else:
-                self._gpm_failed(f"nvmlGpmMetricsGet({GPM_METRICS[name]})", self._nvml_error(int(metric.nvmlReturn)),
-                                 [name], out)
-
-    def _nvml_error(self, code: int) -> Exception:
-        """The bindings' exception for an nvmlReturn_t value (pynvml: NVMLError(code) is that code's subclass)."""
-        try:
-            return self.nvml.NVMLError(code)
-        except Exception:  # noqa: BLE001
-            return RuntimeError(f"nvmlReturn {code}")
-
     def close(self) -> None:
-        for buffer in (self._gpm or {}).get("buffers", []):
-            try:
-                self.nvml.nvmlGpmSampleFree(buffer)
-            except Exception:  # noqa: BLE001 - NVML frees them at shutdown anyway
-                pass
-        self._gpm = None
+        if self._gpm is not None:
+            self._gpm.close()
         try:
             self.nvml.nvmlShutdown()
         except Exception:  # noqa: BLE001 - shutting down a broken NVML is not worth an error
@@ -443,10 +326,6 @@ class NvmlBackend:
         if self.memory_note:
             info["memory_info_note"] = self.memory_note
         return info
-
-
-class _GpmUnsupported(Exception):
-    """nvmlGpmQueryDeviceSupport says the GPU has no GPM (older than Hopper)."""
 
 
 class _Named:

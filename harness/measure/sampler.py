@@ -1,4 +1,4 @@
-"""Background sampling of the device while a worker trains, and statistics over the measured phase.
+"""Background sampling of the device while a worker trains.
 
 The sampler is a thread in the launcher's process, never in the worker. Every ``interval_s`` (default 0.1 s) it asks
 its backend for one sample stamped with ``time.monotonic()``, the clock of the worker's events, and ``Sampler.poke``
@@ -6,7 +6,8 @@ adds a sample at every timed window's edge. Backends: ``NvmlBackend`` (``harness
 ``MultiNvmlBackend`` (``harness.measure.multi_gpu``) on every GPU of a data-parallel trial, ``HostBackend``
 (``harness.measure.host``, psutil: the worker's whole process tree, every rank of a data-parallel trial)
 otherwise; ``make_backend`` falls back to the host and says why.
-Energy, power and throttling over the measured windows: ``harness.measure.energy``.
+Statistics of the samples over the measured windows: ``harness.measure.windows`` (re-exported here); energy, power
+and throttling over them: ``harness.measure.energy``.
 
 Design: docs/design/sampling.md (the backends' metrics, why 0.1 s).
 """
@@ -17,22 +18,23 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from harness.measure.host import HostBackend
+from harness.measure.multi_gpu import MultiNvmlBackend
 from harness.measure.nvml import NvmlBackend, nvml_visible_index
+from harness.measure.windows import EDGE_LAG_S, NON_STAT_METRICS, belongs, phase_stats, scopes, windows_from_events
+
+# The statistics over a trial's timed windows live in harness.measure.windows; the launcher and the results import
+# them from here too.
+__all__ = ["DEFAULT_INTERVAL_S", "EDGE_LAG_S", "MIN_EDGE_GAP_S", "MIN_INTERVAL_S", "NON_STAT_METRICS", "Backend",
+           "Sampler", "belongs", "interval_warning", "make_backend", "phase_stats", "scopes", "windows_from_events"]
 
 DEFAULT_INTERVAL_S = 0.1
 MIN_INTERVAL_S = 0.05  # below this interval_warning() warns
-EDGE_LAG_S = 0.5  # an end-edge sample taken at most this long after its window's end still describes the window
 MIN_EDGE_GAP_S = 0.025  # edge samples (pokes) at most every 25 ms: a ~2 ms backend call then costs <= 8 % of a core
-# Metrics that are not levels: a cumulative counter and a bitmask. phase_stats skips them (a mean means nothing);
-# energy_over_windows and throttle_summary read them.
-NON_STAT_METRICS = ("energy_mj", "throttle_reasons")
 
 
 class Backend(Protocol):
@@ -83,8 +85,6 @@ def make_backend(device: str | Sequence[str], nvml: Any = None,
         return HostBackend(), f"NVML unavailable ({type(err).__name__}: {err}); sampling the host instead"
     if len(made) == 1:
         return made[0], None
-    from harness.measure.multi_gpu import MultiNvmlBackend  # it imports this module's statistics
-
     return MultiNvmlBackend(made, devices), None
 
 
@@ -196,58 +196,3 @@ class Sampler:
                                f"stop(); abandoned")
             return False
         return True
-
-
-def windows_from_events(events: Iterable[dict[str, Any]], phase: str = "train") -> list[tuple[float, float]]:
-    """The (start, end) monotonic times of every ``phase`` window in a worker's events."""
-    windows: list[tuple[float, float]] = []
-    open_at: float | None = None
-    for event in events:
-        if event.get("event") != "phase" or event.get("name") != phase:
-            continue
-        if event["edge"] == "start":
-            open_at = event["t"]
-        elif open_at is not None:
-            windows.append((open_at, event["t"]))
-            open_at = None
-    return windows
-
-
-def belongs(sample: dict[str, Any], ranges: list[tuple[float, float]]) -> bool:
-    edge, t = sample.get("edge"), sample["t"]
-    if edge == "start":
-        return False
-    return any(a <= t <= b or (edge == "end" and b < t <= b + EDGE_LAG_S) for a, b in ranges)
-
-
-def scopes(windows: list[tuple[float, float]]) -> list[tuple[str, list[tuple[float, float]]]]:
-    span = [(min(a for a, _ in windows), max(b for _, b in windows))] if windows else []
-    return [("windows", windows), ("span", span)]
-
-
-def phase_stats(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) -> dict[str, dict[str, Any]]:
-    """Mean, median, max and count of every metric over the samples that belong to ``windows``.
-
-    A sample belongs to a window when it was taken inside it, or when it is the end-edge sample taken at most
-    EDGE_LAG_S after the window's end; start-edge samples (baselines, which describe the time before the window)
-    never do. Missing values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the
-    timed windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the
-    samples from the first window's start to the last one's end were used instead, evaluation pauses included;
-    ``"none"`` when even that span holds no sample (statistics None, count 0). NON_STAT_METRICS (a counter, a bitmask)
-    are left out, on every device of a multi-device sample too (``<metric>@<i>``, ``harness.measure.multi_gpu``): see
-    energy_over_windows and throttle_summary.
-    """
-    metrics = sorted({k for s in samples for k in s
-                      if k not in ("t", "edge") and k.partition("@")[0] not in NON_STAT_METRICS})
-    stats: dict[str, dict[str, Any]] = {}
-    for metric in metrics:
-        for scope, ranges in scopes(windows):
-            values = np.asarray([s[metric] for s in samples if s.get(metric) is not None and belongs(s, ranges)],
-                                dtype=float)
-            if values.size:
-                stats[metric] = {"mean": float(values.mean()), "median": float(np.median(values)),
-                                 "max": float(values.max()), "count": int(values.size), "scope": scope}
-                break
-        else:
-            stats[metric] = {"mean": None, "median": None, "max": None, "count": 0, "scope": "none"}
-    return stats

@@ -4,70 +4,28 @@ Images are float32 NHWC arrays scaled to [0, 1] (the same normalisation for ever
 token sequences are int64 (N, L) arrays of ids in [0, vocab); labels are int64 class indices, (N,), or (N, L) for a
 next-token task (one label per position). Nothing here downloads: the CIFAR-10 archive is fetched, when missing,
 by ``harness.neutral.download`` in the orchestrating process before any trial starts; image folders are read by
-``harness.neutral.image_folder``.
+``harness.neutral.image_folder``. The loaded arrays (``Data``), ``DatasetError`` and the cache folder, which every
+reader shares, are ``harness.neutral.data``'s (and importable from here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import pickle
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from harness.neutral import image_folder
+from harness.neutral.data import Data, DatasetError, cache_folder
 from harness.neutral.info import Input
 from harness.spec import Cifar10Data, DigitsData, ImageFolderData, SyntheticData, SyntheticTokens
 
 CIFAR10_ARCHIVE = "cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"  # the archive's published checksum (cs.toronto.edu/~kriz/cifar.html)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-
-
-class DatasetError(Exception):
-    """A dataset that cannot be loaded (missing file, wrong checksum, unreadable image). ``str(err)`` is one line
-    that says what to do; ``field`` names the dataset field it concerns (``path``, ``size``), or None."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-@dataclass(frozen=True)
-class Data:
-    """A loaded dataset.
-
-    x_train: float32 (N, H, W, C) in [0, 1], or int64 (N, L) token ids; None when a data loader reads the training
-    images from their files (``load(..., train_images=False)``); y_train: int64 (N,), or (N, L) for a next-token
-    task; x_test, y_test likewise; num_classes: int (the vocabulary for a next-token task); skipped_files: for a
-    dataset read from image files, the files left out as unreadable (paths relative to its folder; empty when none
-    were), None for the others.
-    """
-
-    x_train: np.ndarray | None
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    num_classes: int
-    skipped_files: tuple[str, ...] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the arrays held (what an adapter places on the device): all four, or without ``x_train`` when
-        the training images stay in their files."""
-        held = self.x_train.nbytes if self.x_train is not None else 0
-        return int(held + self.y_train.nbytes + self.x_test.nbytes + self.y_test.nbytes)
-
-    @property
-    def train_images(self) -> np.ndarray:
-        """``x_train``; ValueError when the training images were left in their files (``train_images=False``)."""
-        if self.x_train is None:
-            raise ValueError("the training images were left in their files (a data loader reads them)")
-        return self.x_train
-
 
 DatasetSpec = DigitsData | SyntheticData | SyntheticTokens | Cifar10Data | ImageFolderData
 
@@ -83,8 +41,6 @@ def describe(cfg: DatasetSpec) -> tuple[tuple[int, ...], int]:
     if isinstance(cfg, SyntheticTokens):
         return (cfg.length,), token_classes(cfg)
     if isinstance(cfg, ImageFolderData):
-        from harness.neutral import image_folder  # it imports this module
-
         return image_folder.describe(cfg)
     return (32, 32, 3), 10
 
@@ -119,16 +75,8 @@ def load(cfg: DatasetSpec, seed: int = 0, train_images: bool = True) -> Data:
     if isinstance(cfg, SyntheticTokens):
         return _synthetic_tokens(cfg, seed)
     if isinstance(cfg, ImageFolderData):
-        from harness.neutral import image_folder  # it imports this module
-
         return image_folder.load(cfg, train_images=train_images)
     return _cifar10(cfg)
-
-
-def cache_folder(cache_dir: Path | None = None) -> Path:
-    """The folder that holds downloaded and decoded datasets: ``cache_dir`` when given, else ``$HARNESS_DATA``, else
-    ``~/.cache/harness`` (``~`` expanded). It may not exist yet."""
-    return Path(cache_dir or os.environ.get("HARNESS_DATA") or Path.home() / ".cache" / "harness").expanduser()
 
 
 def token_classes(cfg: SyntheticTokens) -> int:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.neutral.datasets import Data, DatasetError, cache_folder
+from harness.neutral.data import Data, DatasetError, cache_folder
 from harness.spec import ImageFolderData
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")

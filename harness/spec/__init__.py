@@ -5,8 +5,12 @@ dataset, the batch sizes and the training budget of a sweep. Every model here is
 or an out-of-range value is an error. ``load`` turns the first validation error into one line of the form
 ``FILE: field.path: what is wrong`` inside a :class:`SpecError`; the CLI prints that line and exits with status 2.
 
-This module holds the field rules only and imports nothing else of the harness: the checks that need the model,
-the dataset files or the adapter registry are in ``harness.plan`` (``plan.load``, ``plan.checked_spec``).
+This package holds the field rules only and imports nothing else of the harness: the checks that need the model,
+the dataset files or the adapter registry are in ``harness.plan`` (``plan.load``, ``plan.checked_spec``). Its
+modules, each importable on its own: ``base`` (the strict base model, ``SpecError``), ``devices`` (device strings),
+``layers`` (the model), ``dataset`` (the data), ``frameworks`` (framework entries), ``options`` (optimizer, timing,
+precision, data parallelism, variants, ...); this module holds ``Spec``, ``validate`` and ``load``, and re-exports
+every model under ``harness.spec``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from harness.spec.base import SpecError, _Strict
+from harness.spec.dataset import (
+    Cifar10Data,
+    Dataset,
+    DigitsData,
+    GeneratedImages,
+    ImageFolderData,
+    SyntheticData,
+    SyntheticTokens,
+)
 from harness.spec.devices import is_gpu
 from harness.spec.frameworks import ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries, select_frameworks
 from harness.spec.layers import (
@@ -45,6 +58,18 @@ from harness.spec.layers import (
     SequencePool,
     Softmax,
 )
+from harness.spec.options import (
+    AllocatorSpec,
+    CompileMode,
+    DataParallelSpec,
+    InputMode,
+    LoaderSpec,
+    OptimizerSpec,
+    Precision,
+    SamplerSpec,
+    TimingSpec,
+    VariantsSpec,
+)
 
 __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data", "CompileMode",
            "Conv2D", "DataParallelSpec", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding",
@@ -53,284 +78,6 @@ __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm",
            "ModelSpec", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU", "Residual", "SamplerSpec",
            "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens", "TimingSpec",
            "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
-
-
-class DigitsData(_Strict):
-    """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes): real data, offline."""
-
-    name: Literal["digits"]
-    test_fraction: float = Field(default=0.2, gt=0, lt=1)
-
-
-class SyntheticData(_Strict):
-    """Random images and labels drawn from the trial seed: for throughput and memory, not accuracy."""
-
-    name: Literal["synthetic"]
-    shape: tuple[int, int, int] = (32, 32, 3)
-    classes: int = Field(default=10, ge=2)
-    size: int = Field(default=1024, gt=0)
-    test_size: int = Field(default=256, gt=0)
-
-    @field_validator("shape")
-    @classmethod
-    def _positive(cls, shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        if min(shape) <= 0:
-            raise ValueError("every dimension of shape (height, width, channels) must be positive")
-        return shape
-
-
-class SyntheticTokens(_Strict):
-    """Token sequences with a learnable structure, drawn from the trial seed (``harness.neutral.datasets``).
-
-    ``vocab`` token ids 0..vocab-1, sequences of ``length`` tokens, ``size`` training and ``test_size`` test
-    sequences. ``task``: ``copy``, a next-token task (a random first half of length / 2 tokens, then its copy; the
-    label at each position is the next token; ``length`` must be even), or ``sorted``, sequence classification
-    (label 1 when the sequence is sorted ascending; half of the sequences are).
-    """
-
-    name: Literal["synthetic_tokens"]
-    vocab: int = Field(default=16, ge=2)
-    length: int = Field(default=16, ge=2)
-    size: int = Field(default=2048, gt=0)
-    test_size: int = Field(default=256, gt=0)
-    task: Literal["copy", "sorted"] = "copy"
-
-    @model_validator(mode="after")
-    def _copy_needs_an_even_length(self) -> SyntheticTokens:
-        if self.task == "copy" and self.length % 2:
-            raise ValueError(f"the copy task needs an even length (a half and its copy), not {self.length}")
-        return self
-
-
-class Cifar10Data(_Strict):
-    """CIFAR-10 from the standard python tarball ``cifar-10-python.tar.gz``, md5-verified before it is read.
-
-    ``path``: the tarball; a relative path is taken relative to the spec file. A file named here is never
-    downloaded. ``cache_dir``: the folder that holds the archive when ``path`` is not given (default
-    ``$HARNESS_DATA``, else ``~/.cache/harness``). When the archive is not there, ``harness run`` and ``harness
-    max-batch`` download it there once, before any trial starts (``harness.neutral.download``; from
-    ``$HARNESS_CIFAR10_URL`` when set), unless ``--offline`` or ``HARNESS_OFFLINE=1`` asks for no network.
-    ``limit_train``: use only the first N training images. ``limit_test``: only the first N test images.
-    """
-
-    name: Literal["cifar10"]
-    path: Path | None = None
-    cache_dir: Path | None = None
-    limit_train: int | None = Field(default=None, gt=0)
-    limit_test: int | None = Field(default=None, gt=0)
-
-
-class GeneratedImages(_Strict):
-    """A synthetic image folder written where ``ImageFolderData.path`` points when nothing is there yet
-    (``harness.neutral.image_folder.make_image_folder``: real JPEG files, each class its own colour and stripe
-    angle plus noise, drawn from ``seed``): ``classes`` folders of ``per_class`` images of ``size`` [height, width]
-    pixels."""
-
-    classes: int = Field(default=4, ge=2)
-    per_class: int = Field(default=128, ge=1)
-    size: tuple[PositiveInt, PositiveInt] = (64, 64)
-    seed: int = Field(default=0, ge=0)
-
-
-class ImageFolderData(_Strict):
-    """Images in a folder with one sub-folder per class (``harness.neutral.image_folder``).
-
-    ``path``: the folder; a relative path is taken relative to the spec file. Its sub-folders are the classes, class
-    index = position in the sorted sub-folder names; their ``.jpg``, ``.jpeg`` and ``.png`` files are the images
-    (other files and hidden names are ignored). When ``path`` holds ``train/`` and ``test/``, each with class
-    sub-folders, they are the split (every test class must be a training class). ``test_fraction``: otherwise,
-    this fraction of each class's images (rounded, at least one kept for training) is the test set, chosen from the
-    file names and a fixed seed: the same split in every trial and framework.
-    ``size``: [height, width] in pixels that every image is resized to (bilinear, Pillow's ``Image.resize``); without
-    it every image must have the size of the first one. ``channels``: 3 (RGB) or 1 (grayscale); every image is
-    converted to it. ``on_bad_file``: ``error`` stops at the first file that cannot be decoded, naming it; ``skip``
-    leaves such files out and counts them (``metrics.data_skipped_files`` of the trial). ``cache_dir``: where the
-    decoded arrays are cached (default ``$HARNESS_DATA``, else ``~/.cache/harness``); a relative path is taken
-    relative to the spec file. ``generate``: ``GeneratedImages`` written to ``path`` first when it does not exist
-    (a spec that brings its own data, e.g. specs/loader.yaml).
-    """
-
-    name: Literal["image_folder"]
-    path: Path
-    generate: GeneratedImages | None = None
-    size: tuple[PositiveInt, PositiveInt] | None = None
-    channels: Literal[1, 3] = 3
-    test_fraction: float = Field(default=0.2, gt=0, lt=1)
-    on_bad_file: Literal["error", "skip"] = "error"
-    cache_dir: Path | None = None
-
-    @field_validator("size", mode="before")
-    @classmethod
-    def _height_and_width(cls, size: Any) -> Any:
-        if isinstance(size, (list, tuple)) and len(size) != 2:
-            raise ValueError(f"size is [height, width] in pixels, two numbers, not {len(size)}")
-        return size
-
-
-Dataset = Annotated[DigitsData | SyntheticData | SyntheticTokens | Cifar10Data | ImageFolderData,
-                    Field(discriminator="name")]
-
-
-class OptimizerSpec(_Strict):
-    """The optimizer, with semantics made identical in every framework.
-
-    ``sgd``: v <- momentum * v + g; p <- p - lr * v (PyTorch's form; equal to Keras's and MXNet's for a constant
-    learning rate). ``adam``: PyTorch's bias-corrected Adam, p <- p - lr * m_hat / (sqrt(v_hat) + epsilon); TensorFlow's
-    and MXNet's kernels add epsilon before the bias correction, so those adapters pass epsilon * sqrt(1 - beta2^t)
-    to get the same update. ``weight_decay`` is an L2 term added to the gradient (coupled, as
-    in ``torch.optim.SGD``/``Adam`` and MXNet's ``wd``), never Keras's decoupled ``weight_decay``.
-    """
-
-    name: Literal["sgd", "adam"] = "sgd"
-    learning_rate: float = Field(default=0.01, gt=0)
-    momentum: float = Field(default=0.0, ge=0, lt=1)
-    beta1: float = Field(default=0.9, ge=0, lt=1)
-    beta2: float = Field(default=0.999, ge=0, lt=1)
-    epsilon: float = Field(default=1e-7, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-
-    @model_validator(mode="after")
-    def _momentum_only_for_sgd(self) -> OptimizerSpec:
-        if self.name != "sgd" and self.momentum:
-            raise ValueError("momentum applies to sgd only (adam uses beta1)")
-        return self
-
-
-class SamplerSpec(_Strict):
-    """Background sampling of the device (NVML) or, without a GPU, the worker's CPU and memory (psutil)."""
-
-    interval_s: float = Field(default=0.1, gt=0, le=10)
-
-
-class AllocatorSpec(_Strict):
-    """Allocator settings that change the memory numbers; every trial records the values used.
-
-    tensorflow_memory_growth: on by default (TensorFlow otherwise maps nearly all GPU memory at start,
-    https://www.tensorflow.org/guide/gpu#limiting_gpu_memory_growth); turn it off to reproduce "TF grabs all
-    memory". pytorch_cuda_alloc_conf: PYTORCH_CUDA_ALLOC_CONF for the workers
-    (https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf).
-    mxnet_gpu_mem_pool_type: MXNET_GPU_MEM_POOL_TYPE (Naive, Round or Unpooled; MXNet's default is Naive).
-    """
-
-    tensorflow_memory_growth: bool = True
-    pytorch_cuda_alloc_conf: str | None = None
-    mxnet_gpu_mem_pool_type: Literal["Naive", "Round", "Unpooled"] | None = None
-
-
-class TimingSpec(_Strict):
-    """How the training loop is timed. Every timed window is synchronized with the device at both edges (its
-    ``sync``: torch.cuda.synchronize, block_until_ready, ...) and at no step inside, so host dispatch and device
-    work overlap inside a window as in a plain training loop.
-
-    ``window``: ``auto`` (the default): windows of about ``window_seconds`` of work and at least
-    ``min_window_steps`` steps, at most up to the next evaluation (``evaluate_every``); the step time of the last
-    window (or of the warm-up) sizes the next. ``step``: latency mode, a sync after every step: exact per-step
-    percentiles, at the cost of the overlap (throughput then includes a sync per step). An integer k: fixed windows
-    of k steps. Step-time percentiles are over windows (each window's duration over its steps). ``sync_every: k``
-    (the former name) is read as ``window: k``, and ``sync_every: 1`` as ``window: step``.
-    """
-
-    window: Literal["auto", "step"] | PositiveInt = "auto"
-    window_seconds: float = Field(default=1.0, gt=0)
-    min_window_steps: int = Field(default=10, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _former_sync_every(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "sync_every" in data:
-            if "window" in data:
-                raise ValueError("give window or sync_every (its former name), not both")
-            data = dict(data)
-            every = data.pop("sync_every")
-            data["window"] = "step" if every == 1 else every
-        return data
-
-
-#: Numerical precision of training: ``fp32`` (TF32 off on GPUs), ``tf32`` (fp32 storage, TensorFloat-32 matrix
-#: products and convolutions on an NVIDIA GPU), ``bf16`` and ``fp16`` (mixed precision: fp32 master weights and
-#: optimizer state, matrix products and convolutions in the low precision, the loss and softmax in fp32; fp16 with
-#: dynamic loss scaling).
-Precision = Literal["fp32", "tf32", "bf16", "fp16"]
-#: Execution mode: ``default`` (each framework's usual one), ``eager`` or ``compiled``; what each means per framework
-#: is its adapter's ``COMPILE_MODES`` (README, "Precision and compilation").
-CompileMode = Literal["default", "eager", "compiled"]
-#: Where a step's batch comes from: ``resident`` (the training set placed on the device once, each step gathering its
-#: batch there) or ``loader`` (each framework's own data loader reads it on the host and copies it over).
-InputMode = Literal["resident", "loader"]
-
-
-class LoaderSpec(_Strict):
-    """The data loader of ``input: loader`` (docs/guide/data.md#input-pipelines). ``workers``: processes (PyTorch's
-    and Gluon's ``num_workers``), parallel calls (tf.data's ``num_parallel_calls``) or threads (JAX) that read and
-    decode samples; 0 reads them in the training process. ``prefetch``: batches read ahead of the step (PyTorch's
-    ``prefetch_factor`` per worker, tf.data's ``prefetch``, Gluon's ``prefetch``, JAX's device-put queue). Each trial
-    records the names and values its framework used (``settings.loader``)."""
-
-    workers: int = Field(default=2, ge=0)
-    prefetch: int = Field(default=2, ge=1)
-
-
-class DataParallelSpec(_Strict):
-    """Data-parallel training over several devices: each optimizer step's global batch (the ``batch_sizes`` entry) is
-    split into ``devices`` equal per-device batches (``adapters.base.shard``), the gradients are averaged over all
-    of them (all-reduce), and every device applies the same update: each framework's own mechanism (its adapter's
-    declaration: PyTorch DistributedDataParallel, TensorFlow MirroredStrategy, MXNet kvstore, JAX sharding).
-
-    devices: N (on the CPU N logical devices, on a GPU machine the first N GPUs from the spec's device), or the GPUs
-    as a list (``[cuda:0, cuda:1]``). Written as ``data_parallel: 2`` or ``data_parallel: [cuda:0, cuda:1]`` for
-    short. sync_batchnorm: batchnorm normalises over the global batch (every device's shard) instead of each
-    device's own; a framework without it records such trials ``unsupported``.
-    """
-
-    devices: int | list[str]
-    sync_batchnorm: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _short_form(cls, data: Any) -> Any:
-        if isinstance(data, (int, list)) and not isinstance(data, bool):
-            return {"devices": data}
-        return data
-
-    @field_validator("devices")
-    @classmethod
-    def _device_list(cls, devices: int | list[str]) -> int | list[str]:
-        if isinstance(devices, int):
-            if devices < 1:
-                raise ValueError(f"a device count is at least 1, not {devices}")
-            return devices
-        if not devices:
-            raise ValueError("devices lists at least one GPU")
-        for device in devices:
-            if not is_gpu(device):
-                raise ValueError(f"data-parallel devices are GPUs as cuda:N, not {device!r} (on the CPU give a count)")
-        if len(set(devices)) != len(devices):
-            twice = next(d for d in devices if devices.count(d) > 1)
-            raise ValueError(f"{twice} is listed twice")
-        return devices
-
-    @property
-    def size(self) -> int:
-        """N, the number of devices."""
-        return self.devices if isinstance(self.devices, int) else len(self.devices)
-
-
-class VariantsSpec(_Strict):
-    """Study variants crossed with the batch sizes: every combination of the lists given runs at every batch size.
-
-    optimizer: several optimizers (each a full optimizer spec), e.g. SGD with momentum and Adam, for the
-    seed-002 comparison of how optimizers tolerate large batches. augmentation: e.g. [false, true]. precision: e.g.
-    [fp32, bf16]. compile: e.g. [eager, compiled]. data_parallel: device counts (or ``DataParallelSpec``s), e.g.
-    [1, 2, 4, 8] for the scaling at each global batch size (1: one device, no data parallelism). input: e.g.
-    [resident, loader], the same training fed from the device and through the framework's data loader.
-    """
-
-    optimizer: list[OptimizerSpec] | None = Field(default=None, min_length=1)
-    augmentation: list[bool] | None = Field(default=None, min_length=1)
-    precision: list[Precision] | None = Field(default=None, min_length=1)
-    compile: list[CompileMode] | None = Field(default=None, min_length=1)
-    data_parallel: list[DataParallelSpec] | None = Field(default=None, min_length=1)
-    input: list[InputMode] | None = Field(default=None, min_length=1)
 
 
 class Spec(_Strict):

@@ -15,17 +15,18 @@ import time
 import pytest
 import ray
 
-from harness.execution.executors import ExecutorError, LocalExecutor, RayExecutor, local_slots
+from harness.execution.executors import ExecutorError, LocalExecutor, local_slots
+from harness.execution.ray_executor import RayExecutor
 from harness.plan import checked_spec
 from harness.results import report, store
 from harness.results.placement import overlaps
 from harness.studies import sweep
-from tests.conftest import ROOT, base_spec
+from tests.helpers import ROOT, base_spec
 
 
 def _cells(run_dir):
     """(id -> (status, test accuracy, final train loss)) of a run: what every executor must give alike."""
-    return {r["id"]: (r["status"], r["metrics"].get("test_accuracy"), r["metrics"].get("final_train_loss"))
+    return {r.id: (r.status, r.metrics.test_accuracy, r.metrics.final_train_loss)
             for r in store.read_trials(run_dir)}
 
 
@@ -71,16 +72,16 @@ def test_parallel_two_on_the_cpu_pins_disjoint_cores_and_gives_the_sequential_ce
     spec = checked_spec(base_spec(frameworks=["fault"], batch_sizes=[16, 32, 64, 128], warmup_steps=1, epochs=2),
                         tmp_path / "s.yaml")
     alone = sweep.run_spec(spec, tmp_path / "alone")
-    pair = sweep.run_spec(spec, tmp_path / "pair",
-                          executor=LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])))
+    with LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])) as executor:
+        pair = sweep.run_spec(spec, tmp_path / "pair", executor=executor)
     assert _cells(pair) == _cells(alone) and all(c[0] == "ok" for c in _cells(pair).values())
     records = store.read_trials(pair)
-    assert sorted(tuple(r["placement"]["cpus"]) for r in records) == [(0,), (0,), (1,), (1,)]
+    assert sorted(tuple(r.placement.cpus) for r in records) == [(0,), (0,), (1,), (1,)]
     for r in records:  # the worker ran with the slot's affinity (its own report, from os.sched_getaffinity)
-        start = next(json.loads(line) for line in (pair / "events" / f"{r['id']}.jsonl").read_text().splitlines()
+        start = next(json.loads(line) for line in (pair / "events" / f"{r.id}.jsonl").read_text().splitlines()
                      if json.loads(line).get("event") == "start")
-        assert start["affinity"] == r["placement"]["cpus"], (r["id"], start)
-    assert any(r["placement"]["beside"] for r in records)
+        assert start["affinity"] == r.placement.cpus, (r.id, start)
+    assert any(r.placement.beside for r in records)
     shared = overlaps(records)
     assert shared and all(not both["device"] for both in shared.values())
     text = report.write(pair).read_text()
@@ -91,11 +92,12 @@ def test_parallel_two_on_the_cpu_pins_disjoint_cores_and_gives_the_sequential_ce
 
 def test_exclusive_spec_runs_one_trial_at_a_time_whatever_the_executor(fault_adapter, tmp_path):
     spec = checked_spec(base_spec(frameworks=["fault"], batch_sizes=[16, 32, 64], exclusive=True), tmp_path / "s.yaml")
-    run_dir = sweep.run_spec(spec, tmp_path / "x",
-                             executor=LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])))
+    with LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])) as executor:
+        run_dir = sweep.run_spec(spec, tmp_path / "x", executor=executor)
+        assert executor.capacity == 2  # the spec's one at a time is the sweep's rule, not set on the executor
     records = store.read_trials(run_dir)
-    assert [r["status"] for r in records] == ["ok"] * 3 and not overlaps(records)
-    assert all(not r["placement"]["beside"] for r in records)
+    assert [r.status for r in records] == ["ok"] * 3 and not overlaps(records)
+    assert all(not r.placement.beside for r in records)
 
 
 @pytest.fixture
@@ -117,12 +119,13 @@ def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray,
     spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": python}],
                                   batch_sizes=[64, 128], epochs=1, warmup_steps=1), tmp_path / "s.yaml")
     local = sweep.run_spec(spec, tmp_path / "local")
-    executor = RayExecutor(None, gpu=False, threads=1, num_cpus=2)
-    assert executor.capacity == 2
-    on_ray = sweep.run_spec(spec, tmp_path / "ray", executor=executor)
+    with RayExecutor(None, gpu=False, threads=1, num_cpus=2) as executor:
+        assert executor.capacity == 2
+        on_ray = sweep.run_spec(spec, tmp_path / "ray", executor=executor)
+        assert ray.is_initialized()  # the sweep does not close an executor it did not make
     assert _cells(on_ray) == _cells(local) and all(c[0] == "ok" for c in _cells(on_ray).values())
     records = store.read_trials(on_ray)
-    assert all(r["placement"]["node_id"] and r["placement"]["device"] == "cpu" for r in records)
+    assert all(r.placement.node_id and r.placement.device == "cpu" for r in records)
     described = json.loads((on_ray / "run.json").read_text())["executors"][0]
     assert described["executor"] == "ray" and described["ray_version"] == ray.__version__
     assert not ray.is_initialized()  # the executor shut down the instance it started
@@ -143,7 +146,7 @@ def test_a_node_lost_mid_trial_is_crashed_and_the_sweep_goes_on(no_ray, fault_ad
         cluster.wait_for_nodes()
         spec = checked_spec(base_spec(frameworks=["fault"], batch_sizes=[16, 32, 64, 128], warmup_steps=1),
                             tmp_path / "s.yaml")
-        executor = RayExecutor(cluster.address, gpu=False, threads=1)
+        executor = RayExecutor(cluster.address, gpu=False, threads=1)  # closed by ray.shutdown below
         assert executor.capacity == 2
 
         def remove_second_node():
@@ -164,10 +167,10 @@ def test_a_node_lost_mid_trial_is_crashed_and_the_sweep_goes_on(no_ray, fault_ad
             ray.shutdown()
         cluster.shutdown()
     records = store.read_trials(run_dir)
-    statuses = sorted(r["status"] for r in records)
-    assert len(records) == 4 and statuses == ["crashed", "ok", "ok", "ok"], [(r["id"], r["reason"]) for r in records]
-    lost = next(r for r in records if r["status"] == "crashed")
-    assert lost["reason"].startswith("node lost:") and lost["id"] in ("fault-bs16-r0", "fault-bs32-r0")
+    statuses = sorted(r.status for r in records)
+    assert len(records) == 4 and statuses == ["crashed", "ok", "ok", "ok"], [(r.id, r.reason) for r in records]
+    lost = next(r for r in records if r.status == "crashed")
+    assert lost.reason.startswith("node lost:") and lost.id in ("fault-bs16-r0", "fault-bs32-r0")
 
 
 def _kill_session(sid):
@@ -201,15 +204,15 @@ def test_a_killed_driver_on_ray_is_resumed(no_ray, fault_adapter, monkeypatch, w
     proc.wait()
     _kill_session(proc.pid)
     run_dir = next(out.iterdir())
-    first = [r["id"] for r in store.read_trials(run_dir)]
+    first = [r.id for r in store.read_trials(run_dir)]
     assert 1 <= len(first) < 4
     done = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--resume", str(run_dir),
                            "--no-progress", "--executor", "ray"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     records = store.read_trials(run_dir)
-    assert sorted(r["id"] for r in records) == sorted(f"fault-bs{b}-r0" for b in (16, 32, 64, 128))
-    assert [r["id"] for r in records][:len(first)] == first and all(r["status"] == "ok" for r in records)
+    assert sorted(r.id for r in records) == sorted(f"fault-bs{b}-r0" for b in (16, 32, 64, 128))
+    assert [r.id for r in records][:len(first)] == first and all(r.status == "ok" for r in records)
     assert len(json.loads((run_dir / "run.json").read_text())["executors"]) == 2
 
 
@@ -239,8 +242,8 @@ def test_a_parallel_run_stopped_by_sigterm_kills_its_workers_and_resumes(fault_a
     done = subprocess.run([*argv, "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     records = store.read_trials(run_dir)
-    assert sorted(r["id"] for r in records) == sorted(f"fault-bs{b}-r0" for b in (8, 16, 32, 64, 128))
-    assert all(r["status"] == "ok" for r in records)
+    assert sorted(r.id for r in records) == sorted(f"fault-bs{b}-r0" for b in (8, 16, 32, 64, 128))
+    assert all(r.status == "ok" for r in records)
 
 
 # --- data-parallel trials: several slots, or several GPUs of one Ray node, for one trial ---------------------------
@@ -259,18 +262,18 @@ def test_a_data_parallel_trial_waits_for_its_slots_and_no_later_trial_overtakes_
     _dp_adapters(monkeypatch)
     spec = checked_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16], repeats=2, warmup_steps=1,
                                   variants={"data_parallel": [1, 2]}), tmp_path / "s.yaml")
-    run_dir = sweep.run_spec(spec, tmp_path / "runs",
-                             executor=LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])))
-    records = {r["id"]: r for r in store.read_trials(run_dir)}
+    with LocalExecutor(local_slots("cpu", parallel=2, threads=1, cpus=[0, 1])) as executor:
+        run_dir = sweep.run_spec(spec, tmp_path / "runs", executor=executor)
+    records = {r.id: r for r in store.read_trials(run_dir)}
     one, pair, one_again, pair_again = (records[f"fault-dp-bs16-r{r}-v{v}"] for r, v in
                                         ((0, "0"), (0, "1-dp2"), (1, "0"), (1, "1-dp2")))
-    assert all(r["status"] == "ok" for r in records.values()), [(r["id"], r["reason"]) for r in records.values()]
-    assert pair["placement"]["started"] >= one["placement"]["ended"]
-    assert one_again["placement"]["started"] >= pair["placement"]["started"]
-    assert pair_again["placement"]["started"] >= one_again["placement"]["ended"]
-    assert pair["placement"]["cpus"] == pair_again["placement"]["cpus"] == [0, 1]
-    assert len(one["placement"]["cpus"]) == 1 and pair["devices"] == ["cpu:0", "cpu:1"]
-    assert not {pair["id"], pair_again["id"]} & set(overlaps(list(records.values())))
+    assert all(r.status == "ok" for r in records.values()), [(r.id, r.reason) for r in records.values()]
+    assert pair.placement.started_unix_s >= one.placement.ended_unix_s
+    assert one_again.placement.started_unix_s >= pair.placement.started_unix_s
+    assert pair_again.placement.started_unix_s >= one_again.placement.ended_unix_s
+    assert pair.placement.cpus == pair_again.placement.cpus == [0, 1]
+    assert len(one.placement.cpus) == 1 and pair.devices == ["cpu:0", "cpu:1"]
+    assert not {pair.id, pair_again.id} & set(overlaps(list(records.values())))
 
 
 @pytest.mark.serial  # starts Ray with the machine's CPUs
@@ -303,5 +306,5 @@ def test_a_data_parallel_trial_is_one_ray_task_with_all_its_gpus(no_ray, monkeyp
     outcome = finished.outcome
     assert outcome.status == "ok", outcome.reason + outcome.log_tail
     assert finished.placement.devices == ["cuda:0", "cuda:1"] and finished.placement.device == "cuda:0"
-    assert outcome.result()["settings"]["cuda_visible_devices"] == "0,1"
+    assert outcome.result().settings["cuda_visible_devices"] == "0,1"
     assert outcome.sampler["backend"] == "nvml" and [d["uuid"] for d in outcome.sampler["devices"]] == list(uuids(2))

@@ -9,7 +9,8 @@ import pytest
 
 from harness.measure.host import HostBackend
 from harness.measure.multi_gpu import AGGREGATION, MultiNvmlBackend, combine, device_summaries
-from harness.measure.sampler import make_backend, phase_stats
+from harness.measure.sampler import make_backend
+from harness.measure.windows import phase_stats
 from tests.fakes.nvml import NotSupported, Unknown, fake_nvml, reading, uuids
 
 DEVICES = ["cuda:0", "cuda:1", "cuda:2"]

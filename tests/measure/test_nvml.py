@@ -12,10 +12,8 @@ import pytest
 
 from harness.measure.host import HostBackend
 from harness.measure.nvml import NvmlBackend, nvml_visible_index
-from harness.measure.sampler import (
-    make_backend,
-    phase_stats,
-)
+from harness.measure.sampler import make_backend
+from harness.measure.windows import phase_stats
 from tests.fakes.nvml import (
     GPM_ACTIVITY,
     GPM_ANY_TENSOR_UTIL,

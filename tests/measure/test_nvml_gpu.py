@@ -11,11 +11,8 @@ import time
 import pytest
 
 from harness.measure.energy import energy_over_windows
-from harness.measure.sampler import (
-    Sampler,
-    make_backend,
-    phase_stats,
-)
+from harness.measure.sampler import Sampler, make_backend
+from harness.measure.windows import phase_stats
 
 MIB = 1 << 20
 # The child below: prints "<phase> <time.monotonic()> <torch.cuda.memory_reserved()>" at each step, waits for a line on

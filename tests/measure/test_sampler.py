@@ -9,17 +9,13 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from harness.measure import host as host_module
 from harness.measure.energy import throttle_summary
 from harness.measure.host import HostBackend
-from harness.measure.sampler import (
-    DEFAULT_INTERVAL_S,
-    MIN_EDGE_GAP_S,
-    Sampler,
-    interval_warning,
-    phase_stats,
-)
+from harness.measure.sampler import DEFAULT_INTERVAL_S, MIN_EDGE_GAP_S, Sampler, interval_warning
+from harness.measure.windows import phase_stats
 
 BUSY = "import time\nx = bytearray(80_000_000)\nend = time.time() + 30\nwhile time.time() < end: pass\n"
 
@@ -114,6 +110,7 @@ def test_throttle_summary_shares_each_reason():
     assert throttle_summary([{"t": 1.0, "x": 1.0}], [(0.0, 2.0)]) is None
 
 
+@pytest.mark.serial  # a bound on stop's wall time: alone, so that no test beside it stretches it
 def test_sampler_stops_within_an_interval_even_with_a_slow_backend():
     class Slow(HostBackend):
         def sample(self):
@@ -128,6 +125,7 @@ def test_sampler_stops_within_an_interval_even_with_a_slow_backend():
     assert time.monotonic() - started < 0.5 + 0.2 + 0.1
 
 
+@pytest.mark.serial  # a bound on stop's wall time (its join timeout): alone, for the same reason
 def test_stop_while_a_backend_call_blocks_is_bounded_and_drops_the_late_sample():
     release = threading.Event()
     entered = threading.Event()
@@ -173,15 +171,23 @@ def test_interval_warning_below_50_ms_only():
 # --- edge samples -------------------------------------------------------------------------------------------------
 
 def test_poke_takes_a_tagged_sample_at_once():
-    sampler = Sampler(HostBackend(), interval_s=5.0)  # periodic samples would be 5 s apart
+    """A poke is sampled as soon as the sampler's thread runs, not at the next periodic sample: with periodic samples
+    60 s apart, the tagged sample arrives (waited for, not timed) long before the next one is due."""
+    sampler = Sampler(HostBackend(), interval_s=60.0)
     sampler.start(1)
-    time.sleep(0.1)  # more than MIN_EDGE_GAP_S after the first periodic sample
+    deadline = time.monotonic() + 30
+    while not sampler.samples and time.monotonic() < deadline:  # the first periodic sample, at the start
+        time.sleep(0.01)
+    time.sleep(0.05)  # more than MIN_EDGE_GAP_S after it
     poked_at = time.monotonic()
     sampler.poke("end")
-    time.sleep(0.1)
+    while not any(s.get("edge") == "end" for s in sampler.samples) and time.monotonic() < deadline:
+        time.sleep(0.01)
     sampler.stop()
     edges = [s for s in sampler.samples if s.get("edge") == "end"]
-    assert len(edges) == 1 and 0 <= edges[0]["t"] - poked_at < 0.05
+    periodic = [s for s in sampler.samples if "edge" not in s]
+    assert len(edges) == 1 and len(periodic) == 1, sampler.samples  # no periodic sample came between
+    assert poked_at <= edges[0]["t"] < periodic[0]["t"] + 60.0
     assert "cpu_percent" in edges[0]
 
 

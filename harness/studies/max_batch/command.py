@@ -11,16 +11,17 @@ from harness import plan as planning
 from harness.execution import environments
 from harness.measure.machine import resolve_device
 from harness.spec import Spec, SpecError
+from harness.studies.max_batch.checks import check_search
 from harness.studies.max_batch.output import RunWriter, mb, table
 from harness.studies.max_batch.probe import Probe
-from harness.studies.max_batch.search import check_data_parallel, find_max_batch
+from harness.studies.max_batch.search import find_max_batch
 
 
 def run(args: argparse.Namespace, spec: Spec) -> int:
     """0 with the result printed, 1 when the search stopped on a non-OOM failure, 2 for a bad spec or arguments
-    (one line on standard error, before anything runs: a --data-parallel below 1, above the devices this machine
-    has, or that the framework cannot train this model on, among them). ``spec``: the spec file ``args.spec`` as
-    the command read and checked it (``harness.cli.common.load_spec``, its data ready)."""
+    (one line on standard error, before anything runs: a --data-parallel below 1 or above the devices this machine
+    has, or a trial the framework's adapter cannot train, among them: ``checks.check_search``). ``spec``: the spec
+    file ``args.spec`` as the command read and checked it (``harness.cli.common.load_spec``, its data ready)."""
     try:
         if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
             raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
         searched = {**spec.model_dump(mode="json"), "frameworks": [entry.model_dump(exclude_none=True)],
                     **({"device": args.device} if args.device is not None else {})}
         device = args.device or resolve_device(spec.device)
-        check_data_parallel(spec, entry.name, device, args.data_parallel, args.spec)
+        check_search(spec, entry.name, device, args.data_parallel, args.spec, args.memory_limit_mb)
         environments.probe_entries(planning.checked_spec(searched, args.spec), args.spec, device)
     except SpecError as err:
         print(str(err), file=sys.stderr)

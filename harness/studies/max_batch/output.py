@@ -9,13 +9,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness import __version__
 from harness.measure import machine
 from harness.results.schema import SCHEMA_VERSION
-from harness.results.store import append_line, create_run_dir, write_json, write_lines
+from harness.results.store import append_line, create_run_dir, write_events, write_json
 from harness.spec import Spec
 from harness.spec.frameworks import slug
 from harness.studies.max_batch.probe import PROBE_EPOCHS, MaxBatchResult, Probe
+from harness.version import __version__
 
 
 def mb(value: float | None) -> str:
@@ -216,8 +216,8 @@ class RunWriter:
     def probe(self, probe: Probe, outcome: Any | None = None) -> None:
         append_line(self.run_dir / "probes.jsonl", asdict(probe))
         if outcome is not None:
-            write_lines(self.run_dir / "events" / f"probe{probe.index + 1}-bs{probe.batch_size}.jsonl",
-                        outcome.events)
+            write_events(self.run_dir / "events" / f"probe{probe.index + 1}-bs{probe.batch_size}.jsonl",
+                         outcome.events)
 
     def finish(self, result: MaxBatchResult) -> Path:
         self.info.update({"finished": _now(), "result": result.to_dict()})

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.neutral import datasets
 from harness.plan import checked_spec, entry_for
+from harness.record.events import Error, MemoryPeak, first
 from harness.spec import DataParallelSpec, Spec
 from harness.studies.max_batch.memory_model import MemoryModel
+
+if TYPE_CHECKING:
+    from harness.execution.launcher import Outcome
 
 CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
 PROBE_EPOCHS = 3  # one optimizer step per epoch: three steps, three evaluations
@@ -39,6 +43,15 @@ class Probe:
     log_tail: str = ""
     global_batch_size: int = 0
     kind: str = "probe"
+
+
+class Stop(Exception):
+    """A probe or run check that ended neither ok nor oom (``probe``: its record): it stops the search (the result
+    is ``stopped`` with its reason) or, in a run check, the recommendation."""
+
+    def __init__(self, probe: Probe):
+        super().__init__(f"batch size {probe.batch_size} ended {probe.status}: {probe.reason}")
+        self.probe = probe
 
 
 @dataclass
@@ -171,16 +184,16 @@ def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: flo
     return checked_spec(data, spec_file)
 
 
-def peak(outcome: Any, device: str) -> tuple[float | None, str]:
+def peak(outcome: Outcome, device: str) -> tuple[float | None, str]:
     """The fitted memory figure of a probe (see the module docstring) and where it came from."""
     if device == "cpu":
-        event = next((e for e in outcome.events if e.get("event") == "memory_peak"), None)
-        if event is not None and event.get("peak_bytes") is not None:
-            return float(event["peak_bytes"]), str(event.get("source", "memory_peak"))
+        event = first(outcome.events, MemoryPeak)
+        if event is not None and event.peak_bytes is not None:
+            return float(event.peak_bytes), event.source or "memory_peak"
         stats = outcome.sampler.get("stats", {}).get("rss_bytes", {})
         return (float(stats["max"]), "sampler rss_bytes max (absolute)") if stats.get("max") else (None, "none")
-    result = outcome.result() or {}
-    allocator = result.get("metrics", {}).get("memory", {}).get("allocator_peak_bytes")
+    result = outcome.result()
+    allocator = None if result is None else result.metrics.memory.allocator_peak_bytes
     if allocator:
         return float(allocator), "allocator_peak_bytes"
     stats = outcome.sampler.get("stats", {})
@@ -190,13 +203,13 @@ def peak(outcome: Any, device: str) -> tuple[float | None, str]:
     return None, "none"
 
 
-def reason(outcome: Any) -> str:
+def reason(outcome: Outcome) -> str:
     """The worker's reason (the first line of the exception's message), completed from the error's traceback where
     that line says little: MXNet's messages start with a traceback of their own (the last line is the error, e.g.
     "MXNetError: Failed to allocate CPU Memory"), TensorFlow's with "Graph execution error" (the line "OOM when
     allocating tensor with shape[...]" follows)."""
-    error: dict[str, Any] = next((e for e in outcome.events if e.get("event") == "error"), {})
-    lines = [line.strip() for line in error.get("traceback", "").splitlines() if line.strip()]
+    error = first(outcome.events, Error)
+    lines = [line.strip() for line in (error.traceback if error is not None else "").splitlines() if line.strip()]
     if "Traceback (most recent call last)" in outcome.reason and lines:
         return lines[-1]
     detail = next((line for line in lines if line.startswith("OOM when allocating")), None)

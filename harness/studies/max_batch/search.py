@@ -8,7 +8,9 @@ peak), brackets and narrows the limit, and confirms the answer in a second fresh
 failing is the ``fits_sometimes`` band, never the answer. The limit is that measured boundary. The recommendation
 keeps a margin below it (by default twice the spread of the peak across the answer's probes) less what a run holds
 beyond a probe, and must hold in run checks: the spec's trial as ``harness run`` runs it, in fresh workers
-(``harness.studies.max_batch.runcheck``). The result never names a size that was not ok in two fresh workers.
+(``harness.studies.max_batch.runcheck``; the recommendation is ``harness.studies.max_batch.recommend``). The result
+never names a size that was not ok in two fresh workers. Before the first probe, the trial the probes run is checked
+against the plan's rule of what the adapter can train (``harness.studies.max_batch.checks``).
 
 Under data parallelism (``data_parallel`` N devices) every probe is one data-parallel trial (for PyTorch, rank 0
 and the ranks it starts), the sizes searched are per-device batches and each probe trains the global batch, N x it.
@@ -29,13 +31,15 @@ from harness.execution.launcher import run_worker
 from harness.execution.protocol import Payload
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets, memory
-from harness.plan import accumulation_conflict, check_devices, entry_for, model_info, plan
+from harness.plan import entry_for, model_info, plan
 from harness.spec import DataParallelSpec, Spec, SpecError
 from harness.studies.max_batch import runcheck
+from harness.studies.max_batch.checks import check_search
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
-from harness.studies.max_batch.probe import MaxBatchResult, Probe, probe_spec, resolve_cap
+from harness.studies.max_batch.probe import MaxBatchResult, Probe, Stop, probe_spec, resolve_cap
 from harness.studies.max_batch.probe import peak as probe_peak
 from harness.studies.max_batch.probe import reason as probe_reason
+from harness.studies.max_batch.recommend import Recommendation
 
 DEFAULT_INITIAL_SIZES = (16, 64, 256)  # without a neutral prediction to anchor
 ANCHOR_SIZE = 16  # the one small size probed first when the neutral model gives the slope
@@ -44,11 +48,6 @@ MAX_JUMP = 8  # without an upper bound, a probe is at most this many times the l
 DEFAULT_MAX_BATCH = 1 << 20
 # A worker that ran out of memory even for its error report exits "without reporting why", with this last log line.
 MEMORY_ERROR_LINE = "without reporting why: MemoryError"
-
-
-class _Stop(Exception):
-    def __init__(self, probe: Probe):
-        self.probe = probe
 
 
 def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, memory_limit_mb: float | None = None,
@@ -71,8 +70,10 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
     candidate for the recommendation (0: confirmed in two probes instead). on_probe(probe, outcome): called after
     every probe and run check (outcome: harness.execution.launcher.Outcome).
     Raises ValueError for a margin, tolerance, range or device count out of bounds (with_dataset: a training set
-    smaller than min_batch x accumulation_steps x devices), data parallelism the framework cannot do for this model
-    or that this machine has no devices for, a dataset that cannot be loaded, or a device whose memory cannot be told.
+    smaller than min_batch x accumulation_steps x devices), data parallelism that this machine has no devices for, a
+    trial the framework's adapter cannot train (its precision, compile mode, input, data parallelism or model on this
+    device: ``checks.check_supported``, the reason a run would record), a dataset that cannot be loaded, or a device
+    whose memory cannot be told. All of these before the first probe.
     """
     if margin is not None and not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), not {margin}")
@@ -83,7 +84,7 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         raise ValueError(f"need 1 <= min_batch <= max_batch, not {min_batch} and {max_batch}")
     device = device or resolve_device(spec.device)
     try:
-        dp = check_data_parallel(spec, framework, device, data_parallel, spec_file or "spec")
+        dp = check_search(spec, framework, device, data_parallel, spec_file or "spec", memory_limit_mb)
     except SpecError as err:
         raise ValueError(err.message) from None
     search = _Search(spec, framework, device, memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb,
@@ -95,51 +96,12 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial_sizes}))
         if search.bracket():
             search.recommend()
-    except _Stop as stop:
+    except Stop as stop:
         search.stopped(stop.probe)
     search.refit()
     sometimes = search.result.sometimes()
     search.result.fits_sometimes = [sometimes[0], sometimes[-1]] if sometimes else None
     return search.result
-
-
-def check_data_parallel(spec: Spec, framework: str, device: str, devices: int | None,
-                        spec_file: str | Path) -> DataParallelSpec | None:
-    """The data parallelism of a search on ``devices`` devices (None: the spec's own ``data_parallel``), checked
-    before anything runs: at least one device, not combined with gradient accumulation, no more devices than this
-    machine has (``harness.plan.check_devices``: on the CPU one logical device per available core, on a GPU machine
-    the GPUs NVML counts), and a built-in adapter that trains this model data-parallel on ``device``'s kind (an
-    adapter of HARNESS_ADAPTERS is decided by its worker, at the first probe). Returns the DataParallelSpec, None for
-    one device. Raises SpecError naming ``spec_file`` and ``--data-parallel`` (the spec's ``data_parallel`` when
-    ``devices`` is None)."""
-    from adapters import declaration  # the registry imports no framework
-    from adapters.base import data_parallel_gap
-
-    field = "--data-parallel" if devices is not None else "data_parallel"
-    own = spec.data_parallel
-    if devices is not None and devices < 1:
-        raise SpecError(spec_file, field, f"the device count is at least 1, not {devices}")
-    dp = own if devices is None else DataParallelSpec(
-        devices=devices, sync_batchnorm=own is not None and own.sync_batchnorm)
-    if dp is None or dp.size == 1:
-        return None
-    if spec.accumulation_steps > 1:
-        raise SpecError(spec_file, field, accumulation_conflict(dp.size, spec.accumulation_steps))
-    gpus = None
-    if device != "cpu":
-        from harness.measure import machine
-
-        found = machine.gpus()
-        gpus = len(found["devices"]) if found.get("available") else None
-    try:
-        check_devices(spec.model_copy(update={"data_parallel": dp, "variants": None}), spec_file, device, gpus)
-    except SpecError as err:
-        raise SpecError(spec_file, field, err.message) from None
-    record = declaration(entry_for(spec, framework).name)
-    if record is not None and (why := data_parallel_gap(record, model_info(spec), dp.size, dp.sync_batchnorm,
-                                                        device)) is not None:
-        raise SpecError(spec_file, field, why)
-    return dp
 
 
 class _Search:
@@ -163,7 +125,6 @@ class _Search:
             cap_source=cap_source, margin=margin, tolerance=tolerance, with_dataset=with_dataset,
             probe_data_bytes_per_sample=0 if with_dataset else per_sample, data_parallel=self.devices,
             run_checks=run_checks)
-        self._run_bound: int | None = None  # the largest per-device batch a run of the spec trains (run_bound)
         self.bound = f"batch size {max_batch} (max_batch)"  # what the upper bound is, for the no_oom reason
         if with_dataset:
             self._dataset_bound()
@@ -214,7 +175,7 @@ class _Search:
 
     def probe(self, batch_size: int, purpose: str, again: bool = False, kind: str = "probe") -> bool:
         """True when ``batch_size`` (per device) fits: a fresh worker group's probe (``kind`` "probe") or run check
-        ("run"), or, without ``again``, what earlier probes of it say (every one ok). Raises _Stop for one that
+        ("run"), or, without ``again``, what earlier probes of it say (every one ok). Raises Stop for one that
         neither fits nor runs out of memory."""
         if not again and self.result.probed(batch_size, kind) is not None:
             return self.result.fits(batch_size)
@@ -236,7 +197,7 @@ class _Search:
         if self.on_probe is not None:
             self.on_probe(record, outcome)
         if status not in ("ok", "oom"):
-            raise _Stop(record)
+            raise Stop(record)
         if earlier and status not in earlier:
             self.result.notes.append(
                 f"batch size {batch_size} fitted in {earlier.count('ok') + (status == 'ok')} and ran out of memory "
@@ -402,144 +363,9 @@ class _Search:
         size = min(max(size, lo + g), hi - g)
         return size, "prediction" if size == prediction else "bisection"
 
-    # ----------------------------------------------------------------------------------------- the recommendation
-
     def recommend(self) -> None:
-        """Step 6: the recommendation below the limit (docs/design/max-batch.md): the margin (``margin``, else the
-        one the spread of the answer's peaks justifies), then, with run checks, less what a run holds beyond a probe,
-        confirmed in run checks; without (or where a run cannot train the size), confirmed in two probes."""
-        result = self.result
-        if result.limit is None:
-            return
-        per_sample = result.model.per_sample_bytes if result.model is not None else None
-        result.peak_spread = runcheck.peak_spread(result.peaks(result.limit), result.limit, per_sample)
-        spread = result.peak_spread
-        headroom = result.cap_bytes - spread["max_bytes"] if spread and result.status == "no_oom" else None
-        result.margin_samples, result.margin_basis = runcheck.margin_samples(result.limit, result.margin, spread,
-                                                                             headroom)
-        target = max(self.min_batch, result.limit - result.margin_samples)
-        if self.run_checks:
-            try:
-                if self._recommend_by_runs(target):
-                    return
-            except _Stop as stop:  # a run check that ended neither ok nor oom: no recommendation, the limit stands
-                result.recommended, result.recommended_by = None, ""
-                result.notes.append(f"the run check at batch size {stop.probe.batch_size} ended {stop.probe.status} "
-                                    f"(not an out-of-memory error): {stop.probe.reason}; nothing is recommended")
-                return
-        self._recommend_by_probes(target)
-
-    def run_bound(self) -> int:
-        """The largest per-device batch a run of the spec can train: its training samples // accumulation_steps //
-        devices (loaded once). Raises ValueError for a dataset that cannot be loaded."""
-        if self._run_bound is None:
-            train = runcheck.run_train_size(self.spec)
-            self.result.run_check = runcheck.run_shape(self.spec, train)
-            self._run_bound = train // self.spec.accumulation_steps // self.devices
-        return self._run_bound
-
-    def _recommend_by_runs(self, target: int) -> bool:
-        """The recommendation confirmed by run checks: a run at the smallest size that fitted the probes measures
-        what a run adds (``_run_offset``); then the largest of a few candidates, from ``target`` less that down,
-        that is ok in every run check. False when no run can train a size that fitted (the caller confirms in
-        probes instead; a note says why). Raises _Stop."""
-        result = self.result
-        sizes = sorted({p.batch_size for p in result.probes if p.kind == "probe" and result.fits(p.batch_size)})
-        try:
-            bound = self.run_bound()
-        except ValueError as err:
-            result.notes.append(f"no run check: the spec's dataset cannot be loaded here ({err})")
-            return False
-        if not sizes or sizes[0] > bound:
-            result.notes.append(f"no run check: a run of the spec trains at most {bound} per device (its "
-                                f"{(result.run_check or {}).get('train_size')} training samples), below every size "
-                                "that fitted; the recommendation is confirmed in probes")
-            return False
-        offset = self._run_offset(sizes[0])
-        if offset is None:
-            result.recommended, result.recommended_by = None, ""
-            result.notes.append(f"a run of the spec at batch size {sizes[0]} ran out of memory although its probes "
-                                "fitted: a run holds more than the probes (its dataset); nothing is recommended")
-            return True
-        if target - offset > bound:
-            result.notes.append(f"the recommendation is at most {bound}: a run of the spec cannot train more per "
-                                f"device (its {(result.run_check or {}).get('train_size')} training samples)")
-        floor = sizes[0]  # ok in its probes and in the run that measured the offset: never recommend below it
-        if target - offset < floor:
-            result.notes.append(f"the margin ({result.margin_samples} samples) and what a run adds ({offset}) leave "
-                                f"no size above {floor}, the smallest that held in a run: the recommendation is "
-                                f"tried there")
-        self._run_candidates(max(floor, min(target - offset, bound)), offset, floor)
-        return True
-
-    def _run_candidates(self, target: int, offset: int, floor: int) -> None:
-        """From ``target`` down to ``floor``, the first candidate ok in every run check and, with the default
-        margin, whose run checks' own spread of the peak (runs vary more than probes: more steps, the whole dataset)
-        keeps no more than the margin applied: else the margin grows to SPREAD_FACTOR x that spread and the candidate
-        moves below it (not below ``floor``, where it is accepted). A run check that runs out of memory moves the
-        candidate one margin (at least one tolerance step) down. At most MAX_RUN_CANDIDATES candidates; none ok:
-        nothing is recommended. Raises _Stop."""
-        result = self.result
-        assert result.limit is not None and result.margin_samples is not None  # recommend() set them
-        per_sample = result.model.per_sample_bytes if result.model is not None else None
-        step = max(result.margin_samples, self.gap(result.limit))
-        for _ in range(runcheck.MAX_RUN_CANDIDATES):
-            if not all(self.probe(target, "run check", again=True, kind="run") for _ in range(self.run_checks)):
-                if target == floor:
-                    break
-                target = max(floor, target - step)
-                continue
-            spread = runcheck.peak_spread(result.peaks(target, "run"), target, per_sample)
-            needed, _ = runcheck.margin_samples(result.limit, None, spread)
-            if result.margin is not None or needed <= result.margin_samples or target == floor:
-                result.recommended, result.recommended_by = target, "runs"
-                return
-            result.notes.append(f"the run checks at {target} spread {(spread or {}).get('spread_bytes', 0) / 1e6:,.1f}"
-                                f" MB in their peaks, more than the probes at the answer: the margin grows to {needed} "
-                                "samples")
-            result.margin_samples = needed
-            result.margin_basis = f"{runcheck.SPREAD_FACTOR} x the spread of the peak across the run checks at {target}"
-            target = max(floor, min(target - self.gap(result.limit), result.limit - needed - offset))
-        tried = len({p.batch_size for p in result.probes if p.purpose == "run check"})
-        result.recommended, result.recommended_by = None, ""
-        result.notes.append(f"no size from the margin's target down to {floor} held in every run check ({tried} "
-                            "sizes tried): nothing is recommended")
-
-    def _run_offset(self, size: int) -> int | None:
-        """A run check at ``size``, which fitted the probes: how far its peak stands above the mean of the probes'
-        peaks there (``result.run_offset``), in samples at the fitted per-sample bytes (0 where a peak or the slope
-        is missing, or the run's peak is lower). None when the run ran out of memory. Raises _Stop."""
-        result = self.result
-        if not self.probe(size, "run offset", again=True, kind="run"):
-            return None
-        run, probes = result.peaks(size, "run"), result.peaks(size)
-        probe_peak = sum(probes) / len(probes) if probes else None
-        offset = run[-1] - probe_peak if run and probe_peak is not None else None
-        samples = runcheck.offset_samples(offset, result.model.per_sample_bytes if result.model else None)
-        result.run_offset = {"batch_size": size, "run_peak_bytes": run[-1] if run else None,
-                             "probe_peak_bytes": probe_peak, "offset_bytes": offset, "offset_samples": samples}
-        return samples
-
-    def _recommend_by_probes(self, target: int) -> None:
-        """The recommendation confirmed in the search's probes: ``target`` probed, the largest size at or below it
-        that fits, confirmed like the limit (a size whose confirmation fails is passed over for the next one below;
-        memory is not always monotonic in the batch size, so it is verified, not assumed)."""
-        result = self.result
-        result.recommended, result.recommended_by = result.limit, "probes"
-        if result.limit is None or target >= result.limit:
-            return
-        self.probe(target, "margin")
-        if "ok" not in result.statuses(target):
-            result.notes.append(f"batch size {target} ran out of memory although {result.limit} fits: memory is not "
-                                f"monotonic in the batch size here")
-        while True:
-            candidates = [p.batch_size for p in result.probes if p.kind == "probe" and p.batch_size <= target
-                          and result.fits(p.batch_size)]
-            result.recommended = max(candidates) if candidates else None
-            if result.recommended is None or result.confirmed(result.recommended):
-                result.recommended_by = "probes" if result.recommended is not None else ""
-                return
-            self.probe(result.recommended, "confirmation", again=True)
+        """Step 6, the recommendation below the limit (``harness.studies.max_batch.recommend``)."""
+        Recommendation(self).recommend()
 
     def stopped(self, probe: Probe) -> None:
         """The result of a search stopped by a probe that ended neither ok nor oom."""
