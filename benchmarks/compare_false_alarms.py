@@ -179,7 +179,7 @@ def measured_drift(runs: Path) -> dict:
     rounds = json.loads((runs / "index.json").read_text())["rounds"]
     plain = [read_trials(d[k]) for d in rounds for k in ("A", "B")]
     metric = next(m for m in metrics_for("host") if m.key == "throughput")
-    sizes = sorted({r["batch_size"] for r in plain[0]})
+    sizes = sorted({r.batch_size for r in plain[0]})
     cells = [[cell_values(run, metric, "planted", bs) for run in plain] for bs in sizes]
     medians = log_spread([[float(np.median(v)) for v in runs_ if v] for runs_ in cells])
     within = log_spread([v for runs_ in cells for v in runs_])

@@ -66,6 +66,7 @@ from harness.execution.launcher import run_worker, worker_settings  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
 from harness.neutral import datasets  # noqa: E402
 from harness.plan import available_cpus  # noqa: E402
+from harness.record import TrialMetrics  # noqa: E402
 from harness.spec import Spec  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
@@ -89,12 +90,13 @@ def run_harness(spec: Spec, sampler: bool) -> dict[str, Any]:
     (trial,) = plan_module.plan(spec, "cpu")
     interval = spec.sampler.interval_s if sampler else None
     outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, "cpu", trial.threads)
-    metrics = (outcome.result() or {}).get("metrics", {})
-    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),
-            "measured_steps": metrics.get("measured_steps"), "measured_seconds": metrics.get("measured_seconds"),
-            "step_time_median_s": metrics.get("step_time_median_s"), "test_accuracy": metrics.get("test_accuracy"),
-            "final_train_loss": metrics.get("final_train_loss"), "timed_windows": metrics.get("timed_windows"),
-            "timing_window": metrics.get("timing_window"), "wall_s": outcome.wall_seconds,
+    result = outcome.result()
+    metrics = result.metrics if result is not None else TrialMetrics()
+    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.throughput_samples_per_s,
+            "measured_steps": metrics.measured_steps, "measured_seconds": metrics.measured_s,
+            "step_time_median_s": metrics.step_time_median_s, "test_accuracy": metrics.test_accuracy,
+            "final_train_loss": metrics.final_train_loss, "timed_windows": metrics.timed_windows,
+            "timing_window": metrics.timing_window, "wall_s": outcome.wall_seconds,
             "threads": trial.threads, "timing": spec.timing.model_dump(mode="json"),
             "trial": {k: v for k, v in Payload(trial=trial, spec=spec).model_dump(mode="json")["trial"].items()
                       if k not in ("python", "command")},

@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 from harness import plan as plan_module  # noqa: E402
 from harness.execution.launcher import run_worker  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
+from harness.record import TrialMetrics  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 MODES = ("eager", "compiled")
@@ -58,10 +59,11 @@ def run_trial(spec_path: str, framework: str, batch_size: int, precision: str, m
     (trial,) = plan_module.plan(spec, device)
     outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, spec.sampler.interval_s, device,
                          trial.threads)
-    metrics = (outcome.result() or {}).get("metrics", {})
-    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),
-            "first_step_seconds": metrics.get("first_step_seconds"), "test_accuracy": metrics.get("test_accuracy"),
-            "measured_steps": metrics.get("measured_steps"), "wall_s": outcome.wall_seconds}
+    result = outcome.result()
+    metrics = result.metrics if result is not None else TrialMetrics()
+    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.throughput_samples_per_s,
+            "first_step_seconds": metrics.first_step_s, "test_accuracy": metrics.test_accuracy,
+            "measured_steps": metrics.measured_steps, "wall_s": outcome.wall_seconds}
 
 
 def _stats(values: list[float]) -> str:

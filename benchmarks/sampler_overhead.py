@@ -42,6 +42,7 @@ from harness.execution.launcher import run_worker  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
 from harness.measure.sampler import DEFAULT_INTERVAL_S  # noqa: E402
 from harness.plan import available_cpus, plan  # noqa: E402
+from harness.record import TrialMetrics  # noqa: E402
 from harness.spec import Spec  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
@@ -73,10 +74,10 @@ def run_trial(framework: str, batch_size: int, epochs: int, threads: int, device
     spec = make_spec(framework, batch_size, epochs, threads, device)
     (trial,) = plan(spec, device)  # one framework, one batch size, one repeat
     outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, device, threads)
-    result = outcome.result() or {}
-    metrics = result.get("metrics", {})
-    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.get("throughput"),
-            "measured_seconds": metrics.get("measured_seconds"), "samples": len(outcome.samples),
+    result = outcome.result()
+    metrics = result.metrics if result is not None else TrialMetrics()
+    return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.throughput_samples_per_s,
+            "measured_seconds": metrics.measured_s, "samples": len(outcome.samples),
             "backend": outcome.sampler.get("backend"),
             "cost_s": (outcome.sampler.get("sample_cost_s") or {}).get("median"),
             "busy_s": (outcome.sampler.get("sample_cost_s") or {}).get("total"), "wall_s": outcome.wall_seconds}

@@ -216,28 +216,24 @@ def sweep_spec(check: Check) -> Path:
 
 def _cells(run_dir: Path) -> list[dict[str, Any]]:
     """Per trial: the figures the Ohio State layout shows (throughput, utilization, SM activity where NVML's GPM
-    gives it, memory, energy per sample, MFU), straight from trials.jsonl."""
+    gives it, memory, energy per sample, MFU), from the run's typed records (``harness.results.store``, the readers'
+    one loader; MFU and energy per sample derived as the report derives them)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from harness.results import derived
+    from harness.results.store import read_trials
+
     out = []
-    for line in (run_dir / "trials.jsonl").read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        metrics, sampler = r.get("metrics", {}), r.get("sampler", {})
-        stats = sampler.get("stats") or {}
-
-        def stat(key: str, which: str = "mean", stats: dict[str, Any] = stats) -> Any:
-            value = stats.get(key)
-            return value.get(which) if isinstance(value, dict) else None
-
-        out.append({"label": r.get("label"), "batch_size": r.get("batch_size"), "repeat": r.get("repeat"),
-                    "status": r.get("status"), "reason": (r.get("reason") or "")[:200],
-                    "throughput": metrics.get("throughput"), "mfu": metrics.get("mfu"),
-                    "gpu_util_percent": stat("gpu_util_percent"), "sm_active_percent": stat("sm_active_percent"),
-                    "tensor_active_percent": stat("tensor_active_percent"),
-                    "process_memory_max_bytes": stat("process_memory_bytes", "max"),
-                    "device_memory_max_bytes": stat("device_memory_used_bytes", "max"),
-                    "framework_memory": metrics.get("memory") or {},
-                    "energy_per_sample_j": (sampler.get("energy") or {}).get("joules_per_sample")})
+    for r in read_trials(run_dir):
+        out.append({"label": r.label, "batch_size": r.batch_size, "repeat": r.repeat, "status": r.status,
+                    "reason": r.reason[:200], "throughput": r.metrics.throughput_samples_per_s,
+                    "mfu": derived.mfu_fraction(r), "gpu_util_percent": r.sampler.stat("gpu_util_pct", "mean"),
+                    "sm_active_percent": r.sampler.stat("sm_active_pct", "mean"),
+                    "tensor_active_percent": r.sampler.stat("tensor_active_pct", "mean"),
+                    "process_memory_max_bytes": r.sampler.stat("process_memory_bytes", "max"),
+                    "device_memory_max_bytes": r.sampler.stat("device_memory_used_bytes", "max"),
+                    "framework_memory": r.metrics.memory.model_dump(exclude_none=True),
+                    "energy_per_sample_j": derived.energy_per_sample_j(r)})
     return out
 
 

@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from harness.results.tables import ReportData
     from harness.spec import Spec
 
 EXIT_USAGE = 2
@@ -80,15 +81,15 @@ def summary_console() -> Any:
     return console if console.is_terminal else Console(width=120)
 
 
-def print_summary(data: dict[str, Any], console: Any) -> None:
+def print_summary(data: ReportData, console: Any) -> None:
     """The run's summary table (``harness.results.tables.summary_rows``) on ``console``."""
     from rich.table import Table
 
     from harness.results.tables import summary_rows
 
-    util = "GPU use %" if data["backend"] == "nvml" else "CPU use %"
-    memory = "GPU mem MB" if data["backend"] == "nvml" else "RSS MB"
-    table = Table(title=f"{data['run']['spec']['name']} on {data['run']['device']}")
+    util = "GPU use %" if data.backend == "nvml" else "CPU use %"
+    memory = "GPU mem MB" if data.backend == "nvml" else "RSS MB"
+    table = Table(title=f"{data.run.name} on {data.run.device}")
     for title in ("framework", "batch", "status", "samples/s", "s/epoch", util, memory, "accuracy %"):
         table.add_column(title, justify="left" if title in ("framework", "status") else "right")
     for row in summary_rows(data):

@@ -38,7 +38,7 @@ def handle(args: argparse.Namespace) -> int:
 
 def _pair(args: argparse.Namespace) -> int:
     """``harness report BASE NEW --html``: compare's verdicts and both runs side by side in one HTML page."""
-    from harness.results import html
+    from harness.results.pair import render_pair
     from harness.studies.compare import compare_runs, to_markdown
 
     if not args.html:
@@ -46,7 +46,7 @@ def _pair(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         rows, summary = compare_runs(args.run_dir, args.new_run, args.threshold)
-        page = html.render_pair(Path(args.run_dir), Path(args.new_run), to_markdown(rows, summary))
+        page = render_pair(Path(args.run_dir), Path(args.new_run), to_markdown(rows, summary))
     except (FileNotFoundError, ValueError) as err:
         print(f"harness report: {err}", file=sys.stderr)
         return EXIT_USAGE

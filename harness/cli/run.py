@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.cli.common import (
     EXIT_NOTHING_RAN,
@@ -17,6 +18,10 @@ from harness.cli.common import (
     str_list,
     summary_console,
 )
+
+if TYPE_CHECKING:
+    from harness.execution.executors import LocalExecutor
+    from harness.execution.ray_executor import RayExecutor
 
 
 def add_parser(sub: Any) -> None:
@@ -44,15 +49,13 @@ def add_parser(sub: Any) -> None:
     run.set_defaults(handler=handle)
 
 
-def _executor(args: argparse.Namespace, spec: Any) -> Any:
-    """The executor the flags and the spec ask for (``harness.execution.executors``), or None for the default (one
-    trial at a time on this machine). Raises ValueError (or ExecutorError) for flags that do not go together."""
-    from harness.execution.executors import (
-        ExecutorError,
-        LocalExecutor,
-        RayExecutor,
-        local_slots,
-    )
+def _executor(args: argparse.Namespace, spec: Any) -> LocalExecutor | RayExecutor | None:
+    """The executor the flags and the spec ask for (``harness.execution.executors``; made ``exclusive`` for an
+    exclusive spec), or None for the default (one trial at a time on this machine, which the sweep makes and closes).
+    The caller closes the one returned (``with``). Raises ValueError (or ExecutorError) for flags that do not go
+    together."""
+    from harness.execution.executors import ExecutorError, LocalExecutor, local_slots
+    from harness.execution.ray_executor import RayExecutor
     from harness.measure.machine import resolve_device
 
     if args.executor == "local" and (args.address or args.retries):
@@ -71,7 +74,8 @@ def _executor(args: argparse.Namespace, spec: Any) -> Any:
                            retries=args.retries, exclusive=spec.exclusive)
     if args.parallel == 1 and not devices:
         return None
-    return LocalExecutor(local_slots(resolve_device(spec.device), args.parallel, devices, spec.cpu_threads))
+    return LocalExecutor(local_slots(resolve_device(spec.device), args.parallel, devices, spec.cpu_threads),
+                         exclusive=spec.exclusive)
 
 
 def _plan_threads() -> int:
@@ -91,6 +95,7 @@ def handle(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
+    from harness.record import Epoch, Event, TrialRecord
     from harness.results import report
     from harness.studies.sweep import raise_on_signals, run_spec
 
@@ -112,16 +117,16 @@ def handle(args: argparse.Namespace) -> int:
             state["task"] = progress.add_task("starting", total=total)
         progress.update(state["task"], description=f"{trial.id}: starting")
 
-    def on_event(event: dict[str, Any]) -> None:
-        if "task" in state and event.get("event") == "epoch":
-            progress.update(state["task"], description=f"{state.get('trial', '')} epoch {event['epoch'] + 1}: "
-                                                       f"accuracy {100 * event['test_accuracy']:.1f}%")
+    def on_event(event: Event) -> None:
+        if "task" in state and isinstance(event, Epoch):
+            progress.update(state["task"], description=f"{state.get('trial', '')} epoch {event.epoch + 1}: "
+                                                       f"accuracy {100 * event.test_accuracy:.1f}%")
 
-    def on_end(trial: Any, record: dict[str, Any]) -> None:
+    def on_end(trial: Any, record: TrialRecord) -> None:
         progress.advance(state["task"])
-        throughput = record["metrics"].get("throughput")
-        detail = f"{throughput:,.0f} samples/s" if throughput else record["reason"]
-        progress.console.print(f"{trial.id}: {record['status']} ({detail}) in {record['wall_seconds']:.1f} s")
+        throughput = record.metrics.throughput_samples_per_s
+        detail = f"{throughput:,.0f} samples/s" if throughput else record.reason
+        progress.console.print(f"{trial.id}: {record.status} ({detail}) in {record.wall_s:.1f} s")
 
     try:
         executor = _executor(args, spec)
@@ -129,13 +134,10 @@ def handle(args: argparse.Namespace) -> int:
         print(f"harness run: {err}", file=sys.stderr)
         return EXIT_USAGE
     raise_on_signals()  # SIGTERM, SIGHUP: the run is marked interrupted, its report written (see harness.cli.main)
-    try:
-        with progress:
-            run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
-                               resume=args.resume, executor=executor)
-    finally:
-        if executor is not None:
-            executor.close()
+    # the executor made here is closed here, when the run ends or stops (its workers still running killed)
+    with progress, executor if executor is not None else contextlib.nullcontext():
+        run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
+                           resume=args.resume, executor=executor)
     path = report.write(run_dir)
     if args.history:
         from harness.studies import history
@@ -153,7 +155,7 @@ def run_status(run_dir: Path) -> int:
     unsupported trial is a result)."""
     from harness.results.store import read_trials
 
-    statuses = {r["status"] for r in read_trials(run_dir)}
+    statuses = {r.status for r in read_trials(run_dir)}
     if "ok" not in statuses and statuses & {"error", "crashed", "timeout"}:
         failed = ", ".join(sorted(statuses & {"error", "crashed", "timeout"}))
         print(f"harness run: no trial ended ok ({failed}): exit {EXIT_NOTHING_RAN}", file=sys.stderr)

@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 import psutil
 
-from harness.execution.bootstrap import BOOTSTRAP
-from harness.execution.protocol import Error, Payload, Phase, Start, parse_event
+from harness.execution.entry import worker_command
+from harness.execution.protocol import Payload, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.multi_gpu import device_summaries
-from harness.measure.sampler import Sampler, make_backend, phase_stats, windows_from_events
+from harness.measure.sampler import Sampler, make_backend, phase_stats
 from harness.plan import STATUSES, Status, Trial
-from harness.spec import ROOT, FrameworkEntry
+from harness.record.events import Error, Event, Phase, Result, Start, first, phase_windows
+from harness.spec import FrameworkEntry
 
 # The statuses are harness.plan.Status's (one list): the launcher decides ok, oom, error, timeout and crashed; skipped
 # is decided by the runner (after_oom), unsupported by the worker or, for built-in adapters, the runner.
@@ -49,20 +50,23 @@ KILL_GRACE_S = 5.0
 
 @dataclass
 class Outcome:
-    """How a worker ended, with everything it reported. Times are seconds; ``samples`` as Sampler.samples;
-    ``sampler`` as sampler_info (``{"backend": None, "interval_s": None}`` when the trial ran without a sampler)."""
+    """How a worker ended, with everything it reported. Times are seconds; ``events`` the worker's, typed
+    (``harness.record.events``); ``samples`` as Sampler.samples; ``sampler`` as sampler_info, in the sampler's own
+    terms (``{"backend": None, "interval_s": None}`` when the trial ran without a sampler; the record's
+    ``SamplerInfo.from_measure`` reads it)."""
 
     status: Status
     reason: str
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
     returncode: int | None = None
     log_tail: str = ""
     wall_seconds: float = 0.0
     sampler: dict[str, Any] = field(default_factory=dict)
 
-    def result(self) -> dict[str, Any] | None:
-        return next((e for e in reversed(self.events) if e.get("event") == "result"), None)
+    def result(self) -> Result | None:
+        """The worker's last ``result`` event, or None."""
+        return first(self.events, Result, last=True)
 
 
 def worker_env(threads: int | None, base: dict[str, str] | None = None,
@@ -110,7 +114,7 @@ def worker_argv(trial: Trial) -> list[str]:
     harness.execution.bootstrap)."""
     entry = FrameworkEntry(name=trial.framework, python=trial.python,
                            command=list(trial.command) if trial.command else None)
-    return [*entry.argv(), "-c", BOOTSTRAP, str(ROOT)]
+    return worker_command(entry.argv())
 
 
 def _tail(log: Any) -> str:
@@ -127,15 +131,15 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass  # the group is gone already
 
 
-def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]]) -> dict[str, Any]:
+def sampler_info(sampler: Sampler, note: str | None, events: list[Event]) -> dict[str, Any]:
     """What the trial record keeps of the sampling (Outcome.sampler), besides the raw samples:
 
     the backend's describe() (``backend`` "nvml" | "host", ``unavailable`` {metric: reason}, NVML device ``name``,
     ``uuid``, ``mig``, ``memory_info_version``, ``notes``, ``transient_errors``), ``interval_s``, ``note`` (why NVML
     is not used, if so), ``errors`` (sampler-level), ``edge_samples_dropped`` (pokes too close to the previous
     sample, see Sampler), ``sample_cost_s`` (the backend calls' durations: median,
-    max, total, count), ``stats`` (phase_stats over the train windows), ``energy`` (energy_over_windows plus
-    ``joules_per_sample`` = joules / the worker's measured_samples), and ``throttle`` (throttle_summary) when any
+    max, total, count), ``stats`` (phase_stats over the train windows), ``energy`` (energy_over_windows; the
+    readers derive the energy per sample, ``harness.results.derived``), ``throttle`` (throttle_summary) when any
     sample has clocks-event reasons. With several GPUs (a data-parallel trial, ``harness.measure.multi_gpu``):
     ``stats`` and ``energy`` are the trial's over its devices (energy and power summed, memory the most loaded
     device's, utilization the mean), ``stats`` also holds each device's ``<metric>@<i>``, and ``devices`` (one entry
@@ -153,13 +157,9 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]
     info["sample_cost_s"] = ({"median": float(np.median(cost)), "max": float(cost.max()), "total": float(cost.sum()),
                               "count": int(cost.size)} if cost.size else
                              {"median": None, "max": None, "total": 0.0, "count": 0})
-    windows = windows_from_events(events)
+    windows = phase_windows(events)
     info["stats"] = phase_stats(sampler.samples, windows)
-    energy = energy_over_windows(sampler.samples, windows)
-    result = next((e for e in reversed(events) if e.get("event") == "result"), None)
-    measured = (result or {}).get("metrics", {}).get("measured_samples")
-    energy["joules_per_sample"] = energy["joules"] / measured if energy["joules"] is not None and measured else None
-    info["energy"] = energy
+    info["energy"] = energy_over_windows(sampler.samples, windows)
     throttle = throttle_summary(sampler.samples, windows)
     if throttle is not None:
         info["throttle"] = throttle
@@ -169,7 +169,7 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[dict[str, Any]
 
 
 def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, device: str,
-               threads: int | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+               threads: int | None = None, on_event: Callable[[Event], None] | None = None,
                env: dict[str, str] | None = None, cpus: list[int] | None = None,
                stop: threading.Event | None = None) -> Outcome:
     """Starts a worker for ``payload`` (``harness.execution.protocol.Payload``), samples it every ``interval_s``
@@ -225,10 +225,10 @@ class _WorkerRun:
     deadline and the kill of its process group."""
 
     def __init__(self, payload: Payload, threads: int | None, log: Any, sampler: Sampler | None,
-                 on_event: Callable[[dict[str, Any]], None] | None, stop: threading.Event | None = None,
+                 on_event: Callable[[Event], None] | None, stop: threading.Event | None = None,
                  env: dict[str, str] | None = None, cpus: list[int] | None = None):
         self.sampler, self.on_event, self.log, self.stop = sampler, on_event, log, stop
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
         self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
@@ -270,21 +270,20 @@ class _WorkerRun:
 
     def _handle(self, line: bytes) -> None:
         try:
-            parsed = parse_event(line)
+            event = parse_event(line)
         except ValueError:  # a marked line that is no event (torn, or not valid JSON): kept in the log
-            parsed = None
-        if parsed is None:
+            event = None
+        if event is None:
             if line.strip():  # a wrapper's own output on standard output: kept in the log, not parsed
                 self.log.write(line + b"\n")
             return
-        event, record = parsed
-        self.events.append(record)  # as the worker sent it: the events file and the record keep it unchanged
+        self.events.append(event)
         if isinstance(event, Start) and self.sampler is not None:
             self._follow(event.pid)
         if self.sampler is not None and isinstance(event, Phase) and event.name == "train":
             self.sampler.poke(event.edge)
         if self.on_event is not None:
-            self.on_event(record)
+            self.on_event(event)
 
     def _follow(self, pid: Any) -> None:
         """Points the sampler at the worker's own process when a command prefix started it outside the process tree
@@ -340,16 +339,17 @@ class _WorkerRun:
                 pass
 
 
-def classify(returncode: int | None, events: list[dict[str, Any]], timed_out: bool, timeout_s: float,
+def classify(returncode: int | None, events: list[Event], timed_out: bool, timeout_s: float,
              log_tail: str) -> tuple[Status, str]:
     """(status, reason) for a finished worker; see the module docstring for the statuses."""
     if timed_out:
-        phase = next((f"{e['name']} {e.get('edge')}" for e in reversed(events) if e.get("event") == "phase"), None)
-        return "timeout", f"no exit within {timeout_s:g} s" + (f" (last phase event: {phase})" if phase else "")
-    error = next((Error.model_validate(e) for e in events if e.get("event") == "error"), None)
+        phase = first(events, Phase, last=True)
+        where = f" (last phase event: {phase.name} {phase.edge})" if phase is not None else ""
+        return "timeout", f"no exit within {timeout_s:g} s" + where
+    error = first(events, Error)
     if error is not None:
         return error.kind, error.reason
-    has_result = any(e.get("event") == "result" for e in events)
+    has_result = first(events, Result) is not None
     if returncode is not None and returncode < 0:
         try:
             name = signal.Signals(-returncode).name

@@ -1,7 +1,8 @@
 """A run directory as data: ``load_run(path)`` gives a ``Run`` whose trials, epochs, samples and summary are pandas
-DataFrames with flat columns (units in their names); ``load_history(folder)`` gives the trials of many runs. The
-report is written from the same ``Run`` (``Run.data`` is what ``harness.results.tables`` computes from it), so what a
-user computes from these frames and what the report prints come from one reading of the files.
+DataFrames with flat columns (units in their names) over its typed records (``harness.record``, read through
+``harness.results.store``); ``load_history(folder)`` gives the trials of many runs. The report is written from the
+same ``Run`` (``Run.data``, the ``ReportData`` that ``harness.results.tables`` computes from it), so what a user
+computes from these frames and what the report prints come from one reading of the files.
 
 Reading is strict about what would be misread and lenient about what a crash leaves: a torn last line of
 trials.jsonl is dropped (as ``store.read_lines`` does); a run or record of a newer schema version is one-line
@@ -26,122 +27,107 @@ from typing import Any
 
 import pandas as pd
 
-from harness.measure.sampler import windows_from_events
-from harness.results.metrics import read_path, row_key
+from harness.record.events import Event, phase_windows
+from harness.record.run import RunRecord
+from harness.record.trial import TrialRecord
+from harness.results import derived
 from harness.results.schema import SCHEMA_VERSION, SchemaError
-from harness.results.store import read_lines, read_run, read_trials
+from harness.results.store import read_events, read_lines, read_run, read_trials
+from harness.results.tables import ReportData, compute
 
 
-def _path(*keys: str) -> Callable[[dict[str, Any]], Any]:
-    return lambda record: read_path(record, *keys)
-
-
-def _peak_memory(record: dict[str, Any]) -> Any:
-    """The report's memory metric in bytes: the worker's NVML process memory on a GPU (device memory where NVML has
-    no per-process figure), the resident memory of the worker's process tree on the CPU."""
-    for keys in (("process_memory_bytes", "max"), ("device_memory_used_bytes", "max"), ("rss_bytes", "max")):
-        if (value := read_path(record, "sampler", "stats", *keys)) is not None:
-            return value
-    return None
-
-
-def _energy_per_sample(record: dict[str, Any]) -> Any:
-    joules, samples = read_path(record, "sampler", "energy", "joules"), read_path(record, "metrics", "measured_samples")
-    return joules / samples if joules is not None and samples else None
-
-
-def _placement(key: str) -> Callable[[dict[str, Any]], Any]:
-    return lambda record: (record.get("placement") or {}).get(key)
+def _cpus(record: TrialRecord) -> str | None:
+    cpus = record.placement.cpus if record.placement is not None else None
+    return None if cpus is None else ",".join(map(str, cpus))
 
 
 #: The columns of ``Run.trials`` after the identity columns: name (units in the name) -> how it is read from a trial
 #: record (results/README.md says what each field means).
-TRIAL_COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "wall_seconds": _path("wall_seconds"),
-    "throughput_samples_per_s": _path("metrics", "throughput"),
-    "seconds_per_epoch": _path("metrics", "seconds_per_epoch"),
-    "step_time_median_s": _path("metrics", "step_time_median_s"),
-    "step_time_p90_s": _path("metrics", "step_time_p90_s"),
-    "first_step_s": _path("metrics", "first_step_seconds"),
-    "measured_steps": _path("metrics", "measured_steps"),
-    "measured_samples": _path("metrics", "measured_samples"),
-    "measured_seconds": _path("metrics", "measured_seconds"),
-    "slow_windows": _path("metrics", "slow_windows"),
-    "recompilations": _path("metrics", "recompilations"),
-    "test_accuracy": _path("metrics", "test_accuracy"),
-    "test_loss": _path("metrics", "test_loss"),
-    "final_train_loss": _path("metrics", "final_train_loss"),
-    "peak_memory_bytes": _peak_memory,
-    "rss_peak_bytes": _path("sampler", "stats", "rss_bytes", "max"),
-    "cpu_util_mean_pct": _path("sampler", "stats", "cpu_percent", "mean"),
-    "gpu_util_mean_pct": _path("sampler", "stats", "gpu_util_percent", "mean"),
-    "gpu_util_max_pct": _path("sampler", "stats", "gpu_util_percent", "max"),
-    "sm_active_mean_pct": _path("sampler", "stats", "sm_active_percent", "mean"),
-    "sm_occupancy_mean_pct": _path("sampler", "stats", "sm_occupancy_percent", "mean"),
-    "tensor_active_mean_pct": _path("sampler", "stats", "tensor_active_percent", "mean"),
-    "dram_bw_util_mean_pct": _path("sampler", "stats", "dram_bw_util_percent", "mean"),
-    "device_memory_peak_bytes": _path("sampler", "stats", "device_memory_used_bytes", "max"),
-    "process_memory_peak_bytes": _path("sampler", "stats", "process_memory_bytes", "max"),
-    "allocator_peak_bytes": _path("metrics", "memory", "allocator_peak_bytes"),
-    "allocator_reserved_peak_bytes": _path("metrics", "memory", "allocator_reserved_peak_bytes"),
-    "data_bytes": _path("metrics", "data_bytes"),
-    "power_mean_w": _path("sampler", "energy", "mean_power_w"),
-    "energy_j": _path("sampler", "energy", "joules"),
-    "energy_per_sample_j": _energy_per_sample,
-    "achieved_flops_per_s": _path("metrics", "achieved_flops"),
-    "mfu": _path("metrics", "mfu"),
-    "sampler_backend": _path("sampler", "backend"),
-    "node": _placement("node"),
-    "pinned_cpus": lambda r: None if (c := _placement("cpus")(r)) is None else ",".join(map(str, c)),
-    "started_unix_s": _placement("started"),
-    "ended_unix_s": _placement("ended"),
-    "finished": _path("finished"),
+TRIAL_COLUMNS: dict[str, Callable[[TrialRecord], Any]] = {
+    "wall_seconds": lambda r: r.wall_s,
+    "throughput_samples_per_s": lambda r: r.metrics.throughput_samples_per_s,
+    "seconds_per_epoch": lambda r: r.metrics.epoch_time_s,
+    "step_time_median_s": lambda r: r.metrics.step_time_median_s,
+    "step_time_p90_s": lambda r: r.metrics.step_time_p90_s,
+    "first_step_s": lambda r: r.metrics.first_step_s,
+    "measured_steps": lambda r: r.metrics.measured_steps,
+    "measured_samples": lambda r: r.metrics.measured_samples,
+    "measured_seconds": lambda r: r.metrics.measured_s,
+    "slow_windows": lambda r: r.metrics.slow_windows,
+    "recompilations": lambda r: r.metrics.recompilations,
+    "test_accuracy": lambda r: r.metrics.test_accuracy,
+    "test_loss": lambda r: r.metrics.test_loss,
+    "final_train_loss": lambda r: r.metrics.final_train_loss,
+    "peak_memory_bytes": derived.peak_memory_bytes,
+    "rss_peak_bytes": lambda r: r.sampler.stat("rss_bytes", "max"),
+    "cpu_util_mean_pct": lambda r: r.sampler.stat("cpu_pct", "mean"),
+    "gpu_util_mean_pct": lambda r: r.sampler.stat("gpu_util_pct", "mean"),
+    "gpu_util_max_pct": lambda r: r.sampler.stat("gpu_util_pct", "max"),
+    "sm_active_mean_pct": lambda r: r.sampler.stat("sm_active_pct", "mean"),
+    "sm_occupancy_mean_pct": lambda r: r.sampler.stat("sm_occupancy_pct", "mean"),
+    "tensor_active_mean_pct": lambda r: r.sampler.stat("tensor_active_pct", "mean"),
+    "dram_bw_util_mean_pct": lambda r: r.sampler.stat("dram_bw_util_pct", "mean"),
+    "device_memory_peak_bytes": lambda r: r.sampler.stat("device_memory_used_bytes", "max"),
+    "process_memory_peak_bytes": lambda r: r.sampler.stat("process_memory_bytes", "max"),
+    "allocator_peak_bytes": lambda r: r.metrics.memory.allocator_peak_bytes,
+    "allocator_reserved_peak_bytes": lambda r: r.metrics.memory.allocator_reserved_peak_bytes,
+    "data_bytes": lambda r: r.metrics.data_bytes,
+    "power_mean_w": lambda r: None if r.sampler.energy is None else r.sampler.energy.mean_power_w,
+    "energy_j": derived.energy_j,
+    "energy_per_sample_j": derived.energy_per_sample_j,
+    "achieved_flops_per_s": lambda r: r.metrics.achieved_flops_per_s,
+    "mfu": derived.mfu_fraction,
+    "sampler_backend": lambda r: r.sampler.backend,
+    "node": lambda r: None if r.placement is None else r.placement.node,
+    "pinned_cpus": _cpus,
+    "started_unix_s": lambda r: None if r.placement is None else r.placement.started_unix_s,
+    "ended_unix_s": lambda r: None if r.placement is None else r.placement.ended_unix_s,
+    "finished": lambda r: r.finished,
 }
 
 IDENTITY = ("id", "row", "label", "framework", "environment", "variant", "precision", "compile", "batch_size",
             "effective_batch_size", "accumulation_steps", "data_parallel", "per_device_batch_size", "seed", "repeat",
             "device", "threads", "learning_rate", "status", "reason", "schema_version")
+#: The identity columns read as the record's field of the same name.
+_FIELDS = tuple(name for name in IDENTITY if name not in ("row", "environment"))
 
 
 @dataclass
 class Run:
-    """One run directory, read once. ``info``: run.json as a dict; ``records``: the trial records (dicts, in the order
-    they finished). The frames are computed on first use."""
+    """One run directory, read once through ``harness.results.store``: ``info``, its run.json (``RunRecord``);
+    ``records``, its trial records (``TrialRecord``, in the order they finished). The frames are computed on first
+    use."""
 
     path: Path
-    info: dict[str, Any]
-    records: list[dict[str, Any]]
+    info: RunRecord
+    records: list[TrialRecord]
     _samples: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
 
     @property
     def spec(self) -> dict[str, Any]:
         """The spec as run (after CLI overrides), as run.json holds it."""
-        return self.info["spec"]
+        return self.info.spec
 
     @property
     def machine(self) -> dict[str, Any]:
         """What run.json recorded about the machine and the harness's environment (``harness.measure.machine``)."""
-        return self.info.get("environment", {})
+        return self.info.environment
 
     @property
     def schema_version(self) -> int:
-        return int(self.info.get("schema_version", 0))
+        return self.info.schema_version
 
     @cached_property
     def trials(self) -> pd.DataFrame:
         """One row per trial: the identity columns (``IDENTITY``; ``row`` is the report's row label, ``environment``
         the interpreter the framework entry ran in), then ``TRIAL_COLUMNS`` (NaN where a trial has no such value:
         not ok, or a metric its device does not have)."""
-        environments = _environments(self.info)
+        environments = {entry.label: entry.executable or entry.python or "" for entry in self.info.frameworks}
         rows = []
         for record in self.records:
-            row: dict[str, Any] = {key: record.get(key) for key in IDENTITY}
-            row["row"] = row_key(record)
-            row["label"] = record.get("label") or record["framework"]
-            row["environment"] = environments.get(row["label"])
-            row["schema_version"] = int(record.get("schema_version", 0))
-            row["reason"] = record.get("reason") or ""
-            row["variant"] = record.get("variant") or ""
+            row: dict[str, Any] = {key: getattr(record, key) for key in _FIELDS}
+            row["row"] = record.row
+            row["environment"] = environments.get(record.label)
             row.update({name: read(record) for name, read in TRIAL_COLUMNS.items()})
             rows.append(row)
         frame = pd.DataFrame(rows, columns=[*IDENTITY, *TRIAL_COLUMNS])
@@ -156,30 +142,27 @@ class Run:
         and the last): ``id``, ``row``, ``batch_size``, ``seed``, ``repeat``, ``epoch`` (0-based, the epoch the
         evaluation followed), ``train_loss``, ``test_loss``, ``test_accuracy`` (fraction), ``timed_seconds`` (since
         the evaluation before)."""
-        rows = [{"id": r["id"], "row": row_key(r), "batch_size": r["batch_size"], "seed": r.get("seed", 0),
-                 "repeat": r["repeat"], **{k: e.get(k) for k in ("epoch", "train_loss", "test_loss", "test_accuracy",
-                                                                  "timed_seconds")}}
-                for r in self.records for e in (read_path(r, "metrics", "epochs") or [])]
+        rows = [{"id": r.id, "row": r.row, "batch_size": r.batch_size, "seed": r.seed, "repeat": r.repeat,
+                 "epoch": e.epoch, "train_loss": e.train_loss, "test_loss": e.test_loss,
+                 "test_accuracy": e.test_accuracy, "timed_seconds": e.timed_s}
+                for r in self.records for e in r.metrics.epochs]
         return pd.DataFrame(rows, columns=["id", "row", "batch_size", "seed", "repeat", "epoch", "train_loss",
                                            "test_loss", "test_accuracy", "timed_seconds"])
 
-    def events(self, trial: str) -> list[dict[str, Any]]:
-        """The worker's events of one trial (``events/<id>.jsonl``); raises FileNotFoundError naming it."""
-        path = self.path / "events" / f"{trial}.jsonl"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no events for trial {trial}")
-        return read_lines(path)
+    def events(self, trial: str) -> list[Event]:
+        """The worker's events of one trial (``events/<id>.jsonl``), typed; raises FileNotFoundError naming it."""
+        return read_events(self.path, trial)
 
     def samples(self, trial: str) -> pd.DataFrame:
         """The sampler's time series of one trial: ``t`` (time.monotonic() seconds, the worker events' clock),
         ``t_s`` (seconds since the first sample), ``edge`` (start/end at a timed window's edge), each sampled metric
-        (as in samples/*.jsonl: ``cpu_percent``, ``rss_bytes``; with NVML ``gpu_util_percent``, ``power_w``,
-        ...) and ``phase``: ``warmup``, ``train`` (a timed window), ``eval`` or ``other`` (start-up, between
-        phases), from the worker's events. Raises KeyError for an unknown trial id and FileNotFoundError, naming
-        the file, when the trial has no samples file (a trial that never started a worker, or a file lost)."""
+        (as in samples/*.jsonl, the sampler's names: ``cpu_percent``, ``rss_bytes``; with NVML ``gpu_util_percent``,
+        ``power_w``, ...) and ``phase``: ``warmup``, ``train`` (a timed window), ``eval`` or ``other`` (start-up,
+        between phases), from the worker's events. Raises KeyError for an unknown trial id and FileNotFoundError,
+        naming the file, when the trial has no samples file (a trial that never started a worker, or a file lost)."""
         if trial in self._samples:
             return self._samples[trial]
-        if trial not in {r["id"] for r in self.records}:
+        if trial not in {r.id for r in self.records}:
             raise KeyError(f"{self.path}: no trial {trial!r} in trials.jsonl")
         path = self.path / "samples" / f"{trial}.jsonl"
         if not path.exists():
@@ -194,7 +177,7 @@ class Run:
             events = []
         frame["phase"] = "other"
         for phase in ("warmup", "eval", "train"):
-            for start, end in windows_from_events(events, phase):
+            for start, end in phase_windows(events, phase):
                 frame.loc[(frame["t"] >= start) & (frame["t"] <= end), "phase"] = phase
         if len(frame):
             frame.insert(1, "t_s", frame["t"] - frame["t"].iloc[0])
@@ -202,11 +185,9 @@ class Run:
         return frame
 
     @cached_property
-    def data(self) -> dict[str, Any]:
+    def data(self) -> ReportData:
         """What the report prints, computed from this run (``harness.results.tables.compute``)."""
-        from harness.results import tables
-
-        return tables.compute(self.info, self.records)
+        return compute(self.info, self.records, self.path)
 
     def summary(self) -> pd.DataFrame:
         """The report's metric tables as one long frame: per metric, row and batch size, ``value`` (the median over
@@ -215,8 +196,8 @@ class Run:
         ``title``, ``unit`` and ``meaning``."""
         data = self.data
         rows = []
-        for metric in data["metrics"]:
-            table, cis = data["tables"][metric.key], data["cis"].get(metric.key, {})
+        for metric in data.metrics:
+            table, cis = data.tables[metric.key], data.cis.get(metric.key, {})
             for row in table.index:
                 for batch_size, value in table.loc[row].items():
                     number = isinstance(value, float)
@@ -227,15 +208,6 @@ class Run:
                                  "meaning": metric.meaning})
         return pd.DataFrame(rows, columns=["metric", "title", "unit", "row", "batch_size", "value", "ci_low",
                                            "ci_high", "cell", "meaning"])
-
-
-def _environments(info: dict[str, Any]) -> dict[str, str]:
-    """Per framework row label, the interpreter its workers ran in (as probed before the first trial)."""
-    out = {}
-    for entry in info.get("frameworks") or []:
-        if isinstance(entry, dict) and entry.get("label"):
-            out[entry["label"]] = entry.get("executable") or entry.get("python") or ""
-    return out
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
@@ -261,11 +233,16 @@ def load_history(folder: str | os.PathLike[str] | list[str | os.PathLike[str]]) 
         run = load_run(path)
         frame = run.trials.copy()
         frame.insert(0, "run", path.name)
-        frame.insert(1, "run_started", run.info.get("started"))
-        frame.insert(2, "git_commit", read_path(run.machine, "git", "commit"))
+        frame.insert(1, "run_started", run.info.started)
+        frame.insert(2, "git_commit", (run.machine.get("git") or {}).get("commit"))
         frames.append(frame)
     history = pd.concat(frames, ignore_index=True)
     return history.sort_values(["run_started", "run"], kind="stable", ignore_index=True)
 
 
-__all__ = ["Run", "load_run", "load_history", "SchemaError", "SCHEMA_VERSION", "TRIAL_COLUMNS"]
+def build(run_dir: str | os.PathLike[str]) -> ReportData:
+    """Reads a run directory (``load_run``: schema-checked) and computes what the report shows of it."""
+    return load_run(run_dir).data
+
+
+__all__ = ["SCHEMA_VERSION", "TRIAL_COLUMNS", "Run", "SchemaError", "build", "load_history", "load_run"]

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
-from harness.results.metrics import MB, metrics_for, read_path, title
+from harness.record.trial import TrialRecord
+from harness.results.metrics import MB, Read, metrics_for, title
 from harness.results.sections import Paragraph, Section, simple_table
+from harness.results.tables import ReportData
 
 _DEVICE_PART = re.compile(r"^(\d+ devices?|sync bn)$")
 
 
-def _row(record: dict[str, Any]) -> str:
+def _row(record: TrialRecord) -> str:
     """The framework row without the devices: its label and the variant's other parts."""
-    rest = [part for part in (record.get("variant") or "").split(", ") if part and not _DEVICE_PART.match(part)]
-    label = title(record.get("label") or record["framework"])
+    rest = [part for part in record.variant.split(", ") if part and not _DEVICE_PART.match(part)]
+    label = title(record.label)
     return f"{label} ({', '.join(rest)})" if rest else label
 
 
@@ -27,15 +28,18 @@ def _median(values: list[float]) -> float | None:
     return float(np.median(values)) if values else None
 
 
-def _cells(records: list[dict[str, Any]], read: Any) -> dict[tuple[str, int, int], list[float]]:
+def _key(record: TrialRecord) -> tuple[str, int, int]:
+    """(row without the devices, devices, per-device batch) of a record."""
+    return _row(record), record.data_parallel, record.per_device_batch_size or record.batch_size
+
+
+def _cells(records: list[TrialRecord], read: Read) -> dict[tuple[str, int, int], list[float]]:
     """(row, devices, per-device batch) -> the values of ``read`` over the ok trials (repeats, seeds)."""
     out: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     for record in records:
-        value = read(record) if record.get("status") == "ok" else None
+        value = read(record) if record.status == "ok" else None
         if value is not None:
-            devices = int(record.get("data_parallel") or 1)
-            per_device = int(record.get("per_device_batch_size") or record["batch_size"])
-            out[(_row(record), devices, per_device)].append(float(value))
+            out[_key(record)].append(float(value))
     return out
 
 
@@ -61,30 +65,28 @@ def _memory_words(backend: str, title_unit: str) -> str:
             "(the NVML memory of the trial's processes on each GPU, the device's used memory where NVML gives none):")
 
 
-def _memory_reader(data: dict[str, Any]) -> tuple[Any, str, str]:
+def _memory_reader(data: ReportData) -> tuple[Read, str, str]:
     """(read, title, unit) of the section's memory figure: on GPUs the peak over the trial's devices
     (``sampler.memory_peak_over_devices_bytes``; a one-device trial's own figure), on the host the report's memory
     metric (the worker process tree's resident memory, every rank together)."""
-    metric = next(m for m in metrics_for(data["backend"]) if m.key == "memory")
+    metric = next(m for m in metrics_for(data.backend) if m.key == "memory")
 
-    def read(record: dict[str, Any]) -> float | None:
-        peak = read_path(record, "sampler", "memory_peak_over_devices_bytes")
+    def read(record: TrialRecord) -> float | None:
+        peak = record.sampler.memory_peak_over_devices_bytes
         return peak / MB if peak is not None else metric.read(record)
 
     return read, metric.title, metric.unit
 
 
-def _per_device_rows(records: list[dict[str, Any]], per_device: list[int]) -> list[list[str]]:
+def _per_device_rows(records: list[TrialRecord], per_device: list[int]) -> list[list[str]]:
     """Rows of each device's peak memory (MB, the median over repeats per device, device 0 first) for the trials
     whose sampler watched several GPUs (``sampler.devices``)."""
     cells: dict[tuple[str, int, int], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
-        devices = read_path(record, "sampler", "devices") if record.get("status") == "ok" else None
-        for device in devices or []:
-            if device.get("memory_peak_bytes") is not None:
-                key = (_row(record), int(record.get("data_parallel") or 1),
-                       int(record.get("per_device_batch_size") or record["batch_size"]))
-                cells[key][int(device["index"])].append(device["memory_peak_bytes"] / MB)
+        summaries = record.sampler.devices if record.status == "ok" else None
+        for device in summaries or []:
+            if device.memory_peak_bytes is not None and device.index is not None:
+                cells[_key(record)][device.index].append(device.memory_peak_bytes / MB)
     rows = []
     for row, devices in sorted({(key[0], key[1]) for key in cells}):
         values = [cells.get((row, devices, batch), {}) for batch in per_device]
@@ -93,15 +95,15 @@ def _per_device_rows(records: list[dict[str, Any]], per_device: list[int]) -> li
     return rows
 
 
-def data_parallel_section(data: dict[str, Any]) -> Section | None:
+def data_parallel_section(data: ReportData) -> Section | None:
     """Throughput (global samples/s, median over repeats) and scaling efficiency = throughput(N) / (N x
     throughput(1)) at the same per-device batch size, peak memory and, where the sampler watched each GPU, each
     device's peak memory, for each framework row and device count; None when no trial ran on more than one
     device."""
-    records = data["records"]
-    if not any(int(r.get("data_parallel") or 1) > 1 for r in records):
+    records = data.records
+    if not any(r.data_parallel > 1 for r in records):
         return None
-    throughput = _cells(records, lambda r: r.get("metrics", {}).get("throughput"))
+    throughput = _cells(records, lambda r: r.metrics.throughput_samples_per_s)
     read_memory, memory_title, memory_unit = _memory_reader(data)
     memory = _cells(records, read_memory)
     per_device = sorted({key[2] for key in throughput})
@@ -118,11 +120,12 @@ def data_parallel_section(data: dict[str, Any]) -> Section | None:
             mem_cells.append(_fmt(_median(memory.get((row, devices, batch), [])), 1))
         rows.append([row, str(devices), *cells])
         mem_rows.append([row, str(devices), *mem_cells])
-    mechanisms = sorted({f"{title(r['framework'])}: {r['metrics'].get('data_parallel_mechanism')}" for r in records
-                         if r.get("status") == "ok" and r.get("metrics", {}).get("data_parallel_mechanism")})
+    mechanisms = sorted({f"{title(r.framework)}: {r.metrics.data_parallelism.mechanism}" for r in records
+                         if r.status == "ok" and r.metrics.data_parallelism is not None
+                         and r.metrics.data_parallelism.mechanism})
     header = ["framework", "devices", *(f"{b} per device" for b in per_device)]
     align = "lr" + "r" * len(per_device)
-    cpu = data["run"].get("device", "cpu") == "cpu"
+    cpu = data.run.device == "cpu"
     device_rows = _per_device_rows(records, per_device)
     return Section("data_parallel", "Data-parallel scaling", (
         Paragraph("Throughput in global samples/s (every device's samples), the median over the ok repeats, and in "
@@ -137,7 +140,7 @@ def data_parallel_section(data: dict[str, Any]) -> Section | None:
         *((Paragraph("On the CPU the devices are logical devices (or processes) sharing the same cores and memory: "
                      "these figures measure the mechanism's overhead, not GPU scaling."),) if cpu else ()),
         simple_table(header, rows, align),
-        Paragraph(_memory_words(data["backend"], f"{memory_title} ({memory_unit})")),
+        Paragraph(_memory_words(data.backend, f"{memory_title} ({memory_unit})")),
         simple_table(header, mem_rows, align),
         *((Paragraph(f"Each device's peak ({memory_unit}), device 0 first (rank order), median over the ok "
                      "repeats:"), simple_table(header, device_rows, align)) if device_rows else ())))

@@ -5,8 +5,7 @@ its status and reason, each trial's sampled time series (inline SVG, warm-up and
 machine and environment. No script, stylesheet, font or image is fetched: the styles are inline and the plots are
 SVG elements of the page.
 
-``render_pair`` puts two runs side by side (a nightly against its baseline): compare's verdicts (its Markdown, turned
-into HTML by Python-Markdown), each metric of both runs in one plot, and each run's header and Ohio State table.
+``harness.results.pair`` puts two runs side by side with the pieces here (``svg``, ``section_html``, ``page``).
 """
 
 from __future__ import annotations
@@ -17,9 +16,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harness.results.metrics import row_key, title
+from harness.record.run import RunRecord
+from harness.results.metrics import title
 from harness.results.plots import metric_figure, trial_figure
 from harness.results.sections import Block, BulletList, Images, Lines, Paragraph, Section, Table
+from harness.results.tables import ReportData
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -49,13 +50,6 @@ def svg(fig: Any, tips: dict[str, str] | None = None) -> str:
     for gid, tip in (tips or {}).items():
         text = text.replace(f'<g id="{gid}">', f'<g id="{gid}"><title>{html.escape(tip)}</title>', 1)
     return text
-
-
-def _markdown(text: str) -> str:
-    """Markdown written elsewhere (compare's verdicts) as HTML."""
-    import markdown
-
-    return markdown.markdown(text, extensions=["tables"], output_format="html")
 
 
 _INLINE = re.compile(r"`([^`]+)`|\[([^\]]+)\]\(([^)\s]+)\)")
@@ -106,30 +100,31 @@ def section_html(section: Section, level: int | None = None, prefix: str = "") -
                       *(block_html(b) for b in section.blocks)])
 
 
-def _page(heading: str, body: list[str]) -> str:
+def page(heading: str, body: list[str]) -> str:
+    """A whole self-contained page: ``body`` (HTML parts) under ``heading``, with the inline styles."""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(heading)}</title><style>{STYLE}</style></head><body>\n" + "\n".join(body)
             + "\n</body></html>\n")
 
 
-def trials_table(data: dict[str, Any]) -> str:
+def trials_table(data: ReportData) -> str:
     """Every trial: id, row, batch size, seed, repeat, status, reason, wall seconds, throughput."""
     rows = ["<table id=\"trials\"><thead><tr><th>trial</th><th>row</th><th>batch size</th><th>seed</th>"
             "<th>repeat</th><th>status</th><th>reason</th><th>wall s</th><th>samples/s</th></tr></thead><tbody>"]
-    for r in data["records"]:
-        throughput = (r.get("metrics") or {}).get("throughput")
-        rows.append(f"<tr class=\"{'ok' if r['status'] == 'ok' else 'bad'}\"><td>{html.escape(r['id'])}</td>"
-                    f"<td>{html.escape(title(row_key(r)))}</td><td>{r['batch_size']}</td><td>{r.get('seed', 0)}</td>"
-                    f"<td>{r['repeat']}</td><td>{html.escape(r['status'])}</td>"
-                    f"<td style=\"text-align:left\">{html.escape(r.get('reason') or '')}</td>"
-                    f"<td>{r.get('wall_seconds', 0):,.1f}</td>"
+    for r in data.records:
+        throughput = r.metrics.throughput_samples_per_s
+        rows.append(f"<tr class=\"{'ok' if r.status == 'ok' else 'bad'}\"><td>{html.escape(r.id)}</td>"
+                    f"<td>{html.escape(title(r.row))}</td><td>{r.batch_size}</td><td>{r.seed}</td>"
+                    f"<td>{r.repeat}</td><td>{html.escape(r.status)}</td>"
+                    f"<td style=\"text-align:left\">{html.escape(r.reason)}</td>"
+                    f"<td>{r.wall_s:,.1f}</td>"
                     f"<td>{'' if throughput is None else f'{throughput:,.1f}'}</td></tr>")
     return "\n".join(rows) + "</tbody></table>"
 
 
-def environment_table(run: dict[str, Any]) -> str:
+def environment_table(run: RunRecord) -> str:
     """The machine and the harness's environment as run.json recorded them, one row per field (packages folded)."""
-    env = run.get("environment", {})
+    env = run.environment
     rows = []
     for key, value in env.items():
         if key == "packages" and isinstance(value, dict):
@@ -141,17 +136,13 @@ def environment_table(run: dict[str, Any]) -> str:
     return "<table id=\"environment\">" + "".join(rows) + "</table>"
 
 
-def render(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None,
+def render(data: ReportData, run_dir: Path, sections: list[Section],
            metric_svgs: dict[str, str] | None = None, trial_svgs: dict[str, str | None] | None = None) -> str:
-    """The whole report.html of one run (``data``: ``harness.results.tables.compute``'s result; ``sections``:
-    ``harness.results.report.sections(data)``, computed here when not given). Every section but the plot links, with
-    the plots of every metric after the Ohio State layout. ``metric_svgs`` (metric key -> ``svg`` of its figure) and
-    ``trial_svgs`` (trial id -> ``svg`` of ``trial_figure``, None without samples): the figures the PNGs were saved
-    from, already rendered (``harness.results.report.write``); what they lack is drawn here."""
-    if sections is None:
-        from harness.results.report import sections as compute_sections
-
-        sections = compute_sections(data)
+    """The whole report.html of one run (``data``: its ``ReportData``; ``sections``:
+    ``harness.results.report.sections(data)``). Every section but the plot links, with the plots of every metric
+    after the Ohio State layout. ``metric_svgs`` (metric key -> ``svg`` of its figure) and ``trial_svgs`` (trial id ->
+    ``svg`` of ``trial_figure``, None without samples): the figures the PNGs were saved from, already rendered
+    (``harness.results.report.write``); what they lack is drawn here."""
     body = []
     for section in sections:
         if section.key == "plots":  # report.md's links to the PNGs: here the plots are inline
@@ -160,88 +151,30 @@ def render(data: dict[str, Any], run_dir: Path, sections: list[Section] | None =
         if section.key == "ohio_state":
             body += ["<h2 id=\"plots\">Every metric against batch size</h2>",
                      "<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">"]
-            for metric in data["metrics"]:
+            for metric in data.metrics:
                 body.append(metric_svgs[metric.key] if metric_svgs and metric.key in metric_svgs else
                             svg(*metric_figure(data, metric)))
             body.append("</div>")
     body += ["<h2 id=\"trials-heading\">Trials</h2>", trials_table(data),
              "<h2>Each trial over time</h2><p>Sampled metrics against seconds since the worker started; warm-up "
              "grey, timed windows green.</p>"]
-    for record in data["records"]:
-        if record["status"] != "ok":
+    for record in data.records:
+        if record.status != "ok":
             continue
-        if trial_svgs is not None and record["id"] in trial_svgs:
-            drawn = trial_svgs[record["id"]]
+        if trial_svgs is not None and record.id in trial_svgs:
+            drawn = trial_svgs[record.id]
         else:
-            fig = trial_figure(run_dir, record["id"])
+            fig = trial_figure(run_dir, record.id)
             drawn = svg(fig) if fig is not None else None
         if drawn is not None:
-            body.append(f"<details class=\"trial\"><summary>{html.escape(record['id'])}</summary>{drawn}</details>")
-    body += ["<h2>Machine and environment</h2>", environment_table(data["run"])]
-    return _page(sections[0].title if sections else "report", body)
+            body.append(f"<details class=\"trial\"><summary>{html.escape(record.id)}</summary>{drawn}</details>")
+    body += ["<h2>Machine and environment</h2>", environment_table(data.run)]
+    return page(sections[0].title if sections else "report", body)
 
 
-def write(data: dict[str, Any], run_dir: Path, sections: list[Section] | None = None,
+def write(data: ReportData, run_dir: Path, sections: list[Section],
           metric_svgs: dict[str, str] | None = None, trial_svgs: dict[str, str | None] | None = None) -> Path:
     """Writes ``report.html`` into the run directory (see ``render``) and returns its path."""
     path = Path(run_dir) / "report.html"
     path.write_text(render(data, Path(run_dir), sections, metric_svgs, trial_svgs), encoding="utf-8")
     return path
-
-
-def pair_figure(base: dict[str, Any], new: dict[str, Any], key: str) -> tuple[Any, dict[str, str]] | None:
-    """One metric of two runs in one plot: the base run's rows dashed, the new run's solid; None when either run
-    lacks the metric."""
-    from matplotlib import pyplot as plt
-
-    metrics = {m.key: m for m in new["metrics"]}
-    if key not in metrics or key not in base["tables"]:
-        return None
-    metric = metrics[key]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    tips: dict[str, str] = {}
-    for name, data, style in (("base", base, "--"), ("new", new, "-")):
-        for fw in data["frameworks"]:
-            points = [(bs, v) for bs, v in data["tables"][key].loc[fw].items() if isinstance(v, float)]
-            if not points:
-                continue
-            (line,) = ax.plot(*zip(*points), linestyle=style, label=f"{title(fw)} ({name})")
-            for bs, value in points:
-                gid = f"pair-{key}-{len(tips)}"
-                ax.plot([bs], [value], marker="o", color=line.get_color(), gid=gid)
-                tips[gid] = f"{title(fw)} ({name}), batch size {bs}: {value:,.{metric.digits}f} {metric.unit}".strip()
-    sizes = sorted(set(base["batch_sizes"]) | set(new["batch_sizes"]))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel(f"{metric.title} ({metric.unit})" if metric.unit else metric.title)
-    ax.set_title(f"{metric.title}: base dashed, new solid")
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig, tips
-
-
-def render_pair(base_dir: Path, new_dir: Path, comparison_markdown: str) -> str:
-    """Two runs side by side: compare's verdicts (its Markdown), each metric of both runs in one plot, and each run's
-    header and Ohio State table in two columns."""
-    from harness.results.report import header_section, ohio_state_section
-    from harness.results.tables import build
-
-    base, new = build(base_dir), build(new_dir)
-    heading = f"{Path(base_dir).name} (base) against {Path(new_dir).name} (new)"
-    verdicts = comparison_markdown.split("\n", 1)[1] if comparison_markdown.startswith("# ") else comparison_markdown
-    body = [f"<h1>{html.escape(heading)}</h1>", "<h2>Compare's verdicts</h2>", _markdown(verdicts),
-            "<h2>Every metric, both runs</h2><div class=\"plots\">"]
-    for metric in new["metrics"]:
-        drawn = pair_figure(base, new, metric.key)
-        if drawn is not None:
-            body.append(svg(*drawn))
-    body.append("</div><h2>The Ohio State layout</h2><div class=\"pair\">")
-    for name, data, path in (("base", base, base_dir), ("new", new, new_dir)):
-        header, ohio = header_section(data), ohio_state_section(data)
-        body.append(f"<div><h3>{name}: {html.escape(Path(path).name)}</h3>" + section_html(header, 4, f"{name}-")
-                    + "\n".join(block_html(b) for b in ohio.blocks) + "</div>")
-    body.append("</div>")
-    return _page(heading, body)

@@ -6,31 +6,31 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
-from harness.results.metrics import metrics_for, title
+from harness.record.trial import TrialRecord
+from harness.results.metrics import Read, metrics_for, title
 from harness.results.sections import Paragraph, Section, simple_table
+from harness.results.tables import ReportData
 
 _INPUT_PART = re.compile(r"^(resident|loader)$")
 
 
-def _row(record: dict[str, Any]) -> str:
+def _row(record: TrialRecord) -> str:
     """The framework row without the input mode: its label and the variant's other parts."""
-    rest = [part for part in (record.get("variant") or "").split(", ") if part and not _INPUT_PART.match(part)]
-    label = title(record.get("label") or record["framework"])
+    rest = [part for part in record.variant.split(", ") if part and not _INPUT_PART.match(part)]
+    label = title(record.label)
     return f"{label} ({', '.join(rest)})" if rest else label
 
 
-def _cells(records: list[dict[str, Any]], read: Any) -> dict[tuple[str, str, int], list[float]]:
+def _cells(records: list[TrialRecord], read: Read) -> dict[tuple[str, str, int], list[float]]:
     """(row, input mode, batch size) -> the values of ``read`` over the ok trials (repeats, seeds)."""
     out: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for record in records:
-        value = read(record) if record.get("status") == "ok" else None
+        value = read(record) if record.status == "ok" else None
         if value is not None:
-            mode = record.get("metrics", {}).get("input") or "resident"
-            out[(_row(record), mode, int(record["batch_size"]))].append(float(value))
+            out[(_row(record), record.metrics.input or "resident", record.batch_size)].append(float(value))
     return out
 
 
@@ -46,29 +46,29 @@ def _spread(values: list[float]) -> str:
     return f" ±{50 * (max(values) - min(values)) / middle:.0f}%" if middle else ""
 
 
-def _loader_words(records: list[dict[str, Any]]) -> list[str]:
+def _loader_words(records: list[TrialRecord]) -> list[str]:
     """Each framework's loader as its trials recorded it (``settings.loader``), e.g. "PyTorch:
     torch.utils.data.DataLoader (num_workers 2, prefetch_factor 2, ...)"."""
     seen: dict[str, str] = {}
     for record in records:
-        loader = (record.get("settings") or {}).get("loader")
-        if record.get("status") == "ok" and isinstance(loader, dict) and record["framework"] not in seen:
+        loader = record.settings.get("loader")
+        if record.status == "ok" and isinstance(loader, dict) and record.framework not in seen:
             options = ", ".join(f"{k} {v}" for k, v in loader.items() if k != "loader")
-            seen[record["framework"]] = f"{title(record['framework'])}: {loader.get('loader')} ({options})"
+            seen[record.framework] = f"{title(record.framework)}: {loader.get('loader')} ({options})"
     return [seen[name] for name in sorted(seen)]
 
 
-def input_pipeline_section(data: dict[str, Any]) -> Section | None:
+def input_pipeline_section(data: ReportData) -> Section | None:
     """Per framework row and batch size: resident and loader throughput (samples/s, median over the ok repeats,
     with the half-range in % and the count), loader / resident, the loader's input-wait share (the time the timed
     steps waited for the loader's next batch over the timed seconds, median), and the device's utilization in each
     mode (GPU use % on a GPU, the worker tree's CPU use % on the host); None when no trial used a loader."""
-    records = data["records"]
-    if not any(r.get("metrics", {}).get("input") == "loader" for r in records if r.get("status") == "ok"):
+    records = data.records
+    if not any(r.metrics.input == "loader" for r in records if r.status == "ok"):
         return None
-    throughput = _cells(records, lambda r: r.get("metrics", {}).get("throughput"))
-    wait = _cells(records, lambda r: r.get("metrics", {}).get("input_wait_share"))
-    util = next((m for m in metrics_for(data["backend"]) if m.key == "util"), None)
+    throughput = _cells(records, lambda r: r.metrics.throughput_samples_per_s)
+    wait = _cells(records, lambda r: r.metrics.input_wait_share)
+    util = next((m for m in metrics_for(data.backend) if m.key == "util"), None)
     usage = _cells(records, util.read) if util is not None else {}
     batches = sorted({key[2] for key in throughput})
     rows, wait_rows, util_rows = [], [], []
@@ -96,7 +96,7 @@ def input_pipeline_section(data: dict[str, Any]) -> Section | None:
     header = ["framework", "input", *(str(b) for b in batches)]
     align = "ll" + "r" * len(batches)
     loaders = _loader_words(records)
-    what = ("GPU use %" if data["backend"] == "nvml" else
+    what = ("GPU use %" if data.backend == "nvml" else
             "CPU use % of the worker's process tree, the loader's worker processes included")
     return Section("input_pipeline", "Input pipeline", (
         Paragraph("Throughput (samples/s, the median over the ok repeats, ± half its range in %, n trials) with the "

@@ -9,39 +9,39 @@ from __future__ import annotations
 from typing import Any
 
 import adapters  # the registry of declarations: imports no framework
-from harness.results.metrics import Metric, row_key, title
+from harness.record.trial import TrialRecord
+from harness.results.metrics import Metric, title
 from harness.results.sections import Paragraph, Section, simple_table
-from harness.results.tables import ci_map, noise_verdict
+from harness.results.tables import ReportData, ci_map, noise_verdict
 
 
-def pairs(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """(Keras row, native row) for each row of the run (``data["frameworks"]``, ``row_key``s) whose framework's
+def pairs(data: ReportData) -> list[tuple[str, str]]:
+    """(Keras row, native row) for each row of the run (``data.frameworks``, records' ``row``s) whose framework's
     declaration names a ``native`` adapter, with every row of that native adapter that has the same variant (rows of
     one framework under several labels: one pair each), in the report's row order; [] when none."""
-    first: dict[str, dict[str, Any]] = {}
-    for record in data["records"]:
-        first.setdefault(row_key(record), record)
+    first: dict[str, TrialRecord] = {}
+    for record in data.records:
+        first.setdefault(record.row, record)
     found = []
-    for row in data["frameworks"]:
-        record = first.get(row)
-        declaration = adapters.BUILTIN.get(record["framework"]) if record is not None else None
-        if record is None or declaration is None or not declaration.native:
+    for row in data.frameworks:
+        keras = first.get(row)
+        declaration = adapters.BUILTIN.get(keras.framework) if keras is not None else None
+        if keras is None or declaration is None or not declaration.native:
             continue
-        variant = record.get("variant") or ""
-        found += [(row, other) for other in data["frameworks"] if (native := first.get(other)) is not None
-                  and native["framework"] == declaration.native and (native.get("variant") or "") == variant]
+        found += [(row, other) for other in data.frameworks if (native := first.get(other)) is not None
+                  and native.framework == declaration.native and native.variant == keras.variant]
     return found
 
 
-def _median(data: dict[str, Any], key: str, row: str, batch_size: int) -> float | None:
-    """The report's cell (``data["tables"]``: the median over the ok repeats), or None where it shows a status."""
-    value = data["tables"][key].loc[row, batch_size]
+def _median(data: ReportData, key: str, row: str, batch_size: int) -> float | None:
+    """The report's cell (``data.tables``: the median over the ok repeats), or None where it shows a status."""
+    value = data.tables[key].loc[row, batch_size]
     return float(value) if isinstance(value, float) else None
 
 
-def _memory_words(data: dict[str, Any], metric: Metric) -> str:
+def _memory_words(data: ReportData, metric: Metric) -> str:
     """Which peak memory the ratio compares, on a GPU or on the host."""
-    if data["backend"] == "nvml":
+    if data.backend == "nvml":
         return (f"the report's {metric.title} ({metric.unit}): the peak NVML memory of the worker process on the GPU, "
                 "what its allocator reserved plus the CUDA context (the device's used memory where NVML gives no "
                 "per-process figure), not the framework allocator's own peak, which each framework counts its own "
@@ -50,7 +50,7 @@ def _memory_words(data: dict[str, Any], metric: Metric) -> str:
             "which includes the interpreter, the libraries (Keras's own among them) and the dataset")
 
 
-def keras_native_section(data: dict[str, Any]) -> Section | None:
+def keras_native_section(data: ReportData) -> Section | None:
     """Per (Keras row, native row) pair (``pairs``) and batch size at which both have ok trials: the throughput
     ratio, Keras / native of the median throughput over the ok repeats (samples/s; below 1 Keras trains fewer samples
     per second: 0.80 is 20 % slower), and the peak memory ratio, Keras / native of the median of the report's memory
@@ -60,15 +60,15 @@ def keras_native_section(data: dict[str, Any]) -> Section | None:
     found = pairs(data)
     if not found:
         return None
-    memory = next(m for m in data["metrics"] if m.key == "memory")
+    memory = next(m for m in data.metrics if m.key == "memory")
     rows_in = sorted({row for pair in found for row in pair})
-    throughput_cis = data["cis"].get("throughput", {})
-    memory_cis = ci_map(data["records"], memory, rows_in, data["batch_sizes"])
+    throughput_cis = data.cis.get("throughput", {})
+    memory_cis = ci_map(data.records, memory, rows_in, data.batch_sizes)
     rows: list[list[str]] = []
     missing: list[str] = []
     for keras, native in found:
         before = len(rows)
-        for batch_size in data["batch_sizes"]:
+        for batch_size in data.batch_sizes:
             k, n = _median(data, "throughput", keras, batch_size), _median(data, "throughput", native, batch_size)
             if k is None or n is None or n <= 0:
                 continue

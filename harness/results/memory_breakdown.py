@@ -4,11 +4,11 @@ measured to hold; the difference is the framework's own overhead and workspace."
 
 from __future__ import annotations
 
-from typing import Any
-
-from harness.results.metrics import MB, Metric, read_path, scaled, title
+from harness.record.metrics import PREDICTED_PARTS
+from harness.record.trial import TrialRecord
+from harness.results.metrics import MB, Metric, Read, scaled, title
 from harness.results.sections import Paragraph, Section, batch_table
-from harness.results.tables import format_cell, metric_table
+from harness.results.tables import ReportData, format_cell, metric_table
 
 PART_TITLES = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
                "buffers": "buffers (batchnorm running statistics)", "accumulator": "gradient accumulator",
@@ -25,37 +25,46 @@ NOTE = {
 }
 
 
-def _measured(record: dict[str, Any]) -> float | None:
+def _measured(record: TrialRecord) -> float | None:
     """Bytes the framework was measured to hold (see NOTE)."""
-    for path in (("metrics", "memory", "allocator_peak_bytes"), ("sampler", "stats", "process_memory_bytes", "max"),
-                 ("sampler", "stats", "rss_bytes", "max")):
-        if (value := read_path(record, *path)) is not None:
-            return float(value)
+    if (allocator := record.metrics.memory.allocator_peak_bytes) is not None:
+        return float(allocator)
+    for metric in ("process_memory_bytes", "rss_bytes"):
+        if (value := record.sampler.stat(metric, "max")) is not None:
+            return value
     return None
 
 
-def _difference(record: dict[str, Any]) -> float | None:
-    measured, predicted = _measured(record), read_path(record, "metrics", "memory_predicted", "total")
+def _part(part: str) -> Read:
+    """A predicted part's bytes (``metrics.memory_predicted.<part>_bytes``)."""
+    return scaled(lambda r: None if r.metrics.memory_predicted is None else
+                  getattr(r.metrics.memory_predicted, f"{part}_bytes"))
+
+
+_total = _part("total")
+
+
+def _difference(record: TrialRecord) -> float | None:
+    measured, predicted = _measured(record), _total(record)
     if measured is None or predicted is None:
         return None
-    return (measured - predicted - (read_path(record, "metrics", "data_bytes") or 0)) / MB
+    return (measured - predicted - (record.metrics.data_bytes or 0)) / MB
 
 
-def memory_breakdown_section(data: dict[str, Any]) -> Section | None:
+def memory_breakdown_section(data: ReportData) -> Section | None:
     """The section, or None for a run whose records predate the prediction."""
-    records, sizes, frameworks = data["records"], data["batch_sizes"], data["frameworks"]
-    if not any(read_path(r, "metrics", "memory_predicted") for r in records):
+    records, sizes, frameworks = data.records, data.batch_sizes, data.frameworks
+    if not any(r.metrics.memory_predicted is not None for r in records):
         return None
     rows = []
-    for part in (*PART_TITLES, "data"):
-        path = ("metrics", "data_bytes") if part == "data" else ("metrics", "memory_predicted", part)
-        metric = Metric(part, part, "MB", scaled(1 / MB, *path), 2, "")
+    for part in (*PREDICTED_PARTS, "data"):
+        read = scaled(lambda r: r.metrics.data_bytes) if part == "data" else _part(part)
+        metric = Metric(part, part, "MB", scaled(read, 1 / MB), 2, "")
         table = metric_table(records, metric, frameworks, sizes)
         cells = [next((format_cell(v, 2) for v in table[bs] if isinstance(v, float)), "") for bs in sizes]
         rows.append((PART_TITLES.get(part, "dataset resident on the device (not in the total)"), cells))
     for fw in frameworks:
-        for label, read in (("measured", lambda r: None if (m := _measured(r)) is None else m / MB),
-                            ("difference", _difference)):
+        for label, read in (("measured", scaled(_measured, 1 / MB)), ("difference", _difference)):
             table = metric_table(records, Metric(label, label, "MB", read, 2, ""), [fw], sizes)
             rows.append((f"{title(fw)} {label}", [format_cell(v, 2) for v in table.loc[fw]]))
     rows.extend(_growth_rows(records, frameworks, sizes))
@@ -63,7 +72,7 @@ def memory_breakdown_section(data: dict[str, Any]) -> Section | None:
         Paragraph("Predicted from the model for one training step (harness.neutral.memory: parameters, gradients, "
                   "optimizer state, buffers, the gradient accumulator and the activations each layer keeps for the "
                   "backward pass, float32), the same for every framework; then, per framework, the measured peak "
-                  "and the difference. " + NOTE[data["backend"]] + " " + GROWTH),
+                  "and the difference. " + NOTE[data.backend] + " " + GROWTH),
         batch_table(rows, sizes)))
 
 
@@ -73,14 +82,13 @@ GROWTH = ("The growth rows divide what the measured peak grew by from the smalle
           "per sample, and more is its per-sample overhead (the backward pass's temporaries, workspaces, copies).")
 
 
-def _growth_rows(records: list[dict[str, Any]], frameworks: list[str], sizes: list[int]) -> list[tuple[str, list[str]]]:
+def _growth_rows(records: list[TrialRecord], frameworks: list[str], sizes: list[int]) -> list[tuple[str, list[str]]]:
     """Per framework: (measured peak at B - at the smallest B) / (predicted total at B - at the smallest B), as
     "2.50 x" cells ("" for the smallest size, a size either is missing for, or no growth predicted)."""
     if len(sizes) < 2:
         return []
     measured = metric_table(records, Metric("m", "m", "B", _measured, 0, ""), frameworks, sizes)
-    predicted = metric_table(records, Metric("p", "p", "B", lambda r: read_path(
-        r, "metrics", "memory_predicted", "total"), 0, ""), frameworks, sizes)
+    predicted = metric_table(records, Metric("p", "p", "B", _total, 0, ""), frameworks, sizes)
     rows = []
     for fw in frameworks:
         cells = [""]

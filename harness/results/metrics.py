@@ -1,5 +1,6 @@
-"""What each reported number is: ``Metric`` (how it is read from a trial record, its title, unit and meaning), the
-metrics of a run by sampler backend, and the row a trial belongs to. No reading of files and no formatting here."""
+"""What each reported number is: ``Metric`` (how it is read from a typed trial record, its title, unit and meaning),
+the metrics of a run by sampler backend, and a row's title. No reading of files and no formatting here; figures
+derived from a record (MFU, energy per sample, the memory peak) come from ``harness.results.derived``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import adapters  # the registry of declarations: imports no framework
+from harness.record.trial import TrialRecord
+from harness.results import derived
 
 MB = 1e6
+
+#: How a metric is read from a trial record: a number, or None where the record has none.
+Read = Callable[[TrialRecord], "float | None"]
 
 
 @dataclass(frozen=True)
@@ -19,21 +25,14 @@ class Metric:
     key: str
     title: str
     unit: str
-    read: Callable[[dict[str, Any]], float | None]
+    read: Read
     digits: int
     meaning: str
-    sampler_metric: str | None = None  # the sampler metric it reads, whose statistics carry a scope
+    sampler_metric: str | None = None  # the sampler metric it reads (the record's name), whose statistics carry a scope
     ci: bool = False  # show the 95% interval: of the median over repeats, or of the mean over seeds (over_seeds)
     over_seeds: bool = False  # with several seeds: the mean over seeds of each seed's median over its repeats
     optional: bool = False  # reported only when some trial has a value (e.g. NVML GPM metrics: Hopper and newer)
 
-
-def row_key(record: dict[str, Any]) -> str:
-    """The row a trial belongs to: its framework entry's label (the framework's name in runs without labels), plus
-    its variant in parentheses when the spec has variants."""
-    variant = record.get("variant") or ""
-    row = record.get("label") or record["framework"]
-    return f"{row} ({variant})" if variant else row
 
 def title(key: str) -> str:
     """A row's title: a built-in framework's name as its declaration writes it ("pytorch" -> "PyTorch"), any other
@@ -42,116 +41,101 @@ def title(key: str) -> str:
     record = adapters.BUILTIN.get(framework)
     return (record.title if record else framework) + (f" ({variant}" if variant else "")
 
-def read_path(record: dict[str, Any], *path: str) -> Any:
-    value: Any = record
-    for part in path:
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
+
+def scaled(read: Callable[[TrialRecord], Any], scale: float = 1.0) -> Read:
+    """``read`` as a float times ``scale`` (None stays None)."""
+    def value(record: TrialRecord) -> float | None:
+        found = read(record)
+        return None if found is None else float(found) * scale
+
     return value
 
-def scaled(scale: float, *path: str) -> Callable[[dict[str, Any]], float | None]:
-    def read(record: dict[str, Any]) -> float | None:
-        value = read_path(record, *path)
-        return None if value is None else float(value) * scale
 
-    return read
+def sampler_stat(metric: str, stat: str, scale: float = 1.0) -> Read:
+    """A statistic of a sampled metric (the record's name: ``gpu_util_pct``), times ``scale``."""
+    return scaled(lambda r: r.sampler.stat(metric, stat), scale)
 
-def sampler_stat(metric: str, stat: str, scale: float = 1.0) -> Callable[[dict[str, Any]], float | None]:
-    return scaled(scale, "sampler", "stats", metric, stat)
-
-def _gpu_memory(record: dict[str, Any]) -> float | None:
-    process = read_path(record, "sampler", "stats", "process_memory_bytes", "max")
-    if process is not None:
-        return process / MB
-    device = read_path(record, "sampler", "stats", "device_memory_used_bytes", "max")
-    return None if device is None else device / MB
-
-def _energy_per_sample(record: dict[str, Any]) -> float | None:
-    joules = read_path(record, "sampler", "energy", "joules")
-    samples = read_path(record, "metrics", "measured_samples")
-    return joules / samples if joules is not None and samples else None
-
-def _mean_power(record: dict[str, Any]) -> float | None:
-    power = read_path(record, "sampler", "energy", "mean_power_w")
-    return power if power is not None else read_path(record, "sampler", "stats", "power_w", "mean")
 
 #: NVML GPM metrics (harness.measure.nvml; Hopper and newer, nvmlGpmMetricsGet), reported where a trial has them.
 GPM_METRICS = [
-    Metric("sm_active", "SM activity (mean)", "%", sampler_stat("sm_active_percent", "mean"), 2,
+    Metric("sm_active", "SM activity (mean)", "%", sampler_stat("sm_active_pct", "mean"), 2,
            "mean over the timed windows of NVML GPM SM activity (NVML_GPM_METRIC_SM_UTIL): the % of SMs busy, averaged "
-           "over each sampling period; unlike GPU use %, a kernel on a few SMs reads low", "sm_active_percent",
+           "over each sampling period; unlike GPU use %, a kernel on a few SMs reads low", "sm_active_pct",
            optional=True),
-    Metric("sm_occupancy", "SM occupancy (mean)", "%", sampler_stat("sm_occupancy_percent", "mean"), 2,
+    Metric("sm_occupancy", "SM occupancy (mean)", "%", sampler_stat("sm_occupancy_pct", "mean"), 2,
            "mean of NVML GPM SM occupancy (NVML_GPM_METRIC_SM_OCCUPANCY): resident warps as a % of the SMs' maximum",
-           "sm_occupancy_percent", optional=True),
-    Metric("tensor_active", "Tensor-pipe activity (mean)", "%", sampler_stat("tensor_active_percent", "mean"), 2,
+           "sm_occupancy_pct", optional=True),
+    Metric("tensor_active", "Tensor-pipe activity (mean)", "%", sampler_stat("tensor_active_pct", "mean"), 2,
            "mean of NVML GPM tensor-pipe activity (NVML_GPM_METRIC_ANY_TENSOR_UTIL): % of time the SMs' tensor "
-           "pipes ran any tensor operation", "tensor_active_percent", optional=True),
-    Metric("dram_bw", "DRAM bandwidth utilization (mean)", "%", sampler_stat("dram_bw_util_percent", "mean"), 2,
+           "pipes ran any tensor operation", "tensor_active_pct", optional=True),
+    Metric("dram_bw", "DRAM bandwidth utilization (mean)", "%", sampler_stat("dram_bw_util_pct", "mean"), 2,
            "mean of NVML GPM DRAM bandwidth utilization (NVML_GPM_METRIC_DRAM_BW_UTIL): % of the theoretical "
-           "maximum DRAM bandwidth used", "dram_bw_util_percent", optional=True),
+           "maximum DRAM bandwidth used", "dram_bw_util_pct", optional=True),
 ]
 
 
 def metrics_for(backend: str) -> list[Metric]:
     """The metrics reported for a run whose sampler used ``backend`` ("nvml" or "host")."""
     common = [
-        Metric("throughput", "Throughput", "samples/s", scaled(1.0, "metrics", "throughput"), 1,
+        Metric("throughput", "Throughput", "samples/s", scaled(lambda r: r.metrics.throughput_samples_per_s), 1,
                "training samples per second over the timed windows (warm-up, evaluation excluded)", ci=True),
-        Metric("seconds_per_epoch", "Time per epoch", "s", scaled(1.0, "metrics", "seconds_per_epoch"), 3,
+        Metric("seconds_per_epoch", "Time per epoch", "s", scaled(lambda r: r.metrics.epoch_time_s), 3,
                "samples per epoch / throughput: one epoch's training time without warm-up and evaluation", ci=True),
-        Metric("step_ms", "Step time (median)", "ms", scaled(1e3, "metrics", "step_time_median_s"), 3,
+        Metric("step_ms", "Step time (median)", "ms", scaled(lambda r: r.metrics.step_time_median_s, 1e3), 3,
                "median over timed windows of window time / steps in the window"),
-        Metric("step_p90_ms", "Step time (p90)", "ms", scaled(1e3, "metrics", "step_time_p90_s"), 3,
+        Metric("step_p90_ms", "Step time (p90)", "ms", scaled(lambda r: r.metrics.step_time_p90_s, 1e3), 3,
                "90th percentile of the same per-step times"),
-        Metric("first_step_s", "First step (compilation included)", "s", scaled(1.0, "metrics", "first_step_seconds"),
-               3, "the trial's first step alone, synced on both sides: tracing, compilation, autotuning and first "
+        Metric("first_step_s", "First step (compilation included)", "s", scaled(lambda r: r.metrics.first_step_s), 3,
+               "the trial's first step alone, synced on both sides: tracing, compilation, autotuning and first "
                "allocations, plus one step's work; a warm-up step, never in the throughput"),
-        Metric("accuracy", "Test accuracy after the last epoch", "%", scaled(100.0, "metrics", "test_accuracy"),
+        Metric("accuracy", "Test accuracy after the last epoch", "%", scaled(lambda r: r.metrics.test_accuracy, 100.0),
                2, "share of the test set classified correctly after the last epoch", ci=True, over_seeds=True),
-        Metric("train_loss", "Training loss (last epoch)", "", scaled(1.0, "metrics", "final_train_loss"), 4,
-               "mean of the losses read at each sync during the last epoch", ci=True, over_seeds=True),
-        Metric("gflops", "Achieved training compute", "GFLOP/s", scaled(1e-9, "metrics", "achieved_flops"), 2,
+        Metric("train_loss", "Training loss (last epoch)", "", scaled(lambda r: r.metrics.final_train_loss), 4,
+               "mean training loss over every optimizer step since the evaluation before the last one (the last "
+               "epoch's steps, with an evaluation every epoch), warm-up steps included: each step's loss is summed "
+               "on the device and read outside the timed windows, so the figure does not depend on where they end",
+               ci=True, over_seeds=True),
+        Metric("gflops", "Achieved training compute", "GFLOP/s",
+               scaled(lambda r: r.metrics.achieved_flops_per_s, 1e-9), 2,
                "throughput x training FLOPs per sample (3 x forward; 2 FLOPs per multiply-accumulate)"),
     ]
     if backend == "nvml":
         device = [
-            Metric("util", "GPU use (mean)", "%", sampler_stat("gpu_util_percent", "mean"), 2,
+            Metric("util", "GPU use (mean)", "%", sampler_stat("gpu_util_pct", "mean"), 2,
                    "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)",
-                   "gpu_util_percent"),
-            Metric("util_max", "GPU use (max)", "%", sampler_stat("gpu_util_percent", "max"), 2,
-                   "max of the same samples", "gpu_util_percent"),
-            Metric("memory", "GPU memory (worker, peak)", "MB", _gpu_memory, 1,
+                   "gpu_util_pct"),
+            Metric("util_max", "GPU use (max)", "%", sampler_stat("gpu_util_pct", "max"), 2,
+                   "max of the same samples", "gpu_util_pct"),
+            Metric("memory", "GPU memory (worker, peak)", "MB", scaled(derived.gpu_memory_bytes, 1 / MB), 1,
                    "peak NVML memory of the worker process on the GPU (device memory used where NVML does not report "
                    "per-process memory); MB = 10^6 bytes", "process_memory_bytes"),
             Metric("device_memory", "GPU memory (device, peak)", "MB",
                    sampler_stat("device_memory_used_bytes", "max", 1 / MB), 1,
                    "peak NVML device memory used, all processes; MB = 10^6 bytes", "device_memory_used_bytes"),
-            Metric("allocator_peak", "Framework allocator peak", "MB", scaled(1 / MB, "metrics", "memory",
-                                                                                "allocator_peak_bytes"), 1,
+            Metric("allocator_peak", "Framework allocator peak", "MB", scaled(
+                lambda r: r.metrics.memory.allocator_peak_bytes, 1 / MB), 1,
                    "the framework's own peak of tensor memory in the measured phase (PyTorch max_memory_allocated, "
                    "TensorFlow get_memory_info peak; MXNet exposes none)"),
-            Metric("mfu", "Model FLOPs utilization", "%", scaled(100.0, "metrics", "mfu"), 2,
+            Metric("mfu", "Model FLOPs utilization", "%", scaled(derived.mfu_fraction, 100.0), 2,
                    "achieved training FLOP/s over the device's dense peak in the trial's precision (tf32, bf16 "
                    "and fp16 their Tensor Core peaks; harness.measure.peaks, each with its datasheet source); empty "
                    "for a device or precision not in the table"),
             *GPM_METRICS,
-            Metric("power", "Power (mean)", "W", _mean_power, 1,
+            Metric("power", "Power (mean)", "W", derived.mean_power_w, 1,
                    "mean board power over the timed windows (energy / time where NVML's energy counter exists, else "
                    "the mean of NVML power samples)", "power_w"),
             Metric("energy_per_sample", "Energy per training sample", "mJ",
-                   lambda r: None if (e := _energy_per_sample(r)) is None else e * 1e3, 3,
+                   scaled(derived.energy_per_sample_j, 1e3), 3,
                    "board energy over the timed windows (NVML total-energy counter, else integrated power) / samples "
                    "trained in them; the whole board, not only this process"),
         ]
     else:
         device = [
-            Metric("util", "CPU use (mean)", "%", sampler_stat("cpu_percent", "mean"), 1,
+            Metric("util", "CPU use (mean)", "%", sampler_stat("cpu_pct", "mean"), 1,
                    "mean CPU use of the worker process tree over the timed windows (psutil; 100 = one core busy)",
-                   "cpu_percent"),
-            Metric("util_max", "CPU use (max)", "%", sampler_stat("cpu_percent", "max"), 1, "max of the same samples",
-                   "cpu_percent"),
+                   "cpu_pct"),
+            Metric("util_max", "CPU use (max)", "%", sampler_stat("cpu_pct", "max"), 1, "max of the same samples",
+                   "cpu_pct"),
             Metric("memory", "Resident memory (peak)", "MB", sampler_stat("rss_bytes", "max", 1 / MB), 1,
                    "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes", "rss_bytes"),
         ]

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.results.data import TRIAL_COLUMNS, Run
-from harness.results.metrics import read_path
 
 #: The trial columns logged as params (strings), the rest of the numeric ones as metrics.
 PARAMS = ("framework", "row", "label", "environment", "variant", "batch_size", "effective_batch_size",
@@ -100,7 +99,7 @@ def _export(client: Any, run: Run, experiment: str | None, artifacts: str | None
     found = client.get_experiment_by_name(name)
     experiment_id = (found.experiment_id if found is not None else
                      client.create_experiment(name, artifact_location=artifacts and f"{artifacts}/{name}"))
-    run_key = f"{run.path.name}@{run.info.get('started', '')}"
+    run_key = f"{run.path.name}@{run.info.started or ''}"
     parents = _find(client, experiment_id, **{"harness.run": run_key, "harness.kind": "sweep"})
     if parents:
         parent_id = parents[0].info.run_id
@@ -108,9 +107,10 @@ def _export(client: Any, run: Run, experiment: str | None, artifacts: str | None
         parent = client.create_run(experiment_id, run_name=run.path.name,
                                    tags={"harness.run": run_key, "harness.kind": "sweep"})
         parent_id = parent.info.run_id
-        sweep_params = {"spec": run.spec["name"], "device": run.info.get("device"),
-                        "harness_version": run.info.get("harness_version"),
-                        "git_commit": read_path(run.machine, "git", "commit"), "schema_version": run.schema_version,
+        sweep_params = {"spec": run.spec["name"], "device": run.info.device,
+                        "harness_version": run.info.harness_version,
+                        "git_commit": (run.machine.get("git") or {}).get("commit"),
+                        "schema_version": run.schema_version,
                         "batch_sizes": ",".join(map(str, run.spec.get("batch_sizes", []))),
                         "epochs": run.spec.get("epochs"), "trials": len(run.records)}
         client.log_batch(parent_id, params=[Param(k, _param(v)) for k, v in sweep_params.items()])

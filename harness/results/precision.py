@@ -3,28 +3,27 @@ accuracy against fp32's, per framework, execution mode and batch size, from rows
 
 from __future__ import annotations
 
-from typing import Any
-
-from harness.results.metrics import row_key, title
+from harness.record.trial import TrialRecord
+from harness.results.metrics import title
 from harness.results.sections import Block, Paragraph, Section, batch_table
 from harness.results.stats import overlaps
-from harness.results.tables import metric_table
+from harness.results.tables import ReportData, metric_table
 
 REFERENCE = "fp32"
 
 
-def _without_precision(record: dict[str, Any]) -> tuple[str, str]:
+def _without_precision(record: TrialRecord) -> tuple[str, str]:
     """The row a record would be in if precision were not varied: its label and the other parts of its variant."""
-    parts = [p for p in (record.get("variant") or "").split(", ") if p and p != record.get("precision")]
-    return (record.get("label") or record["framework"], ", ".join(parts))
+    parts = [p for p in record.variant.split(", ") if p and p != record.precision]
+    return (record.label, ", ".join(parts))
 
 
-def precision_pairs(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+def precision_pairs(records: list[TrialRecord]) -> list[tuple[str, str, str]]:
     """(reference row, other row, other precision) for every pair of report rows that differ only in precision,
     the reference being the fp32 row; in the order the rows first appear."""
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for r in records:
-        rows.setdefault(_without_precision(r), {}).setdefault(r.get("precision") or REFERENCE, row_key(r))
+        rows.setdefault(_without_precision(r), {}).setdefault(r.precision or REFERENCE, r.row)
     return [(by[REFERENCE], row, precision) for by in rows.values() if REFERENCE in by
             for precision, row in by.items() if precision != REFERENCE and row != by[REFERENCE]]
 
@@ -34,15 +33,15 @@ def _verdict(a: tuple[float, float] | None, b: tuple[float, float] | None) -> st
     return "" if overlap is None else " (within noise)" if overlap else " (beyond noise)"
 
 
-def precision_accuracy_section(data: dict[str, Any]) -> Section | None:
+def precision_accuracy_section(data: ReportData) -> Section | None:
     """Per pair of rows that differ only in precision (``precision_pairs``): at each batch size the change of test
     accuracy in percentage points (the other precision's cell minus fp32's, each the report's accuracy cell: the
     median over ok repeats, or the mean over seeds), marked within/beyond noise where both cells have 95% intervals;
     then per pair the change of the curve itself: the accuracy drop from the smallest to the largest batch size that
     both precisions ran, in each precision. None when no two rows differ only in precision."""
-    metric = next(m for m in data["metrics"] if m.key == "accuracy")
-    sizes, records = data["batch_sizes"], data["records"]
-    cis = data["cis"].get("accuracy", {})
+    metric = next(m for m in data.metrics if m.key == "accuracy")
+    sizes, records = data.batch_sizes, data.records
+    cis = data.cis.get("accuracy", {})
     pairs = precision_pairs(records)
     if not pairs:
         return None

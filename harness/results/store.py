@@ -1,25 +1,37 @@
-"""The run directory: ``run.json``, ``trials.jsonl`` and the raw samples, written so that nothing finished is lost.
+"""The run directory: ``run.json``, ``trials.jsonl`` and the raw samples, written so that nothing finished is lost,
+and read back as typed records (``harness.record``) through one loader: ``read_run``, ``read_trials`` and
+``read_events`` (``harness.results.data.load_run`` builds its frames on them).
 
 Layout of ``results/<UTC time>-<spec name>/``:
 
-- ``run.json``: the spec as run, the environment (see ``harness.measure.machine``), the harness version, the start time.
-- ``trials.jsonl``: one JSON object per finished trial (any status), appended, flushed and fsynced before the next
+- ``run.json``: a ``RunRecord``: the spec as run, the environment (see ``harness.measure.machine``), the harness
+  version, the start time, the sessions; created and changed only through ``RunFile``.
+- ``trials.jsonl``: one ``TrialRecord`` per finished trial (any status), appended, flushed and fsynced before the next
   trial starts. A crash can leave at most a torn last line, which ``read_trials`` ignores.
-- ``samples/<trial id>.jsonl``: every sampler sample (``t`` = time.monotonic() seconds, then the metrics), and
-  ``events/<trial id>.jsonl``: the worker's events (phases, epochs, result).
+- ``samples/<trial id>.jsonl``: every sampler sample (``t`` = time.monotonic() seconds, then the metrics in the
+  sampler's names), and ``events/<trial id>.jsonl``: the worker's events (phases, epochs, result).
 - ``report.md`` and ``plots/*.png``: written by ``harness report``.
+
+Records of older schema versions are read through ``harness.record.legacy`` (their names mapped to this version's);
+a newer version, or a record that is not one, is a one-line ``SchemaError``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from harness.results.schema import SchemaError, check_version
+from pydantic import ValidationError
+
+from harness.record import legacy
+from harness.record.events import Event, event_data
+from harness.record.run import RunRecord
+from harness.record.trial import TrialRecord
+from harness.record.version import SchemaError, check_version
 
 
 def _dumps(value: Any) -> str:
@@ -56,9 +68,9 @@ def append_line(path: Path, row: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def append_trial(run_dir: Path, record: dict[str, Any]) -> None:
+def append_trial(run_dir: Path, record: TrialRecord) -> None:
     """Appends one trial record to the run's trials.jsonl, on disk before this returns."""
-    append_line(run_dir / "trials.jsonl", record)
+    append_line(run_dir / "trials.jsonl", record.data())
 
 
 def drop_torn_tail(path: Path) -> bool:
@@ -112,19 +124,31 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def read_trials(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The finished trials of a run, in the order they finished. Raises SchemaError (one line) for a record written
-    with a newer schema than this harness reads (``harness.results.schema``)."""
+def _invalid(where: str, err: ValidationError) -> SchemaError:
+    first = err.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(the record)"
+    return SchemaError(f"{where}: not a valid record ({err.error_count()} problem(s); {field}: {first['msg']})")
+
+
+def read_trials(run_dir: str | os.PathLike[str]) -> list[TrialRecord]:
+    """The finished trials of a run, in the order they finished, as this version's records (older versions mapped
+    by ``harness.record.legacy``). Raises SchemaError (one line) for a record written with a newer schema than this
+    harness reads, or one that is not a trial record."""
     path = Path(run_dir) / "trials.jsonl"
-    records = read_lines(path)
-    for number, record in enumerate(records, 1):
-        check_version(record, f"{path}: record {number} ({record.get('id', '?')})")
+    records = []
+    for number, data in enumerate(read_lines(path), 1):
+        where = f"{path}: record {number} ({data.get('id', '?') if isinstance(data, dict) else '?'})"
+        version = check_version(data, where)
+        try:
+            records.append(legacy.trial(data, version))
+        except ValidationError as err:
+            raise _invalid(where, err) from None
     return records
 
 
-def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """run.json of a run directory. Raises FileNotFoundError when it is not a run directory, SchemaError when it was
-    written with a newer schema than this harness reads or is not JSON."""
+def read_run(run_dir: str | os.PathLike[str]) -> RunRecord:
+    """run.json of a run directory, as this version's record. Raises FileNotFoundError when it is not a run
+    directory, SchemaError when it was written with a newer schema than this harness reads or is not a run.json."""
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no run.json)")
@@ -132,5 +156,48 @@ def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         info = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise SchemaError(f"{path}: not valid JSON ({err})") from None
-    check_version(info, str(path))
-    return info
+    version = check_version(info, str(path))
+    try:
+        return legacy.run(info, version)
+    except ValidationError as err:
+        raise _invalid(str(path), err) from None
+
+
+def write_events(path: Path, events: Iterable[Event]) -> None:
+    """A trial's events as JSON lines (``harness.record.events.event_data``)."""
+    write_lines(path, (event_data(event) for event in events))
+
+
+def read_events(run_dir: str | os.PathLike[str], trial: str) -> list[Event]:
+    """The worker's events of one trial (``events/<id>.jsonl``), typed (an older run's names mapped by
+    ``harness.record.legacy.event``); raises FileNotFoundError naming the file."""
+    path = Path(run_dir) / "events" / f"{trial}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no events for trial {trial}")
+    return [legacy.event(row) for row in read_lines(path)]
+
+
+class RunFile:
+    """A run's ``run.json``, created and changed through here only: ``create`` writes the first record, ``update``
+    reads the current one, applies a change (a ``RunRecord`` method: ``session``, ``interrupt``, ``resume``,
+    ``finish``) and writes the result atomically."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]):
+        self.run_dir = Path(run_dir)
+
+    @classmethod
+    def create(cls, run_dir: str | os.PathLike[str], record: RunRecord) -> RunFile:
+        made = cls(run_dir)
+        made._write(record)
+        return made
+
+    def read(self) -> RunRecord:
+        return read_run(self.run_dir)
+
+    def update(self, change: Callable[[RunRecord], RunRecord]) -> RunRecord:
+        record = change(self.read())
+        self._write(record)
+        return record
+
+    def _write(self, record: RunRecord) -> None:
+        write_json(self.run_dir / "run.json", RunRecord.model_validate(record.data()).data())

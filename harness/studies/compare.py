@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 from scipy import stats as scipy_stats
 
+from harness.record.trial import TrialRecord
 from harness.results import tables
-from harness.results.metrics import Metric, metrics_for, row_key
+from harness.results.metrics import Metric, metrics_for
 from harness.results.stats import log_spread, moderated, pooled
 from harness.results.store import read_run, read_trials
 from harness.studies import history
@@ -87,12 +88,12 @@ class _Test:
         return max(dfs) if dfs else math.inf  # the drift alone is assumed, not estimated
 
 
-def _cells(records: list[dict[str, Any]]) -> set[tuple[str, int]]:
-    return {(row_key(r), r["batch_size"]) for r in records}
+def _cells(records: list[TrialRecord]) -> set[tuple[str, int]]:
+    return {(r.row, r.batch_size) for r in records}
 
 
-def _status(records: list[dict[str, Any]], cell: tuple[str, int]) -> str:
-    statuses = sorted({r["status"] for r in records if (row_key(r), r["batch_size"]) == cell})
+def _status(records: list[TrialRecord], cell: tuple[str, int]) -> str:
+    statuses = sorted({r.status for r in records if (r.row, r.batch_size) == cell})
     return "/".join(statuses)
 
 
@@ -118,13 +119,13 @@ def compare_runs(base_dir: str | Path, new_dir: str | Path, threshold_pct: float
     if not drift_pct >= 0:
         raise ValueError(f"the drift must be 0 or more percent, not {drift_pct:g}")
     base_run, new_run = read_run(base_dir), read_run(new_dir)
-    past = history_medians(history_file, new_run.get("spec", {}).get("name"), history.device_name(new_run),
-                           {Path(new_dir).name}, history_runs)
+    past = history_medians(history_file, new_run.name, history.device_name(new_run), {Path(new_dir).name},
+                           history_runs)
     rows, summary = _compare(read_trials(base_dir), read_trials(new_dir), past, threshold_pct, alpha,
                              math.log1p(drift_pct / 100))
-    summary.update(base=Path(base_dir).name, new=Path(new_dir).name, base_device=base_run.get("device"),
-                   new_device=new_run.get("device"))
-    if base_run.get("spec", {}).get("name") != new_run.get("spec", {}).get("name"):
+    summary.update(base=Path(base_dir).name, new=Path(new_dir).name, base_device=base_run.device,
+                   new_device=new_run.device)
+    if base_run.name != new_run.name:
         summary["warning"] = "the runs come from different specs"
     return rows, summary
 
@@ -135,31 +136,31 @@ def compare_rows(run_dir: str | Path, base_row: str, new_row: str, threshold_pct
     entries of one spec, e.g. two interpreters, whose trials alternate), cell by cell at each batch size, with the
     same rule and noise model as ``compare_runs``. The machine's drift from one run to the next then falls on both
     sides alike, so only the repeat-to-repeat noise is left to tell apart from a change; a history does not apply.
-    ``base_row``/``new_row``: row names as the report prints them (``harness.results.metrics.row_key``: the entry's
-    label, with its variant in parentheses). Raises FileNotFoundError when the directory is not a run and ValueError
+    ``base_row``/``new_row``: row names as the report prints them (``TrialRecord.row``: the entry's label, with its
+    variant in parentheses). Raises FileNotFoundError when the directory is not a run and ValueError
     naming the run's rows when a row is not in it or both are the same."""
     records = read_trials(run_dir)
     run = read_run(run_dir)
-    present = sorted({row_key(r) for r in records})
+    present = sorted({r.row for r in records})
     for name in (base_row, new_row):
         if name not in present:
             raise ValueError(f"{run_dir}: no row {name!r}; its rows: {', '.join(present) or 'none'}")
     if base_row == new_row:
         raise ValueError(f"give two different rows, not {base_row!r} twice")
     common = f"{new_row} vs {base_row}"
-    base = [{**r, "label": common, "variant": ""} for r in records if row_key(r) == base_row]
-    new = [{**r, "label": common, "variant": ""} for r in records if row_key(r) == new_row]
+    base = [r.model_copy(update={"label": common, "variant": ""}) for r in records if r.row == base_row]
+    new = [r.model_copy(update={"label": common, "variant": ""}) for r in records if r.row == new_row]
     rows, summary = _compare(base, new, [], threshold_pct, alpha)
     name = Path(run_dir).name
-    summary.update(base=f"{name} [{base_row}]", new=f"{name} [{new_row}]", base_device=run.get("device"),
-                   new_device=run.get("device"), interleaved=True)
+    summary.update(base=f"{name} [{base_row}]", new=f"{name} [{new_row}]", base_device=run.device,
+                   new_device=run.device, interleaved=True)
     return rows, summary
 
 
-def _compare(base: list[dict[str, Any]], new: list[dict[str, Any]], past: list[dict[str, Any]],
+def _compare(base: list[TrialRecord], new: list[TrialRecord], past: list[dict[str, Any]],
              threshold_pct: float, alpha: float, drift: float = 0.0) -> tuple[list[Row], dict[str, Any]]:
     """The rows and the summary's counts for two sets of trial records (cells keyed by row and batch size)."""
-    backend = next((r["sampler"].get("backend") for r in base + new if r.get("sampler", {}).get("backend")), "host")
+    backend = next((r.sampler.backend for r in base + new if r.sampler.backend), "host")
     metrics = {m.key: m for m in metrics_for(backend) if m.key in COMPARED}
     rows: list[Row] = []
     tests: list[_Test] = []

@@ -11,45 +11,44 @@ from pathlib import Path
 from typing import Any
 
 import adapters  # the registry of declarations: imports no framework
-from harness.results import tables
-from harness.results.metrics import row_key
+from harness.record.run import RunRecord
+from harness.results.data import build
 from harness.results.store import append_line, read_lines
 
 TRACKED = ("throughput", "seconds_per_epoch", "accuracy", "memory", "util")
 
 
-def device_name(run: dict[str, Any]) -> str | None:
+def device_name(run: RunRecord) -> str | None:
     """The device a run (its run.json) measured, by name: the GPU's NVML name on cuda, else the CPU's model."""
-    env = run.get("environment", {})
+    env = run.environment
     gpu_names = [d.get("name") for d in env.get("gpu", {}).get("devices", [])]
-    return gpu_names[0] if run.get("device", "cpu").startswith("cuda") and gpu_names else env.get("cpu")
+    return gpu_names[0] if run.device.startswith("cuda") and gpu_names else env.get("cpu")
 
 
 def summary_row(run_dir: str | Path) -> dict[str, Any]:
     """The history row of one run directory."""
-    data = tables.build(run_dir)
-    run = data["run"]
-    metrics = {m.key: m for m in data["metrics"] if m.key in TRACKED}
+    data = build(run_dir)
+    run = data.run
+    metrics = {m.key: m for m in data.metrics if m.key in TRACKED}
     cells: dict[str, dict[str, Any]] = {}
-    for fw in data["frameworks"]:
-        for bs in data["batch_sizes"]:
-            statuses = sorted({r["status"] for r in data["records"] if row_key(r) == fw and r["batch_size"] == bs})
+    for fw in data.frameworks:
+        for bs in data.batch_sizes:
+            statuses = sorted({r.status for r in data.cell_records(fw, bs)})
             if not statuses:
                 continue
             cell: dict[str, Any] = {"status": "/".join(statuses)}
             for key in metrics:
-                value = data["tables"][key].loc[fw, bs]
+                value = data.tables[key].loc[fw, bs]
                 cell[key] = value if isinstance(value, float) else None
             cells[f"{fw}/{bs}"] = cell
-    env = run.get("environment", {})
     versions: dict[str, str] = {}
     framework_keys = {k for record in adapters.records() for k in record.version_keys}
-    for r in data["records"]:
-        versions.update({k: v for k, v in r.get("versions", {}).items() if k in framework_keys})
-    return {"run": Path(run_dir).name, "spec": run["spec"]["name"], "started": run.get("started"),
-            "commit": env.get("git", {}).get("commit"),
+    for r in data.records:
+        versions.update({k: v for k, v in r.versions.items() if k in framework_keys})
+    return {"run": Path(run_dir).name, "spec": run.name, "started": run.started,
+            "commit": run.environment.get("git", {}).get("commit"),
             "device": device_name(run),
-            "versions": versions, "backend": data["backend"], "cells": cells}
+            "versions": versions, "backend": data.backend, "cells": cells}
 
 
 def append(history_file: str | Path, run_dir: str | Path) -> dict[str, Any]:

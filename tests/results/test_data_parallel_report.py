@@ -4,14 +4,18 @@ share of the step is not measured."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from harness.record import TrialRecord
+from harness.results import derived
 from harness.results.data_parallel import data_parallel_section
 from harness.results.sections import Table, to_markdown
 
 
-def _record(devices, throughput, repeat=0, peaks=None, process_peak=None, rss=None):
+def _record(devices, throughput, repeat=0, peaks=None, process_peak=None, rss=None, **sampled):
     """An ok record of the pytorch row at 32 samples per device, its sampler as the launcher writes it: on GPUs the
     trial's process memory (stats, the most loaded device's) and each device's peak (``peaks``, bytes)."""
-    sampler = {"stats": {}}
+    sampler = {"stats": {}, **sampled}
     if process_peak is not None:
         sampler["stats"]["process_memory_bytes"] = {"max": process_peak}
     if rss is not None:
@@ -19,11 +23,19 @@ def _record(devices, throughput, repeat=0, peaks=None, process_peak=None, rss=No
     if peaks is not None:
         sampler["devices"] = [{"index": i, "device": f"cuda:{i}", "memory_peak_bytes": p} for i, p in enumerate(peaks)]
         sampler["memory_peak_over_devices_bytes"] = max(peaks)
-    return {"id": f"pytorch-dp{devices}-r{repeat}", "framework": "pytorch", "label": "pytorch", "status": "ok",
-            "batch_size": 32 * devices, "per_device_batch_size": 32, "data_parallel": devices, "repeat": repeat,
-            "variant": f"{devices} device" + ("s" if devices > 1 else ""),
-            "metrics": {"throughput": throughput, "data_parallel_mechanism": "DistributedDataParallel"},
-            "sampler": sampler}
+    return TrialRecord.model_validate({
+        "id": f"pytorch-dp{devices}-r{repeat}", "framework": "pytorch", "label": "pytorch", "status": "ok",
+        "batch_size": 32 * devices, "per_device_batch_size": 32, "data_parallel": devices, "repeat": repeat,
+        "variant": f"{devices} device" + ("s" if devices > 1 else ""), "device": "cuda:0", "wall_s": 1.0,
+        "metrics": {"throughput_samples_per_s": throughput,
+                    "data_parallelism": {"devices": [f"cuda:{i}" for i in range(devices)],
+                                         "mechanism": "DistributedDataParallel"}},
+        "sampler": sampler})
+
+
+def _data(records, backend, device):
+    """What the section reads of a run's ReportData."""
+    return SimpleNamespace(records=records, backend=backend, run=SimpleNamespace(device=device))
 
 
 def _tables(section):
@@ -34,7 +46,7 @@ def test_gpu_memory_is_the_peak_over_devices_and_each_device_is_listed():
     records = [_record(1, 1000.0, process_peak=2.0e9),
                _record(2, 1800.0, repeat=0, peaks=[2.5e9, 2.1e9], process_peak=2.5e9),
                _record(2, 1900.0, repeat=1, peaks=[2.7e9, 2.3e9], process_peak=2.7e9)]
-    section = data_parallel_section({"records": records, "backend": "nvml", "run": {"device": "cuda:0"}})
+    section = data_parallel_section(_data(records, "nvml", "cuda:0"))
     throughput, memory, per_device = _tables(section)
     assert throughput.rows == (("PyTorch", "1", "1,000 (n=1)"), ("PyTorch", "2", "1,850 (0.93, n=2)"))
     assert memory.rows == (("PyTorch", "1", "2,000.0"), ("PyTorch", "2", "2,600.0"))
@@ -47,7 +59,7 @@ def test_gpu_memory_is_the_peak_over_devices_and_each_device_is_listed():
 
 def test_host_memory_is_every_rank_together_with_no_per_device_table():
     records = [_record(1, 500.0, rss=1.0e8), _record(2, 600.0, rss=1.9e8)]
-    section = data_parallel_section({"records": records, "backend": "host", "run": {"device": "cpu"}})
+    section = data_parallel_section(_data(records, "host", "cpu"))
     throughput, memory = _tables(section)
     assert memory.rows == (("PyTorch", "1", "100.0"), ("PyTorch", "2", "190.0"))
     text = to_markdown([section])
@@ -57,13 +69,11 @@ def test_host_memory_is_every_rank_together_with_no_per_device_table():
 
 def test_mfu_of_a_data_parallel_trial_is_against_all_its_gpus():
     from harness.measure import peaks
-    from harness.studies.sweep import add_mfu
 
     name = "NVIDIA H100 80GB HBM3"
     peak, _ = peaks.lookup(name, "fp32")
-    one = {"metrics": {"achieved_flops": peak / 2}, "device": "cuda:0", "sampler": {"name": name}}
-    two = {**one, "metrics": {"achieved_flops": peak / 2}, "data_parallel": 2}
-    add_mfu(one)
-    add_mfu(two)
-    assert one["metrics"]["mfu"] == 0.5 and two["metrics"]["mfu"] == 0.25
-    assert two["metrics"]["peak_flops"] == 2 * peak
+    one, two = _record(1, 1000.0, name=name), _record(2, 1000.0, name=name)
+    for record in (one, two):
+        record.metrics.achieved_flops_per_s = peak / 2
+    assert derived.mfu(one).fraction == 0.5 and derived.mfu(two).fraction == 0.25
+    assert derived.mfu(two).peak_flops_per_s == 2 * peak

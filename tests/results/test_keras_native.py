@@ -5,10 +5,13 @@ memory ratios of a Keras row over its native framework's row per batch size, the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from harness.record import TrialRecord
 from harness.results import html, report
 from harness.results.keras_native import keras_native_section, pairs
 from harness.results.sections import Table, to_markdown
-from tests.results.test_report import make_run, record
+from tests.helpers import make_run, record
 
 MB = 1e6
 
@@ -105,14 +108,15 @@ def test_an_explicit_label_is_kept_and_still_paired(tmp_path):
 
 def test_pairs_by_native_and_variant_with_every_native_label():
     def rec(framework, label, variant=""):
-        return {"framework": framework, "label": label, "variant": variant}
+        return TrialRecord(id=f"{label}-{variant}", framework=framework, label=label, variant=variant, batch_size=8,
+                           repeat=0, device="cpu", status="ok", wall_s=1.0)
 
     records = [rec("keras-torch", "keras-torch", "bf16"), rec("keras-torch", "keras-torch", "fp32"),
                rec("pytorch", "pytorch", "bf16"), rec("pytorch", "pytorch", "fp32"),
                rec("pytorch", "pytorch nightly", "bf16"), rec("jax", "jax", "bf16"), rec("tensorflow", "tensorflow")]
     rows = ["keras-torch (bf16)", "keras-torch (fp32)", "pytorch (bf16)", "pytorch (fp32)", "pytorch nightly (bf16)",
             "jax (bf16)", "tensorflow"]
-    assert pairs({"records": records, "frameworks": rows}) == [
+    assert pairs(SimpleNamespace(records=records, frameworks=rows)) == [
         ("keras-torch (bf16)", "pytorch (bf16)"), ("keras-torch (bf16)", "pytorch nightly (bf16)"),
         ("keras-torch (fp32)", "pytorch (fp32)")]
 

@@ -1,53 +1,22 @@
-"""The report from constructed run directories: Ohio State layout, statuses in cells, medians with bootstrap
-intervals over repeats, noise pairs, the GPU (NVML) layout with memory layers, MFU and energy per sample."""
+"""The report from constructed run directories (records written as trials.jsonl holds them, schema version 2, read
+back through the one loader): Ohio State layout, statuses in cells, medians with bootstrap intervals over repeats,
+noise pairs, the GPU (NVML) layout with memory layers, MFU and energy per sample (derived once, in
+``harness.results.derived``)."""
 
 from __future__ import annotations
-
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 
-from harness.results import html, report, store, tables
+from harness.record import TrialRecord
+from harness.results import derived, html, report, store, tables
 from harness.results.sections import BulletList, Images, Lines, Paragraph, Section, batch_table, to_markdown
 from harness.results.stats import median_ci, overlaps
-from harness.studies.sweep import add_mfu
+from tests.helpers import make_run, record, same_content
 
 
-def record(framework, batch_size, repeat=0, status="ok", throughput=100.0, accuracy=0.5, backend="host", **extra):
-    stats = ({"cpu_percent": {"mean": 90.0, "max": 100.0, "count": 3, "scope": "windows"},
-              "rss_bytes": {"mean": 4e8, "max": 5e8, "count": 3, "scope": "windows"}} if backend == "host" else
-             {"gpu_util_percent": {"mean": 40.0, "max": 60.0, "count": 5, "scope": "windows"},
-              "process_memory_bytes": {"mean": 6e8, "max": 7e8, "count": 5, "scope": "windows"},
-              "device_memory_used_bytes": {"mean": 9e8, "max": 1e9, "count": 5, "scope": "windows"}})
-    metrics = {} if status != "ok" else {
-        "throughput": throughput, "seconds_per_epoch": 1000 / throughput, "step_time_median_s": batch_size / throughput,
-        "step_time_p90_s": 1.1 * batch_size / throughput, "test_accuracy": accuracy, "final_train_loss": 0.3,
-        "achieved_flops": throughput * 1e9, "measured_samples": 10_000, "data_bytes": 2_000_000,
-        "memory": {"allocator_peak_bytes": 3e8} if backend == "nvml" else {}}
-    rec = {"id": f"{framework}-bs{batch_size}-r{repeat}", "framework": framework, "batch_size": batch_size,
-           "repeat": repeat, "device": "cuda:0" if backend == "nvml" else "cpu", "status": status,
-           "reason": "" if status == "ok" else "CUDA out of memory", "metrics": metrics,
-           "sampler": {"backend": backend, "stats": stats, **({"name": "NVIDIA H100 80GB HBM3"} if backend == "nvml"
-                                                               else {})}}
-    rec.update(extra)
-    return rec
-
-
-def make_run(tmp_path, records, frameworks=("pytorch", "mxnet"), batch_sizes=(8, 16), epochs=10):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    spec = {"name": "t", "frameworks": list(frameworks), "batch_sizes": list(batch_sizes), "epochs": epochs,
-            "warmup_steps": 5, "seed": 0, "cpu_threads": 1, "dataset": {"name": "digits"},
-            "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9, "weight_decay": 0.0},
-            "sampler": {"interval_s": 0.1}, "timing": {"window": "auto"}}
-    device = "cuda:0" if records and records[0]["device"].startswith("cuda") else "cpu"
-    store.write_json(run_dir / "run.json", {"spec": spec, "device": device,
-                                              "planned_trials": [r["id"] for r in records],
-                                              "environment": {}, "started": "now", "finished": "later"})
-    for rec in records:
-        store.append_trial(run_dir, rec)
-    return run_dir
+def typed(records):
+    return [TrialRecord.model_validate(r) for r in records]
 
 
 def test_ohio_state_layout_with_statuses_and_medians(tmp_path):
@@ -74,9 +43,9 @@ def test_repeats_give_median_and_interval_and_noise_pairs(tmp_path):
                     record("pytorch", 16, repeat, throughput=200 + rng.normal(0, 2)),
                     record("mxnet", 16, repeat, throughput=300 + rng.normal(0, 2))]
     data = report.build(make_run(tmp_path, records))
-    metric = next(m for m in data["metrics"] if m.key == "throughput")
-    low, high = data["cis"]["throughput"][("pytorch", 8)]
-    values = tables.cell_values(records, metric, "pytorch", 8)
+    metric = data.metric("throughput")
+    low, high = data.cis["throughput"][("pytorch", 8)]
+    values = tables.cell_values(typed(records), metric, "pytorch", 8)
     assert low <= np.median(values) <= high and high - low < 10
     pairs = tables.noise_pairs(data, metric)
     assert pairs == ["PyTorch vs MXNet at batch size 8"]
@@ -96,9 +65,11 @@ def test_gpu_layout_memory_layers_mfu_and_energy(tmp_path):
     recs = [record("pytorch", 8, backend="nvml", throughput=67_000.0,
                    ), record("mxnet", 8, backend="nvml", throughput=33_500.0)]
     for rec in recs:
-        rec["sampler"]["energy"] = {"joules": 500.0, "mean_power_w": 250.0, "method": "counter", "seconds": 2.0}
-        add_mfu(rec)
-    assert recs[0]["metrics"]["mfu"] == pytest.approx(67_000 * 1e9 / 67e12)
+        rec["sampler"]["energy"] = {"energy_j": 500.0, "mean_power_w": 250.0, "method": "counter", "duration_s": 2.0}
+    found = derived.mfu(TrialRecord.model_validate(recs[0]))
+    assert found.fraction == pytest.approx(67_000 * 1e9 / 67e12) and found.peak_flops_per_s == 67e12
+    assert "H100" in found.source and found.note is None
+    assert derived.energy_per_sample_j(TrialRecord.model_validate(recs[0])) == pytest.approx(0.05)
     text = report.write(make_run(tmp_path, recs, batch_sizes=(8,))).read_text()
     assert "| PyTorch GPU use % | 40.00 |" in text and "| PyTorch GPU memory MB | 700.00 |" in text
     assert "| PyTorch NVML device MB | 1,000.0 |" in text and "| PyTorch allocator peak MB | 300.0 |" in text
@@ -110,26 +81,22 @@ def test_gpu_layout_memory_layers_mfu_and_energy(tmp_path):
 
 
 def test_mfu_left_out_for_cpu_and_unknown_devices():
-    cpu = record("pytorch", 8)
-    add_mfu(cpu)
-    assert "mfu" not in cpu["metrics"]
-    assert "mfu_note" not in cpu["metrics"]  # a CPU has no peak to miss
+    assert derived.mfu(TrialRecord.model_validate(record("pytorch", 8))) is None  # a CPU has no peak to miss
     unknown = record("pytorch", 8, backend="nvml")
     unknown["sampler"]["name"] = "NVIDIA L40S"  # not an L4: names match whole
-    add_mfu(unknown)
-    assert "mfu" not in unknown["metrics"]
-    assert unknown["metrics"]["mfu_note"] == "unknown device: no peak (NVIDIA L40S)"
-    t4 = record("pytorch", 8, backend="nvml")
+    found = derived.mfu(TrialRecord.model_validate(unknown))
+    assert found.fraction is None and found.note == "unknown device: no peak (NVIDIA L40S)"
+    t4 = record("pytorch", 8, backend="nvml", precision="bf16")  # the T4's entry has no bf16 peak
     t4["sampler"]["name"] = "Tesla T4"
-    add_mfu(t4, "bf16")  # the T4's entry has no bf16 peak
-    assert "mfu" not in t4["metrics"] and t4["metrics"]["mfu_note"] == "no bf16 peak for Tesla T4"
+    found = derived.mfu(TrialRecord.model_validate(t4))
+    assert found.fraction is None and found.note == "no bf16 peak for Tesla T4"
+    pair = record("pytorch", 8, backend="nvml", data_parallel=2, throughput=67_000.0)  # two GPUs: twice the peak
+    assert derived.mfu(TrialRecord.model_validate(pair)).fraction == pytest.approx(0.5)
 
 
 def test_the_report_says_why_mfu_is_empty(tmp_path):
     known, unknown = record("pytorch", 8, backend="nvml"), record("mxnet", 8, backend="nvml")
     unknown["sampler"]["name"] = "NVIDIA RTX A1000"
-    for rec in (known, unknown):
-        add_mfu(rec)
     text = report.write(make_run(tmp_path, [known, unknown], batch_sizes=(8,))).read_text()
     section = text[text.index("## Model FLOPs utilization (%)"):]
     section = section[:section.index("\n## ", 5)]
@@ -140,7 +107,7 @@ def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
     """Variants x batch sizes around a power of two, with repeats, scaling and a target accuracy."""
     from harness.plan import checked_spec as validate
     from harness.studies.sweep import run_spec
-    from tests.conftest import base_spec
+    from tests.helpers import base_spec
 
     monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.002")
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[15, 16, 17], epochs=2, repeats=2,
@@ -150,8 +117,8 @@ def test_study_sections_from_a_real_run(fault_adapter, monkeypatch, tmp_path):
                     tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "r")
     records = store.read_trials(run_dir)
-    assert len(records) == 2 * 2 * 3 and {r["variant"] for r in records} == {"sgd lr=0.1", "sgd lr=0.4 m=0.5"}
-    assert {r["learning_rate"] for r in records if r["batch_size"] == 16} == {0.1, 0.4}
+    assert len(records) == 2 * 2 * 3 and {r.variant for r in records} == {"sgd lr=0.1", "sgd lr=0.4 m=0.5"}
+    assert {r.learning_rate for r in records if r.batch_size == 16} == {0.1, 0.4}
     text = report.write(run_dir).read_text()
     text = text.replace("| fault (", "| Fault (")  # only built-in frameworks get a capitalised title
     assert "| Fault (sgd lr=0.1) |" in text and "| Fault (sgd lr=0.4 m=0.5) |" in text
@@ -170,10 +137,10 @@ def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
     recs[0]["sampler"].update(unavailable={"energy_mj":
                                            "NVML_ERROR_NOT_SUPPORTED (nvmlDeviceGetTotalEnergyConsumption)"},
                               notes=["MIG instance: device-level utilization is not available"],
-                              energy={"joules": 9.0, "method": "power_integral", "short_windows": 2, "windows": 5,
-                                      "short_window_s": 1.0, "seconds": 0.1},
+                              energy={"energy_j": 9.0, "method": "power_integral", "short_windows": 2, "windows": 5,
+                                      "short_window_s": 1.0, "duration_s": 0.1},
                               throttle={"count": 4, "share": {"gpu_idle": 0.5, "sw_power_cap": 0.25}})
-    recs[1]["sampler"]["energy"] = {"joules": 5.0, "method": "counter", "short_windows": 0, "windows": 5}
+    recs[1]["sampler"]["energy"] = {"energy_j": 5.0, "method": "counter", "short_windows": 0, "windows": 5}
     text = report.write(make_run(tmp_path, recs, batch_sizes=(8,))).read_text()
     section = text[text.index("## How the sampler fared"):]
     assert "- energy_mj: NVML_ERROR_NOT_SUPPORTED" in section
@@ -197,14 +164,15 @@ def test_seeds_give_the_mean_and_a_t_interval_for_accuracy_and_repeats_the_media
                       id=f"pytorch-bs8-r{repeat}-s{seed}") for repeat in range(2) for seed in accuracy]
     run_dir = make_run(tmp_path, records, frameworks=("pytorch",), batch_sizes=(8,))
     data = report.build(run_dir)
-    acc = next(m for m in data["metrics"] if m.key == "accuracy")
+    acc = data.metric("accuracy")
     values = np.array(list(accuracy.values())) * 100
-    assert data["tables"]["accuracy"].loc["pytorch", 8] == pytest.approx(values.mean())
+    assert data.tables["accuracy"].loc["pytorch", 8] == pytest.approx(values.mean())
     half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
-    low, high = data["cis"]["accuracy"][("pytorch", 8)]
+    low, high = data.cis["accuracy"][("pytorch", 8)]
     assert (low, high) == pytest.approx((values.mean() - half, values.mean() + half))
-    thr = next(m for m in data["metrics"] if m.key == "throughput")
-    assert data["tables"]["throughput"].loc["pytorch", 8] == np.median(tables.cell_values(records, thr, "pytorch", 8))
+    thr = data.metric("throughput")
+    records = typed(records)
+    assert data.tables["throughput"].loc["pytorch", 8] == np.median(tables.cell_values(records, thr, "pytorch", 8))
     assert tables.seed_values(records, acc, "pytorch", 8) == pytest.approx(list(values))
     text = report.write(run_dir).read_text()
     assert "Cells show the mean over 3 seeds [95% t-interval of that mean]" in text
@@ -213,7 +181,7 @@ def test_seeds_give_the_mean_and_a_t_interval_for_accuracy_and_repeats_the_media
 
 def test_seeds_plan_one_trial_per_seed_with_its_own_seed(tmp_path):
     from harness.plan import checked_spec, plan
-    from tests.conftest import base_spec
+    from tests.helpers import base_spec
 
     spec = checked_spec(base_spec(seeds=[3, 7], repeats=2, batch_sizes=[16]), tmp_path / "s.yaml")
     trials = plan(spec, "cpu")
@@ -254,8 +222,7 @@ def test_mixed_precision_accuracy_against_fp32_per_batch_size(tmp_path):
     assert "Mixed precision" not in report.write(make_run(tmp_path / "b", plain, frameworks=("pytorch",))).read_text()
 
 
-GPM_STATS = {"sm_active_percent": 55.0, "sm_occupancy_percent": 30.0, "tensor_active_percent": 42.5,
-             "dram_bw_util_percent": 12.25}
+GPM_STATS = {"sm_active_pct": 55.0, "sm_occupancy_pct": 30.0, "tensor_active_pct": 42.5, "dram_bw_util_pct": 12.25}
 
 
 def _with_gpm(rec, scale=1.0):
@@ -269,8 +236,6 @@ def test_gpm_rows_beside_gpu_use_and_mfu_where_trials_have_them(tmp_path):
     (an older GPU) reads n/a, and each gets its own section."""
     records = [_with_gpm(record("pytorch", 8, backend="nvml")), _with_gpm(record("pytorch", 16, backend="nvml"), 2),
                record("mxnet", 8, backend="nvml"), record("mxnet", 16, backend="nvml")]
-    for rec in records:
-        add_mfu(rec)
     data = report.build(make_run(tmp_path, records))
     labels = [label for label, _ in tables.ohio_state_rows(data)]
     assert labels[:7] == ["PyTorch GPU use %", "PyTorch SM active %", "PyTorch SM occupancy %",
@@ -286,51 +251,13 @@ def test_gpm_rows_beside_gpu_use_and_mfu_where_trials_have_them(tmp_path):
 def test_no_gpm_rows_without_gpm_values(tmp_path):
     nvml = [record("pytorch", 8, backend="nvml"), record("mxnet", 8, backend="nvml")]
     data = report.build(make_run(tmp_path, nvml, batch_sizes=(8,)))
-    assert not {"sm_active", "sm_occupancy", "tensor_active", "dram_bw"} & {m.key for m in data["metrics"]}
+    assert not {"sm_active", "sm_occupancy", "tensor_active", "dram_bw"} & {m.key for m in data.metrics}
     text = report.render_markdown(data)
-    assert "SM active" not in text and "GPM" not in text and "MFU %" not in text  # no record has an MFU either
+    assert "SM active" not in text and "GPM" not in text and "MFU %" in text  # MFU, derived for every GPU trial
     (tmp_path / "cpu").mkdir()
     cpu = report.build(make_run(tmp_path / "cpu", [_with_gpm(record("pytorch", 8))], batch_sizes=(8,)))
     assert [label for label, _ in tables.ohio_state_rows(cpu)] == [
         "PyTorch CPU use %", "PyTorch RSS MB", "PyTorch accuracy after 10 epochs %"]
-
-
-class _Rendered(HTMLParser):
-    """The text of every heading and every table cell of an HTML page (plots' SVG left out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.headings: list[str] = []
-        self.cells: list[str] = []
-        self._text: list[str] | None = None
-        self._svg = 0
-
-    def handle_starttag(self, tag: str, attrs: list) -> None:
-        self._svg += tag == "svg"
-        if tag in ("td", "th", "h1", "h2", "h3", "h4"):
-            self._text = []
-
-    def handle_endtag(self, tag: str) -> None:
-        self._svg -= tag == "svg"
-        if tag in ("td", "th", "h1", "h2", "h3", "h4") and self._text is not None:
-            (self.cells if tag in ("td", "th") else self.headings).append(" ".join("".join(self._text).split()))
-            self._text = None
-
-    def handle_data(self, data: str) -> None:
-        if self._text is not None and not self._svg:
-            self._text.append(data)
-
-
-def same_content(markdown: str, page: str) -> tuple[list[str], list[str]]:
-    """The headings and table cells of ``markdown`` that ``page`` lacks (the plots section is PNG links only)."""
-    seen = _Rendered()
-    seen.feed(page)
-    markdown = markdown.split("\n## Plots\n")[0]
-    headings = [line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")]
-    cells = [" ".join(cell.replace("`", "").replace("\\*", "*").split()) for line in markdown.splitlines()
-             if line.startswith("| ") and not line.startswith("| ---") for cell in line[2:-2].split(" | ")]
-    html_cells = {cell.replace("|", "/") for cell in seen.cells}  # Markdown writes a | in a cell as /
-    return [h for h in headings if h not in seen.headings], sorted({c for c in cells if c not in html_cells})
 
 
 def test_markdown_and_html_are_rendered_from_the_same_sections(tmp_path):
@@ -340,15 +267,13 @@ def test_markdown_and_html_are_rendered_from_the_same_sections(tmp_path):
                record("mxnet", 8, backend="nvml"), record("mxnet", 16, status="oom", backend="nvml",
                                                           reason="out | of memory")]
     records[2]["sampler"]["unavailable"] = {"sm_active": "no GPM on this GPU"}
-    for rec in records:
-        add_mfu(rec)
     run_dir = make_run(tmp_path, records)
     text = report.write(run_dir).read_text()
     page = (run_dir / "report.html").read_text()
     assert same_content(text, page) == ([], [])
     assert "| mxnet-bs16-r0 | oom | out / of memory |" in text and "<td class=\"l\">out | of memory</td>" in page
     data = report.build(run_dir)
-    data["run"]["run_dir"] = str(run_dir)
+    assert data.run_dir == run_dir
     computed = report.sections(data)
     assert to_markdown(computed) == text
     assert [s.title for s in computed][:3] == ["t: 4 of 4 trials", "The Ohio State layout", "Memory, layer by layer"]

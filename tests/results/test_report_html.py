@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", "--disable-default-apps", "--no-first-run", "--hide-scrollbars"]
@@ -105,7 +105,7 @@ def test_report_html_renders_every_table_and_plot_offline(real_run, tmp_path):
     assert seen["console"] == [] and seen["requests"] == [], (seen["console"], seen["requests"])
     tags = seen["tags"]
     ok = list(run.trials.query("status == 'ok'")["id"])
-    assert tags.count.get("svg", 0) == len(run.data["metrics"]) + len(ok)  # every metric, every trial's series
+    assert tags.count.get("svg", 0) == len(run.data.metrics) + len(ok)  # every metric, every trial's series
     assert tags.count.get("img", 0) == 0 and tags.count.get("script", 0) == 0 and tags.count.get("link", 0) == 0
     trial_rows = tags.rows["trials"][1:]
     assert len(trial_rows) == len(run.trials)
@@ -130,7 +130,7 @@ def test_report_html_renders_every_table_and_plot_offline(real_run, tmp_path):
 
 def test_report_md_and_html_of_a_real_run_carry_the_same_content(real_run):
     """Without a browser: every heading and table cell of report.md is one of report.html (one set of sections)."""
-    from tests.results.test_report import same_content
+    from tests.helpers import same_content
 
     assert same_content((real_run / "report.md").read_text(), (real_run / "report.html").read_text()) == ([], [])
 
@@ -145,7 +145,7 @@ def test_two_runs_side_by_side(real_run, tmp_path):
     seen = open_page(page, tmp_path / "b")
     assert seen["console"] == [] and seen["requests"] == []
     run = harness.load_run(real_run)
-    assert seen["tags"].count.get("svg", 0) == len(run.data["metrics"])
+    assert seen["tags"].count.get("svg", 0) == len(run.data.metrics)
     assert "Regressions beyond 5% and the noise: 0" in seen["dom"]  # a run against its own copy
     verdicts = next(rows for rows in seen["tags"].rows.values() if rows[0].endswith("noise verdict"))
     assert len(verdicts) > 1 and f"{base.name} (base) against {real_run.name} (new)" in seen["dom"]

@@ -15,11 +15,11 @@ import pytest
 
 import harness
 from harness.execution.launcher import STATUSES
-from harness.measure.sampler import windows_from_events
+from harness.record import phase_windows
 from harness.results import export
 from harness.results.schema import SCHEMA_VERSION, SchemaError, Status, TrialRecord, trial_schema_json
-from harness.results.store import read_trials
-from tests.conftest import ROOT
+from harness.results.store import read_lines, read_trials
+from tests.helpers import ROOT
 
 
 def _copy(run_dir, tmp_path, name="copy"):
@@ -32,16 +32,17 @@ def test_trials_frame_has_one_flat_row_per_record_with_units_in_its_names(real_r
     run = harness.load_run(real_run)
     records = read_trials(real_run)
     frame = run.trials
-    assert list(frame["id"]) == [r["id"] for r in records] and len(frame) == 8
+    assert list(frame["id"]) == [r.id for r in records] and len(frame) == 8
     assert {"throughput_samples_per_s", "peak_memory_bytes", "cpu_util_mean_pct", "test_accuracy", "row",
             "environment", "precision", "compile", "seed", "repeat", "status", "reason"} <= set(frame.columns)
     assert set(frame["status"]) == {"ok", "unsupported"}
     for record in records:
-        row = frame.set_index("id").loc[record["id"]]
-        if record["status"] == "ok":
-            assert row["throughput_samples_per_s"] == record["metrics"]["throughput"]
-            assert row["peak_memory_bytes"] == record["sampler"]["stats"]["rss_bytes"]["max"]
-            assert row["test_accuracy"] == record["metrics"]["test_accuracy"]
+        row = frame.set_index("id").loc[record.id]
+        if record.status == "ok":
+            assert row["throughput_samples_per_s"] == record.metrics.throughput_samples_per_s
+            assert row["peak_memory_bytes"] == record.sampler.stat("rss_bytes", "max")
+            assert row["cpu_util_mean_pct"] == record.sampler.stat("cpu_pct", "mean")
+            assert row["test_accuracy"] == record.metrics.test_accuracy
         else:
             assert np.isnan(row["throughput_samples_per_s"]) and row["reason"].startswith("not run")
     assert frame["schema_version"].eq(SCHEMA_VERSION).all() and run.schema_version == SCHEMA_VERSION
@@ -76,7 +77,7 @@ def test_epochs_and_samples_frames(real_run):
     assert samples["t_s"].iloc[0] == 0 and samples["t"].is_monotonic_increasing
     assert "train" in set(samples["phase"]) and set(samples["phase"]) <= {"warmup", "train", "eval", "other"}
     for phase in ("warmup", "train", "eval"):  # a sample is labelled with the phase whose window holds it
-        windows = windows_from_events(run.events(trial), phase)
+        windows = phase_windows(run.events(trial), phase)
         inside = samples["t"].map(lambda t, windows=windows: any(a <= t <= b for a, b in windows))
         assert (inside == (samples["phase"] == phase)).all(), phase
     with pytest.raises(KeyError, match="no trial"):
@@ -117,7 +118,7 @@ def test_version_0_runs_from_before_the_schema_still_read(real_run, tmp_path):
     info.pop("schema_version")
     (run_dir / "run.json").write_text(json.dumps(info))
     records = [{k: v for k, v in r.items() if k not in ("schema_version", "placement", "precision", "compile")}
-               for r in read_trials(run_dir)]
+               for r in read_lines(run_dir / "trials.jsonl")]
     (run_dir / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run = harness.load_run(run_dir)
     assert run.schema_version == 0 and run.trials["schema_version"].eq(0).all()
@@ -138,15 +139,15 @@ def test_a_missing_samples_file_is_a_clear_error_and_the_rest_reads(real_run, tm
 
 
 def test_every_record_matches_the_published_schema(real_run):
-    for record in read_trials(real_run):
-        TrialRecord.model_validate(record)
+    for line in read_lines(real_run / "trials.jsonl"):
+        TrialRecord.model_validate(line)
     assert (ROOT / "results" / "trial.schema.json").read_text() == trial_schema_json()
     printed = subprocess.run([sys.executable, "-m", "harness", "schema"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
     assert printed.returncode == 0 and json.loads(printed.stdout)["properties"]["status"]["enum"] == list(STATUSES)
     assert list(Status.__args__) == list(STATUSES)
     with pytest.raises(ValueError, match="status"):
-        TrialRecord.model_validate(read_trials(real_run)[0] | {"status": "fine"})
+        TrialRecord.model_validate(read_lines(real_run / "trials.jsonl")[0] | {"status": "fine"})
 
 
 @pytest.mark.parametrize("fmt", ["csv", "json", "parquet"])

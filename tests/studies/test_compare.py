@@ -13,25 +13,12 @@ import sys
 import numpy as np
 import pytest
 
+from harness.record import TrialRecord
 from harness.results import store
 from harness.studies.compare import DEFAULT_DRIFT_PCT, compare_runs, resolvable_lines, to_markdown
-from tests.results.test_report import record
+from tests.helpers import record, repeated_run
 
 FRAMEWORKS, BATCH_SIZES = ("pytorch", "mxnet"), (8, 16, 32, 64)
-
-
-def make_run(path, throughput, repeats=3, accuracy=lambda fw, bs, r: 0.9, frameworks=FRAMEWORKS,
-             batch_sizes=BATCH_SIZES):
-    """A run directory whose cell (fw, bs), repeat r has throughput(fw, bs, r)."""
-    path.mkdir(parents=True)
-    records = [record(fw, bs, r, throughput=throughput(fw, bs, r), accuracy=accuracy(fw, bs, r))
-               for r in range(repeats) for fw in frameworks for bs in batch_sizes]
-    spec = {"name": "t", "frameworks": list(frameworks), "batch_sizes": list(batch_sizes)}
-    store.write_json(path / "run.json", {"spec": spec, "device": "cpu", "environment": {},
-                                         "planned_trials": [r["id"] for r in records]})
-    for rec in records:
-        store.append_trial(path, rec)
-    return path
 
 
 def noisy(rng, spread=0.10, slower=None):
@@ -50,8 +37,8 @@ def test_runs_of_the_same_distribution_rarely_raise_an_alarm(tmp_path):
     rng = np.random.default_rng(0)
     alarms = 0
     for i in range(30):
-        base = make_run(tmp_path / f"b{i}", noisy(rng))
-        new = make_run(tmp_path / f"n{i}", noisy(rng))
+        base = repeated_run(tmp_path / f"b{i}", noisy(rng))
+        new = repeated_run(tmp_path / f"n{i}", noisy(rng))
         rows, summary = compare_runs(base, new)
         alarms += summary["regressions"] > 0
         assert summary["tests"] == 8  # 8 cells x throughput; accuracy and memory repeat exactly: no noise to test
@@ -60,8 +47,8 @@ def test_runs_of_the_same_distribution_rarely_raise_an_alarm(tmp_path):
 
 def test_a_large_change_is_caught_and_one_inside_the_noise_is_not(tmp_path):
     rng = np.random.default_rng(1)
-    base = make_run(tmp_path / "base", noisy(rng))
-    new = make_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5, ("mxnet", 32): 0.88}))
+    base = repeated_run(tmp_path / "base", noisy(rng))
+    new = repeated_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5, ("mxnet", 32): 0.88}))
     assert regressions(compare_runs(base, new)[0]) == {("pytorch", 16, "Throughput")}
     rows, summary = compare_runs(base, new, drift_pct=0)  # the repeats alone
     assert regressions(rows) == {("pytorch", 16, "Throughput")}
@@ -78,8 +65,8 @@ def test_a_large_change_is_caught_and_one_inside_the_noise_is_not(tmp_path):
 
 def test_quiet_cells_resolve_small_changes(tmp_path):
     rng = np.random.default_rng(2)
-    base = make_run(tmp_path / "base", noisy(rng, spread=0.005))
-    new = make_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("mxnet", 8): 0.92}))
+    base = repeated_run(tmp_path / "base", noisy(rng, spread=0.005))
+    new = repeated_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("mxnet", 8): 0.92}))
     rows, summary = compare_runs(base, new, drift_pct=0)  # e.g. a machine known not to drift
     assert regressions(rows) == {("mxnet", 8, "Throughput")}
     assert summary["resolvable"]["Throughput"]["pct"] == 5.0  # the threshold, not the noise, is the limit
@@ -90,8 +77,8 @@ def test_one_noisy_cell_keeps_most_of_its_own_spread(tmp_path):
 
     def throughput(fw, bs, r):  # every cell quiet but pytorch 8, which swings by 40 %
         return 1000.0 * math.exp(rng.normal(0, 0.4 if (fw, bs) == ("pytorch", 8) else 0.01))
-    base = make_run(tmp_path / "base", throughput)
-    new = make_run(tmp_path / "new", lambda fw, bs, r: throughput(fw, bs, r) * (0.75 if (fw, bs) == ("pytorch", 8)
+    base = repeated_run(tmp_path / "base", throughput)
+    new = repeated_run(tmp_path / "new", lambda fw, bs, r: throughput(fw, bs, r) * (0.75 if (fw, bs) == ("pytorch", 8)
                                                                                  else 1.0))
     rows, _ = compare_runs(base, new)
     assert ("pytorch", 8, "Throughput") not in regressions(rows)
@@ -99,8 +86,8 @@ def test_one_noisy_cell_keeps_most_of_its_own_spread(tmp_path):
 
 def test_the_run_to_run_spread_of_a_history_joins_the_noise(tmp_path):
     rng = np.random.default_rng(4)
-    base = make_run(tmp_path / "base", noisy(rng, spread=0.005))
-    new = make_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("pytorch", 64): 0.8}))
+    base = repeated_run(tmp_path / "base", noisy(rng, spread=0.005))
+    new = repeated_run(tmp_path / "new", noisy(rng, spread=0.005, slower={("pytorch", 64): 0.8}))
     assert regressions(compare_runs(base, new, drift_pct=0)[0]) == {("pytorch", 64, "Throughput")}
     history_file = tmp_path / "history.jsonl"
     for i in range(8):  # earlier runs whose medians swing by 25 % from run to run
@@ -118,9 +105,9 @@ def test_the_run_to_run_spread_of_a_history_joins_the_noise(tmp_path):
 
 
 def test_without_repeats_the_drift_decides_and_says_so(tmp_path):
-    base = make_run(tmp_path / "base", lambda fw, bs, r: 1000.0, repeats=1)
+    base = repeated_run(tmp_path / "base", lambda fw, bs, r: 1000.0, repeats=1)
     slowed = {("mxnet", 16): 0.9, ("pytorch", 8): 0.5}
-    new = make_run(tmp_path / "new", lambda fw, bs, r: 1000.0 * slowed.get((fw, bs), 1.0), repeats=1)
+    new = repeated_run(tmp_path / "new", lambda fw, bs, r: 1000.0 * slowed.get((fw, bs), 1.0), repeats=1)
     rows, summary = compare_runs(base, new)
     assert regressions(rows) == {("pytorch", 8, "Throughput")}  # 10 % is inside a 5 % drift between two runs
     assert all(r.noise.endswith("(drift only, no repeats)") for r in rows if r.metric == "Throughput")
@@ -132,17 +119,17 @@ def test_without_repeats_the_drift_decides_and_says_so(tmp_path):
 
 
 def test_an_accuracy_drop_with_identical_repeats_is_decided_by_the_threshold(tmp_path):
-    base = make_run(tmp_path / "base", lambda fw, bs, r: 1000.0 + r)
-    new = make_run(tmp_path / "new", lambda fw, bs, r: 1000.0 + r,
-                   accuracy=lambda fw, bs, r: 0.8 if (fw, bs) == ("pytorch", 8) else 0.9)
+    base = repeated_run(tmp_path / "base", lambda fw, bs, r: 1000.0 + r)
+    new = repeated_run(tmp_path / "new", lambda fw, bs, r: 1000.0 + r,
+                       accuracy=lambda fw, bs, r: 0.8 if (fw, bs) == ("pytorch", 8) else 0.9)
     rows, _ = compare_runs(base, new)
     assert regressions(rows) == {("pytorch", 8, "Test accuracy after the last epoch")}
 
 
 def test_cli_options(tmp_path):
     rng = np.random.default_rng(5)
-    base = make_run(tmp_path / "base", noisy(rng))
-    new = make_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5}))
+    base = repeated_run(tmp_path / "base", noisy(rng))
+    new = repeated_run(tmp_path / "new", noisy(rng, slower={("pytorch", 16): 0.5}))
 
     def run(*extra):
         return subprocess.run([sys.executable, "-m", "harness", "compare", str(base), str(new), *extra],
@@ -160,8 +147,8 @@ def test_cli_options(tmp_path):
 @pytest.mark.parametrize("alpha", [0.2, 0.001])
 def test_a_smaller_alpha_needs_a_larger_score(tmp_path, alpha):
     rng = np.random.default_rng(6)
-    base = make_run(tmp_path / "base", noisy(rng))
-    new = make_run(tmp_path / "new", noisy(rng))
+    base = repeated_run(tmp_path / "base", noisy(rng))
+    new = repeated_run(tmp_path / "new", noisy(rng))
     rows, summary = compare_runs(base, new, alpha=alpha)
     needed = {r.needed for r in rows if r.metric == "Throughput"}
     assert len(needed) == 1
@@ -184,7 +171,7 @@ def make_ab_run(path, rng, drift, b_factor=1.0, repeats=5, spread=0.05):
     store.write_json(path / "run.json", {"spec": {"name": "ab"}, "device": "cpu", "environment": {},
                                          "planned_trials": [r["id"] for r in records]})
     for rec in records:
-        store.append_trial(path, rec)
+        store.append_trial(path, TrialRecord.model_validate(rec))
     return path
 
 
@@ -231,8 +218,9 @@ def two_runs(tmp_path, change, spread=0.025, repeats=5, name="", history=None):
     pattern = np.arange(repeats) - (repeats - 1) / 2
     pattern = pattern / pattern.std(ddof=1) * spread
     kw = dict(repeats=repeats, frameworks=("pytorch",), batch_sizes=(32, 64))
-    base = make_run(tmp_path / f"base{name}", lambda fw, bs, r: 100.0 * bs * math.exp(pattern[r]), **kw)
-    new = make_run(tmp_path / f"new{name}", lambda fw, bs, r: 100.0 * bs * (1 + change) * math.exp(pattern[r]), **kw)
+    base = repeated_run(tmp_path / f"base{name}", lambda fw, bs, r: 100.0 * bs * math.exp(pattern[r]), **kw)
+    new = repeated_run(tmp_path / f"new{name}", lambda fw, bs, r: 100.0 * bs * (1 + change) * math.exp(pattern[r]),
+                       **kw)
     return base, new
 
 
@@ -303,3 +291,35 @@ def test_drift_on_the_command_line(tmp_path):
     assert proc.returncode == 2 and "0 or more percent" in proc.stderr
     proc = cli(base, "--rows", "pytorch", "pytorch", "--drift-pct", "2")
     assert proc.returncode == 2 and "no --history or --drift-pct" in proc.stderr
+
+
+def test_a_stored_version_1_run_compares_and_enters_the_history(tmp_path):
+    """Runs written before the units moved into the names (schema version 1, tests/results/data/v1-run) read through
+    the one loader: compare sets them against a run of this version, history summarises them, with the same cells."""
+    import shutil
+    from pathlib import Path
+
+    from harness.studies import history
+
+    old = tmp_path / "v1"
+    shutil.copytree(Path(__file__).parents[1] / "results" / "data" / "v1-run", old)
+    stored = {}
+    for line in (old / "trials.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["status"] == "ok":
+            stored.setdefault(r["batch_size"], []).append(r["metrics"]["throughput"])
+    row = history.summary_row(old)
+    assert row["spec"] == "t" and row["cells"]["fault (fp32)/15"]["throughput"] == np.median(stored[15])
+    assert row["cells"]["fault (fp16)/15"] == {"status": "unsupported", **dict.fromkeys(
+        ("throughput", "seconds_per_epoch", "accuracy", "memory", "util"))}
+    new = tmp_path / "v2"  # the same trials written as this version's records
+    new.mkdir()
+    shutil.copy(old / "run.json", new / "run.json")
+    for old_record in store.read_trials(old):
+        store.append_trial(new, old_record.model_copy(update={"schema_version": 2}))
+    rows, summary = compare_runs(old, new)
+    assert summary["regressions"] == 0 and summary["missing"] == ["fault (fp16) bs15: failed in base"]
+    throughput = [r for r in rows if r.metric == "Throughput"]
+    assert {(r.framework, r.batch_size, r.verdict) for r in throughput} == {
+        ("fault (fp16)", 15, "failed in base"), ("fault (fp32)", 15, "same"), ("fault (fp32)", 16, "same")}
+    assert all(r.base == r.new for r in throughput if r.verdict == "same")

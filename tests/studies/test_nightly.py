@@ -18,7 +18,7 @@ from harness.results import store
 from harness.studies import history
 from harness.studies.compare import compare_runs
 from harness.studies.sweep import run_spec
-from tests.conftest import base_spec
+from tests.helpers import base_spec
 
 
 def cli(*args, cwd, env=None, timeout=300):
@@ -100,14 +100,14 @@ def test_resume_after_a_kill_finishes_exactly_the_plan(steady, write_spec, tmp_p
                              "--no-progress"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     kill_after(proc, "*/trials.jsonl", kill_at_lines, out)
     (run_dir,) = out.iterdir()
-    before = [r["id"] for r in store.read_trials(run_dir)]
+    before = [r.id for r in store.read_trials(run_dir)]
     assert len(before) < 6
     if kill_at_lines:
         with open(run_dir / "trials.jsonl", "ab") as f:
             f.write(b'{"id": "fault-bs128-r1", "status": "o')  # a write cut short by the crash
     proc = cli("run", str(spec_file), "--resume", str(run_dir), "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    after = [r["id"] for r in store.read_trials(run_dir)]
+    after = [r.id for r in store.read_trials(run_dir)]
     planned = json.loads((run_dir / "run.json").read_text())["planned_trials"]
     assert sorted(after) == sorted(planned) and len(after) == len(set(after)) == 6
     assert after[:len(before)] == before  # finished trials were kept, not rerun
@@ -155,7 +155,7 @@ def test_history_across_three_runs(steady, monkeypatch, tmp_path):
 
 @pytest.mark.serial  # judges a planted slowdown against timing noise
 def test_nightly_script_sets_a_baseline_then_catches_a_regression(steady, write_spec, monkeypatch, tmp_path):
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     spec_file = write_spec(base_spec(name="nightly", frameworks=[steady], batch_sizes=[64], epochs=1, repeats=3))
     env = {**os.environ, "PYTHON": sys.executable, "SPEC": str(spec_file), "RESULTS": str(tmp_path / "nightly"),
@@ -187,14 +187,14 @@ def fewest_repeats_for_noise_aware_verdicts(tmp_path):
     spread behind every throughput verdict), found by asking the rule on constructed runs of 1, 2, ... repeats."""
     import math
 
-    from tests.studies.test_compare import make_run
+    from tests.helpers import repeated_run
 
     for repeats in range(1, 10):
         def wobble(fw, bs, r):
             return 1000.0 * math.exp(0.02 * ((r * 7919) % 5 - 2))
 
-        base = make_run(tmp_path / f"base{repeats}", wobble, repeats=repeats)
-        new = make_run(tmp_path / f"new{repeats}", wobble, repeats=repeats)
+        base = repeated_run(tmp_path / f"base{repeats}", wobble, repeats=repeats)
+        new = repeated_run(tmp_path / f"new{repeats}", wobble, repeats=repeats)
         rows, summary = compare_runs(base, new)
         throughput = [r for r in rows if r.metric == "Throughput"]
         if (summary["resolvable"].get("Throughput", {}).get("within_pct") is not None
@@ -210,7 +210,7 @@ def test_the_nightly_runs_its_own_spec_with_enough_interleaved_repeats(tmp_path)
     (15 s fixed per trial, 1 ms per step), which the spec's comment quotes."""
     from harness import spec as spec_module
     from harness.plan import load, plan
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     script = (ROOT / "scripts" / "nightly-gpu.sh").read_text()
     assert re.search(r"^SPEC=\$\{SPEC:-([^}]+)\}$", script, re.M).group(1) == "specs/nightly.yaml"
@@ -235,7 +235,7 @@ def test_the_nightly_runs_its_own_spec_with_enough_interleaved_repeats(tmp_path)
     assert f"{len(trials)} trials" in comment and f"{minutes:.0f} min" in comment
 
 
-@pytest.mark.skipif(not (__import__("tests.conftest").conftest.ROOT / "envs" / "pytorch" / "bin" / "python").exists(),
+@pytest.mark.skipif(not (__import__("tests.helpers").helpers.ROOT / "envs" / "pytorch" / "bin" / "python").exists(),
                     reason="needs envs/pytorch (make envs)")
 def test_the_nightly_script_on_a_cpu_with_the_nightly_spec_made_tiny(tmp_path):
     """Two nights of the script on the CPU with specs/nightly.yaml shrunk (PyTorch only, one batch size, a small
@@ -243,7 +243,7 @@ def test_the_nightly_script_on_a_cpu_with_the_nightly_spec_made_tiny(tmp_path):
     drift assumed until the history has two earlier runs), not by the threshold alone."""
     import yaml
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     data = yaml.safe_load((ROOT / "specs" / "nightly.yaml").read_text())
     data.update(batch_sizes=[128], epochs=1, warmup_steps=1, repeats=2, cpu_threads=1, timeout_s=300,

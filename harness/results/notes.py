@@ -1,0 +1,84 @@
+"""The report's notes on how a run was measured: "How the sampler fared" (metrics not measured and why, sampler
+notes, the energy method, short windows, throttling) and "Slow windows and recompilations"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.results.sections import BulletList, Paragraph, Section
+from harness.results.tables import ReportData
+
+
+def _few(items: list[str]) -> str:
+    return "; ".join(items[:20]) + ("; ..." if len(items) > 20 else "")
+
+
+def measurement_notes(data: ReportData) -> Section | None:
+    """The "How the sampler fared" section: metrics the sampler could not read (and why), why NVML was not used,
+    backend notes and errors, which energy method each trial's figure came from and how many windows were too short
+    for it, and clocks-event (throttle) reasons seen during the timed windows. None when there is nothing to say."""
+    unavailable: dict[str, set[str]] = {}
+    notes: dict[str, list[str]] = {}
+    methods: dict[str, list[str]] = {}
+    short: list[str] = []
+    throttled: list[str] = []
+    for r in data.records:
+        info = r.sampler
+        for metric, why in info.unavailable.items():
+            unavailable.setdefault(metric, set()).add(str(why))
+        for note in [info.note, *info.notes, *info.errors]:
+            if note:
+                notes.setdefault(str(note), []).append(r.id)
+        energy = info.energy
+        if r.status == "ok" and data.backend == "nvml":
+            methods.setdefault((energy.method if energy else None) or "none", []).append(r.id)
+            if energy is not None and energy.short_windows:
+                short.append(f"{r.id} ({energy.short_windows} of {energy.windows} windows "
+                             f"< {energy.short_window_s} s)")
+        shares = info.throttle.share if info.throttle is not None else {}
+        active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
+        if active:
+            throttled.append(f"{r.id}: {', '.join(active)}")
+    blocks: list[Any] = []
+    if unavailable:
+        why_not = [f"{metric}: {'; '.join(sorted(why))}" for metric, why in sorted(unavailable.items())]
+        blocks += [Paragraph("Not measured (the device or driver does not provide it):"), BulletList(tuple(why_not))]
+    if notes:
+        counted = [f"{note} ({len(ids)} trial{'s' if len(ids) > 1 else ''})" for note, ids in notes.items()]
+        blocks += [Paragraph("Sampler notes:"), BulletList(tuple(counted))]
+    if methods:
+        names = {"counter": "NVML's total-energy counter (nvmlDeviceGetTotalEnergyConsumption)",
+                 "power_integral": "power integrated over time (nvmlDeviceGetPowerUsage; no energy counter)",
+                 "none": "no energy figure (neither counter nor power readings)"}
+        blocks.append(Paragraph("Energy came from: " + "; ".join(f"{names.get(m, m)}: {len(ids)} trials"
+                                                                 for m, ids in methods.items()) + "."))
+    if short:
+        blocks.append(Paragraph("Energy of windows shorter than the readings' refresh is approximate (the counter or "
+                                "power reading lags the window edges): " + _few(short) + "."))
+    if throttled:
+        blocks.append(Paragraph("Clock throttling seen in the timed windows (share of samples; see "
+                                "nvmlClocksEventReasons): " + _few(throttled) + "."))
+    return Section("sampler", "How the sampler fared", tuple(blocks)) if blocks else None
+
+
+def slow_window_notes(data: ReportData) -> Section | None:
+    """The trials whose framework counted recompilations after warm-up, and those with timed windows whose steps
+    took more than 3 x their median step (the worker's ``slow_windows``): a recompilation of a compiled step, a
+    garbage collection or the machine's noise, named so that a throughput is not read without it. None when there
+    are none."""
+    ok = [r for r in data.records if r.status == "ok"]
+    slow = [f"{r.id} ({m.slow_windows} of {m.timed_windows} windows, the slowest "
+            f"{(m.step_time_max_s or 0.0) / (m.step_time_median_s or 1.0):.1f} x the median step)"
+            for r in ok if (m := r.metrics).slow_windows]
+    recompiled = [f"{r.id} ({m.recompilations} after warm-up, {m.compilations_warmup} during it)"
+                  for r in ok if (m := r.metrics).recompilations]
+    blocks = []
+    if slow:
+        blocks.append(Paragraph("Timed windows whose steps took more than 3 x the trial's median step (a "
+                                "recompilation, a garbage collection or other load on the machine; they are inside "
+                                "the throughput): " + _few(slow) + "."))
+    if recompiled:
+        blocks.append(Paragraph("Recompilations inside the timed windows, by the framework's own count of traced or "
+                                "compiled train step graphs (their time is inside the throughput): "
+                                + _few(recompiled) + "."))
+    return Section("slow_windows", "Slow windows and recompilations", tuple(blocks)) if blocks else None
