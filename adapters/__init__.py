@@ -3,25 +3,22 @@
 Importing this package imports no framework: ``get(name)`` imports an adapter's module only when a trial needs it.
 Extra adapters (used by the test suite for fault injection, or by a user's own framework) are registered through the
 environment variable ``HARNESS_ADAPTERS``: a comma-separated list of ``name=module:Class``. It is inherited by worker
-processes, so the same names resolve there. What a built-in adapter lacks for a trial is decided at plan time from
-its declaration; an adapter added through ``HARNESS_ADAPTERS`` is decided in its worker, before ``build``.
+processes, so the same names resolve there. What an adapter lacks for a trial is decided by
+``harness.plan.support`` from its declaration: at plan time for a built-in adapter, in its worker (where its class
+is imported) for one added through ``HARNESS_ADAPTERS``.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING
 
 from adapters import jax, keras, mxnet, pytorch, tensorflow
-from adapters.base import Adapter, DeviceUnavailable, data_parallel_gap, execution_gap, input_gap, support_gap
+from adapters.base import Adapter, DeviceUnavailable
 from adapters.declaration import Declaration
 
-if TYPE_CHECKING:
-    from harness.neutral.models import ModelInfo
-
 __all__ = ["Adapter", "BUILTIN", "Declaration", "DeviceUnavailable", "attention", "available_names", "declaration",
-           "backends", "get", "records", "unsupported", "with_backend"]
+           "backends", "get", "records", "with_backend"]
 
 #: The built-in adapters' declarations by name, one line per framework (the order reports list them in).
 BUILTIN: dict[str, Declaration] = {d.name: d for d in (
@@ -61,7 +58,7 @@ def attention(name: str) -> str:
     declaration's for a built-in adapter, the contract's default ("unfused") for an adapter of ``HARNESS_ADAPTERS``
     (its worker reads the class itself)."""
     record = declaration(name)
-    return record.attention if record is not None else Adapter.ATTENTION
+    return record.attention if record is not None else "unfused"
 
 
 def _extra() -> dict[str, str]:
@@ -92,20 +89,3 @@ def get(name: str) -> type[Adapter]:
     if not (isinstance(cls, type) and issubclass(cls, Adapter)):
         raise TypeError(f"{target} is not an Adapter subclass")
     return cls
-
-
-def unsupported(name: str, info: ModelInfo, precision: str = "fp32", compile: str = "default",
-                device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
-                input: str = "resident") -> str | None:
-    """Why the adapter ``name`` cannot train ``info`` in ``precision`` with ``compile`` on ``device``, decided
-    without importing its framework, on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``: the
-    reason (``adapters.base.support_gap``, then ``execution_gap``, ``data_parallel_gap``, ``input_gap``) for a
-    built-in adapter that lacks something, else None (also for an adapter of ``HARNESS_ADAPTERS`` that replaces a
-    built-in name or is not one: its worker decides)."""
-    record = declaration(name)
-    if record is None:
-        return None
-    return support_gap(name, record.layers, record.tasks, info) or execution_gap(
-        name, record.precisions, record.compile_modes, record.default_compile, precision, compile, device,
-        record.notes) or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device) or input_gap(
-        record, input, data_parallel)

@@ -45,6 +45,25 @@ def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
 
 
 @dataclass(frozen=True)
+class Limit:
+    """A combination of trial settings an adapter cannot train, with the reason the plan records (``Declaration
+    .limits``). Every condition given must hold for the limit to apply; None matches anything. data_parallel: the
+    trial trains on several devices; sync_batchnorm: it asks for synchronised batchnorm and the model has
+    batchnorm; compile: the resolved mode ("eager", "compiled"); precision; device: the device kind ("cpu",
+    "cuda"); input: "resident" or "loader"; memory_limit: the trial has a memory cap (``memory_limit_mb``, or a
+    max-batch probe's)."""
+
+    reason: str
+    data_parallel: bool | None = None
+    sync_batchnorm: bool | None = None
+    compile: str | None = None
+    precision: str | None = None
+    device: str | None = None
+    input: str | None = None
+    memory_limit: bool | None = None
+
+
+@dataclass(frozen=True)
 class Declaration:
     """One framework's facts, for the plan, the launcher, the worker and the report.
 
@@ -71,6 +90,9 @@ class Declaration:
     data_parallel_mechanism: the framework's mechanism in words ("tf.distribute.MirroredStrategy"),
     loader: the framework's own data loader that ``input: loader`` feeds each step through, in words
     ("torch.utils.data.DataLoader"); "" when the adapter has no loader mode.
+    loader_modules: what ``input: loader`` needs in the entry's environment beside the framework, module ->
+    distribution (JAX's Grain): the environment probe requires them before a loader trial runs.
+    limits: further combinations it cannot train (``Limit``), each with its reason.
     family, backend: an adapter that runs one API on several frameworks (Keras 3: family "keras") names the backend
     it runs on ("jax", "torch", "tensorflow"); a spec entry ``{name: <family>, backend: <backend>}`` selects it.
     native: the built-in adapter of the framework it runs on ("jax"), for the report's "over native" ratios.
@@ -103,13 +125,15 @@ class Declaration:
     sync_batchnorm: frozenset[str] = frozenset()
     sync_batchnorm_note: str = ""
     loader: str = ""
+    loader_modules: Mapping[str, str] = field(default_factory=dict)
+    limits: tuple[Limit, ...] = ()
     family: str = ""
     backend: str = ""
     native: str = ""
 
     def __post_init__(self) -> None:
         for name in ("precisions", "compile_modes", "environment", "thread_environment", "allocator_environment",
-                     "cpu_allocator_cap", "notes", "data_parallel_environment"):
+                     "cpu_allocator_cap", "notes", "data_parallel_environment", "loader_modules"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if ":" not in self.adapter:
             raise ValueError(f"{self.name}: adapter {self.adapter!r} is not module:Class")
@@ -121,6 +145,10 @@ class Declaration:
             raise ValueError(f"{self.name}: family and backend go together, and the name is family-backend")
         if bool(self.cpu_allocator_cap) != bool(self.cpu_allocator):
             raise ValueError(f"{self.name}: cpu_allocator_cap and cpu_allocator go together")
+
+    def mode(self, compile: str) -> str:
+        """The mode ``compile`` selects: ``default_compile`` for "default", else ``compile`` itself."""
+        return self.default_compile if compile == "default" else compile
 
     def data_parallel_variables(self, devices: int, environ: Mapping[str, str]) -> dict[str, str]:
         """``data_parallel_environment`` for a trial on ``devices`` devices ("{devices}" = N), as the values to put in

@@ -1,6 +1,7 @@
 """How a worker starts in any interpreter, through any command prefix (a venv's python, ``taskset``, ``env``,
 ``docker run -i``, ``apptainer exec``, ``srun``): nothing but standard input, standard output and standard error
-cross the prefix, so nothing else is relied on. The launcher runs ``PREFIX -c BOOTSTRAP ROOT``; ``main`` is the
+cross the prefix, so nothing else is relied on. The launcher runs ``PREFIX -c BOOTSTRAP ROOT``
+(``harness.execution.entry``); ``main`` is the
 worker's entry point (its docstring lists its steps: ``take_stdout``, the payload, ``watch_stdin`` and
 ``die_with_parent``, the trial). Imports only the standard library: it runs before the payload's environment is set.
 
@@ -16,9 +17,6 @@ import sys
 import threading
 from typing import TextIO
 
-PROBE_PREFIX = "@harness-probe "
-BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv[1]); "
-             "from harness.execution.bootstrap import main; sys.exit(main())")
 EXIT_ORPHANED = 70  # the launcher went away (standard input closed) before the trial ended
 
 

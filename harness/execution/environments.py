@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.execution.bootstrap import PROBE_PREFIX
+from harness.execution.entry import PROBE_PREFIX
 from harness.spec import ROOT, FrameworkEntry, Spec, SpecError
 
 PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing TensorFlow alone takes seconds
@@ -74,20 +74,24 @@ def _declared_environment() -> dict[str, str]:
 
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
-          timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu") -> dict[str, Any]:
+          timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu", loader: dict[str, str] | None = None
+          ) -> dict[str, Any]:
     """Starts ``entry``'s interpreter once and returns what it reports: ``python_version``, ``executable``,
     ``numpy``, ``versions`` (the adapter's: framework, CUDA, cuDNN where built in), ``packages`` (every installed
     distribution as ``name==version``, the environment's ``pip freeze``), and ``argv`` (the prefix). Results are
     kept for the life of this process (one probe per entry and run). needed: further modules the trial needs
-    there (module -> distribution, e.g. scikit-learn for the digits dataset). device: "cpu" or "cuda:N"; for a GPU
-    the report's ``device_problem`` is why the framework cannot use it (``Adapter.device_problem``), or None.
+    there (module -> distribution, e.g. scikit-learn for the digits dataset). loader: the modules the adapter's data
+    loader needs there for ``input: loader`` (its declaration's ``loader_modules``, e.g. JAX's grain). device: "cpu" or
+    "cuda:N"; for a GPU the report's ``device_problem`` is why the framework cannot use it
+    (``Adapter.device_problem``), or None.
 
     Raises ValueError with a one-line reason when the prefix cannot start, exits without a report, lacks numpy,
-    pydantic, PyYAML or a needed module, or cannot import the framework. A framework that cannot use ``device`` is
-    not an error here: ``probe_entries`` decides."""
+    pydantic, PyYAML or a needed or loader module, or cannot import the framework. A framework that cannot use
+    ``device`` is not an error here: ``probe_entries`` decides."""
     argv = entry.argv()
-    needed = needed or {}
-    key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), device, tuple(sorted(needed)))
+    needed, loader = needed or {}, loader or {}
+    key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), device, tuple(sorted(needed)),
+           tuple(sorted(loader)))
     if key in _CACHE:
         return _CACHE[key]
     shown = " ".join(argv)
@@ -96,8 +100,8 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     env = {**_declared_environment(), **os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], device, *LIGHT_DEPENDENCIES,
-                               *needed], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
-                              env=env)
+                               *needed, *loader], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
     except (FileNotFoundError, PermissionError) as err:
         raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
     except subprocess.TimeoutExpired:
@@ -113,10 +117,11 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     if light:
         raise ValueError(f"{where} (Python {info['python_version']}) lacks {', '.join(light)}: a worker needs numpy, "
                          "pydantic and PyYAML in its interpreter (pip install numpy pydantic PyYAML there)")
-    if info["missing"]:
-        names = ", ".join(needed[m] for m in info["missing"])
-        raise ValueError(f"{where} lacks {names}, which the spec's dataset needs in the worker (pip install {names} "
-                         "there)")
+    for what, modules in (("the spec's dataset needs", needed),
+                          (f"the {entry.name} adapter's data loader needs for input: loader", loader)):
+        names = ", ".join(dict.fromkeys(modules[m] for m in info["missing"] if m in modules))
+        if names:
+            raise ValueError(f"{where} lacks {names}, which {what} in the worker (pip install {names} there)")
     if info.get("framework_error"):
         what = "is not installed in" if info.get("framework_missing") else "cannot be imported in"
         raise ValueError(f"{entry.name} {what} {where} ({info['framework_error']})")
@@ -151,7 +156,8 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu")
                 hint = f"; create it with `harness envs create {Path(entry.python).parent.parent.name}` (or make envs)"
             raise SpecError(file, f"frameworks.{i}", f"no interpreter at {entry.python}{hint}")
         try:
-            info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name), device=device)
+            info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name), device=device,
+                         loader=loader_modules(spec, entry.name))
         except ValueError as err:
             raise SpecError(file, f"frameworks.{i}", str(err)) from None
         if info.get("device_problem"):
@@ -161,6 +167,17 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu")
         out.append({"label": entry.row, "name": entry.name, "python": entry.python, "command": entry.command,
                     **{k: v for k, v in info.items() if k not in ("traceback", "missing", "device_problem")}})
     return out
+
+
+def loader_modules(spec: Spec, name: str) -> dict[str, str]:
+    """What the built-in adapter ``name``'s data loader needs in its worker's interpreter beside the framework
+    (its declaration's ``loader_modules``, module -> distribution) when a trial of ``spec`` uses ``input: loader``
+    (the spec's ``input`` or one of its variants'); {} otherwise, and for an adapter of ``HARNESS_ADAPTERS``."""
+    import adapters  # the registry imports no framework
+
+    inputs = {spec.input, *((spec.variants.input or []) if spec.variants is not None else [])}
+    record = adapters.declaration(name)
+    return dict(record.loader_modules) if record is not None and "loader" in inputs else {}
 
 
 # ------------------------------------------------------------------------------------------------- envs create

@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -149,11 +148,3 @@ def _event(line: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return record if isinstance(record, dict) else None
-
-
-def bootstrap_argv() -> list[str]:
-    """The argv that starts a worker in this interpreter (``harness.execution.bootstrap``): what a rank runs."""
-    from harness.execution.bootstrap import BOOTSTRAP
-    from harness.spec.frameworks import ROOT
-
-    return [sys.executable, "-c", BOOTSTRAP, str(ROOT)]

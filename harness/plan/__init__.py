@@ -171,13 +171,17 @@ def unsupported_reason(spec: Spec, framework: str, precision: str | None = None,
                        input: str = "resident") -> str | None:
     """Why the adapter named ``framework`` cannot train the spec's model in ``precision`` with ``compile`` on
     ``device`` (None: the spec's own), on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``
-    (``harness.spec.InputMode``), decided now without
-    importing the framework (``adapters.unsupported``: built-in adapters only; None for the others, whose workers
-    decide before ``build``); None when it can. The spec must have passed ``check``."""
-    from adapters import unsupported  # the registry imports no framework
+    (``harness.spec.InputMode``), decided now from its declaration without importing the framework
+    (``harness.plan.support.unsupported``); None when it can, and for an adapter of ``HARNESS_ADAPTERS``, whose
+    declaration only its worker reads (the worker asks the same function). The spec must have passed ``check``."""
+    from adapters import declaration  # the registry imports no framework
+    from harness.plan.support import unsupported
 
-    return unsupported(framework, model_info(spec), precision or spec.precision, compile or spec.compile, device,
-                       data_parallel, sync_batchnorm, input)
+    record = declaration(framework)
+    if record is None:
+        return None
+    return unsupported(record, model_info(spec), precision or spec.precision, compile or spec.compile, device,
+                       data_parallel, sync_batchnorm, input, spec.memory_limit_mb is not None)
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:

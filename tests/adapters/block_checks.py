@@ -69,9 +69,8 @@ def copy_task_trains(adapter_cls):
     adapter, data, _ = build(adapter_cls, TRANSFORMER, TOKENS, optimizer=OptimizerSpec(name="adam", learning_rate=0.01))
     loss_before, _ = adapter.evaluate(64)
     for epoch in range(15):
-        order = datasets.epoch_order(len(data.y_train), 0, epoch)
-        for step in range(len(order) // 32):
-            adapter.train_step(order[step * 32:(step + 1) * 32])
+        for batch in adapter.batches(datasets.epoch_order(len(data.y_train), 0, epoch), 32, epoch):
+            adapter.train_step(batch)
         adapter.read_loss()
     loss, accuracy = adapter.evaluate(64)
     assert loss < loss_before - 1.0 and accuracy > 0.9 * datasets.accuracy_ceiling(TOKENS), (loss, accuracy)

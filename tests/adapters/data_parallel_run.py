@@ -56,9 +56,11 @@ def set_data_parallel_environment(record, devices: int) -> None:
 def refusals(adapter, order) -> dict[str, str]:
     """What a data-parallel ``adapter`` (two devices) says, as ValueError, to a step it cannot split: gradient
     accumulation (refused under data parallelism) and 33 samples (not a multiple of the devices); name -> message."""
+    from tests.adapters import kit
+
     said = {}
-    for name, call in {"accumulation": lambda: adapter.train_step(order[:32], micro_batches=2),
-                       "uneven": lambda: adapter.train_step(order[:33])}.items():
+    for name, call in {"accumulation": lambda: kit.step(adapter, order[:32], micro_batches=2),
+                       "uneven": lambda: kit.step(adapter, order[:33])}.items():
         try:
             call()
         except ValueError as err:
@@ -114,21 +116,20 @@ def main(argv: list[str] | None = None) -> int:
                  OptimizerSpec(name="adam", learning_rate=0.001))
     data = datasets.load(DigitsData(name="digits"))
     info = models.analyze(_model(args.batchnorm), data.x_train.shape[1:], data.num_classes)
-    adapter = adapters.get(args.framework)()
+    options = None
     if args.devices > 1:
-        adapter.options = RunOptions(data_parallel=DataParallel(
+        options = RunOptions(data_parallel=DataParallel(
             devices=tuple(f"cpu:{i}" for i in range(args.devices)), processes=processes, rank=rank,
             sync_batchnorm=args.sync_batchnorm))
+    adapter = adapters.get(args.framework)(options)
     adapter.prepare("cpu", 1, 0)
-    adapter.build(info, models.initial_weights(info, 0), optimizer)
+    adapter.build_neutral(info, models.initial_weights(info, 0), optimizer)
     adapter.load(data)
     samples = args.batch * args.accumulation
-    order = datasets.epoch_order(len(data.y_train), 0, 0)
-    adapter.stage_epoch(order, samples)
+    order = datasets.epoch_order(len(data.y_train), 0, 0)[:args.steps * samples]
     losses = []
-    for position in range(args.steps):
-        adapter.train_step(order[position * samples:(position + 1) * samples], micro_batches=args.accumulation,
-                           position=position)
+    for batch in adapter.batches(order, samples, 0):
+        adapter.train_step(batch, micro_batches=args.accumulation)
         losses.append(adapter.read_loss()[0])
     test_loss, test_accuracy = adapter.evaluate(args.batch)
     state = {**adapter.get_weights(), **adapter.get_buffers()}

@@ -24,28 +24,22 @@ def train(adapter_cls, source: str, workers: int = 1, augmentation: bool = True)
     images when ``augmentation``), resident or through the adapter's loader with ``workers``; returns the parameters,
     the loss of each epoch (``read_loss`` at its end) and the adapter's settings."""
     data, info = kit.digits()
-    adapter = adapter_cls()
-    adapter.options = RunOptions(input=source, loader=LoaderSpec(workers=workers, prefetch=2))
+    adapter = adapter_cls(RunOptions(input=source, loader=LoaderSpec(workers=workers, prefetch=2)))
     adapter.prepare("cpu", 2, 0)  # kit.make's threads: TensorFlow fixes its thread pools once per process
-    adapter.build(info, models.initial_weights(info, 0), kit.SGD)
+    adapter.build_neutral(info, models.initial_weights(info, 0), kit.SGD)
     adapter.load(data)
     if source == "loader":
         adapter.open_loader(inputs.for_dataset(None, data, augmentation=augmentation, seed=0))
     losses = []
     for epoch in range(2):
         order = datasets.epoch_order(len(data.y_train), 0, epoch)[:EPOCH_STEPS * BATCH]
-        if source == "loader":
-            batches = iter(adapter.epoch_batches(order, BATCH, epoch))
-            for _ in range(EPOCH_STEPS):
-                adapter.train_batch(next(batches))
-        else:
-            adapter.stage_epoch(order, BATCH)
-            if augmentation:
-                adapter.set_train_images(datasets.augment(data.x_train, 0, epoch))
-            for position in range(EPOCH_STEPS):
-                adapter.train_step(order[position * BATCH:(position + 1) * BATCH], position=position)
+        batches = adapter.batches(order, BATCH, epoch)
+        if source == "resident" and augmentation:
+            adapter.set_train_images(datasets.augment(data.x_train, 0, epoch))
+        for batch in batches:
+            adapter.train_step(batch)
         losses.append(adapter.read_loss()[0])
-    return adapter.get_weights(), losses, adapter.settings()
+    return adapter.get_weights(), losses, adapter.settings().record()
 
 
 def check(adapter_cls, loader_name: str) -> dict:

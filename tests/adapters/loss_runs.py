@@ -17,7 +17,7 @@ import numpy as np
 from harness.execution.worker import train
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
-from tests.trials import loop_trial
+from tests.helpers import loop_trial
 
 OPTIMIZER = OptimizerSpec(name="sgd", learning_rate=0.01)
 BATCH, EPOCHS, WARMUP, FAST_WINDOW = 32, 2, 3, 3
@@ -34,8 +34,8 @@ def slowed(adapter_cls: type, seconds: float = SLOW_STEP_S) -> type:
     time each (fewer of them fit in an auto window)."""
 
     class Slowed(adapter_cls):
-        def train_step(self, indices, micro_batches=1, position=None):
-            super().train_step(indices, micro_batches, position)
+        def train_step(self, batch, micro_batches=1):
+            super().train_step(batch, micro_batches)
             time.sleep(seconds)
 
     Slowed.__name__ = f"Slowed{adapter_cls.__name__}"
@@ -49,9 +49,9 @@ def loop(adapter_cls: type, timing: dict, batch: int = BATCH, accumulation: int 
     adapter, data, _ = kit.make(adapter_cls, optimizer=OPTIMIZER)
     trial = loop_trial(batch, timing, accumulation, epochs=EPOCHS, warmup_steps=WARMUP)
     metrics = train(adapter, data, trial, lambda event: None)
-    assert metrics["recompilations"] in (None, 0), metrics["recompilations"]  # restarting the sum compiles nothing
-    return {"train_loss": [e["train_loss"] for e in metrics["epochs"]],
-            "steps": [e["train_loss_steps"] for e in metrics["epochs"]], "windows": [metrics["timed_windows"]]}
+    assert metrics.recompilations in (None, 0), metrics.recompilations  # restarting the sum compiles nothing
+    return {"train_loss": [e.train_loss for e in metrics.epochs],
+            "steps": [e.train_loss_steps for e in metrics.epochs], "windows": [metrics.timed_windows]}
 
 
 def per_step(adapter_cls: type) -> np.ndarray:

@@ -178,7 +178,7 @@ def make_on(adapter_cls, model: ModelSpec, cfg, optimizer: OptimizerSpec = SGD,
     info = models.analyze(model, *datasets.describe_input(cfg))
     adapter = adapter_cls()
     adapter.prepare("cpu", 2, 0)
-    adapter.build(info, models.initial_weights(info, 0) if weights is None else weights, optimizer)
+    adapter.build_neutral(info, models.initial_weights(info, 0) if weights is None else weights, optimizer)
     adapter.load(data)
     return adapter, data, info
 

@@ -33,6 +33,7 @@ from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
+from tests.adapters.kit import PARAM_ATOL, PARAM_RTOL
 from tests.adapters.scenarios import (  # noqa: F401
     ADAM,
     BATCH,
@@ -49,12 +50,6 @@ from tests.adapters.scenarios import (  # noqa: F401
 FRAMEWORKS = {"pytorch": PyTorchAdapter, "tensorflow": TensorFlowAdapter, "mxnet": MXNetAdapter}
 PAIRS = list(itertools.combinations(FRAMEWORKS, 2))
 
-# Parameters after 1 and 10 steps: |a - b| <= PARAM_ATOL + PARAM_RTOL * |b| for every element of every parameter,
-# every pair of frameworks. Observed maximum |a - b| (torch 2.13, TF 2.21, MXNet 1.9.1 on x86-64, 2 threads): SGD
-# 7.8e-8 after 1 step and 1.6e-6 after 10; Adam 4.5e-7 after 1 and 6.3e-7 after 10. Each parameter moves by more
-# than 100 * PARAM_ATOL in these steps (asserted). Breaking an adapter fails them: a wrong Adam epsilon placement
-# (above), or no weight decay in MXNet (4e-5 off after the first SGD step).
-PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
 
 @pytest.mark.parametrize("weights_kind", ["initial", "random-biases"])
@@ -176,7 +171,7 @@ def test_gradient_accumulation_equals_one_large_batch(framework):
         assert np.abs(value - kept_1[0][name]).max() > 1e-3, f"{name} did not train"
         np.testing.assert_allclose(kept_4[3][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     with pytest.raises(ValueError, match="micro-batches"):
-        adapter.train_step(np.arange(30), micro_batches=4)
+        kit.step(adapter, np.arange(30), micro_batches=4)
 
 
 # --- Batchnorm, average pooling, global average pooling, dropout ----------------------------------------------------

@@ -1,24 +1,20 @@
-"""PyTorch adapter: real training on the CPU, the canonical weights, and OOM classification."""
+"""PyTorch adapter: the conformance suite (tests/adapters/conformance.py), and what is PyTorch's own: OOM
+classification and the GPU memory cap."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from adapters.pytorch.adapter import PyTorchAdapter
 from tests.adapters import kit
-from tests.trials import run_options
+from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
+from tests.helpers import run_options
 
 
-def test_learns_digits_on_cpu():
-    kit.check_learns_digits(PyTorchAdapter)
-
-
-def test_holds_canonical_weights_and_matches_reference_forward():
-    kit.check_same_initial_weights_and_logits(PyTorchAdapter)
-
-
-def test_parameter_count_matches_model():
-    kit.check_parameter_count(PyTorchAdapter)
+@pytest.fixture(scope="module")
+def adapter_cls():
+    return PyTorchAdapter
 
 
 def test_oom_is_classified_by_exception_type():
@@ -34,10 +30,6 @@ def test_real_cpu_allocation_failure_is_oom():
     kit.check_allocation_failure_is_oom(PyTorchAdapter(), lambda: torch.empty(2**50, dtype=torch.float32), "4 PiB")
 
 
-def test_allocator_options_on_cpu():
-    kit.check_allocator_options_on_cpu(PyTorchAdapter)
-
-
 def test_memory_limit_on_a_gpu_is_a_per_process_fraction(monkeypatch):
     """No GPU here: the CUDA calls are replaced, to check what the adapter asks of them
     (torch.cuda.set_per_process_memory_fraction(limit / total_memory, device)) and what it records."""
@@ -45,39 +37,21 @@ def test_memory_limit_on_a_gpu_is_a_per_process_fraction(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device: calls.append((fraction, device)))
-    adapter = PyTorchAdapter()
-    adapter.options = run_options({"memory_limit_bytes": 20 * 2**30})
+    adapter = PyTorchAdapter(run_options({"memory_limit_bytes": 20 * 2**30}))
     adapter._apply_memory_limit(1)
     assert calls == [(0.25, 1)] and isinstance(calls[0][0], float)  # the call insists on a float
     adapter.device = torch.device("cuda:1")  # what prepare sets; settings() reads no CUDA state
-    settings = adapter.settings()
+    settings = adapter.settings().record()
     assert settings["memory_limit_bytes"] == 20 * 2**30 and settings["memory_fraction"] == 0.25
     assert settings["device_total_memory_bytes"] == 80 * 2**30
 
     calls.clear()
-    above = PyTorchAdapter()
-    above.options = run_options({"memory_limit_bytes": 100 * 2**30})  # more than the device has: a fraction of 1
+    above = PyTorchAdapter(run_options({"memory_limit_bytes": 100 * 2**30}))  # more than the device: a fraction of 1
     above._apply_memory_limit(0)
     assert calls == [(1.0, 0)]
 
     calls.clear()
-    unlimited = PyTorchAdapter()
-    unlimited.options = run_options({"tensorflow_memory_growth": True, "memory_limit_bytes": None})
+    unlimited = PyTorchAdapter(run_options({"tensorflow_memory_growth": True, "memory_limit_bytes": None}))
     unlimited._apply_memory_limit(0)
     unlimited.device = torch.device("cuda:0")
-    assert calls == [] and unlimited.settings()["memory_limit_bytes"] is None
-
-
-def test_inference_after_training_uses_the_running_statistics():
-    kit.check_inference_after_training(PyTorchAdapter)
-
-
-def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
-    kit.check_set_train_images(PyTorchAdapter)
-
-
-def test_the_registry_record_names_this_class_and_the_class_takes_it():
-    import adapters
-
-    assert adapters.get("pytorch") is PyTorchAdapter and PyTorchAdapter.declaration is adapters.BUILTIN["pytorch"]
-    assert PyTorchAdapter.name == "pytorch" and PyTorchAdapter.PRECISIONS == adapters.BUILTIN["pytorch"].precisions
+    assert calls == [] and unlimited.settings().record()["memory_limit_bytes"] is None

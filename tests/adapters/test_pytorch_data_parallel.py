@@ -161,22 +161,18 @@ def test_batchnorm_normalises_each_rank_over_its_own_shard(runs):
 
 def test_sync_batchnorm_is_refused_on_the_cpu():
     """torch.nn.SyncBatchNorm raises on CPU tensors (torch 2.13), so a data-parallel trial with sync batchnorm on the
-    CPU is unsupported, with the reason, in the adapter (``unsupported``, after ``prepare``) and in the registry (the
-    plan); a model without batchnorm, or a GPU, is not refused."""
-    from adapters.pytorch.adapter import PyTorchAdapter
+    CPU is unsupported, with the reason, by the plan's rule from the declaration (``harness.plan.support``, which the
+    worker asks too); a model without batchnorm, or a GPU, is not refused."""
+    from harness.plan.support import unsupported
 
-    data, with_norm = kit.digits(_model(True))
-    without = kit.digits()[1]
-    adapter = PyTorchAdapter()  # on the CPU, as prepare leaves it there; prepare would join a process group
-    adapter.options = RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1"), processes=2,
-                                                            sync_batchnorm=True))
-    why = adapter.unsupported(with_norm)
-    assert why == adapters.unsupported("pytorch", with_norm, "fp32", "default", "cpu", 2, True)
+    record = adapters.BUILTIN["pytorch"]
+    with_norm, without = kit.digits(_model(True))[1], kit.digits()[1]
+    why = unsupported(record, with_norm, "fp32", "default", "cpu", 2, True)
     assert why is not None and why.startswith("the pytorch adapter has no synchronised batchnorm on cpu")
     assert "SyncBatchNorm" in why and "GPU" in why, why
-    assert adapter.unsupported(without) is None
-    assert adapters.unsupported("pytorch", with_norm, "fp32", "default", "cuda:0", 2, True) is None
-    assert adapters.unsupported("pytorch", with_norm, "fp32", "default", "cpu", 2, False) is None
+    assert unsupported(record, without, "fp32", "default", "cpu", 2, True) is None
+    assert unsupported(record, with_norm, "fp32", "default", "cuda:0", 2, True) is None
+    assert unsupported(record, with_norm, "fp32", "default", "cpu", 2, False) is None
 
 
 # -- PyTorch's own: the compiled mode, collectives, ranks that are missing or leave -----------------------------------
@@ -217,9 +213,9 @@ def test_a_rank_that_cannot_reach_the_others_fails_with_a_clear_error(monkeypatc
     port = free_port()
     for name, value in rank_environment(rank, 2, port).items():
         monkeypatch.setenv(name, value)
-    adapter = PyTorchAdapter()
+    adapter = PyTorchAdapter(RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1"), processes=2,
+                                                                   rank=rank)))
     adapter.DDP_TIMEOUT = timedelta(seconds=2)
-    adapter.options = RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1"), processes=2, rank=rank))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"^rank {rank} of 2 could not join the gloo process group at "
                                            rf"127\.0\.0\.1:{port} within 2 s \(env:// rendezvous\): "):
@@ -248,9 +244,8 @@ def _rank_main(mode: str, out: str) -> int:
 
     rank = int(os.environ["RANK"])
     path = str(Path(out).with_suffix("")) + f".rank{rank}.npz"
-    adapter = PyTorchAdapter()
-    adapter.options = RunOptions(compile="compiled" if mode == "compiled" else "default", data_parallel=DataParallel(
-        devices=("cpu:0", "cpu:1"), processes=2, rank=rank))
+    adapter = PyTorchAdapter(RunOptions(compile="compiled" if mode == "compiled" else "default",
+                                        data_parallel=DataParallel(devices=("cpu:0", "cpu:1"), processes=2, rank=rank)))
     adapter.prepare("cpu", 1, 0)
     if mode == "leave":
         if rank == 1:
@@ -265,17 +260,16 @@ def _rank_main(mode: str, out: str) -> int:
         np.savez(path, error=np.asarray(error), seconds=np.asarray(time.monotonic() - start))
         return 0
     data, info = kit.digits()
-    adapter.build(info, models.initial_weights(info, 0), SGD)
+    adapter.build_neutral(info, models.initial_weights(info, 0), SGD)
     adapter.load(data)
     order = datasets.epoch_order(len(data.y_train), 0, 0)
-    adapter.stage_epoch(order, 32)
     losses = []
-    for position in range(10):
-        adapter.train_step(order[position * 32:(position + 1) * 32], position=position)
+    for batch in adapter.batches(order[:320], 32, 0):
+        adapter.train_step(batch)
         losses.append(adapter.read_loss()[0])
     agreed = adapter.agree(100 + rank)
     try:
-        adapter.train_step(order[:32], micro_batches=2)
+        kit.step(adapter, order[:32], micro_batches=2)
         refused = "not refused"
     except ValueError as exc:
         refused = str(exc)
@@ -283,7 +277,7 @@ def _rank_main(mode: str, out: str) -> int:
     np.savez(path, **{f"w:{k}": v for k, v in {**adapter.get_weights(), **adapter.get_buffers()}.items()},
              losses=np.asarray(losses), test=np.asarray(test), compilations=np.asarray(adapter.compilations()),
              agreed=np.asarray(agreed), accumulation_error=np.asarray(refused),
-             backend=np.asarray(adapter.settings()["data_parallel"]["backend"]))
+             backend=np.asarray(adapter.settings().record()["data_parallel"]["backend"]))
     return 0
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.base import RunOptions
 from adapters.pytorch.adapter import PyTorchAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
@@ -19,8 +18,8 @@ GENTLE = OptimizerSpec(name="sgd", learning_rate=0.01, momentum=0.9)
 
 
 def configured(precision: str = "fp32", compile: str = "eager") -> type[PyTorchAdapter]:
-    """The adapter class with the worker's options preset (the worker sets them on the instance)."""
-    return type("Configured", (PyTorchAdapter,), {"options": RunOptions(precision=precision, compile=compile)})
+    """The adapter class made with these options (``kit.configured``)."""
+    return kit.configured(PyTorchAdapter, precision=precision, compile=compile)
 
 
 @pytest.mark.parametrize("name", ["digits", *scenarios.BLOCK_MODELS])
@@ -38,7 +37,7 @@ def test_bf16_logits_are_the_reference_within_the_derived_bound(name):
     error = scenarios.assert_bf16_close(logits, exact, info)
     assert error > 1e-4, error  # bf16 was used: fp32 agrees with the reference to about 1e-6
     assert logits.dtype == np.float32 and all(w.dtype == np.float32 for w in adapter.get_weights().values())
-    assert adapter.settings()["autocast_dtype"] == "bfloat16"
+    assert adapter.settings().record()["autocast_dtype"] == "bfloat16"
 
 
 def test_bf16_trains_near_the_fp32_run():
@@ -69,7 +68,8 @@ def test_compiled_trains_exactly_like_eager():
         losses, states = kit.train_on(adapter, kit.batches(len(data.y_train), 32, 5), keep=(5,))
         runs[mode] = (losses, states[5], adapter.predict(data.x_test), adapter)
     compiled = runs["compiled"][3]
-    assert compiled.model is not compiled.net and compiled.settings()["torch_compile"]["backend"] == "inductor"
+    assert compiled.training.model is not compiled.training.net
+    assert compiled.settings().record()["torch_compile"]["backend"] == "inductor"
     # TorchDynamo captured the training step once for the five steps of one shape; eager keeps no count
     assert compiled.compilations() == 1 and runs["eager"][3].compilations() is None
     np.testing.assert_allclose(runs["compiled"][0], runs["eager"][0], rtol=1e-5)
@@ -79,9 +79,8 @@ def test_compiled_trains_exactly_like_eager():
 
 
 def test_what_it_cannot_run_is_refused_with_a_reason():
-    adapter = PyTorchAdapter()
-    kit.check_execution_declared(adapter, [("bf16", "compiled", "cpu"), ("fp32", "default", "cuda:0")], {
+    kit.check_execution_declared("pytorch", [("bf16", "compiled", "cpu"), ("fp32", "default", "cuda:0")], {
         ("fp16", "default", "cpu"): "the pytorch adapter does not train in fp16 on cpu (only on cuda): fp16 with "
                                     "dynamic loss scaling is declared for CUDA GPUs only",
         ("tf32", "eager", "cpu"): "the pytorch adapter does not train in tf32 on cpu (only on cuda)"})
-    assert adapter.compile_mode("default") == "eager"
+    assert PyTorchAdapter().mode == "eager"

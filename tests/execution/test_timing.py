@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from harness.execution.worker import train
+from harness.execution.loop import train
 from harness.neutral.datasets import Data
-from harness.results.report import timing_mode
+from harness.record import TrialMetrics, TrialRecord
+from harness.results.overview import timing_mode
 from harness.spec import SpecError, TimingSpec, load
-from tests.trials import loop_trial
+from tests.helpers import loop_trial
 
 
 def _data(samples: int, shape: tuple[int, ...]) -> Data:
@@ -35,18 +37,18 @@ class RecordingAdapter:
         self.order, self.batch, self.unstaged = None, None, 0
         self.steps, self.unread = 0, []  # steps so far; the losses since the last read
 
-    def stage_epoch(self, order, batch_size):
+    def batches(self, order, batch_size, epoch):
         self.calls.append("stage")
         self.order, self.batch = order, batch_size
+        return iter([order[p * batch_size:(p + 1) * batch_size] for p in range(len(order) // batch_size)])
 
     def set_train_images(self, images):
         self.calls.append("images")
 
-    def train_step(self, indices, micro_batches=1, position=None):
+    def train_step(self, indices, micro_batches=1):
         self.calls.append("step")
-        if position is None or not np.shares_memory(
-                indices, self.order[position * self.batch:(position + 1) * self.batch]) or len(indices) != self.batch:
-            self.unstaged += 1  # not its position's slice of the staged order
+        if not np.shares_memory(indices, self.order) or len(indices) != self.batch:
+            self.unstaged += 1  # not a step of the order given to batches
         if self.step_s:
             time.sleep(self.step_s)
         self.unread.append(step_loss(self.steps))
@@ -89,7 +91,14 @@ def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, war
     events = [] if events is None else events
     metrics = train(adapter, data, trial, lambda event: events.append((event.event, event.fields())))
     assert adapter.unstaged == 0  # every step's indices were a slice of the order staged for its epoch
-    return adapter.calls, metrics
+    return adapter.calls, metrics.model_dump()  # the record's TrialMetrics, as its trials.jsonl line holds them
+
+
+def _report_data(metrics: TrialMetrics) -> SimpleNamespace:
+    """What the report's notes read of a run: one ok trial with these metrics."""
+    record = TrialRecord(id="x-bs4-r0", framework="x", label="x", batch_size=4, repeat=0, device="cpu", status="ok",
+                         wall_s=1.0, metrics=metrics)
+    return SimpleNamespace(records=[record], backend="host")
 
 
 def _timed_windows(calls: list[str]) -> list[int]:
@@ -124,9 +133,9 @@ def test_auto_windows_last_about_the_target_and_never_leave_a_short_remainder():
     calls, metrics = _train({"window": "auto", "window_seconds": 0.05, "min_window_steps": 3},
                             samples=240, warmup=2, step_s=0.004)
     first, warmup, *windows = _timed_windows(calls)
-    # the trial's first step runs alone (synced on both sides: its time is first_step_seconds), then the warm-up
+    # the trial's first step runs alone (synced on both sides: its time is first_step_s), then the warm-up
     assert first == 1 and warmup == 1 and sum(windows) == 58 and metrics["timed_windows"] == len(windows)
-    assert 0.004 <= metrics["first_step_seconds"] < 0.05
+    assert 0.004 <= metrics["first_step_s"] < 0.05
     assert all(w >= 3 for w in windows)
     assert 2 <= len(windows) <= 8, windows  # not one sync a step, not one window for the epoch
     # Each window's measured time is close to the target (sleep only ever overshoots).
@@ -147,9 +156,9 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
     steps = []
     stall = adapter.train_step
 
-    def train_step(indices, micro_batches=1, position=None):
+    def train_step(indices, micro_batches=1):
         steps.append(1)
-        stall(indices, micro_batches, position)
+        stall(indices, micro_batches)
         if len(steps) == 30:  # the 28th timed step (after 2 warm-up steps): inside the sixth window of 5
             time.sleep(0.2)
 
@@ -157,14 +166,13 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
     data = _data(200, (1, 1, 1))
     trial = loop_trial(4, {"window": 5}, warmup_steps=2)
     metrics = train(adapter, data, trial, lambda event: None)
-    assert metrics["slow_windows"] == 1 and metrics["step_time_max_s"] > 5 * metrics["step_time_median_s"]
-    from harness.results.report import slow_window_notes
+    assert metrics.slow_windows == 1 and metrics.step_time_max_s > 5 * metrics.step_time_median_s
+    from harness.results.notes import slow_window_notes
 
-    record = {"id": "x-bs4-r0", "status": "ok", "metrics": metrics}
-    section = slow_window_notes({"records": [record]})
+    section = slow_window_notes(_report_data(metrics))
     assert section.title == "Slow windows and recompilations"
     assert "x-bs4-r0 (1 of 10 windows, the slowest" in section.blocks[0].text
-    assert slow_window_notes({"records": [{**record, "metrics": {**metrics, "slow_windows": 0}}]}) is None
+    assert slow_window_notes(_report_data(metrics.model_copy(update={"slow_windows": 0}))) is None
 
 
 def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_the_report():
@@ -174,9 +182,9 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
     adapter = RecordingAdapter()
     adapter.count, steps, step = 0, [], adapter.train_step
 
-    def train_step(indices, micro_batches=1, position=None):
+    def train_step(indices, micro_batches=1):
         steps.append(1)
-        step(indices, micro_batches, position)
+        step(indices, micro_batches)
         if len(steps) in (1, 20):
             adapter.count += 1
 
@@ -184,22 +192,20 @@ def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_th
     data = _data(200, (1, 1, 1))
     trial = loop_trial(4, {"window": 5}, warmup_steps=2)
     metrics = train(adapter, data, trial, lambda event: None)
-    assert (metrics["compilations_warmup"], metrics["recompilations"]) == (1, 1)
-    from harness.results.report import slow_window_notes
-
-    record = {"id": "x-bs4-r0", "status": "ok", "metrics": {**metrics, "slow_windows": 0}}
+    assert (metrics.compilations_warmup, metrics.recompilations) == (1, 1)
+    from harness.results.notes import slow_window_notes
     from harness.results.sections import to_markdown
 
-    text = to_markdown([slow_window_notes({"records": [record]})])
+    text = to_markdown([slow_window_notes(_report_data(metrics.model_copy(update={"slow_windows": 0})))])
     assert "Recompilations inside the timed windows" in text and "x-bs4-r0 (1 after warm-up, 1 during it)" in text
     del adapter.compilations
     adapter.compilations = lambda: None
     metrics = train(adapter, data, trial, lambda event: None)
-    assert metrics["compilations_warmup"] is None and metrics["recompilations"] is None
+    assert metrics.compilations_warmup is None and metrics.recompilations is None
 
 
 def test_each_epoch_is_staged_before_its_first_step():
-    """stage_epoch once per epoch, before the epoch's warm-up and timed steps (so outside every timed window: a
+    """``batches`` once per epoch, before the epoch's warm-up and timed steps (so outside every timed window: a
     wait comes between it and the first step's window), with the samples per optimizer step."""
     calls, _ = _train({"window": 5}, epochs=3, warmup=2)
     assert calls.count("stage") == 3
@@ -238,7 +244,7 @@ def test_the_loss_read_is_outside_the_clock():
     timed = calls[calls.index("step"):]
     ends = [i for i, call in enumerate(timed) if call == "wait" and "step" in timed[i - 1:i]]  # window end edges
     assert len(ends) == 4 and all(timed[i + 1] == "read" for i in ends)  # the read right after each end edge
-    assert 0.002 <= metrics["step_time_median_s"] < 0.0045 and max(metrics["epochs"][0]["timed_seconds"], 0) < 0.1
+    assert 0.002 <= metrics["step_time_median_s"] < 0.0045 and max(metrics["epochs"][0]["timed_s"], 0) < 0.1
 
 
 def _windows_between_syncs(calls: list[str]) -> list[list[str]]:
@@ -265,7 +271,7 @@ def test_windows_run_on_across_epochs_between_evaluations():
     # epoch 1 begins inside the window of steps 9-12; epoch 2 after the window that ends with step 20
     assert calls.count("stage") == 3 and [i for i, w in enumerate(windows) if "stage" in w[1:]] == [2]
     assert [e["epoch"] for e in metrics["epochs"]] == [2] and metrics["measured_steps"] == 30
-    assert metrics["epochs"][0]["timed_seconds"] > 0 and metrics["timed_windows"] == 8
+    assert metrics["epochs"][0]["timed_s"] > 0 and metrics["timed_windows"] == 8
     train_phases = [(f["edge"], f["epoch"]) for name, f in events if name == "phase" and f["name"] == "train"]
     # the phase is left only where windows break: after step 20, to stage epoch 2 outside the clock
     assert train_phases == [("start", 0), ("end", 1), ("start", 2), ("end", 2)]
@@ -294,7 +300,7 @@ def test_augmented_epochs_end_their_windows_before_the_next_epochs_images():
 
 
 def test_evaluate_every_is_checked_and_stated_in_the_report(tmp_path):
-    from harness.results.report import _evaluation
+    from harness.results.overview import _evaluation
 
     path = tmp_path / "bad.yaml"
     path.write_text("name: t\nframeworks: [pytorch]\nmodel: {layers: [{type: flatten}, {type: dense, units: 10}]}\n"
@@ -324,8 +330,8 @@ class LastStepAdapter(RecordingAdapter):
 class NanStepAdapter(RecordingAdapter):
     """Step 10's loss alone is NaN (inside a window of 5, not at its end), as a one-off overflow would be."""
 
-    def train_step(self, indices, micro_batches=1, position=None):
-        super().train_step(indices, micro_batches, position)
+    def train_step(self, indices, micro_batches=1):
+        super().train_step(indices, micro_batches)
         if self.steps == 11:
             self.unread[-1] = float("nan")
 

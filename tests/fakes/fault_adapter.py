@@ -16,19 +16,20 @@ import time
 
 import numpy as np
 
-from adapters.base import Adapter, shard
+from adapters.base import Adapter, Settings, shard
 from adapters.declaration import Declaration
+from harness.neutral.steps import steps
 
 REGISTRATION = "fault=tests.fakes.fault_adapter:FaultAdapter"
 
 
-class FaultAdapter(Adapter):
-    name = "fault"
-
-    def __init__(self) -> None:
+class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
+                                                    adapter="tests.fakes.fault_adapter:FaultAdapter")):
+    def __init__(self, options=None) -> None:
+        super().__init__(options)
         self.steps = 0
         self.loss = float("nan")  # the last step's
-        self.loss_sum, self.loss_steps = 0.0, 0  # since the last read (Adapter.read_loss)
+        self.loss_sum = 0.0  # since the last read (Adapter.read_loss)
         self.fault = None
 
     def versions(self):
@@ -38,16 +39,20 @@ class FaultAdapter(Adapter):
         # What a command prefix did to the worker: a variable it set, and the variables the payload carried (and the
         # GPUs an executor gave it, where it did).
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return {"test_mark": os.environ.get("HARNESS_TEST_MARK"), "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-                **({"cuda_visible_devices": gpus} if gpus is not None else {})}
+        return Settings(precision=self.options.precision, compile=self.mode,
+                        test_mark=os.environ.get("HARNESS_TEST_MARK"), omp_threads=os.environ.get("OMP_NUM_THREADS"),
+                        **({"cuda_visible_devices": gpus} if gpus is not None else {}))
 
     def prepare(self, device, threads, seed):
         self.rng = np.random.default_rng(seed)
 
-    def build(self, info, weights, optimizer):
+    def neutral_model(self, info, weights):
+        # a softmax regression whatever the layers: (input features, classes); the canonical weights are kept as given
         self.weights = {k: v.copy() for k, v in weights.items()}
-        self.features = int(np.prod(info.input_shape))
-        self.w = np.zeros((self.features, info.num_classes), dtype=np.float64)
+        return np.zeros((int(np.prod(info.input_shape)), info.num_classes), dtype=np.float64)
+
+    def build(self, model, task, optimizer):
+        self.w = model
         self.lr = optimizer.learning_rate
 
     def load(self, data):
@@ -89,13 +94,16 @@ class FaultAdapter(Adapter):
         p = np.exp(z)
         return p / p.sum(axis=1, keepdims=True)
 
+    def batches(self, order, samples_per_step, epoch):
+        return iter(steps(order, samples_per_step))
+
     # the loop is the same with accumulation: micro_batches is ignored
-    def train_step(self, indices, micro_batches=1, position=None):
+    def train_step(self, indices, micro_batches=1):
         self._maybe_fault(len(indices))
         x, y = self.x[indices], self.y[indices]
         p = self._probs(x)
         self.loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
-        self.loss_sum, self.loss_steps = self.loss_sum + self.loss, self.loss_steps + 1
+        self.loss_sum, self._loss_steps = self.loss_sum + self.loss, self._loss_steps + 1
         p[np.arange(len(y)), y] -= 1
         self.w -= self.lr * x.T @ p / len(y)
         self.steps += 1
@@ -103,10 +111,9 @@ class FaultAdapter(Adapter):
     def wait(self):
         pass  # numpy: every step is done when it returns
 
-    def read_loss(self):
-        mean = self.loss_sum / self.loss_steps if self.loss_steps else float("nan")
-        steps, self.loss_sum, self.loss_steps = self.loss_steps, 0.0, 0
-        return mean, steps
+    def _take_loss_sum(self):
+        total, self.loss_sum = self.loss_sum, 0.0
+        return total
 
     def evaluate(self, batch_size):
         p = self._probs(self.xt)
@@ -151,5 +158,5 @@ class DataParallelFaultAdapter(FaultAdapter, declaration=Declaration(
         if wanted is None or int(wanted) == self.rank:
             super()._maybe_fault(batch_size * self.world)  # faults are chosen by the global batch size
 
-    def train_step(self, indices, micro_batches=1, position=None):
-        super().train_step(shard(indices, self.world, self.rank), micro_batches, position)
+    def train_step(self, indices, micro_batches=1):
+        super().train_step(shard(indices, self.world, self.rank), micro_batches)

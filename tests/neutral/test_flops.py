@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from adapters.pytorch.adapter import PyTorchAdapter  # noqa: E402
-from tests.trials import run_options  # noqa: E402
+from adapters.pytorch.training import Training  # noqa: E402
 
 BATCH = 2
 
@@ -26,12 +26,13 @@ def spec_model(name: str) -> models.ModelInfo:
     return models.analyze(spec.model, *datasets.describe_input(spec.dataset))
 
 
-def built(info: models.ModelInfo) -> tuple[PyTorchAdapter, torch.Tensor, torch.Tensor]:
-    """The PyTorch adapter's model of ``info`` in training mode, and a batch of BATCH inputs and labels."""
+def built(info: models.ModelInfo) -> tuple[Training, torch.Tensor, torch.Tensor]:
+    """The PyTorch adapter's training mechanics of the model of ``info`` in training mode, and a batch of BATCH inputs
+    and labels."""
     torch.manual_seed(0)
     adapter = PyTorchAdapter()
-    adapter.options = run_options({})
-    adapter.build(info, models.initial_weights(info, 0), _sgd())
+    adapter.build_neutral(info, models.initial_weights(info, 0), _sgd())
+    training = adapter.training
     feed = info.input
     if feed.kind == "tokens":
         x = torch.randint(0, feed.vocab, (BATCH, *feed.shape))
@@ -39,7 +40,7 @@ def built(info: models.ModelInfo) -> tuple[PyTorchAdapter, torch.Tensor, torch.T
     else:
         h, w, c = feed.shape
         x, y = torch.randn(BATCH, c, h, w), torch.randint(0, info.num_classes, (BATCH,))
-    return adapter, x, y
+    return training, x, y
 
 
 def _sgd():
@@ -54,7 +55,7 @@ def counted_flops(info: models.ModelInfo, math_attention: bool = False) -> float
     adapter, x, y = built(info)
     counter = FlopCounterMode(display=False)
     with counter, (sdpa_kernel(SDPBackend.MATH) if math_attention else _nothing()):
-        adapter._loss(adapter.model(x), y).backward()
+        adapter.loss(adapter.model(x), y).backward()
     return counter.get_total_flops() / BATCH
 
 
@@ -71,7 +72,7 @@ def saved_bytes(info: models.ModelInfo, math_attention: bool = False) -> float:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             (sdpa_kernel(SDPBackend.MATH) if math_attention else _nothing()):
-        adapter._loss(adapter.model(x), y)
+        adapter.loss(adapter.model(x), y)
     held = {p.untyped_storage().data_ptr() for p in (*adapter.net.parameters(), *adapter.net.buffers())}
     return sum(n for ptr, n in storages.items() if ptr not in held) / BATCH
 
@@ -132,7 +133,8 @@ def test_which_input_gradients_are_skipped(layers):
 @pytest.mark.parametrize("name", ["cnn", "resnet_small"])
 def test_saved_activations_of_image_models(name):
     info = spec_model(name)
-    predicted = memory.predict(info, BATCH, _sgd(), attention=PyTorchAdapter.ATTENTION).activations_per_sample
+    attention = PyTorchAdapter.declaration.attention
+    predicted = memory.predict(info, BATCH, _sgd(), attention=attention).activations_per_sample
     assert saved_bytes(info) == pytest.approx(predicted, rel=0.005)
 
 
@@ -142,7 +144,7 @@ def test_saved_activations_of_attention_follow_the_declared_implementation():
     info = spec_model("transformer_small")
     fused = memory.predict(info, BATCH, _sgd(), attention="fused").activations_per_sample
     unfused = memory.predict(info, BATCH, _sgd(), attention="unfused").activations_per_sample
-    assert PyTorchAdapter.ATTENTION == "fused"
+    assert PyTorchAdapter.declaration.attention == "fused"
     assert saved_bytes(info) == pytest.approx(fused, rel=0.005)
     assert unfused > 1.1 * fused  # the probabilities, heads x L x L per layer, are what tells them apart
     # the math path also keeps q and k scaled by sqrt(1 / sqrt(D / heads)) each, copies beside the projection's output

@@ -4,11 +4,16 @@ each row ran in, and the first step (compilation included) is timed on its own."
 
 from __future__ import annotations
 
-from adapters import unsupported
+import adapters
 from harness.plan import checked_spec, model_info, plan, variants
+from harness.plan.support import unsupported as plan_unsupported
 from harness.results import report, store
 from harness.studies import sweep
-from tests.conftest import base_spec
+from tests.helpers import base_spec
+
+
+def unsupported(name, info, precision, compile, device):
+    return plan_unsupported(adapters.BUILTIN[name], info, precision, compile, device)
 
 
 def test_variants_cross_precision_and_mode(tmp_path):
@@ -23,7 +28,7 @@ def test_variants_cross_precision_and_mode(tmp_path):
     assert [(t.precision, t.compile, t.variant) for t in plan(plain, "cpu")] == [("bf16", "compiled", "")]
 
 
-def test_the_registry_decides_execution_before_any_worker(tmp_path):
+def test_the_plan_decides_execution_from_the_declaration_before_any_worker(tmp_path):
     info = model_info(checked_spec(base_spec(), tmp_path / "s.yaml"))
     assert unsupported("pytorch", info, "bf16", "compiled", "cpu") is None
     assert unsupported("pytorch", info, "fp16", "default", "cpu").startswith(
@@ -43,18 +48,18 @@ def test_a_sweep_records_precision_mode_first_step_and_unsupported_rows(monkeypa
     spec = checked_spec(base_spec(frameworks=["pytorch", "jax"], variants={
         "precision": ["bf16", "fp16"], "compile": ["eager"]}), tmp_path / "s.yaml")
     run_dir = sweep.run_spec(spec, tmp_path / "runs")
-    records = {(r["framework"], r["precision"]): r for r in store.read_trials(run_dir)}
-    assert {key: r["status"] for key, r in records.items()} == {
+    records = {(r.framework, r.precision): r for r in store.read_trials(run_dir)}
+    assert {key: r.status for key, r in records.items()} == {
         ("pytorch", "bf16"): "ok", ("pytorch", "fp16"): "unsupported",
         ("jax", "bf16"): "unsupported", ("jax", "fp16"): "unsupported"}
-    assert records[("pytorch", "fp16")]["reason"].startswith(
+    assert records[("pytorch", "fp16")].reason.startswith(
         "not run: the pytorch adapter does not train in fp16 on cpu (only on cuda): fp16 with dynamic loss")
-    assert records[("jax", "bf16")]["reason"] == "not run: the jax adapter has no eager mode (its modes: compiled)"
-    assert not (run_dir / "events" / f"{records[('pytorch', 'fp16')]['id']}.jsonl").exists()
+    assert records[("jax", "bf16")].reason == "not run: the jax adapter has no eager mode (its modes: compiled)"
+    assert not (run_dir / "events" / f"{records[('pytorch', 'fp16')].id}.jsonl").exists()
     ok = records[("pytorch", "bf16")]
-    assert ok["settings"]["autocast_dtype"] == "bfloat16" and ok["metrics"]["precision"] == "bf16"
-    assert ok["metrics"]["compile"] == "eager" and ok["metrics"]["compile_meaning"] == "eager torch.nn modules"
-    assert ok["metrics"]["first_step_seconds"] > 0
+    assert ok.settings["autocast_dtype"] == "bfloat16" and ok.metrics.precision == "bf16"
+    assert ok.metrics.compile == "eager" and ok.metrics.compile_meaning == "eager torch.nn modules"
+    assert ok.metrics.first_step_s > 0
     text = report.write(run_dir).read_text()
     assert "precision per row (variants); execution mode per row (variants)" in text
     assert "| PyTorch (bf16, eager) |" in text and "| PyTorch (fp16, eager) | unsupported |" in text

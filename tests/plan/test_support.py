@@ -1,5 +1,6 @@
-"""What each adapter builds is declared, and a trial whose model needs more is ``unsupported`` before training: at
-plan time for the built-in adapters (no framework imported), in the worker for the others."""
+"""What each adapter builds is declared, and a trial whose model needs more is ``unsupported`` before training,
+decided in one place (``harness.plan.support``) from the declaration: at plan time for the built-in adapters (no
+framework imported), in the worker, by the same rule, for an adapter of HARNESS_ADAPTERS."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import dataclasses
 import pytest
 
 import adapters
-from adapters import base
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, BOTH, CPU, IMAGE_TASKS, Limit
 from harness.neutral import models
 from harness.plan import checked_spec, unsupported_reason
+from harness.plan.support import unsupported
 from harness.results import report, store
 from harness.spec import ModelSpec
 from harness.studies import sweep
-from tests.conftest import TINY_CNN, base_spec
 from tests.fakes.fault_adapter import FaultAdapter
+from tests.helpers import TINY_CNN, base_spec
 
 RESIDUAL_CNN = [
     {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
@@ -41,8 +43,8 @@ def test_every_declaration_is_complete_and_its_adapter_class_takes_it():
         package = record.family or name
         assert record.adapter.startswith(f"adapters.{package}.adapter:"), record.adapter
         assert not record.native or (adapters.BUILTIN[record.native].title in record.title), name
-        assert record.precisions["fp32"] == base.BOTH and record.default_compile in record.compile_modes, name
-        assert (record.layers, record.tasks) == (base.ALL_LAYERS, base.ALL_TASKS), name
+        assert record.precisions["fp32"] == BOTH and record.default_compile in record.compile_modes, name
+        assert (record.layers, record.tasks) == (ALL_LAYERS, ALL_TASKS), name
         assert record.attention in memory.ATTENTIONS and record.attention == adapters.attention(name), name
         assert set(record.notes) <= set(record.precisions) | {"bf16", "tf32"}, name
 
@@ -68,35 +70,52 @@ def test_a_declaration_that_contradicts_itself_is_refused():
             dataclasses.replace(record, **change)
 
 
-def test_an_adapter_class_takes_its_facts_from_its_declaration():
-    """A class that names a record has exactly the record's facts; one that sets its own attributes gets a record
-    made of them; a subclass of either keeps its parent's."""
-    record = dataclasses.replace(adapters.BUILTIN["mxnet"], name="planted", precisions={"fp32": base.CPU},
+def test_an_adapter_class_takes_its_declaration():
+    """A class that names a record has exactly the record's name and facts; a subclass keeps its parent's; its
+    options resolve "default" to the record's mode."""
+    record = dataclasses.replace(adapters.BUILTIN["mxnet"], name="planted", precisions={"fp32": CPU},
                                  notes={"fp16": "never"})
 
     class Declared(FaultAdapter, declaration=record):
         pass
 
-    assert Declared.name == "planted" and Declared.declaration is record
-    assert (Declared.PRECISIONS, Declared.COMPILE_MODES, Declared.DEFAULT_COMPILE) == (
-        record.precisions, record.compile_modes, "compiled")
-    assert Declared().unsupported_execution("fp32", "default", "cuda:0") == (
-        "the planted adapter does not train in fp32 on cuda (only on cpu)")
-    assert Declared().unsupported_execution("fp16", "default", "cpu").endswith(": never")
+    assert Declared.name == "planted" and Declared.declaration is record and Declared().mode == "compiled"
 
     class Sub(Declared):
         pass
 
     assert Sub.declaration is record and Sub.name == "planted"
-    assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.layers == base.BASIC_LAYERS
+    assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.layers == BASIC_LAYERS
     assert FaultAdapter.declaration.adapter == "tests.fakes.fault_adapter:FaultAdapter"
+    info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
+    assert unsupported(record, info, "fp32", "default", "cuda:0") == (
+        "the planted adapter does not train in fp32 on cuda (only on cpu)")
+    assert unsupported(record, info, "fp16", "default", "cpu").endswith(": never")
 
 
 def test_an_adapter_of_harness_adapters_has_no_declaration_here(monkeypatch):
     monkeypatch.setenv("HARNESS_ADAPTERS", "pytorch=tests.fakes.fault_adapter:FaultAdapter")
     assert adapters.declaration("pytorch") is None and adapters.declaration("other") is None
-    assert adapters.attention("pytorch") == adapters.attention("other") == base.Adapter.ATTENTION
+    assert adapters.attention("pytorch") == adapters.attention("other") == "unfused"
     assert adapters.declaration("mxnet") is adapters.BUILTIN["mxnet"]
+
+
+def test_a_declared_limit_refuses_its_combination_and_nothing_else():
+    """A ``Limit`` of the declaration refuses exactly the trials that match every condition it gives, with its
+    reason; sync batchnorm matters only for a model with batchnorm."""
+    limit = Limit(reason="no sync batchnorm when compiled", data_parallel=True, sync_batchnorm=True,
+                  compile="compiled")
+    record = dataclasses.replace(adapters.BUILTIN["tensorflow"], name="limited", limits=(limit,),
+                                 sync_batchnorm=BOTH)
+    norm = models.analyze(ModelSpec.model_validate({"layers": [
+        {"type": "conv2d", "filters": 2, "kernel_size": 3}, {"type": "batchnorm"}, {"type": "flatten"},
+        {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
+    plain = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
+    assert unsupported(record, norm, "fp32", "compiled", "cpu", 2, True) == "no sync batchnorm when compiled"
+    assert unsupported(record, norm, "fp32", "eager", "cpu", 2, True) is None
+    assert unsupported(record, norm, "fp32", "compiled", "cpu", 2, False) is None
+    assert unsupported(record, norm, "fp32", "compiled", "cpu", 1, True) is None
+    assert unsupported(record, plain, "fp32", "compiled", "cpu", 2, True) is None
 
 
 def _before_blocks(monkeypatch, *names: str) -> None:
@@ -104,33 +123,39 @@ def _before_blocks(monkeypatch, *names: str) -> None:
     classification only (a built-in adapter that lacks something, decided at plan time)."""
     for name in names:
         monkeypatch.setitem(adapters.BUILTIN, name, dataclasses.replace(
-            adapters.BUILTIN[name], layers=base.BASIC_LAYERS, tasks=base.IMAGE_TASKS))
+            adapters.BUILTIN[name], layers=BASIC_LAYERS, tasks=IMAGE_TASKS))
+
+
+def _unsupported(name: str, info) -> str | None:
+    """The plan's answer for the adapter ``name`` (None for one of HARNESS_ADAPTERS, decided in its worker)."""
+    record = adapters.declaration(name)
+    return None if record is None else unsupported(record, info)
 
 
 def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):
     _before_blocks(monkeypatch, "mxnet", "tensorflow")
     cnn = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
-    assert adapters.unsupported("pytorch", cnn) is None and adapters.unsupported("mxnet", cnn) is None
+    assert _unsupported("pytorch", cnn) is None and _unsupported("mxnet", cnn) is None
     residual = models.analyze(ModelSpec.model_validate({"layers": RESIDUAL_CNN}), (8, 8, 1), 10)
-    assert adapters.unsupported("mxnet", residual) == ("the mxnet adapter does not support residual blocks "
+    assert _unsupported("mxnet", residual) == ("the mxnet adapter does not support residual blocks "
                                                        "(model.layers.1)")
     strided = models.analyze(ModelSpec.model_validate({"layers": [
         {"type": "conv2d", "filters": 2, "kernel_size": 3, "stride": 2}, {"type": "flatten"},
         {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
-    assert adapters.unsupported("tensorflow", strided) == ("the tensorflow adapter does not support conv2d with "
+    assert _unsupported("tensorflow", strided) == ("the tensorflow adapter does not support conv2d with "
                                                            "stride > 1 (model.layers.0)")
     tokens = models.analyze(ModelSpec.model_validate({"layers": [
         {"type": "embedding", "vocab": 5, "dim": 4}, {"type": "sequence_pool"}, {"type": "dense", "units": 2}]}),
         models.Input.tokens(6, 5), 2)
-    assert adapters.unsupported("tensorflow", tokens) == ("the tensorflow adapter does not support token inputs "
+    assert _unsupported("tensorflow", tokens) == ("the tensorflow adapter does not support token inputs "
                                                           "(sequence classification) (the dataset)")
     # an adapter the registry has no table for is decided by its worker; so is a built-in name it replaces
     monkeypatch.setenv("HARNESS_ADAPTERS", "mxnet=tests.fakes.fault_adapter:FaultAdapter")
-    assert adapters.unsupported("mxnet", residual) is None and adapters.unsupported("other", residual) is None
-    # the contract's default: an adapter that declares nothing builds what every adapter built before blocks
-    assert FaultAdapter().unsupported(cnn) is None
-    assert FaultAdapter().unsupported(residual) == "the fault adapter does not support residual blocks " \
-                                                   "(model.layers.1)"
+    assert _unsupported("mxnet", residual) is None and _unsupported("other", residual) is None
+    # the declaration's defaults: an adapter that declares no layers builds what every adapter built before blocks
+    assert unsupported(FaultAdapter.declaration, cnn) is None
+    assert unsupported(FaultAdapter.declaration, residual) == ("the fault adapter does not support residual blocks "
+                                                               "(model.layers.1)")
 
 
 def test_the_sweep_records_unsupported_trials_from_the_plan_and_from_the_worker(fault_adapter, monkeypatch,
@@ -142,16 +167,28 @@ def test_the_sweep_records_unsupported_trials_from_the_plan_and_from_the_worker(
                                   batch_sizes=[16, 32]), tmp_path / "s.yaml")
     assert unsupported_reason(spec, "mxnet") is not None and unsupported_reason(spec, fault_adapter) is None
     run_dir = sweep.run_spec(spec, tmp_path / "results")
-    records = {(r["framework"], r["batch_size"]): r for r in store.read_trials(run_dir)}
-    assert {key: r["status"] for key, r in records.items()} == {
+    records = {(r.framework, r.batch_size): r for r in store.read_trials(run_dir)}
+    assert {key: r.status for key, r in records.items()} == {
         ("mxnet", 16): "unsupported", ("fault", 16): "unsupported",
         ("mxnet", 32): "unsupported", ("fault", 32): "unsupported"}
     planned = records[("mxnet", 16)]
-    assert planned["reason"] == "not run: the mxnet adapter does not support residual blocks (model.layers.1)"
-    assert planned["wall_seconds"] == 0.0 and not (run_dir / "events" / "mxnet-bs16-r0.jsonl").exists()
-    worker = records[("fault", 16)]  # the worker decided, after prepare and before build
-    assert worker["reason"] == "the fault adapter does not support residual blocks (model.layers.1)"
-    events = [e["event"] for e in store.read_lines(run_dir / "events" / "fault-bs16-r0.jsonl")]
+    assert planned.reason == "not run: the mxnet adapter does not support residual blocks (model.layers.1)"
+    assert planned.wall_s == 0.0 and not (run_dir / "events" / "mxnet-bs16-r0.jsonl").exists()
+    worker = records[("fault", 16)]  # the worker decided by the same rule, before prepare
+    assert worker.reason == "the fault adapter does not support residual blocks (model.layers.1)"
+    events = [e.event for e in store.read_events(run_dir, "fault-bs16-r0")]
     assert events == ["start", "error"]
     text = report.write(run_dir).read_text()
     assert "| unsupported | unsupported |" in text
+
+
+def test_keras_on_jax_takes_no_memory_cap_on_a_gpu():
+    """Keras's JAX backend cannot cap GPU memory (XLA's fraction is read when JAX's GPU backend starts, which Keras's
+    device query does first): the declaration's limit refuses a capped trial on a GPU, and only that."""
+    info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
+    record = adapters.BUILTIN["keras-jax"]
+    why = unsupported(record, info, "fp32", "default", "cuda:0", memory_limit=True)
+    assert why is not None and why.startswith("the keras-jax adapter takes no memory cap on a GPU"), why
+    assert unsupported(record, info, "fp32", "default", "cuda:0") is None
+    assert unsupported(record, info, "fp32", "default", "cpu", memory_limit=True) is None
+    assert unsupported(adapters.BUILTIN["jax"], info, "fp32", "default", "cuda:0", memory_limit=True) is None

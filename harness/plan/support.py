@@ -1,0 +1,104 @@
+"""Whether an adapter can train a trial: the one place that decides, from the adapter's declaration
+(``adapters.declaration.Declaration``) alone, without importing its framework.
+
+The plan asks it for every trial of a built-in adapter before anything runs (``harness.plan.unsupported_reason``);
+max-batch asks it before its first probe; the worker asks it only for an adapter registered through
+``HARNESS_ADAPTERS``, whose declaration is on its class and known only where the class is imported. Adapters do not
+re-check: a trial that reaches an adapter is one it declared it can train.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.neutral.info import TASKS, ModelInfo, describe_feature, requirements
+from harness.spec.devices import device_kind
+
+if TYPE_CHECKING:
+    from adapters.declaration import Declaration
+
+__all__ = ["data_parallel_gap", "execution_gap", "input_gap", "limit_gap", "support_gap", "unsupported"]
+
+
+def unsupported(record: Declaration, info: ModelInfo, precision: str = "fp32", compile: str = "default",
+                device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
+                input: str = "resident", memory_limit: bool = False) -> str | None:
+    """Why the adapter of ``record`` cannot train ``info`` in ``precision`` with ``compile`` ("default": its own mode)
+    on ``device`` ("cpu", "cuda:N"), on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``
+    (``harness.spec.InputMode``), under a memory cap or not (``memory_limit``): the first reason of ``support_gap``,
+    ``execution_gap``, ``data_parallel_gap``, ``input_gap`` and ``limit_gap``, one line; None when it can."""
+    return (support_gap(record, info) or execution_gap(record, precision, compile, device)
+            or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device)
+            or input_gap(record, input, data_parallel)
+            or limit_gap(record, info, precision, compile, device, data_parallel, sync_batchnorm, input,
+                         memory_limit))
+
+
+def support_gap(record: Declaration, info: ModelInfo) -> str | None:
+    """None when the declaration's ``layers`` and ``tasks`` cover every requirement of ``info``
+    (``harness.neutral.info.requirements``); else one line naming the first one missing and where, e.g. "the pytorch
+    adapter does not support residual blocks (model.layers.1)"."""
+    for feature, where in requirements(info):
+        if feature not in (record.tasks if feature in TASKS else record.layers):
+            return f"the {record.name} adapter does not support {describe_feature(feature)} ({where})"
+    return None
+
+
+def execution_gap(record: Declaration, precision: str, compile: str, device: str) -> str | None:
+    """None when the adapter trains in ``precision`` with ``compile`` on ``device``'s kind; else one line saying which
+    it lacks, e.g. "the mxnet adapter does not train in fp16 on cpu (only on cuda)", followed by the declaration's
+    note on that precision (why not) where there is one."""
+    kind = device_kind(device)
+    if kind not in record.precisions.get(precision, frozenset()):
+        where = sorted(record.precisions.get(precision, ()))
+        also = f" (only on {', '.join(where)})" if where else ""
+        why = f": {record.notes[precision]}" if precision in record.notes else ""
+        return f"the {record.name} adapter does not train in {precision} on {kind}{also}{why}"
+    mode = record.mode(compile)
+    if mode not in record.compile_modes:
+        return f"the {record.name} adapter has no {mode} mode (its modes: {', '.join(sorted(record.compile_modes))})"
+    return None
+
+
+def data_parallel_gap(record: Declaration, info: ModelInfo, devices: int, sync_batchnorm: bool,
+                      device: str = "cpu") -> str | None:
+    """None when the adapter trains ``info`` on ``devices`` devices (with ``sync_batchnorm``, which matters only for a
+    model with batchnorm) on ``device``'s kind; else one line saying what it lacks."""
+    if devices <= 1:
+        return None
+    if not record.data_parallel:
+        return f"the {record.name} adapter does not train data-parallel" + (
+            f": {record.data_parallel_mechanism}" if record.data_parallel_mechanism else "")
+    if sync_batchnorm and _has_batchnorm(info) and device_kind(device) not in record.sync_batchnorm:
+        why = f": {record.sync_batchnorm_note}" if record.sync_batchnorm_note else ""
+        return f"the {record.name} adapter has no synchronised batchnorm on {device_kind(device)}{why}"
+    return None
+
+
+def input_gap(record: Declaration, source: str, devices: int = 1) -> str | None:
+    """None when the adapter trains with ``source`` (``harness.spec.InputMode``) on ``devices`` devices; else one
+    line saying what it lacks. Loader mode needs the declaration's ``loader``, and is not combined with data
+    parallelism (each device would need its shard of every batch from the loader)."""
+    if source != "loader":
+        return None
+    if not record.loader:
+        return f"the {record.name} adapter has no data loader mode (input: loader)"
+    if devices > 1:
+        return "input: loader is not combined with data parallelism yet (each device would need its own shard)"
+    return None
+
+
+def limit_gap(record: Declaration, info: ModelInfo, precision: str, compile: str, device: str, data_parallel: int,
+              sync_batchnorm: bool, input: str, memory_limit: bool = False) -> str | None:
+    """The reason of the first of the declaration's ``limits`` that the trial matches, else None."""
+    facts = {"data_parallel": data_parallel > 1, "sync_batchnorm": sync_batchnorm and _has_batchnorm(info),
+             "compile": record.mode(compile), "precision": precision, "device": device_kind(device), "input": input,
+             "memory_limit": memory_limit}
+    for limit in record.limits:
+        if all(getattr(limit, key) in (None, value) for key, value in facts.items()):
+            return limit.reason
+    return None
+
+
+def _has_batchnorm(info: ModelInfo) -> bool:
+    return any(layer.kind == "batchnorm" for layer in info.walk())
