@@ -1,8 +1,9 @@
-"""TensorFlow (Keras 3 layers): its declaration (importing this module imports no framework); the adapter is
-``adapters.tensorflow.adapter``, its layers ``adapters.tensorflow.layers``, its update and loss scaling
-``adapters.tensorflow.training``."""
+"""TensorFlow (Keras 3 layers): its declaration (importing this module imports no framework). The adapter is
+``adapters.tensorflow.adapter``, built from the devices (``devices``: the device, the GPU memory options, the
+MirroredStrategy), the neutral builder (``neutral``, over the layers of ``layers``), the training mechanics
+(``training``, with the optimizer update and fp16's loss scaling of ``optimizer``) and the input (``inputs``)."""
 
-from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration, Limit
 
 DECLARATION = Declaration(
     name="tensorflow",
@@ -33,4 +34,12 @@ DECLARATION = Declaration(
     sync_batchnorm_note=("the moments all-reduced in the replica context (ReplicaContext.all_reduce), as Keras's "
                          "BatchNormalization(synchronized=True) does (the adapter's batchnorm is FusedBatchNormV3, "
                          "not Keras's); eager mode only (not inside the compiled mode's per-replica XLA function)"),
+    limits=(
+        # data-parallel in the compiled mode each replica's forward and backward pass is an XLA-compiled function
+        # (adapters.tensorflow.training, Training._replica_step)
+        Limit(reason=("the tensorflow adapter has no sync batchnorm in the compiled mode: the all-reduce of the "
+                      "batch statistics would lie inside the XLA-compiled forward pass of each replica, where "
+                      "MirroredStrategy cannot all-reduce (use the eager mode, or per-device batchnorm)"),
+              data_parallel=True, sync_batchnorm=True, compile="compiled"),
+    ),
 )

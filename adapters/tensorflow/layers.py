@@ -1,9 +1,9 @@
-"""The TensorFlow adapter's layers (``adapters.tensorflow.adapter``): each canonical layer kind as a function
-``(x, training) -> y`` over ``tf.nn`` ops and the adapter's ``tf.Variable``s, NHWC for images and (B, L, D) for
-sequences, weights in the layouts ``adapters.tensorflow.adapter`` converts them to. Layer normalisation and attention,
+"""The TensorFlow adapter's layers, what its neutral builder (``adapters.tensorflow.neutral``) assembles: each canonical
+layer kind as a function ``(x, training) -> y`` over ``tf.nn`` ops and the builder's ``tf.Variable``s, NHWC for images
+and (B, L, D) for sequences, weights in the layouts the builder converts them to. Layer normalisation and attention,
 which ``tf.nn`` has no op for, are Keras's own layers (``layer_norm``, ``multi_head_attention``). Mixed precision:
-``tf.cast`` at the op (``to``), and ``KERAS_POLICY`` for the Keras layers. Imported by that module only (it is not an
-adapter of its own).
+``tf.cast`` at the op (``to``) to the precision's compute dtype (``COMPUTE``), and ``KERAS_POLICY`` for the Keras
+layers.
 
 Design: docs/design/framework-caveats.md#tensorflow (why Keras's layers, the mixed-precision policy layer by layer).
 """
@@ -11,15 +11,24 @@ Design: docs/design/framework-caveats.md#tensorflow (why Keras's layers, the mix
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 Layer = Callable[[tf.Tensor, bool], tf.Tensor]  # (x, training) -> y
 #: Where a canonical parameter lives in TensorFlow: the variables holding it and the function that assembles the
 #: canonical array from their values (the inverse of the conversion that filled them).
-Held = tuple[tuple[tf.Variable, ...], Callable[..., np.ndarray]]
+Held = tuple[tuple[tf.Variable, ...], Callable[..., npt.NDArray[Any]]]
+#: The compute dtype of each precision (tf32 is float32 with TF32 matmuls and convolutions on a GPU).
+COMPUTE = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
+
+
+def same(value: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """The identity: the inverse of a layout conversion that changed nothing."""
+    return value
 
 
 def to(x: tf.Tensor | tf.Variable, dtype: tf.DType) -> tf.Tensor | tf.Variable:
@@ -87,7 +96,8 @@ def dropout(rate: float) -> Layer:
 def flatten(features: int, channels_first: bool) -> Layer:
     """(N, H, W, C) -> (N, features) in TF's own (H, W, C) order, or, with ``channels_first``, transposed to (N, C,
     H, W) first: the canonical order, for a flatten whose features reach no dense layer that could absorb the order
-    in its rows (see the adapter). A (B, L, D) sequence flattens position-major, the canonical order."""
+    in its rows (``neutral.Builder.visit_flatten``). A (B, L, D) sequence flattens position-major, the canonical
+    order."""
     if channels_first:
         return lambda x, training: tf.reshape(tf.transpose(x, (0, 3, 1, 2)), (-1, features))
     return lambda x, training: tf.reshape(x, (-1, features))
@@ -107,8 +117,8 @@ def batchnorm(gamma: tf.Variable, beta: tf.Variable, mean: tf.Variable, var: tf.
 
     Under ``tf.distribute.MirroredStrategy`` (the adapter's data parallelism) the layer runs in each replica on its
     own shard, so the batch statistics are the shard's, and the assignments go to the replica's own copy of the
-    running statistics (the adapter makes them sync-on-read variables). ``sync``: in a replica context with more than
-    one replica, the statistics are the global batch's instead (``sync_moments``) and the layer is
+    running statistics (the neutral builder makes them sync-on-read variables). ``sync``: in a replica context with
+    more than one replica, the statistics are the global batch's instead (``sync_moments``) and the layer is
     ``tf.nn.batch_normalization`` with them, the running statistics updated with the same canonical formula."""
     def fn(x: tf.Tensor, training: bool) -> tf.Tensor:
         features = x.shape[-1]
@@ -148,7 +158,7 @@ def sync_moments(x: tf.Tensor, replica: tf.distribute.ReplicaContext) -> tuple[t
     return batch_mean, squares / count, count
 
 
-def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias: np.ndarray,
+def layer_norm(shape: tuple[int, ...], epsilon: float, weight: npt.NDArray[Any], bias: npt.NDArray[Any],
                compute: tf.DType = tf.float32) -> tuple[Layer, dict[str, Held]]:
     """``keras.layers.LayerNormalization(axis=-1, epsilon)`` over the last axis of (B, F) or (B, L, D): (x - mean) /
     sqrt(biased var + epsilon) * gamma + beta (https://keras.io/api/layers/normalization_layers/layer_normalization/),
@@ -159,17 +169,18 @@ def layer_norm(shape: tuple[int, ...], epsilon: float, weight: np.ndarray, bias:
     norm.build((None, *shape))
     norm.gamma.assign(weight)
     norm.beta.assign(bias)
-    return (lambda x, training: norm(x)), {"weight": ((norm.gamma.value,), _same), "bias": ((norm.beta.value,), _same)}
+    return (lambda x, training: norm(x)), {"weight": ((norm.gamma.value,), same), "bias": ((norm.beta.value,), same)}
 
 
 def embedding(token: tf.Variable, position: tf.Variable, compute: tf.DType = tf.float32) -> Layer:
     """(B, L) int64 ids -> (B, L, D) in ``compute``: ``tf.nn.embedding_lookup`` of the token table (vocab, D)
     (https://www.tensorflow.org/api_docs/python/tf/nn/embedding_lookup) plus the position table (L, D), in float32,
-    then cast. Its gradient is ``tf.IndexedSlices``, which the train step makes dense (see the adapter)."""
+    then cast. Its gradient is ``tf.IndexedSlices``, which the train step makes dense
+    (``optimizer.dense_gradients``)."""
     return lambda x, training: to(tf.nn.embedding_lookup(token, x) + position, compute)
 
 
-def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weights: dict[str, np.ndarray],
+def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weights: dict[str, npt.NDArray[Any]],
                          compute: tf.DType = tf.float32) -> tuple[Layer, dict[str, Held]]:
     """Self-attention on (B, L, D) as ``keras.layers.MultiHeadAttention(heads, key_dim=D / heads)`` called as
     ``mha(x, x, use_causal_mask=causal)`` (https://keras.io/api/layers/attention_layers/multi_head_attention/; with
@@ -198,16 +209,16 @@ def multi_head_attention(length: int, dim: int, heads: int, causal: bool, weight
     mha._output_dense.kernel.assign(weights["out_proj.weight"].T.reshape(heads, head_dim, dim))
     mha._output_dense.bias.assign(weights["out_proj.bias"])
 
-    def in_weight(*kernels: np.ndarray) -> np.ndarray:
+    def in_weight(*kernels: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return np.concatenate([k.reshape(dim, dim).T for k in kernels])
 
-    def in_bias(*biases: np.ndarray) -> np.ndarray:
+    def in_bias(*biases: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return np.concatenate([b.reshape(dim) for b in biases])
 
     held = {"in_proj.weight": (tuple(d.kernel.value for d in projections), in_weight),
             "in_proj.bias": (tuple(d.bias.value for d in projections), in_bias),
             "out_proj.weight": ((mha._output_dense.kernel.value,), lambda k: k.reshape(dim, dim).T),
-            "out_proj.bias": ((mha._output_dense.bias.value,), _same)}
+            "out_proj.bias": ((mha._output_dense.bias.value,), same)}
     return (lambda x, training: mha(x, x, use_causal_mask=causal, training=training)), held
 
 
@@ -232,6 +243,3 @@ def residual(body: Sequence[Layer], shortcut: Sequence[Layer], activation: str) 
         return activate(y + skip, activation)
     return fn
 
-
-def _same(value: np.ndarray) -> np.ndarray:
-    return value

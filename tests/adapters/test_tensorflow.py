@@ -1,5 +1,6 @@
-"""TensorFlow adapter: real training on the CPU, the canonical weights, PyTorch's optimizer semantics, no retracing,
-and OOM classification."""
+"""TensorFlow adapter: the conformance suite (tests/adapters/conformance.py), and what is TensorFlow's own: PyTorch's
+optimizer semantics, no retracing, the epoch's index tensors staged when ``batches`` is called, the CPU settings, the
+GPU memory options, and OOM classification."""
 
 import numpy as np
 import pytest
@@ -11,19 +12,13 @@ from adapters.tensorflow.adapter import TensorFlowAdapter
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
-from tests.trials import run_options
+from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
+from tests.helpers import run_options
 
 
-def test_learns_digits_on_cpu():
-    kit.check_learns_digits(TensorFlowAdapter)
-
-
-def test_holds_canonical_weights_and_matches_reference_forward():
-    kit.check_same_initial_weights_and_logits(TensorFlowAdapter)
-
-
-def test_parameter_count_matches_model():
-    kit.check_parameter_count(TensorFlowAdapter)
+@pytest.fixture(scope="module")
+def adapter_cls():
+    return TensorFlowAdapter
 
 
 @pytest.mark.parametrize("optimizer", [
@@ -40,8 +35,8 @@ def test_trains_exactly_like_pytorch(optimizer):
     order = datasets.epoch_order(len(data.y_train), 0, 0)
     for step in range(8):
         batch = order[step * 32:(step + 1) * 32]
-        tf_adapter.train_step(batch)
-        torch_adapter.train_step(batch)
+        kit.step(tf_adapter, batch)
+        kit.step(torch_adapter, batch)
         np.testing.assert_allclose(tf_adapter.read_loss()[0], torch_adapter.read_loss()[0], rtol=1e-4)
     initial = models.initial_weights(info, 0)
     expected = torch_adapter.get_weights()
@@ -59,20 +54,50 @@ def test_train_and_evaluate_never_retrace():
     for batch_size in (256, 100, 7):  # 360 test images: a smaller last batch every time
         loss, accuracy = adapter.evaluate(batch_size)
         assert np.isfinite(loss) and 0 <= accuracy <= 1
-    assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
-    assert adapter._eval_fn.experimental_get_tracing_count() == 1
-    for batch in kit.batches(len(data.y_train), 32, 3):  # gradient accumulation: one more function, traced once
-        adapter.train_step(batch, micro_batches=4)
-        assert np.isfinite(adapter.read_loss()[0])
-    assert adapter._train_fns[(32, 4)].experimental_get_tracing_count() == 1
-    assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
+    training = adapter.training
+    assert training.functions[(32, 1)].experimental_get_tracing_count() == 1
+    assert training.eval_fn.experimental_get_tracing_count() == 1
+    kit.train_on(adapter, kit.batches(len(data.y_train), 32, 3), micro_batches=4)  # one more function, traced once
+    assert training.functions[(32, 4)].experimental_get_tracing_count() == 1
+    assert training.functions[(32, 1)].experimental_get_tracing_count() == 1
+    assert adapter.compilations() == 2
+
+
+def test_batches_stages_the_epochs_index_tensors_when_called(monkeypatch):
+    """In resident mode ``batches`` converts the epoch's steps to int64 index tensors on the device when it is called
+    (outside the timed windows), one per whole step: iterating them converts nothing (``tf.constant`` is made to fail
+    after the call). Training through those staged tensors gives exactly the weights of training one step at a time
+    (each step its own ``batches`` call)."""
+    states = []
+    for staged in (True, False):
+        adapter, data, _ = kit.make(TensorFlowAdapter)
+        order = datasets.epoch_order(len(data.y_train), 0, 0)[:5 * 32 + 7]  # and a partial step, dropped
+        if staged:
+            batches = adapter.batches(order, 32, 0)
+            with monkeypatch.context() as patched:
+                patched.setattr(tf, "constant", lambda *args, **kwargs: pytest.fail("converted after batches"))
+                tensors = list(batches)
+            assert len(tensors) == 5
+            for step, tensor in enumerate(tensors):
+                assert isinstance(tensor, tf.Tensor) and tensor.dtype == tf.int64 and tensor.device.endswith("CPU:0")
+                np.testing.assert_array_equal(tensor.numpy(), order[step * 32:(step + 1) * 32])
+            for tensor in tensors:
+                adapter.train_step(tensor)
+        else:
+            for step in range(5):
+                kit.step(adapter, order[step * 32:(step + 1) * 32])
+        assert adapter.read_loss()[1] == 5
+        states.append(adapter.get_weights())
+    for name, value in states[0].items():
+        np.testing.assert_array_equal(states[1][name], value, err_msg=name)
 
 
 def test_cpu_settings_and_memory_stats():
     adapter = kit.make(TensorFlowAdapter)[0]
-    settings = adapter.settings()
+    settings = adapter.settings().record()
     assert settings["intra_op_threads"] == 2 and settings["inter_op_threads"] == 1
-    assert settings["jit_compile"] is False
+    assert settings["jit_compile"] is False and settings["data_format"] == "NHWC"
+    assert settings["data_parallel"] is None and settings["loader"] is None
     adapter.reset_memory_stats()
     assert adapter.memory_stats() == {}  # TF keeps no allocator statistics for the CPU
     assert adapter.versions()["tensorflow"] == tf.__version__
@@ -98,13 +123,9 @@ def test_real_cpu_allocation_failure_is_oom():
     adapter.prepare("cpu", 2, 0)
 
     def allocate():
-        with tf.device(adapter.device):
+        with tf.device(adapter.devices.device):
             tf.zeros((2**42,))  # 16 TiB of float32: the CPU allocator refuses it
     kit.check_allocation_failure_is_oom(adapter, allocate, "16 TiB")
-
-
-def test_allocator_options_on_cpu():
-    kit.check_allocator_options_on_cpu(TensorFlowAdapter)
 
 
 @pytest.mark.parametrize("options, growth_calls, logical, settings", [
@@ -126,56 +147,15 @@ def test_gpu_memory_options(monkeypatch, options, growth_calls, logical, setting
     monkeypatch.setattr(tf.config.experimental, "set_memory_growth", lambda gpu, on: growth.append(on))
     monkeypatch.setattr(tf.config, "set_logical_device_configuration",
                         lambda gpu, devices: logical_devices.append(devices))
-    adapter = TensorFlowAdapter()
-    adapter.options = run_options(options)
-    adapter._configure_gpu_memory(object())
+    adapter = TensorFlowAdapter(run_options(options))
+    adapter.devices.configure_gpu_memory(object())
     assert growth == growth_calls
     if logical is None:
         assert logical_devices == []
     else:
         assert logical_devices == [[tf.config.LogicalDeviceConfiguration(memory_limit=logical)]]
-    adapter._gpu = True  # what prepare sets on a GPU; settings() reads no GPU state
-    recorded = adapter.settings()
+    adapter.devices.gpu = True  # what prepare sets on a GPU; settings() reads no GPU state
+    recorded = adapter.settings().record()
     for key, value in settings.items():
         assert recorded[key] == value, key
     assert ("memory_growth_skipped" in recorded) == (bool(logical) and options.get("tensorflow_memory_growth", True))
-
-
-def test_inference_after_training_uses_the_running_statistics():
-    kit.check_inference_after_training(TensorFlowAdapter)
-
-
-def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
-    kit.check_set_train_images(TensorFlowAdapter)
-
-
-def test_a_staged_epoch_gives_the_same_steps_with_its_own_index_tensors():
-    """stage_epoch puts one index tensor per step on the device; a step told its position uses that step's tensor
-    (the same object), a step without one, or of another length, is converted. Training through the staged tensors
-    gives exactly the weights of training without them."""
-    states = []
-    for staged in (False, True):
-        adapter, data, _ = kit.make(TensorFlowAdapter)
-        order = datasets.epoch_order(len(data.y_train), 0, 0)
-        if staged:
-            adapter.stage_epoch(order, 32)
-            assert len(adapter._staged) == len(order) // 32
-            assert adapter._indices_tensor(order[64:96], 2) is adapter._staged[2]
-            for other, position in ((order[64:96].copy(), None), (order[65:97], None), (order[64:80], 2)):
-                tensor = adapter._indices_tensor(other, position)
-                assert all(tensor is not t for t in adapter._staged)
-                np.testing.assert_array_equal(tensor.numpy(), other)
-        for step in range(5):
-            adapter.train_step(order[step * 32:(step + 1) * 32], position=step if staged else None)
-        adapter.read_loss()
-        states.append(adapter.get_weights())
-    for name, value in states[0].items():
-        np.testing.assert_array_equal(states[1][name], value, err_msg=name)
-
-
-def test_the_registry_record_names_this_class_and_the_class_takes_it():
-    import adapters
-
-    record = adapters.BUILTIN["tensorflow"]
-    assert adapters.get("tensorflow") is TensorFlowAdapter and TensorFlowAdapter.declaration is record
-    assert TensorFlowAdapter.name == "tensorflow" and TensorFlowAdapter.PRECISIONS == record.precisions

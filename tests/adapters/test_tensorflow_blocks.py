@@ -14,9 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adapters.base import ALL_LAYERS, ALL_TASKS
+from adapters.declaration import ALL_LAYERS, ALL_TASKS
 from adapters.tensorflow.adapter import TensorFlowAdapter
+from adapters.tensorflow.neutral import Builder
 from harness.neutral import datasets, models
+from harness.plan.support import unsupported
 from harness.spec import ModelSpec, SyntheticData
 from tests.adapters import block_checks, kit, reference, scenarios
 
@@ -25,10 +27,14 @@ def build(model, cfg, weights=None, optimizer=scenarios.BLOCK_OPTIMIZERS["sgd-mo
     return block_checks.build(TensorFlowAdapter, model, cfg, weights, optimizer)
 
 
-def test_it_declares_every_layer_and_task():
-    assert TensorFlowAdapter.SUPPORTED_LAYERS == ALL_LAYERS and TensorFlowAdapter.SUPPORTED_TASKS == ALL_TASKS
+def test_it_declares_every_layer_and_task_and_builds_every_kind():
+    """The declaration names every layer and task, the plan's rule accepts the block models, and the neutral builder
+    has a ``visit_<kind>`` for every layer kind of the declaration (its options are the kinds' own)."""
+    declaration = TensorFlowAdapter.declaration
+    assert declaration.layers == ALL_LAYERS and declaration.tasks == ALL_TASKS
     for model, cfg in scenarios.BLOCK_MODELS.values():
-        assert TensorFlowAdapter().unsupported(models.analyze(model, *datasets.describe_input(cfg))) is None
+        assert unsupported(declaration, models.analyze(model, *datasets.describe_input(cfg))) is None
+    assert Builder.kinds() == {kind for kind in ALL_LAYERS if "." not in kind}
 
 
 def test_a_resnet_with_a_projection_shortcut_gives_the_reference_logits():
@@ -58,8 +64,8 @@ def test_a_flatten_that_feeds_no_dense_layer_directly_keeps_the_canonical_order(
 
 def test_the_next_token_loss_trains_the_copy_task():
     adapter = block_checks.copy_task_trains(TensorFlowAdapter)
-    assert adapter._train_fns[(32, 1)].experimental_get_tracing_count() == 1
-    assert adapter._eval_fn.experimental_get_tracing_count() == 1
+    assert adapter.training.functions[(32, 1)].experimental_get_tracing_count() == 1
+    assert adapter.training.eval_fn.experimental_get_tracing_count() == 1
 
 
 def test_gradient_accumulation_with_an_embedding_equals_one_batch():

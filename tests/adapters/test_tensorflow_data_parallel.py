@@ -24,10 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+import adapters
 from harness.neutral import models
+from harness.plan.support import unsupported
 from harness.spec import ROOT
 from tests.adapters import kit
-from tests.adapters.data_parallel_run import RUNS
+from tests.adapters.data_parallel_run import RUNS, _model
 
 #: Parameters of two runs that should train alike: |a - b| <= ATOL + RTOL |b|; with sync batchnorm the
 #: cross-framework tolerance of tests/adapters/test_equivalence.py (PARAM_ATOL = PARAM_RTOL = 1e-5).
@@ -52,11 +54,10 @@ order = datasets.epoch_order(len(data.y_train), 0, 0)
 first = order[:32]
 
 def adapter(devices=1, sync=False, compile="default", precision="fp32", model=info, d=data, optimizer=kit.SGD):
-    a = TensorFlowAdapter()
     parallel = DataParallel(devices=("cpu:0", "cpu:1"), sync_batchnorm=sync) if devices == 2 else None
-    a.options = RunOptions(data_parallel=parallel, compile=compile, precision=precision)
+    a = TensorFlowAdapter(RunOptions(data_parallel=parallel, compile=compile, precision=precision))
     a.prepare("cpu", 1, 0)
-    a.build(model, models.initial_weights(model, 0), optimizer)
+    a.build_neutral(model, models.initial_weights(model, 0), optimizer)
     a.load(d)
     return a
 
@@ -64,7 +65,7 @@ def state(a):
     return {**a.get_weights(), **a.get_buffers()}
 
 def step(a, indices):
-    a.train_step(indices)
+    kit.step(a, indices)
     return a.read_loss()[0], state(a)
 
 def listed(s):
@@ -82,18 +83,18 @@ out["whole_loss"] = step(adapter(), first)[0]
 out["sync_loss"] = step(adapter(2, sync=True), first)[0]
 
 # the copies: every parameter on both devices, the same; the running statistics per device (sync-on-read)
-out["param_devices"] = [v.device for v in two._params["0.weight"][0][0].values]
+network = two.training.model
+out["param_devices"] = [v.device for v in network.params["0.weight"][0][0].values]
 out["param_copies_equal"] = all(bool(np.array_equal(*[c.numpy() for c in v.values]))
-                                for held in two._params.values() for v in held[0])
-statistic = two._buffers["1.running_mean"][0][0]
+                                for v in network.trainable_variables)
+statistic = network.buffers["1.running_mean"][0][0]
 out["statistic_kind"] = type(statistic).__name__
 out["statistic_copies"] = [c.numpy().tolist() for c in statistic.values]
-out["settings"] = {k: v for k, v in two.settings().items()
-                   if k in ("data_parallel_devices", "cross_device_ops", "sync_batchnorm")}
+out["settings"] = two.settings().record()["data_parallel"]
 losses = []
-for position in range(1, 4):
-    two.train_step(order[position * 32:(position + 1) * 32])
-    losses.append(float(two._last_loss.numpy()))
+for batch in two.batches(order[32:128], 32, 0):
+    two.train_step(batch)
+    losses.append(float(two.training.last_loss.numpy()))
 out["three_losses"], out["read_three"] = losses, two.read_loss()
 out["errors"] = refusals(two, order)
 
@@ -105,10 +106,8 @@ for name, devices, model in (("cnn-1", 1, plain_info), ("cnn-2", 2, plain_info),
     after_first = a.compilations()
     run_losses += [step(a, order[p * 32:(p + 1) * 32])[0] for p in range(1, 10)]
     compiled[name] = {"losses": run_losses, "state": listed(state(a)), "compilations": [after_first, a.compilations()],
-                      "test": list(a.evaluate(32)), "jit": a.settings()["jit_compile"]}
+                      "test": list(a.evaluate(32)), "jit": a.settings().record()["jit_compile"]}
 out["compiled"] = compiled
-out["compiled_sync_reason"] = adapter(2, sync=True, compile="compiled").unsupported(info)
-out["eager_sync_reason"] = adapter(2, sync=True).unsupported(info)
 
 # Keras's layers (layernorm, attention) and an embedding: the decoder, 3 Adam steps of 16
 model, cfg = scenarios.BLOCK_MODELS["decoder"]
@@ -135,8 +134,7 @@ import tensorflow as tf
 from adapters.base import DataParallel, RunOptions
 from adapters.tensorflow.adapter import TensorFlowAdapter
 tf.constant(1.0) + 1.0
-a = TensorFlowAdapter()
-a.options = RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1")))
+a = TensorFlowAdapter(RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1"))))
 try:
     a.prepare("cpu", 1, 0)
 except RuntimeError as err:
@@ -254,8 +252,7 @@ def test_sync_batchnorm_is_the_whole_batch(runs, checks):
 def test_compiled_mode(runs, checks):
     """The compiled mode under the strategy: each replica's forward and backward pass and its update are
     XLA-compiled functions (the step around them, with the all-reduce, is not), traced once per replica on the
-    first step and never again; two devices train as one, and per-device batchnorm trains as in the eager mode.
-    Sync batchnorm is refused there, with the reason."""
+    first step and never again; two devices train as one, and per-device batchnorm trains as in the eager mode."""
     compiled = checks["compiled"]
     one, two = compiled["cnn-1"], compiled["cnn-2"]
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
@@ -267,8 +264,22 @@ def test_compiled_mode(runs, checks):
     bn = compiled["bn-2"]
     np.testing.assert_allclose(bn["losses"], runs["bn-2"]["losses"], rtol=1e-5)
     _assert_state_close({k: np.asarray(v) for k, v in bn["state"].items()}, _state(runs["bn-2"]), atol=SYNC_ATOL)
-    assert "no sync batchnorm in the compiled mode" in checks["compiled_sync_reason"]
-    assert checks["eager_sync_reason"] is None
+
+
+def test_sync_batchnorm_in_the_compiled_mode_is_a_declared_limit():
+    """Sync batchnorm data-parallel in the compiled mode, with a model that has batchnorm, is refused by the plan's
+    rule from the declaration (its ``Limit``), with the reason; the eager mode, per-device batchnorm, one device
+    and a model without batchnorm are not."""
+    record = adapters.BUILTIN["tensorflow"]
+    norm, plain = kit.digits(_model(True))[1], kit.digits()[1]
+    why = unsupported(record, norm, "fp32", "compiled", "cpu", 2, True)
+    assert why is not None and why.startswith("the tensorflow adapter has no sync batchnorm in the compiled mode: "
+                                              "the all-reduce of the batch statistics would lie inside the "
+                                              "XLA-compiled forward pass of each replica")
+    assert unsupported(record, norm, "fp32", "default", "cuda:0", 2, True) is None  # eager, TF's default mode
+    assert unsupported(record, norm, "fp32", "compiled", "cpu", 2, False) is None
+    assert unsupported(record, norm, "fp32", "compiled", "cpu", 1, True) is None
+    assert unsupported(record, plain, "fp32", "compiled", "cpu", 2, True) is None
 
 
 def test_strategy_facts(checks):
@@ -277,8 +288,9 @@ def test_strategy_facts(checks):
     and a batch that N does not divide are refused."""
     assert checks["logical_cpus"] == ["/device:CPU:0", "/device:CPU:1"]
     assert [d.rsplit("/", 1)[1] for d in checks["param_devices"]] == ["device:CPU:0", "device:CPU:1"]
-    assert checks["settings"] == {"data_parallel_devices": ["/cpu:0", "/cpu:1"],
-                                  "cross_device_ops": "CollectiveAllReduce (RING)", "sync_batchnorm": False}
+    assert checks["settings"] == {"mechanism": "tf.distribute.MirroredStrategy", "world_size": 2,
+                                  "devices": ["/cpu:0", "/cpu:1"], "cross_device_ops": "CollectiveAllReduce (RING)",
+                                  "sync_batchnorm": False}
     mean, steps = checks["read_three"]
     assert steps == 3 and mean == pytest.approx(np.mean(checks["three_losses"]), rel=1e-6)
     assert checks["errors"]["accumulation"] == "gradient accumulation with data parallelism is not supported"

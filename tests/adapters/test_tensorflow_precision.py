@@ -25,9 +25,9 @@ taken at its own, slightly different, weights): 4 T x path. Observed distance / 
 after 1 step 0.017, under 2 T = 0.047: the growth is the feedback), ResNet 0.046 (0.19), decoder 0.016 (0.41). The
 losses: within 4.6 % (digits CNN, whose loss first climbs to 6 at this learning rate), 0.5 % and 0.3 % of fp32's.
 
-fp16 needs a GPU in the harness (``PRECISIONS``); its dynamic loss scaling is exercised here on the CPU, where
-TensorFlow's float16 kernels run too: the scale grows after its run of finite steps, and a step whose gradients
-overflow is skipped with the scale halved.
+fp16 needs a GPU in the harness (the declaration's ``precisions``); its dynamic loss scaling is exercised here on the
+CPU, where TensorFlow's float16 kernels run too: the scale grows after its run of finite steps, and a step whose
+gradients overflow is skipped with the scale halved, by the harness's rule (``harness.neutral.precision``).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from adapters.base import BOTH, CUDA, RunOptions
+from adapters.declaration import BOTH, CUDA
 from adapters.tensorflow.adapter import TensorFlowAdapter
-from harness.neutral import datasets, models
+from adapters.tensorflow.optimizer import DynamicLossScale
+from harness.neutral import datasets, models, precision
 from tests.adapters import kit, reference, scenarios
 
 MODELS = ["digits", *scenarios.BLOCK_MODELS]
@@ -52,8 +53,8 @@ FLOAT32_OPS = {"FusedBatchNormV3", "FusedBatchNormGradV3", "Softmax", "SparseSof
 
 
 def configured(precision: str = "fp32", compile: str = "eager") -> type[TensorFlowAdapter]:
-    """The adapter class with the worker's options preset (the worker sets them on the instance)."""
-    return type("Configured", (TensorFlowAdapter,), {"options": RunOptions(precision=precision, compile=compile)})
+    """The adapter class made with these options (``kit.configured``)."""
+    return kit.configured(TensorFlowAdapter, precision=precision, compile=compile)
 
 
 def _setup(name: str, adapter_cls: type[TensorFlowAdapter], weights=None):
@@ -84,17 +85,16 @@ def logits_run(name: str, precision: str, mode: str) -> tuple[TensorFlowAdapter,
 @functools.cache
 def training_run(name: str, precision: str, mode: str):
     """(adapter, losses, the state kept before and after every step, the steps' indices): 10 steps from the
-    canonical initial weights on the first epoch's batches, staged as the harness does (``stage_epoch``)."""
+    canonical initial weights on the first epoch's batches, staged as the harness does (one ``batches`` call)."""
     adapter, data, _, batch = _setup(name, configured(precision, mode))
     order = datasets.epoch_order(len(data.y_train), 0, 0)
-    adapter.stage_epoch(order, batch)
     steps = [order[i * batch:(i + 1) * batch] for i in range(max(STEPS))]
-    losses, kept = kit.train_on(adapter, steps, keep=tuple(range(max(STEPS) + 1)), staged=True)
+    losses, kept = kit.train_on(adapter, steps, keep=tuple(range(max(STEPS) + 1)))
     return adapter, losses, kept, steps
 
 
 def _graph_ops(adapter: TensorFlowAdapter, batch: int) -> list[tf.Operation]:
-    return adapter._train_calls[(batch, 1)].graph.get_operations()
+    return adapter.training.calls[(batch, 1)].graph.get_operations()
 
 
 def _dtype(op: tf.Operation) -> tf.DType:
@@ -109,17 +109,17 @@ def test_compiled_gives_the_eager_logits_and_is_compiled_by_xla(name):
     eager, logits, _ = logits_run(name, "fp32", "eager")
     compiled, xla_logits, _ = logits_run(name, "fp32", "compiled")
     np.testing.assert_allclose(xla_logits, logits, rtol=1e-4, atol=1e-5)
-    x = compiled.x_test[:4]
-    assert compiled._logits_fn.experimental_get_compiler_ir(x)(stage="hlo").startswith("HloModule")
+    x = compiled.inputs.x_test[:4]
+    assert compiled.training.logits_fn.experimental_get_compiler_ir(x)(stage="hlo").startswith("HloModule")
     with pytest.raises(ValueError, match="jit_compile"):  # TF refuses it for a function that XLA does not compile
-        eager._logits_fn.experimental_get_compiler_ir(x)(stage="hlo")
+        eager.training.logits_fn.experimental_get_compiler_ir(x)(stage="hlo")
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("step", STEPS)
 def test_compiled_trains_like_eager(name, step):
     """Every parameter and buffer after ``step`` steps and every loss; the compiled step is XLA's (the concrete
-    function the step calls must be compiled whole), traced once and fed the staged index tensors."""
+    function the step calls must be compiled whole), traced once."""
     eager, losses, kept, _ = training_run(name, "fp32", "eager")
     compiled, xla_losses, xla_kept, steps = training_run(name, "fp32", "compiled")
     np.testing.assert_allclose(xla_losses, losses, rtol=1e-5)
@@ -129,12 +129,12 @@ def test_compiled_trains_like_eager(name, step):
         if step == 10 and key.endswith(".weight"):
             assert np.abs(value - kept[0][key]).max() > 1e-4, f"{key} did not move"
     key = (len(steps[0]), 1)
-    assert compiled._train_calls[key].function_def.attr["_XlaMustCompile"].b
-    assert not eager._train_calls[key].function_def.attr["_XlaMustCompile"].b
-    assert compiled._train_fns[key].experimental_get_tracing_count() == 1
+    assert compiled.training.calls[key].function_def.attr["_XlaMustCompile"].b
+    assert not eager.training.calls[key].function_def.attr["_XlaMustCompile"].b
+    assert compiled.training.functions[key].experimental_get_tracing_count() == 1
     assert compiled.compilations() == 1 and eager.compilations() == 1  # what the worker reads
-    assert compiled._indices_tensor(steps[-1], len(steps) - 1) is compiled._staged[len(steps) - 1]
-    assert compiled.settings()["jit_compile"] and compiled.settings()["compile"] == "compiled"
+    settings = compiled.settings().record()
+    assert settings["jit_compile"] and settings["compile"] == "compiled"
 
 
 def test_compiled_gradient_accumulation_equals_eager():
@@ -177,10 +177,11 @@ def test_bf16_runs_the_products_in_bf16_and_keeps_float32_variables(name):
         assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= {op.type for op in kept_float32}
     if name == "decoder":
         assert "Softmax" in {op.type for op in kept_float32}  # attention's, inside Keras's layer
-    assert {v.dtype for v in adapter._variables} == {tf.float32}
+    assert {v.dtype for v in adapter.training.variables} == {tf.float32}
     state = {**adapter.get_weights(), **adapter.get_buffers()}
     assert {v.dtype for v in state.values()} == {np.dtype(np.float32)}
-    assert adapter.settings()["precision"] == "bf16" and adapter.settings()["compute_dtype"] == "bfloat16"
+    settings = adapter.settings().record()
+    assert settings["precision"] == "bf16" and settings["compute_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -208,47 +209,65 @@ def test_fp16_loss_scaling_grows_skips_and_halves():
     logits; with a growth interval of 2 the scale doubles after 2 finite steps (2^12 -> 2^13); a scale that makes
     the scaled loss overflow skips the step (every parameter unchanged) and halves; accumulation applies it too."""
     adapter, data, _ = kit.make(configured("fp16"))
-    adapter._loss_scale.growth_steps = 2  # read when the step is traced, at its first call
+    adapter.training.loss_scale.growth_steps = 2  # read when the step is traced, at its first call
     first, second, third, fourth = kit.batches(len(data.y_train), 32, 4)
-    assert float(adapter._loss_scale.scale.numpy()) == 2.0 ** 16  # PyTorch's and the JAX adapter's start
-    adapter._loss_scale.scale.assign(2.0 ** 12)  # low enough that this model's first steps stay finite
+    assert float(adapter.training.loss_scale.scale.numpy()) == precision.LOSS_SCALE_INIT == 2.0 ** 16  # PyTorch's
+    adapter.training.loss_scale.scale.assign(2.0 ** 12)  # low enough that this model's first steps stay finite
     kit.train_on(adapter, [first, second])
-    assert float(adapter._loss_scale.scale.numpy()) == 2.0 ** 13 and int(adapter._loss_scale.good_steps.numpy()) == 0
+    assert float(adapter.training.loss_scale.scale.numpy()) == 2.0 ** 13
+    assert int(adapter.training.loss_scale.good_steps.numpy()) == 0
     ops = _graph_ops(adapter, 32)
     assert {_dtype(op) for op in ops if op.type in PRODUCTS} == {tf.float16}
     assert adapter.predict(data.x_test[:4]).dtype == np.float32
     before = adapter.get_weights()
-    adapter._loss_scale.scale.assign(3e38)  # loss x scale is inf in float32
+    adapter.training.loss_scale.scale.assign(3e38)  # loss x scale is inf in float32
     losses, _ = kit.train_on(adapter, [third])
     assert np.isfinite(losses).all()  # the unscaled loss is reported
     for key, value in adapter.get_weights().items():
         np.testing.assert_array_equal(value, before[key], err_msg=key)
-    assert float(adapter._loss_scale.scale.numpy()) == np.float32(1.5e38)
-    assert adapter.settings()["loss_scale"] == float(np.float32(1.5e38))
-    adapter._loss_scale.scale.assign(2.0 ** 10)
+    assert float(adapter.training.loss_scale.scale.numpy()) == np.float32(1.5e38)
+    assert adapter.settings().record()["loss_scale"] == float(np.float32(1.5e38))
+    adapter.training.loss_scale.scale.assign(2.0 ** 10)
     kit.train_on(adapter, [fourth], micro_batches=2)
     assert max(np.abs(value - before[key]).max() for key, value in adapter.get_weights().items()) > 1e-4
-    assert int(adapter._loss_scale.good_steps.numpy()) == 1
+    assert int(adapter.training.loss_scale.good_steps.numpy()) == 1
+
+
+def test_loss_scale_follows_the_harness_rule(monkeypatch):
+    """``DynamicLossScale.apply`` moves the scale and its count as ``harness.neutral.precision.next_loss_scale`` does,
+    step for step, over finite and non-finite gradients and across two growths (a growth interval of 3 for both,
+    instead of ``LOSS_SCALE_GROWTH_STEPS``, the default, to reach them), and updates only on finite gradients."""
+    assert DynamicLossScale().growth_steps == precision.LOSS_SCALE_GROWTH_STEPS
+    monkeypatch.setattr(precision, "LOSS_SCALE_GROWTH_STEPS", 3)
+    scale, updates = DynamicLossScale(growth_steps=3), []
+    expected = (precision.LOSS_SCALE_INIT, 0)
+    pattern = (True, True, False, True, True, True, True, False, False, True, True, True)
+    for finite in pattern:
+        grads = [tf.constant([1.0, 2.0]), tf.constant([3.0 if finite else np.inf])]
+        scale.apply(grads, lambda g: updates.append(len(g)))
+        expected = precision.next_loss_scale(*expected, finite)
+        assert (float(scale.scale.numpy()), int(scale.good_steps.numpy())) == expected, finite
+    assert expected == (precision.LOSS_SCALE_INIT * 2 ** 2 * 2 ** -3, 0)  # two growths, three backoffs
+    assert len(updates) == sum(pattern)
 
 
 def test_settings_record_precision_and_mode():
-    plain = kit.make(TensorFlowAdapter)[0]  # options left empty, as tests that build adapters directly do
-    assert {k: plain.settings()[k] for k in ("precision", "compute_dtype", "compile", "jit_compile")} == {
+    plain = kit.make(TensorFlowAdapter)[0]  # no options: an fp32 run in the declaration's mode
+    assert {k: plain.settings().record()[k] for k in ("precision", "compute_dtype", "compile", "jit_compile")} == {
         "precision": "fp32", "compute_dtype": "float32", "compile": "eager", "jit_compile": False}
-    assert "loss_scale" not in plain.settings()
+    assert "loss_scale" not in plain.settings().record()
     adapter = logits_run("digits", "bf16", "compiled")[0]
-    assert {k: adapter.settings()[k] for k in ("precision", "compute_dtype", "compile", "jit_compile")} == {
+    assert {k: adapter.settings().record()[k] for k in ("precision", "compute_dtype", "compile", "jit_compile")} == {
         "precision": "bf16", "compute_dtype": "bfloat16", "compile": "compiled", "jit_compile": True}
 
 
 def test_what_it_cannot_run_is_refused_with_a_reason():
-    assert TensorFlowAdapter.PRECISIONS == {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
-    assert set(TensorFlowAdapter.COMPILE_MODES) == {"eager", "compiled"}
-    assert TensorFlowAdapter.DEFAULT_COMPILE == "eager"
-    adapter = TensorFlowAdapter()
-    kit.check_execution_declared(adapter, [("bf16", "compiled", "cpu"), ("bf16", "default", "cpu"),
-                                           ("fp16", "compiled", "cuda:0"), ("tf32", "default", "cuda")], {
+    declaration = TensorFlowAdapter.declaration
+    assert declaration.precisions == {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
+    assert set(declaration.compile_modes) == {"eager", "compiled"} and declaration.default_compile == "eager"
+    kit.check_execution_declared("tensorflow", [("bf16", "compiled", "cpu"), ("bf16", "default", "cpu"),
+                                                ("fp16", "compiled", "cuda:0"), ("tf32", "default", "cuda")], {
         ("fp16", "default", "cpu"): "the tensorflow adapter does not train in fp16 on cpu (only on cuda): fp16 with "
                                     "dynamic loss scaling is declared for CUDA GPUs only",
         ("tf32", "default", "cpu"): "the tensorflow adapter does not train in tf32 on cpu (only on cuda)"})
-    assert adapter.compile_mode("default") == "eager"
+    assert TensorFlowAdapter().mode == "eager"
