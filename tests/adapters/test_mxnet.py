@@ -1,5 +1,6 @@
-"""MXNet adapter: real training on the CPU, the canonical weights, the optimizers' update rules, evaluation across
-batch shapes, and OOM classification."""
+"""MXNet adapter: the conformance suite (tests/adapters/conformance.py), and what is MXNet's own: the optimizers'
+update rules, evaluation across batch shapes, a step that queues its work, the epoch staged once by ``batches``, the
+batchnorm kernel's biased variance, the settings, the GPU memory limit, and OOM classification."""
 
 import json
 import os
@@ -13,36 +14,30 @@ import numpy as np
 import pytest
 
 from adapters.base import DeviceUnavailable
+from adapters.mxnet import inputs as inputs_module
+from adapters.mxnet.adapter import MXNetAdapter
+from adapters.mxnet.batchnorm import running_var_is_biased
 
-# mx through the adapter, which makes it importable on numpy >= 1.24
-from adapters.mxnet.adapter import MXNetAdapter, _running_var_is_biased, mx
+# mx through the adapter's runtime, which makes it importable on numpy >= 1.24
+from adapters.mxnet.runtime import mx
 from harness.neutral import datasets
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
-from tests.trials import run_options
+from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
+from tests.helpers import run_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_learns_digits_on_cpu():
-    kit.check_learns_digits(MXNetAdapter)
-
-
-def test_holds_canonical_weights_and_matches_reference_forward():
-    kit.check_same_initial_weights_and_logits(MXNetAdapter)
-
-
-def test_parameter_count_matches_model():
-    kit.check_parameter_count(MXNetAdapter)
+@pytest.fixture(scope="module")
+def adapter_cls():
+    return MXNetAdapter
 
 
 def _grads(adapter, batch_size):
     """The mean gradient of the last train_step: Gluon's grad arrays hold the gradient of the summed loss."""
-    out = {}
-    for index, block in adapter._layers.items():
-        out[f"{index}.weight"] = block.weight.grad().asnumpy().astype(np.float64) / batch_size
-        out[f"{index}.bias"] = block.bias.grad().asnumpy().astype(np.float64) / batch_size
-    return out
+    return {name: param.grad().asnumpy().astype(np.float64) / batch_size
+            for name, (param, trained) in adapter._neutral.tensors.items() if trained}
 
 
 def _mean_cross_entropy(info, weights, images, labels):
@@ -59,7 +54,7 @@ def _two_steps(optimizer):
     weights = [{k: v.astype(np.float64) for k, v in adapter.get_weights().items()}]
     grads = []
     for batch in batches:
-        adapter.train_step(batch)
+        kit.step(adapter, batch)
         assert np.isfinite(adapter.read_loss()[0])
         grads.append(_grads(adapter, len(batch)))
         weights.append({k: v.astype(np.float64) for k, v in adapter.get_weights().items()})
@@ -130,7 +125,7 @@ def test_evaluation_is_independent_of_batch_shape_and_interleaves_with_training(
         assert loss == pytest.approx(ref_loss, rel=1e-5), batch_size
         assert acc == pytest.approx(ref_acc, abs=0.5 / n), batch_size
         # training between evaluations still works on its own shape
-        adapter.train_step(datasets.epoch_order(len(data.y_train), 1, batch_size)[:32])
+        kit.step(adapter, datasets.epoch_order(len(data.y_train), 1, batch_size)[:32])
         assert np.isfinite(adapter.read_loss()[0])
         weights = adapter.get_weights()
         logits = kit.numpy_forward(info, weights, data.x_test)
@@ -142,15 +137,17 @@ def test_evaluation_is_independent_of_batch_shape_and_interleaves_with_training(
 
 
 def test_train_step_queues_its_work_without_waiting_for_the_device():
+    """Neither ``batches`` (the epoch's indices wrapped by ``nd.from_numpy``) nor ``train_step`` waits for the work
+    already queued on the CPU."""
     adapter, data, _ = kit.make(MXNetAdapter)
     batch = datasets.epoch_order(len(data.y_train), 0, 0)[:32]
-    adapter.train_step(batch)
+    kit.step(adapter, batch)
     adapter.read_loss()[0]  # the first step builds and plans the graph
     a = mx.nd.ones((1500, 1500))
     mx.nd.waitall()
     start = time.perf_counter()
     busy = [mx.nd.dot(a, a) for _ in range(6)]  # queued CPU work: tens to hundreds of milliseconds
-    adapter.train_step(batch)
+    kit.step(adapter, batch)
     queued = time.perf_counter() - start
     loss = adapter.read_loss()[0]
     total = time.perf_counter() - start
@@ -169,7 +166,7 @@ def test_cuda_index_out_of_range_is_device_unavailable():
 def test_versions_and_settings_are_recorded():
     adapter, _, _ = kit.make(MXNetAdapter)
     assert adapter.versions()["mxnet"] == mx.__version__
-    settings = adapter.settings()
+    settings = adapter.settings().record()
     assert settings["hybridize"] == {"static_alloc": True, "static_shape": True}
     assert settings["threads_requested"] == 2
     assert settings["intra_op_threads"] >= 1
@@ -201,7 +198,8 @@ def test_tensor_over_the_size_limit_is_not_oom():
 
 _CPU_ALLOCATION_FAILURE = textwrap.dedent("""
     import json, re, resource
-    from adapters.mxnet.adapter import MXNetAdapter, mx
+    from adapters.mxnet.adapter import MXNetAdapter
+    from adapters.mxnet.runtime import mx
     mx.nd.ones((1,)).asnumpy()  # start the engine's threads before limiting the address space
     vm = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
     resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))
@@ -229,33 +227,28 @@ def test_real_cpu_allocation_failure_is_oom():
     assert result["is_oom"], result
 
 
-def test_allocator_options_on_cpu():
-    kit.check_allocator_options_on_cpu(MXNetAdapter)
-
-
 def test_memory_limit_on_a_gpu_is_recorded_as_unsupported(monkeypatch):
     """No GPU here: the GPU count is faked (mx.gpu(0) is only a Context until an operator runs on it). MXNet 1.9.1 has
     no per-process GPU memory cap, so the adapter applies nothing and says so."""
     monkeypatch.setattr(mx.context, "num_gpus", lambda: 1)
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # prepare sets it by setdefault; keep this process clean
-    adapter = MXNetAdapter()
-    adapter.options = run_options({"tensorflow_memory_growth": True, "memory_limit_bytes": 4 * 10**9})
+    adapter = MXNetAdapter(run_options({"tensorflow_memory_growth": True, "memory_limit_bytes": 4 * 10**9}))
     adapter.prepare("cuda:0", None, 0)
-    settings = adapter.settings()
+    settings = adapter.settings().record()
     assert settings["memory_limit"] == "not supported by MXNet on GPU"
     assert settings["memory_limit_bytes"] is None and settings["memory_limit_requested_bytes"] == 4 * 10**9
-    unlimited = MXNetAdapter()
-    unlimited.options = run_options({"memory_limit_bytes": None})
+    unlimited = MXNetAdapter(run_options({"memory_limit_bytes": None}))
     unlimited.prepare("cuda:0", None, 0)
-    assert "memory_limit" not in unlimited.settings()
+    assert "memory_limit" not in unlimited.settings().record()
 
 
 def test_cpu_batchnorm_kernel_updates_with_the_biased_variance():
-    """The fact the adapter corrects (see _fix_running_variances): MXNet 1.9.1's CPU BatchNorm, on a (C, H, W) input
-    and on a flat one, updates its running variance with the biased batch variance, where the canonical update (and
-    cuDNN's) uses the unbiased one. The probe measures it; should a build do otherwise, the adapter follows."""
-    assert _running_var_is_biased(mx.cpu(), (3, 5, 5))
-    assert _running_var_is_biased(mx.cpu(), (7,))
+    """The fact the adapter corrects (``adapters.mxnet.batchnorm.RunningVariance``): MXNet 1.9.1's CPU BatchNorm, on a
+    (C, H, W) input hybridized and on a flat one imperatively, updates its running variance with the biased batch
+    variance, where the canonical update (and cuDNN's) uses the unbiased one. The probe measures it; should a build do
+    otherwise, the adapter follows."""
+    assert running_var_is_biased(mx.cpu(), (3, 5, 5), {"static_alloc": True, "static_shape": True})
+    assert running_var_is_biased(mx.cpu(), (7,))
 
 
 def test_switching_between_plain_and_accumulated_steps():
@@ -267,58 +260,56 @@ def test_switching_between_plain_and_accumulated_steps():
     torch_adapter = kit.make(PyTorchAdapter)[0]
     for batch, k in zip(kit.batches(len(data.y_train), 32, 5), (4, 1, 2, 2, 1)):
         for adapter in (mx_adapter, torch_adapter):
-            adapter.train_step(batch, micro_batches=k)
+            kit.step(adapter, batch, micro_batches=k)
         np.testing.assert_allclose(mx_adapter.read_loss()[0], torch_adapter.read_loss()[0], rtol=1e-5)
     expected = torch_adapter.get_weights()
     for name, value in mx_adapter.get_weights().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_inference_after_training_uses_the_running_statistics():
-    kit.check_inference_after_training(MXNetAdapter)
-
-
-def test_set_train_images_replaces_the_images_in_place_after_the_step_was_traced():
-    kit.check_set_train_images(MXNetAdapter)
-
-
-def test_a_staged_epoch_gives_the_same_steps_through_slices_of_one_array(monkeypatch):
-    """stage_epoch wraps the epoch's order once (``nd.from_numpy``); a step told its position uses that step's slice
-    of it, a step without one is wrapped on its own. Training through staged epochs,
-    the next staged while the last steps of the one before may still be queued, gives exactly the weights of
-    training without staging."""
-    from adapters.mxnet import adapter as adapter_module
-
+def test_batches_stage_the_epoch_once_when_called_and_steps_are_its_slices(monkeypatch):
+    """``batches`` wraps the epoch's order once (``nd.from_numpy``), when it is called (before the first ``next``: the
+    first epoch's staging stays outside the timed windows), and each batch is its step's slice of that one array.
+    Training through staged epochs, the next staged while the last steps of the one before may still be queued, gives
+    exactly the weights of training on each step's indices wrapped on their own (one ``batches`` call a step)."""
     wrapped = []
-    real = adapter_module.nd.from_numpy
-    monkeypatch.setattr(adapter_module.nd, "from_numpy", lambda *a, **k: wrapped.append(1) or real(*a, **k))
+    real = inputs_module.nd.from_numpy
+    monkeypatch.setattr(inputs_module.nd, "from_numpy", lambda *a, **k: wrapped.append(1) or real(*a, **k))
     states = []
     for staged in (False, True):
         adapter, data, _ = kit.make(MXNetAdapter)
         wrapped.clear()
         for epoch in range(2):
-            order = datasets.epoch_order(len(data.y_train), 0, epoch)
+            order = datasets.epoch_order(len(data.y_train), 0, epoch)[:100]
             if staged:
-                adapter.stage_epoch(order, 32)
-            for step in range(3):
-                adapter.train_step(order[step * 32:(step + 1) * 32], position=step if staged else None)
+                batches = adapter.batches(order, 32, epoch)
+                assert len(wrapped) == epoch + 1  # staged when called, not at the first next()
+                batches = list(batches)
+                assert len(batches) == 3  # whole steps only
+                for position, batch in enumerate(batches):
+                    (indices,) = batch
+                    np.testing.assert_array_equal(indices.asnumpy(), order[position * 32:(position + 1) * 32])
+                    adapter.train_step(batch)
+            else:
+                for step in range(3):
+                    kit.step(adapter, order[step * 32:(step + 1) * 32], epoch=epoch)
         adapter.read_loss()
         assert len(wrapped) == (2 if staged else 6)  # once an epoch, or once a step
         states.append(adapter.get_weights())
-    wrapped.clear()
-    np.testing.assert_array_equal(adapter._indices(order[64:96], 2).asnumpy(), order[64:96])
-    assert not wrapped
-    np.testing.assert_array_equal(adapter._indices(order[65:97], None).asnumpy(), order[65:97])
-    assert len(wrapped) == 1
-    for other in (order[64:96].copy(), order[::2][:32]):
-        np.testing.assert_array_equal(adapter._indices(other, None).asnumpy(), other)
-    assert len(wrapped) == 3
+    assert order.flags.writeable  # the caller's order is not handed to MXNet (from_numpy would freeze it)
     for name, value in states[0].items():
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
 
 
-def test_the_registry_record_names_this_class_and_the_class_takes_it():
-    import adapters
-
-    assert adapters.get("mxnet") is MXNetAdapter and MXNetAdapter.declaration is adapters.BUILTIN["mxnet"]
-    assert MXNetAdapter.name == "mxnet" and MXNetAdapter.PRECISIONS == adapters.BUILTIN["mxnet"].precisions
+def test_an_unknown_model_with_batchnorm_is_refused_by_build():
+    """``build`` trains any Gluon block, but corrects the running variance only of the neutral builder's batchnorm
+    layers: another model with batchnorm is refused rather than trained with MXNet's biased update."""
+    adapter = MXNetAdapter()
+    adapter.prepare("cpu", 2, 0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(4, in_units=3), mx.gluon.nn.BatchNorm(in_channels=4))
+    net.initialize(ctx=adapter.contexts)
+    with pytest.raises(ValueError, match="neutral builder's batchnorm"):
+        adapter.build(net, "image_classification", kit.SGD)
+    with pytest.raises(TypeError, match="gluon.Block"):
+        adapter.build(object(), "image_classification", kit.SGD)

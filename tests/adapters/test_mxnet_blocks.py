@@ -14,10 +14,11 @@ from tests.adapters import block_checks, scenarios
 
 def test_a_resnet_with_a_projection_shortcut_gives_the_reference_logits():
     adapter, _ = block_checks.resnet_gives_the_reference(MXNetAdapter)
-    assert adapter._layers["4.shortcut"].bias is None  # nn.Conv2D(use_bias=False): no bias at all, not a zero one
+    blocks = adapter._neutral.blocks
+    assert blocks["4.shortcut"].bias is None  # nn.Conv2D(use_bias=False): no bias at all, not a zero one
     # the CPU kernel's biased running-variance update is corrected inside blocks and shortcuts too
-    assert {block for block, _, _ in adapter._variance_fixups} == {
-        adapter._layers[name] for name in ("1", "3.1", "4.1", "4.4", "4.shortcut_bn")}
+    assert [layer.block for layer in adapter.training.variance.corrected] == [
+        blocks[name] for name in ("1", "3.1", "4.1", "4.4", "4.shortcut_bn")]
 
 
 def test_a_causal_transformer_gives_the_reference_logits_and_does_not_look_ahead():

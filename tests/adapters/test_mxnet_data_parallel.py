@@ -8,8 +8,8 @@ of tests/adapters/test_equivalence.py's accumulation test), losses within 1e-5 r
 with momentum and with Adam, in the compiled (default) mode and the eager one; N = 2 equals 2 micro-batches of 16 on
 one device. Observed: at most 3.0e-7 apart (SGD), 4.1e-7 (Adam), losses 1e-7 relative; N = 2 and the 2 micro-batches
 are bit for bit the same. Batchnorm: each context normalises its own shard (the first step's loss is the mean of two
-one-device runs on the two shards, and each context's running statistics are that shard's run's); synchronised
-batchnorm is refused on the CPU (MXNet's SyncBatchNorm deadlocks over CPU contexts: the declaration's note); its
+one-device runs on the two shards, and each context's running statistics are that shard's run's); the plan refuses
+synchronised batchnorm on the CPU (MXNet's SyncBatchNorm deadlocks over CPU contexts: the declaration's note); its
 arithmetic, the GPU path, is checked on the CPU where it can be made to run (``test_the_synchronised_path_...``).
 """
 
@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapters.base import DataParallel, DeviceUnavailable, RunOptions, data_parallel_gap, shard
+from adapters.base import DataParallel, DeviceUnavailable, RunOptions, shard
 from adapters.mxnet import DECLARATION
 from adapters.mxnet.adapter import MXNetAdapter
 from harness.neutral import datasets, models
+from harness.plan.support import data_parallel_gap, unsupported
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
 from tests.adapters.data_parallel_run import RUNS as DRIVER_RUNS
@@ -42,14 +43,13 @@ RUNS = {name: run for name, run in DRIVER_RUNS.items() if name not in ("bn-1", "
 #: cross-framework batchnorm tolerance of tests/adapters/test_equivalence.py (NORM_ATOL = NORM_RTOL = 1e-5).
 RTOL, ATOL, SYNC_ATOL = 1e-5, 1e-6, 1e-5
 
-#: The synchronised-batchnorm driver run, with the declaration's refusal on the CPU lifted in that interpreter only
-#: (see test_the_synchronised_path_normalises_over_the_global_batch for why it runs here at all), in the eager mode.
+#: The synchronised-batchnorm driver run on the CPU, which the plan refuses (the adapter does not re-check: see
+#: test_the_synchronised_path_normalises_over_the_global_batch for why it runs here at all), in the eager mode (the
+#: declaration's default mode changed in that interpreter only).
 FORCED_SYNC = r'''
 import dataclasses, sys
-from adapters.declaration import BOTH
 from adapters.mxnet.adapter import MXNetAdapter
-MXNetAdapter.declaration = dataclasses.replace(MXNetAdapter.declaration, sync_batchnorm=BOTH)
-MXNetAdapter.DEFAULT_COMPILE = "eager"
+MXNetAdapter.declaration = dataclasses.replace(MXNetAdapter.declaration, default_compile="eager")
 from tests.adapters import data_parallel_run
 sys.exit(data_parallel_run.main(sys.argv[1:]))
 '''
@@ -120,20 +120,19 @@ def test_two_devices_equal_two_accumulated_micro_batches(runs):
 def _adapter(devices: int = 2, sync: bool = False, compile: str = "default", model=None,
              optimizer: OptimizerSpec = kit.SGD) -> MXNetAdapter:
     data, info = kit.digits(kit.CNN if model is None else model)
-    adapter = MXNetAdapter()
     parallel = (DataParallel(devices=tuple(f"cpu:{i}" for i in range(devices)), sync_batchnorm=sync)
                 if devices > 1 else None)
-    adapter.options = RunOptions(data_parallel=parallel, compile=compile)
+    adapter = MXNetAdapter(RunOptions(data_parallel=parallel, compile=compile))
     adapter.prepare("cpu", 1, 0)
-    adapter.build(info, models.initial_weights(info, 0), optimizer)
+    adapter.build_neutral(info, models.initial_weights(info, 0), optimizer)
     adapter.load(data)
     return adapter
 
 
 def _held(adapter: MXNetAdapter, device: int) -> dict[str, np.ndarray]:
     """Every parameter and buffer as context ``device`` holds it."""
-    ctx = adapter._contexts[device]
-    return {name: param.data(ctx).asnumpy() for name, (param, _) in adapter._tensors.items()}
+    ctx = adapter.contexts[device]
+    return {name: param.data(ctx).asnumpy() for name, (param, _) in adapter._neutral.tensors.items()}
 
 
 def test_batchnorm_normalises_each_devices_own_shard(runs):
@@ -147,17 +146,17 @@ def test_batchnorm_normalises_each_devices_own_shard(runs):
     shards = []
     for device in range(2):
         single = _adapter(1, model=model)
-        single.train_step(shard(first, 2, device))
+        kit.step(single, shard(first, 2, device))
         shards.append((single.read_loss()[0], {**single.get_weights(), **single.get_buffers()}))
     whole = _adapter(1, model=model)
-    whole.train_step(first)
+    kit.step(whole, first)
     whole_loss = whole.read_loss()[0]
     expected = (shards[0][0] + shards[1][0]) / 2
     assert runs["bn-2"]["losses"][0] == pytest.approx(expected, rel=1e-6)
     assert abs(runs["bn-2"]["losses"][0] - whole_loss) > 1e-4 * whole_loss  # 7e-4 relative apart
 
     parallel = _adapter(2, model=model)
-    parallel.train_step(first)
+    kit.step(parallel, first)
     assert parallel.read_loss()[0] == pytest.approx(expected, rel=1e-6)
     held = [_held(parallel, device) for device in range(2)]
     for device, (_, state) in enumerate(shards):
@@ -172,23 +171,20 @@ def test_batchnorm_normalises_each_devices_own_shard(runs):
 
 
 def test_synchronised_batchnorm_is_refused_on_the_cpu_with_the_reason():
-    """The declaration offers SyncBatchNorm on GPUs only; on the CPU ``unsupported`` gives the declaration's reason
-    (the plan's ``data_parallel_gap`` gives the same line) and ``build`` raises it. A model without batchnorm is
-    accepted with the option (there is nothing to synchronise)."""
+    """The declaration offers SyncBatchNorm on GPUs only: the plan's rule (``harness.plan.support.unsupported``)
+    refuses it on the CPU with the declaration's reason, for a model with batchnorm; a model without batchnorm is
+    accepted with the option (there is nothing to synchronise), and the adapter builds and trains it."""
     model = _model(True)
     _, info = kit.digits(model)
-    adapter = MXNetAdapter()
-    adapter.options = RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1"), sync_batchnorm=True))
-    adapter.prepare("cpu", 1, 0)
-    why = adapter.unsupported(info)
+    why = unsupported(DECLARATION, info, device="cpu", data_parallel=2, sync_batchnorm=True)
     assert why is not None and why.startswith("the mxnet adapter has no synchronised batchnorm on cpu: ")
     assert "deadlocks" in why and "MXNET_CPU_TEMP_COPY" in why
     assert why == data_parallel_gap(DECLARATION, info, 2, True, "cpu")
-    assert data_parallel_gap(DECLARATION, info, 2, True, "cuda") is None
-    with pytest.raises(ValueError, match="no synchronised batchnorm on cpu"):
-        adapter.build(info, models.initial_weights(info, 0), kit.SGD)
-    assert adapter.unsupported(kit.digits()[1]) is None
-    _adapter(2, sync=True)  # the CNN without batchnorm builds and loads
+    assert unsupported(DECLARATION, info, device="cuda:0", data_parallel=2, sync_batchnorm=True) is None
+    assert unsupported(DECLARATION, kit.digits()[1], device="cpu", data_parallel=2, sync_batchnorm=True) is None
+    adapter = _adapter(2, sync=True)  # the CNN without batchnorm builds, loads and trains
+    kit.step(adapter, np.arange(32))
+    assert np.isfinite(adapter.read_loss()[0])
 
 
 def test_the_synchronised_path_normalises_over_the_global_batch(runs, tmp_path):
@@ -220,7 +216,7 @@ def test_the_eager_mode_trains_like_one_device_and_like_the_compiled_mode(optimi
     states = {}
     for name, devices, mode in (("one", 1, "eager"), ("eager", 2, "eager"), ("compiled", 2, "compiled")):
         adapter = _adapter(devices, compile=mode, optimizer=optimizer)
-        assert adapter.settings()["compile"] == mode
+        assert adapter.settings().compile == mode
         losses, kept = kit.train_on(adapter, steps, keep=(10,))
         states[name] = (losses, kept[10], adapter.evaluate(64))
     for name in ("eager", "compiled"):
@@ -233,17 +229,25 @@ def test_the_eager_mode_trains_like_one_device_and_like_the_compiled_mode(optimi
 
 
 def test_every_context_holds_the_same_parameters_and_staging_changes_nothing():
-    """Each context applies the same update to its own copy: after steps with and without a staged epoch, the two
-    contexts hold bit for bit the same parameters, and staged and unstaged training agree bit for bit."""
+    """Each context applies the same update to its own copy: after steps from one staged epoch (one ``batches`` call:
+    each context's shard a slice of its own copy of the epoch's order) and steps each staged alone, the two contexts
+    hold bit for bit the same parameters, and the two ways of staging agree bit for bit."""
     data, _ = kit.digits()
-    order = datasets.epoch_order(len(data.y_train), 0, 0)
+    order = datasets.epoch_order(len(data.y_train), 0, 0)[:128]
     weights = []
     for staged in (False, True):
         adapter = _adapter(2)
         if staged:
-            adapter.stage_epoch(order, 32)
-        for step in range(4):
-            adapter.train_step(order[step * 32:(step + 1) * 32], position=step if staged else None)
+            batches = list(adapter.batches(order, 32, 0))
+            assert [[i.context for i in batch] for batch in batches] == [adapter.contexts] * 4
+            for position, batch in enumerate(batches):
+                step = order[position * 32:(position + 1) * 32]
+                for device, indices in enumerate(batch):
+                    np.testing.assert_array_equal(indices.asnumpy(), shard(step, 2, device))
+                adapter.train_step(batch)
+        else:
+            for step in range(4):
+                kit.step(adapter, order[step * 32:(step + 1) * 32])
         adapter.read_loss()
         held = [_held(adapter, device) for device in range(2)]
         for name, value in held[0].items():
@@ -260,10 +264,10 @@ def test_augmented_images_reach_every_context():
     data, _ = kit.digits()
     augmented = datasets.augment(data.x_train, seed=0, epoch=0)
     adapter.set_train_images(augmented)
-    for x, _ in adapter._train:
+    for x, _ in adapter.inputs.train:
         np.testing.assert_array_equal(x.asnumpy(), augmented.transpose(0, 3, 1, 2))
-    assert [x.context for x, _ in adapter._train] == adapter._contexts
-    assert adapter.x_test.context == adapter._contexts[0] == adapter.ctx
+    assert [x.context for x, _ in adapter.inputs.train] == adapter.contexts
+    assert adapter.inputs.x_test.context == adapter.contexts[0] == adapter.ctx
 
 
 def test_what_data_parallel_training_refuses():
@@ -271,15 +275,14 @@ def test_what_data_parallel_training_refuses():
     multi-process trial, and devices of another kind than the trial's."""
     adapter = _adapter(2)
     with pytest.raises(ValueError, match="gradient accumulation with data parallelism is not supported"):
-        adapter.train_step(np.arange(32), micro_batches=2)
+        kit.step(adapter, np.arange(32), micro_batches=2)
     with pytest.raises(ValueError, match="cannot be split into 2 equal per-device batches"):
-        adapter.train_step(np.arange(31))
+        kit.step(adapter, np.arange(31))
     for parallel, device, match in (
             (DataParallel(devices=("cpu:0", "cpu:1"), processes=2), "cpu", "from one process"),
             (DataParallel(devices=("cuda:0", "cuda:1")), "cpu", "is not a cpu device"),
             (DataParallel(devices=("cpu:0", "cpu:0")), "cpu", "names a device twice")):
-        refused = MXNetAdapter()
-        refused.options = RunOptions(data_parallel=parallel)
+        refused = MXNetAdapter(RunOptions(data_parallel=parallel))
         with pytest.raises(DeviceUnavailable, match=match):
             refused.prepare(device, 1, 0)
 
@@ -291,9 +294,9 @@ def test_the_declaration_and_the_settings_name_the_mechanism():
     assert DECLARATION.sync_batchnorm == frozenset({"cuda"})
     assert "'device' kvstore" in DECLARATION.data_parallel_mechanism
     adapter = _adapter(2)
-    adapter.train_step(np.arange(32))
+    kit.step(adapter, np.arange(32))
     adapter.read_loss()
-    assert adapter.settings()["data_parallel"] == {
+    assert adapter.settings().data_parallel == {
         "contexts": ["cpu(0)", "cpu(1)"], "kvstore": "device", "update_on_kvstore": False,
         "batchnorm": "BatchNorm (per device)"}
-    assert "data_parallel" not in _adapter(1).settings()
+    assert _adapter(1).settings().data_parallel is None

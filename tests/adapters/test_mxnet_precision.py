@@ -1,7 +1,8 @@
 """MXNet's execution modes and precisions: the eager mode (Gluon blocks run imperatively, never hybridized) trains
 exactly like the default hybridized one in fp32, for the digits CNN and the residual and transformer block models;
-bf16 is refused with the reason MXNet 1.9.1 gives on this CPU (no bfloat16 kernels it can run: the failures are
-reproduced here), as are fp16 on the CPU and tf32; and fp16's AMP plumbing (``amp.init``, ``amp.init_trainer``,
+the plan refuses bf16 with the reason MXNet 1.9.1 gives on this CPU (no bfloat16 kernels it can run: the failures are
+reproduced here), as it does fp16 on the CPU, tf32 and synchronised batchnorm in fp16 (the declaration's limit); and
+fp16's AMP plumbing (``amp.init``, ``amp.init_trainer``,
 ``amp.scale_loss``) is wired in, checked in a separate process as far as a CPU lets it run."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapters.base import RunOptions
-from adapters.mxnet.adapter import MXNetAdapter, amp, mx, nd
+import adapters
+from adapters.mxnet.adapter import MXNetAdapter
+from adapters.mxnet.runtime import amp, mx, nd
 from harness.neutral import datasets, models
+from harness.plan.support import unsupported
 from tests.adapters import kit, scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +27,8 @@ STEPS = (1, 10)
 
 
 def configured(precision: str = "fp32", compile: str = "compiled") -> type[MXNetAdapter]:
-    """The adapter class with the worker's options preset (the worker sets them on the instance)."""
-    return type("Configured", (MXNetAdapter,), {"options": RunOptions(precision=precision, compile=compile)})
+    """The adapter class made with the worker's options (``RunOptions(precision=..., compile=...)``)."""
+    return kit.configured(MXNetAdapter, precision=precision, compile=compile)
 
 
 def _run(name: str, mode: str) -> tuple[np.ndarray, list[float], dict[int, dict[str, np.ndarray]], MXNetAdapter]:
@@ -61,14 +64,14 @@ def test_eager_trains_exactly_like_hybridized_in_fp32(name):
             np.testing.assert_allclose(eager[2][step][key], value, rtol=1e-4, atol=1e-5, err_msg=f"{key} @ {step}")
     moved = max(float(np.abs(hybrid[2][10][k] - v).max()) for k, v in hybrid[2][0].items())
     assert moved > 1e-2, moved  # it trained: agreeing is not agreeing on the starting point
-    eager_net, hybrid_net = eager[3].net, hybrid[3].net
+    eager_net, hybrid_net = eager[3].training.net, hybrid[3].training.net
     # Gluon's HybridBlock: hybridize() sets _active on the block and its children; the first forward pass of an
     # active block traces its cached symbolic graph (_cached_graph, () until then)
     assert not eager_net._active and eager_net._cached_graph == () and eager_net._cached_op is None
     assert not any(block._active for block in _blocks(eager_net))
     assert hybrid_net._active and hybrid_net._cached_graph != () and hybrid_net._cached_op is not None
-    assert eager[3].settings()["hybridized"] is False and eager[3].settings()["hybridize"] == {}
-    assert hybrid[3].settings()["hybridize"] == {"static_alloc": True, "static_shape": True}
+    assert eager[3].settings().record()["hybridized"] is False and eager[3].settings().record()["hybridize"] == {}
+    assert hybrid[3].settings().record()["hybridize"] == {"static_alloc": True, "static_shape": True}
 
 
 def _blocks(block) -> list:
@@ -78,18 +81,20 @@ def _blocks(block) -> list:
 
 def test_settings_record_precision_amp_and_mode():
     for mode in ("eager", "compiled"):
-        settings = kit.make(configured(compile=mode))[0].settings()
+        settings = kit.make(configured(compile=mode))[0].settings().record()
         assert {k: settings[k] for k in ("precision", "amp_target_dtype", "compile", "hybridized")} == {
             "precision": "fp32", "amp_target_dtype": "", "compile": mode, "hybridized": mode == "compiled"}
         assert "loss_scale" not in settings  # fp16 only
-    plain = kit.make(MXNetAdapter)[0]  # options left empty: fp32, hybridized (today's behaviour)
-    assert plain.settings()["precision"] == "fp32" and plain.net._active
+    plain = kit.make(MXNetAdapter)[0]  # options left empty: fp32, hybridized (the declaration's default mode)
+    assert plain.settings().precision == "fp32" and plain.training.net._active
 
 
 def test_what_it_cannot_run_is_refused_with_a_reason():
-    adapter = MXNetAdapter()
-    assert adapter.compile_mode("default") == "compiled"
-    kit.check_execution_declared(adapter, [("fp32", "eager", "cpu"), ("fp16", "default", "cuda:0")], {
+    """The plan's rule (``harness.plan.support.unsupported``, from the declaration) refuses fp16 on the CPU, tf32 and
+    bf16 with the reasons MXNet 1.9.1 gives, and synchronised batchnorm in fp16 (the declaration's ``Limit``: MXNet's
+    SyncBatchNorm "does not support FP16 training"); the adapter itself does not re-check."""
+    assert MXNetAdapter().mode == "compiled"
+    kit.check_execution_declared("mxnet", [("fp32", "eager", "cpu"), ("fp16", "default", "cuda:0")], {
         ("fp16", "default", "cpu"): "the mxnet adapter does not train in fp16 on cpu (only on cuda): fp16 with "
                                     "dynamic loss scaling is declared for CUDA GPUs only",
         ("tf32", "default", "cuda"): "the mxnet adapter does not train in tf32 on cuda: MXNet 1.9.1 has no TF32 "
@@ -97,13 +102,17 @@ def test_what_it_cannot_run_is_refused_with_a_reason():
         ("bf16", "default", "cpu"): "the mxnet adapter does not train in bf16 on cpu: MXNet 1.9.1 has bfloat16 "
                                     "convolution and dense kernels only in oneDNN, which creates them on AVX-512 CPUs "
                                     "only"})
-    why = adapter.unsupported_execution("bf16", "default", "cpu")
+    record, info = adapters.BUILTIN["mxnet"], kit.digits()[1]
+    why = unsupported(record, info, "bf16", "default", "cpu")
     assert "'could not create a primitive descriptor iterator'" in why
     assert "'dot only supports float32/float64 for CPU'" in why
-    # build refuses them too (before AMP is touched), for an adapter built without the worker's check
-    for precision in ("bf16", "fp16", "tf32"):
-        with pytest.raises(ValueError, match=f"does not train in {precision} on cpu"):
-            kit.make(configured(precision))
+    with_norm = kit.digits(kit.NORM_CNN)[1]
+    fp16_sync = unsupported(record, with_norm, "fp16", "default", "cuda:0", data_parallel=2, sync_batchnorm=True)
+    assert fp16_sync == ("the mxnet adapter has no synchronised batchnorm in fp16: MXNet 1.9.1's SyncBatchNorm "
+                         "'does not support FP16 training'")
+    assert unsupported(record, with_norm, "fp32", "default", "cuda:0", data_parallel=2, sync_batchnorm=True) is None
+    assert unsupported(record, with_norm, "fp16", "default", "cuda:0", data_parallel=2) is None  # per device: fine
+    assert unsupported(record, info, "fp16", "default", "cuda:0", data_parallel=2, sync_batchnorm=True) is None
 
 
 def _avx512() -> bool:
@@ -132,28 +141,27 @@ def test_bf16_fails_in_mxnet_itself_as_the_reason_says():
 
 
 # amp.init rewrites mx.nd's and mx.sym's operators for the rest of the process, so this runs in its own process. fp16
-# is declared on CUDA only; PRECISIONS is widened to get past the refusal on the CPU.
+# is declared on CUDA only: the plan refuses it on the CPU, and the adapter, which does not re-check, runs it here.
 _FP16_PLUMBING = """
 import json
-from adapters.base import BOTH, RunOptions
-from adapters.mxnet.adapter import MXNetAdapter, mx  # adapters.mxnet first: it makes mxnet importable on this numpy
+from adapters.mxnet.adapter import MXNetAdapter  # adapters.mxnet first: it makes mxnet importable on this numpy
+from adapters.mxnet.runtime import mx
 from tests.adapters import kit
 out = {}
 for mode in ("eager", "compiled"):
-    cls = type("F16", (MXNetAdapter,), {"PRECISIONS": {"fp32": BOTH, "fp16": BOTH},
-                                        "options": RunOptions(precision="fp16", compile=mode)})
-    adapter, data, _ = kit.make(cls)
-    settings = adapter.settings()
-    grads = [p.grad().dtype.__name__ for p in adapter._params.values() if p.grad_req != "null"]
+    adapter, data, _ = kit.make(kit.configured(MXNetAdapter, precision="fp16", compile=mode))
+    settings = adapter.settings().record()
+    grads = [p.grad().dtype.__name__ for p in adapter.training.params.values() if p.grad_req != "null"]
     weights = sorted({w.dtype.name for w in adapter.get_weights().values()})
     try:
-        adapter.train_step(kit.batches(len(data.y_train), 32, 1)[0])
+        kit.step(adapter, kit.batches(len(data.y_train), 32, 1)[0])
         adapter.read_loss()
         error = ""
     except mx.base.MXNetError as exc:
         error = str(exc)
     out[mode] = {"settings": {k: settings.get(k) for k in ("amp_target_dtype", "loss_scale", "loss_scaling")},
-                 "scaled": adapter.trainer._scale, "grads": sorted(set(grads)), "weights": weights, "error": error}
+                 "scaled": adapter.training.trainer._scale, "grads": sorted(set(grads)), "weights": weights,
+                 "error": error}
 try:
     kit.make(MXNetAdapter)
     out["fp32_after"] = ""
