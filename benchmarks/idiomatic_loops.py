@@ -364,7 +364,7 @@ def run_mxnet(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------------------- JAX
 
 def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    # The same thread setting as adapters/jax/adapter.py: with one thread, XLA's Eigen pool off (before jax is
+    # The same thread setting as adapters/jax/runtime.py: with one thread, XLA's Eigen pool off (before jax is
     # imported).
     if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -1,5 +1,7 @@
 """JAX (with optax): its declaration (importing this module imports no framework); the adapter is
-``adapters.jax.adapter``, its layers ``adapters.jax.layers``."""
+``adapters.jax.adapter``, built from the neutral builder (``adapters.jax.neutral``, its layers ``adapters.jax.layers``),
+the training mechanics (``adapters.jax.training``) and the input (``adapters.jax.inputs``); JAX itself is imported
+through ``adapters.jax.runtime``."""
 
 from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
 
@@ -29,8 +31,10 @@ DECLARATION = Declaration(
     sync_batchnorm=BOTH,
     # input: loader. Grain (Google's loader for JAX; requirements/jax-*.txt): a grain.MapDataset whose element p is
     # step p's batch of the epoch's order, read ahead by grain.ReadOptions(num_threads) threads, and the batches
-    # jax.device_put ahead of the step (adapters.jax.adapter: JaxAdapter.open_loader, _device_prefetch)
+    # jax.device_put ahead of the step (adapters.jax.inputs: Inputs.open_loader, _device_prefetch); the environment
+    # probe requires grain before a loader trial runs
     loader="grain.MapDataset",
+    loader_modules={"grain": "grain"},
     sync_batchnorm_note=("lax.pmean of the batch moments over the devices (two all-reduces per batchnorm layer); "
                          "without it each device normalises its own shard and the running statistics are the mean "
                          "of the devices'"),

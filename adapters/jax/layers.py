@@ -1,7 +1,7 @@
-"""The JAX adapter's layers (``adapters.jax.adapter``): each canonical layer kind as a function
-``(params, stats, x, train, key) -> (y, updated stats)`` over ``jax.lax`` and ``jax.nn`` ops, NHWC for images and
-(B, L, D) for sequences, weights in the layouts ``adapters.jax.adapter`` converts them to. Imported by that module only
-(it is not an adapter of its own).
+"""The JAX adapter's layers: each canonical layer kind as a function ``(params, stats, x, train, key) -> (y, updated
+stats)`` over ``jax.lax`` and ``jax.nn`` ops, NHWC for images and (B, L, D) for sequences, weights in the layouts the
+neutral builder (``adapters.jax.neutral``) converts them to. Imported by that module only (it is not an adapter of its
+own).
 
 Precision (``Compute``, one per harness precision in ``POLICIES``): the layers that multiply (conv, dense, attention's
 projections and its score and value products, the embedding's output) cast their input and their float32 weights to
@@ -19,11 +19,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-from jax import lax
+from adapters.jax.runtime import jax, jnp, lax
 
+#: Named arrays: the parameters or the running statistics of the neutral model (canonical names, JAX's layouts).
 Params = dict[str, jax.Array]
+#: A layer: (parameters, running statistics, x, training, PRNG key) -> (y, the statistics it updated).
 Layer = Callable[[Params, Params, jax.Array, bool, jax.Array], tuple[jax.Array, Params]]
 HIGHEST, DEFAULT = lax.Precision.HIGHEST, lax.Precision.DEFAULT
 

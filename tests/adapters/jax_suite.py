@@ -1,7 +1,9 @@
-"""JAX adapter suite: the shared adapter checks of ``kit``, run in JAX's own environment (envs/jax: JAX needs
-numpy >= 2, the development environment has numpy < 2 for MXNet). Not collected by the main suite (its name does not
-match test_*.py): tests/adapters/test_jax.py runs it there with ``python -m pytest tests/adapters/jax_suite.py`` and
-requires every test to pass."""
+"""JAX adapter suite, run in JAX's own environment (envs/jax: JAX needs numpy >= 2, the development environment has
+numpy < 2 for MXNet): the conformance suite (tests/adapters/conformance.py), and what is JAX's own: one compilation
+per step shape, the loss sum carried through the jitted step, Grain's loader, OOM classification, the precision
+policy (traced products, bf16 against float64, fp16's loss scaling on the CPU) and the neutral builder. Not collected
+by the main suite (its name does not match test_*.py): tests/adapters/test_jax.py runs it there with ``python -m
+pytest tests/adapters/jax_suite.py`` and requires every test to pass."""
 
 import functools
 
@@ -12,47 +14,48 @@ import numpy as np
 import pytest
 from jax import lax
 
+from adapters.base import DeviceUnavailable
+from adapters.declaration import ALL_LAYERS
+from adapters.jax import DECLARATION
 from adapters.jax.adapter import JaxAdapter
+from adapters.jax.neutral import Builder
+from adapters.jax.training import next_loss_scale
 from harness.neutral import datasets, inputs, models
+from harness.neutral import precision as loss_scaling
 from harness.spec import OptimizerSpec
 from tests.adapters import kit, loader_checks, loss_runs, reference, scenarios
-from tests.trials import run_options
+from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
+from tests.helpers import run_options
 
 
-def test_learns_digits_on_cpu():
-    kit.check_learns_digits(JaxAdapter)
-
-
-def test_holds_canonical_weights_and_matches_reference_forward():
-    kit.check_same_initial_weights_and_logits(JaxAdapter)
-
-
-def test_parameter_count_matches_model():
-    kit.check_parameter_count(JaxAdapter)
-
-
-def test_inference_after_training_is_the_reference_on_the_reported_state():
-    kit.check_inference_after_training(JaxAdapter)
-
-
-def test_set_train_images_replaces_the_images_without_a_retrace():
-    kit.check_set_train_images(JaxAdapter)
-
-
-def test_allocator_options_on_cpu():
-    kit.check_allocator_options_on_cpu(JaxAdapter)
+@pytest.fixture(scope="module")
+def adapter_cls():
+    return JaxAdapter
 
 
 def test_the_train_step_compiles_once_per_shape():
     """Warm-up must hold the compilation: a second call with the step's own outputs as its state must not compile
     again (an uncommitted PRNG key once made it, and the first timed step then cost a compilation)."""
     adapter, data, _ = kit.make(JaxAdapter)
-    for batch in kit.batches(len(data.y_train), 32, 5):
+    for batch in kit.epoch_steps(adapter, kit.batches(len(data.y_train), 32, 5)):
         adapter.train_step(batch)
-    adapter.train_step(np.arange(64), micro_batches=2)
+    kit.step(adapter, np.arange(64), micro_batches=2)
     adapter.read_loss()
-    assert adapter.settings()["train_step_compilations"] == {"32x1": 1, "64x2": 1}
+    assert adapter.settings().record()["train_step_compilations"] == {"32x1": 1, "64x2": 1}
     assert adapter.compilations() == 2  # what the worker reads after warm-up and at the end
+
+
+def test_resident_batches_are_made_when_asked_for():
+    """Resident mode's ``batches`` makes the epoch's int32 index arrays when it is called, before the epoch's first
+    step (outside the timed windows), as copies: an order changed afterwards changes nothing; whole steps only."""
+    adapter, data, _ = kit.make(JaxAdapter)
+    order = datasets.epoch_order(len(data.y_train), 0, 0)[:100]
+    given = order.copy()
+    batches = adapter.batches(order, 32, 0)
+    order[:] = 0
+    made = list(batches)
+    assert [b.dtype for b in made] == [np.int32] * 3
+    np.testing.assert_array_equal(np.concatenate(made), given[:96])
 
 
 def test_the_epoch_loss_is_every_steps_mean_whatever_the_windows():
@@ -65,37 +68,48 @@ def test_the_epoch_loss_is_every_steps_mean_whatever_the_windows():
     np.testing.assert_allclose(accumulated["train_loss"], runs["fast"]["train_loss"], rtol=1e-5, atol=0)
 
 
+class _Counted(inputs.InputSource):
+    """An in-memory source that notes each read's epoch in ``reads`` (appended: grain's threads read too)."""
+
+    reads: list[int] = []
+
+    def read(self, indices, epoch):
+        self.reads.append(epoch)
+        return super().read(indices, epoch)
+
+
 def test_the_loader_trains_as_resident_mode_does():
     """input: loader through grain (``loader_checks.check``: the parameters and epoch losses of resident mode, with
     0 and 1 reading threads), its pipeline recorded under settings()["loader"]; with gradient accumulation too, the
-    loader's step compiled once for two epochs, and only the test set placed on the device."""
+    loader's step compiled once for two epochs, only the test set placed on the device, and nothing read before an
+    epoch's first ``next``."""
     assert loader_checks.check(JaxAdapter, "grain.MapDataset") == {
         "loader": "grain.MapDataset", "num_threads": 1, "prefetch_buffer_size": 2, "device_put_prefetch": 2,
         "source": "memory"}
     data, info = kit.digits()
     runs = {}
     for source in ("resident", "loader"):
-        adapter = JaxAdapter()
-        adapter.options = run_options({"input": source, "loader": {"workers": 2, "prefetch": 3}})
+        adapter = JaxAdapter(run_options({"input": source, "loader": {"workers": 2, "prefetch": 3}}))
         adapter.prepare("cpu", 1, 0)
-        adapter.build(info, models.initial_weights(info, 0), kit.SGD)
+        adapter.build_neutral(info, models.initial_weights(info, 0), kit.SGD)
         adapter.load(data)
         if source == "loader":
-            assert not hasattr(adapter, "x_train") and not hasattr(adapter, "y_train")
-            adapter.open_loader(inputs.for_dataset(None, data, augmentation=True, seed=0))
+            assert adapter.inputs.x_train is None and adapter.inputs.y_train is None
+            adapter.open_loader(_Counted(data.y_train, data.x_train, augmentation=True, seed=0))
         losses = []
         for epoch in range(2):
             order = datasets.epoch_order(len(data.y_train), 0, epoch)[:5 * 32]
-            if source == "loader":
-                for batch in adapter.epoch_batches(order, 32, epoch):
-                    adapter.train_batch(batch, micro_batches=2)
-            else:
+            before = len(_Counted.reads)
+            batches = adapter.batches(order, 32, epoch)
+            assert len(_Counted.reads) == before  # lazy: the loop times each next, the input's wait
+            if source == "resident":
                 adapter.set_train_images(datasets.augment(data.x_train, 0, epoch))
-                for position in range(5):
-                    adapter.train_step(order[position * 32:(position + 1) * 32], micro_batches=2)
+            for batch in batches:
+                adapter.train_step(batch, micro_batches=2)
             losses.append(adapter.read_loss())
-        runs[source] = losses, adapter.get_weights(), adapter.settings()
+        runs[source] = losses, adapter.get_weights(), adapter.settings().record()
     (losses, weights, settings), (resident_losses, resident, _) = runs["loader"], runs["resident"]
+    assert _Counted.reads == [0] * 5 + [1] * 5
     assert [steps for _, steps in losses] == [5, 5]
     np.testing.assert_allclose([loss for loss, _ in losses], [loss for loss, _ in resident_losses], rtol=1e-5)
     for name, value in resident.items():
@@ -104,6 +118,7 @@ def test_the_loader_trains_as_resident_mode_does():
     assert settings["train_step_compilations"] == {"32x2 loader": 1}
     assert settings["loader"] == {"loader": "grain.MapDataset", "num_threads": 2, "prefetch_buffer_size": 6,
                                   "device_put_prefetch": 3, "source": "memory"}
+    assert DECLARATION.loader == "grain.MapDataset" and dict(DECLARATION.loader_modules) == {"grain": "grain"}
 
 
 def test_oom_is_classified_by_status_and_type():
@@ -121,21 +136,23 @@ def test_oom_is_classified_by_status_and_type():
 
 def test_memory_settings_are_recorded():
     adapter, _, _ = kit.make(JaxAdapter)
-    settings = adapter.settings()
+    settings = adapter.settings().record()
     assert settings["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and settings["matmul_precision"] == "highest"
+    assert settings["allocator_peak"] == "since the worker started (JAX cannot reset it)"
     assert adapter.memory_stats() == {}  # the CPU backend keeps no allocator statistics
     assert jax.config.jax_default_matmul_precision == "highest"
 
 
 def test_a_gpu_is_unavailable_here():
-    with pytest.raises(kit_device_unavailable()):
+    with pytest.raises(DeviceUnavailable):
         JaxAdapter().prepare("cuda:0", 1, 0)
 
 
-def kit_device_unavailable():
-    from adapters.base import DeviceUnavailable
-
-    return DeviceUnavailable
+def test_the_builder_builds_every_declared_layer_kind():
+    """The neutral builder has a ``visit_<kind>`` for every layer kind the declaration names (its options, such as
+    conv2d.stride, are the layer's own), and for no other."""
+    assert Builder.kinds() == {kind for kind in DECLARATION.layers if "." not in kind}
+    assert DECLARATION.layers == ALL_LAYERS
 
 
 # ----------------------------------------------------------------------------------------------- precision and mode
@@ -164,26 +181,26 @@ PLAIN_SGD = OptimizerSpec(name="sgd", learning_rate=0.02)
 
 
 def _built(precision: str, model=kit.CNN, cfg=None, weights=None, optimizer=kit.SGD):
-    """A JAX adapter on the CPU in ``precision`` (options set as the worker sets them), built and loaded: the digits
-    with ``model``, or the dataset ``cfg``; ``weights(info)`` or the canonical initial weights."""
+    """A JAX adapter on the CPU made with ``precision`` (as the worker makes it), built and loaded: the digits with
+    ``model``, or the dataset ``cfg``; ``weights(info)`` or the canonical initial weights."""
+    cls = kit.configured(JaxAdapter, precision=precision, compile="compiled")
     if cfg is None:
         data, info = kit.digits(model)
-    else:
-        data, info = datasets.load(cfg, seed=0), models.analyze(model, *datasets.describe_input(cfg))
-    adapter = JaxAdapter()
-    adapter.options = run_options({"precision": precision, "compile": "compiled"})
-    adapter.prepare("cpu", 2, 0)
-    adapter.build(info, models.initial_weights(info, 0) if weights is None else weights(info), optimizer)
-    adapter.load(data)
+        adapter = kit.make(cls, model=model, optimizer=optimizer, weights=None if weights is None else weights(info))[0]
+        return adapter, data, info
+    info = models.analyze(model, *datasets.describe_input(cfg))
+    adapter, data, _ = scenarios.make_on(cls, model, cfg, optimizer, None if weights is None else weights(info))
     return adapter, data, info
 
 
 def _products(adapter) -> list:
     """Every dot_general and conv_general_dilated of the traced train step (forward and backward), nested jaxprs
     included."""
-    state = (adapter.params, adapter.opt_state, adapter.stats, adapter._key, adapter._scaler)
-    closed = jax.make_jaxpr(functools.partial(adapter._step, 1))(state, adapter.x_train, adapter.y_train,
-                                                                 np.arange(16, dtype=np.int32))
+    training = adapter.training
+    state = (training.params, training.opt_state, training.stats, training.key, training.scaler)
+    closed = jax.make_jaxpr(functools.partial(training._summed_step, 1))(
+        state, jnp.zeros((), jnp.float32), adapter.inputs.x_train, adapter.inputs.y_train,
+        np.arange(16, dtype=np.int32))
     found, todo = [], [closed.jaxpr]
     while todo:
         for eqn in todo.pop().eqns:
@@ -197,11 +214,12 @@ def _products(adapter) -> list:
 
 
 def test_execution_modes_and_precisions_are_declared():
-    """One mode, compiled (the default); fp32 and bf16 everywhere, tf32 and fp16 on CUDA GPUs only."""
-    adapter = JaxAdapter()
-    assert adapter.DEFAULT_COMPILE == "compiled" and list(adapter.COMPILE_MODES) == ["compiled"]
+    """One mode, compiled (the default); fp32 and bf16 everywhere, tf32 and fp16 on CUDA GPUs only: the plan's rule
+    from the declaration (``harness.plan.support``)."""
+    assert JaxAdapter.declaration.default_compile == "compiled" and list(DECLARATION.compile_modes) == ["compiled"]
+    assert JaxAdapter(run_options({"compile": "default"})).mode == "compiled"
     runs = [("bf16", "cpu"), ("fp32", "cpu"), ("fp16", "cuda:0"), ("tf32", "cuda"), ("bf16", "cuda")]
-    kit.check_execution_declared(adapter, [(p, mode, d) for p, d in runs for mode in ("compiled", "default")], {
+    kit.check_execution_declared("jax", [(p, mode, d) for p, d in runs for mode in ("compiled", "default")], {
         ("fp16", "default", "cpu"): "the jax adapter does not train in fp16 on cpu (only on cuda): fp16 with "
                                     "dynamic loss scaling is declared for CUDA GPUs only",
         ("bf16", "eager", "cpu"): "the jax adapter has no eager mode (its modes: compiled)",
@@ -221,7 +239,8 @@ def test_bf16_logits_are_the_float64_reference_within_bf16_rounding():
         expected = reference.forward(info, {**adapter.get_weights(), **adapter.get_buffers()}, inputs)
         logits = adapter.predict(inputs)
         assert logits.dtype == np.float32
-        assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves((adapter.params, adapter.stats))} == {"float32"}
+        leaves = jax.tree_util.tree_leaves((adapter.training.params, adapter.training.stats))
+        assert {str(leaf.dtype) for leaf in leaves} == {"float32"}
         scale = np.abs(expected).max()
         np.testing.assert_allclose(logits, expected, rtol=0, atol=ROUNDINGS[name] * BF16_U * scale, err_msg=name)
 
@@ -234,7 +253,7 @@ def test_bf16_trains_float32_master_weights_within_bf16_rounding_of_fp32():
     for precision in ("bf16", "fp32"):
         adapter, data, _ = _built(precision, optimizer=PLAIN_SGD)
         runs[precision] = kit.train_on(adapter, kit.batches(len(data.y_train), 32, 10), keep=tuple(range(11)))
-        leaves = jax.tree_util.tree_leaves((adapter.params, adapter.opt_state))
+        leaves = jax.tree_util.tree_leaves((adapter.training.params, adapter.training.opt_state))
         assert {str(leaf.dtype) for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating)} == {"float32"}
     (losses, bf16), (fp32_losses, fp32) = runs["bf16"], runs["fp32"]
     assert losses[-1] < 0.7 * losses[0], losses
@@ -265,10 +284,11 @@ def test_each_precision_computes_every_product_as_declared():
                     assert given == algorithms.get(precision), (precision, eqn)
                 else:
                     assert operands == {dtype} and given == (lax.Precision(dot),) * 2, (precision, eqn)
-        settings = adapter.settings()
+        settings = adapter.settings().record()
         assert (settings["precision"], settings["compute_dtype"], settings["matmul_precision"]) == (precision, dtype,
                                                                                                     dot)
         assert ("loss_scale" in settings) == (precision == "fp16")
+        assert ("master_weights" in settings) == (dtype != "float32")
         assert jax.config.jax_default_matmul_precision == dot
     bf16, data, _ = _built("bf16")
     fp32 = _built("fp32")[0]
@@ -276,37 +296,46 @@ def test_each_precision_computes_every_product_as_declared():
     assert gap > 1e-4 * np.abs(fp32.predict(data.x_test)).max(), gap  # fp32 against float64: 4e-7 of the scale
 
 
+def test_the_loss_scale_rule_is_the_shared_one():
+    """The jnp rule traced into the step (``training.next_loss_scale``) is ``harness.neutral.precision``'s: the same
+    (scale, count) after finite and non-finite steps, below, at and past the growth threshold."""
+    for scale, good, finite in [(2.0 ** 16, 0, True), (2.0 ** 16, 0, False), (1024.0, 1998, True),
+                                (1024.0, loss_scaling.LOSS_SCALE_GROWTH_STEPS - 1, True), (1024.0, 1999, False),
+                                (loss_scaling.LOSS_SCALE_INIT, 7, True)]:
+        got = next_loss_scale(jnp.asarray(scale, jnp.float32), jnp.asarray(good, jnp.int32), jnp.asarray(finite))
+        assert (float(got[0]), int(got[1])) == loss_scaling.next_loss_scale(scale, good, finite), (scale, good, finite)
+        assert got[1].dtype == jnp.int32
+
+
 def test_fp16_dynamic_loss_scaling_on_the_cpu():
     """fp16 is for GPUs, but XLA computes float16 on the CPU too, so the loss scaling runs here: 10 steps train with
-    float32 master weights; a scale that overflows float16's gradients skips the step (parameters and optimizer
-    state unchanged) and halves it; the 2000th finite step in a row doubles it; each finite step counts one."""
+    float32 master weights from the shared initial scale; a scale that overflows float16's gradients skips the step
+    (parameters and optimizer state unchanged) and halves it; the 2000th finite step in a row doubles it; each finite
+    step counts one."""
     adapter, data, _ = _built("fp16", optimizer=OptimizerSpec(name="sgd", learning_rate=0.02, momentum=0.9))
+    training = adapter.training
+    assert float(training.scaler[0]) == loss_scaling.LOSS_SCALE_INIT and int(training.scaler[1]) == 0
     steps = kit.batches(len(data.y_train), 32, 12)
     losses = kit.train_on(adapter, steps[:10])[0]
     assert np.isfinite(losses).all() and losses[-1] < 0.7 * losses[0], losses
-    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(adapter.params)} == {"float32"}
+    assert {str(leaf.dtype) for leaf in jax.tree_util.tree_leaves(training.params)} == {"float32"}
 
-    def scaler(scale: float, count: int) -> tuple[jax.Array, jax.Array]:
-        return jax.device_put((jnp.asarray(scale, jnp.float32), jnp.asarray(count, jnp.int32)), adapter.device)
-    adapter._scaler = scaler(2.0 ** 40, 7)
-    before = jax.tree_util.tree_map(np.asarray, (adapter.params, adapter.opt_state))
-    adapter.train_step(steps[10])
+    def scaler(scale: float, count: int):
+        return training.put((jnp.asarray(scale, jnp.float32), jnp.asarray(count, jnp.int32)))
+    training.scaler = scaler(2.0 ** 40, 7)
+    before = jax.tree_util.tree_map(np.asarray, (training.params, training.opt_state))
+    kit.step(adapter, steps[10])
     adapter.read_loss()
-    after = jax.tree_util.tree_map(np.asarray, (adapter.params, adapter.opt_state))
+    after = jax.tree_util.tree_map(np.asarray, (training.params, training.opt_state))
     leaves = zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(before))
     assert all(np.array_equal(new, old) for new, old in leaves)
-    assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (2.0 ** 39, 0)
-    adapter._scaler = scaler(1024.0, 1998)
-    adapter.train_step(steps[11])
-    assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (1024.0, 1999)
-    adapter.train_step(steps[0])
-    assert (float(adapter._scaler[0]), int(adapter._scaler[1])) == (2048.0, 0)
-    assert adapter.settings()["loss_scale"] == 2048.0
-    assert adapter.settings()["train_step_compilations"] == {"32x1": 1}
-
-
-def test_the_registry_record_names_this_class_and_the_class_takes_it():
-    import adapters
-
-    assert adapters.get("jax") is JaxAdapter and JaxAdapter.declaration is adapters.BUILTIN["jax"]
-    assert JaxAdapter.name == "jax" and JaxAdapter.COMPILE_MODES == adapters.BUILTIN["jax"].compile_modes
+    assert (float(training.scaler[0]), int(training.scaler[1])) == (2.0 ** 39, 0)
+    training.scaler = scaler(1024.0, 1998)
+    kit.step(adapter, steps[11])
+    assert (float(training.scaler[0]), int(training.scaler[1])) == (1024.0, 1999)
+    kit.step(adapter, steps[0])
+    assert (float(training.scaler[0]), int(training.scaler[1])) == (2048.0, 0)
+    settings = adapter.settings().record()
+    assert settings["loss_scale"] == 2048.0 and settings["loss_scale_init"] == loss_scaling.LOSS_SCALE_INIT
+    assert settings["loss_scale_growth_steps"] == loss_scaling.LOSS_SCALE_GROWTH_STEPS
+    assert settings["train_step_compilations"] == {"32x1": 1}

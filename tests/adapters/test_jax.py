@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from harness.execution import environments
-from harness.spec import ROOT
+from harness.spec import ROOT, FrameworkEntry, validate
 from tests.adapters import scenarios
+from tests.helpers import base_spec
 
-SUITE_TESTS = 18  # the tests in jax_suite.py: all must pass, none may be skipped
+SUITE_TESTS = 24  # the tests in jax_suite.py (the conformance suite's and JAX's own): all must pass, none skipped
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,23 @@ def test_the_jax_adapter_suite_passes_in_its_own_environment(jax_python):
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(rf"\b{SUITE_TESTS} passed\b", summary) and not re.search(r"skipped|failed|error", summary), tail
+
+
+def test_a_loader_trial_needs_the_declared_loader_modules_in_the_environment(jax_python):
+    """The declaration's ``loader_modules`` (grain) are what the environment probe requires of JAX's interpreter for
+    a spec whose trials use ``input: loader`` (its own or a variant's), and nothing for a resident spec or another
+    framework; a module missing there is a one-line refusal naming the loader."""
+    resident = validate(base_spec(frameworks=["jax", "pytorch"]), "spec.yaml")
+    assert environments.loader_modules(resident, "jax") == {}
+    for changes in ({"input": "loader"}, {"variants": {"input": ["resident", "loader"]}}):
+        spec = validate(base_spec(frameworks=["jax", "pytorch"], **changes), "spec.yaml")
+        assert environments.loader_modules(spec, "jax") == {"grain": "grain"}, changes
+        assert environments.loader_modules(spec, "pytorch") == {}
+    entry = FrameworkEntry(name="jax", python=jax_python)
+    with pytest.raises(ValueError, match=r"lacks xyz-dist, which the jax adapter's data loader needs for input: "
+                                         r"loader in the worker \(pip install xyz-dist there\)$"):
+        environments.probe(entry, {}, loader={"no_such_module_xyz": "xyz-dist"})
+    assert environments.probe(entry, {}, loader={"grain": "grain"})["versions"]["jax"]
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from adapters.base import DataParallel, RunOptions, shard
-from adapters.jax.adapter import DATA, JaxAdapter
+from adapters.jax.adapter import JaxAdapter
+from adapters.jax.training import DATA
 from harness.neutral import datasets, models
 from tests.adapters import kit
 
@@ -47,17 +48,16 @@ order = datasets.epoch_order(len(data.y_train), 0, 0)
 first = order[:32]
 
 def adapter(devices=1, precision="fp32", sync=False, model=True):
-    a = JaxAdapter()
     parallel = DataParallel(devices=("cpu:0", "cpu:1"), sync_batchnorm=sync) if devices == 2 else None
-    a.options = RunOptions(data_parallel=parallel, precision=precision)
+    a = JaxAdapter(RunOptions(data_parallel=parallel, precision=precision))
     a.prepare("cpu", 1, 0)
     info_ = info if model else kit.digits()[1]
-    a.build(info_, weights if model else models.initial_weights(info_, 0), kit.SGD)
+    a.build_neutral(info_, weights if model else models.initial_weights(info_, 0), kit.SGD)
     a.load(data)
     return a
 
 def step(a, indices):
-    a.train_step(indices)
+    kit.step(a, indices)
     return a.read_loss()[0], {**a.get_weights(), **a.get_buffers()}
 
 out = {"xla_flags": os.environ["XLA_FLAGS"], "cpu_devices": len(jax.devices("cpu"))}
@@ -71,22 +71,24 @@ out["two_state"] = {k: v.tolist() for k, v in state.items()}
 out["sync_loss"] = step(adapter(2, sync=True), first)[0]
 
 # the mesh: device d holds shard(indices, 2, d) of a batch sharded along DATA, as the step's indices are
-placed = jax.device_put(np.asarray(first, np.int32), NamedSharding(two._mesh, PartitionSpec(DATA)))
-out["mesh_devices"] = [str(d) for d in two._mesh.devices.flat]
+mesh = two.training.mesh
+placed = jax.device_put(np.asarray(first, np.int32), NamedSharding(mesh, PartitionSpec(DATA)))
+out["mesh_devices"] = [str(d) for d in mesh.devices.flat]
 out["placed"] = {str(s.device): np.asarray(s.data).tolist() for s in placed.addressable_shards}
 out["shards"] = [shard(first, 2, d).tolist() for d in range(2)]
-for position in range(1, 4):
-    two.train_step(order[position * 32:(position + 1) * 32], position=position)
+for batch in two.batches(order[32:128], 32, 0):
+    two.train_step(batch)
 out["loss_read"] = two.read_loss()
-two.train_step(order[128:160])
+kit.step(two, order[128:160])
 out["loss_read_again"] = two.read_loss()
 out["compilations"] = two.compilations()
-for position in range(300):  # queued without a read (see test_many_queued_steps_finish)
-    two.train_step(order[(position % 40) * 32:(position % 40 + 1) * 32])
+queued = np.concatenate([order[(p % 40) * 32:(p % 40 + 1) * 32] for p in range(300)])
+for batch in two.batches(queued, 32, 0):  # queued without a read (see test_many_queued_steps_finish)
+    two.train_step(batch)
 out["queued"] = two.read_loss()
-out["settings"] = {k: v for k, v in two.settings().items() if k in ("data_parallel", "intra_op_threads")}
-out["parameter_devices"] = sorted(str(d) for d in two.params["0.weight"].devices())
-out["evaluate_devices"] = sorted(str(d) for d in two._first(two.params)["0.weight"].devices())
+out["settings"] = {k: v for k, v in two.settings().record().items() if k in ("data_parallel", "intra_op_threads")}
+out["parameter_devices"] = sorted(str(d) for d in two.training.params["0.weight"].devices())
+out["evaluate_devices"] = sorted(str(d) for d in two.training.first(two.training.params)["0.weight"].devices())
 out["errors"] = refusals(two, order)
 
 # bf16 under data parallelism: 5 steps on 2 devices next to 1 (the plain CNN)
@@ -104,8 +106,7 @@ TOO_FEW = r'''
 import json, sys
 from adapters.base import DataParallel, DeviceUnavailable, RunOptions
 from adapters.jax.adapter import JaxAdapter
-a = JaxAdapter()
-a.options = RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1")))
+a = JaxAdapter(RunOptions(data_parallel=DataParallel(devices=("cpu:0", "cpu:1"))))
 try:
     a.prepare("cpu", 1, 0)
     message = None
