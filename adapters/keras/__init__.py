@@ -1,16 +1,20 @@
-"""Keras 3 on each of its backends: one declaration per backend (importing this module imports no framework); the
-adapter is ``adapters.keras.adapter`` (one class, ``KerasAdapter``, a subclass per backend that names it), its layers
-and optimizers ``adapters.keras.layers``.
+"""Keras 3 on each of its backends: one declaration per backend (importing this module imports no framework). The
+adapter is ``adapters.keras.adapter`` (one class, ``KerasAdapter``, a subclass per backend that names it) from the
+parts of this package: the neutral builder (``neutral``, its own layers ``layers``), the training mechanics for any
+``keras.Model`` (``training``, PyTorch's optimizer formulas ``optimizers``), the resident input (``inputs``) and
+what differs per backend (``backends``).
 
 A spec selects one as ``{name: keras, backend: jax}`` (or by its name, ``keras-jax``); each runs in its own
 environment (``harness envs create keras-jax``: requirements/keras-jax-cpu.txt), and the worker sets KERAS_BACKEND
-before Keras is imported (``adapters.keras.adapter.import_keras``).
+before Keras is imported (``adapters.keras.adapter.import_keras``). Keras has no data loader mode and no data
+parallelism here (the declarations say so; the plan refuses both).
 """
 
-from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration, Limit
 
-#: The backends, as KERAS_BACKEND names them, in the order reports list them.
-BACKENDS = ("jax", "torch", "tensorflow")
+#: The dtype policy of each precision (https://keras.io/api/mixed_precision/policy/), Keras's global one: every
+#: model built after ``prepare`` computes in it.
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 #: Why no backend trains in tf32 here.
 TF32_NOTE = ("Keras 3 has no TF32 dtype policy (https://keras.io/api/mixed_precision/policy/); fp32 here turns each "
@@ -50,6 +54,9 @@ JAX = _keras(
     "unfused",
     # as the native JAX adapter: JAX's GPU backend would otherwise map 75 % of the GPU's memory when it starts
     environment={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    limits=(Limit(reason="the keras-jax adapter takes no memory cap on a GPU: XLA's memory fraction must be set "
+                         "before JAX's GPU backend starts, and Keras's device query starts it (the native jax adapter "
+                         "takes one)", device="cuda", memory_limit=True),),
 )
 TORCH = _keras(
     "torch", "PyTorch", "pytorch", ("torch",), "eager",

@@ -1,9 +1,10 @@
 """Keras 3 on each backend, held to what every adapter is held to: its suite in its own environment
-(tests/adapters/keras_suite.py: the shared checks against the numpy reference), and the same training as PyTorch,
-step by step (tests/adapters/scenarios.py: the CNN, the batchnorm models, the narrow ResNet and the causal decoder,
-10 steps of SGD with momentum and of Adam, gradient accumulation, the loop's epoch losses), with the tolerances the
-native adapters meet (tests/adapters/test_jax.py). One file per backend imports these tests
-(test_keras_jax.py, ...), so that the backends run side by side; each defines the ``keras_name`` fixture."""
+(tests/adapters/keras_suite.py: the conformance suite, the block checks against the numpy reference and Keras's own
+checks), and the same training as PyTorch, step by step (tests/adapters/scenarios.py: the CNN, the batchnorm models,
+the narrow ResNet and the causal decoder, 10 steps of SGD with momentum and of Adam, gradient accumulation, the loop's
+epoch losses), with the tolerances the native adapters meet (tests/adapters/test_jax.py). One file per backend
+imports these tests (test_keras_jax.py, ...), so that the backends run side by side; each defines the ``keras_name``
+fixture."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from harness.execution import environments
 from harness.spec import ROOT
 from tests.adapters import scenarios
 
-SUITE_TESTS = 16  # the tests in keras_suite.py: all must pass, none may be skipped
+SUITE_TESTS = 23  # the tests in keras_suite.py (10 of them the conformance suite's): all must pass, none skipped
 
 
 @pytest.fixture(scope="module")

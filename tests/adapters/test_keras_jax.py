@@ -18,7 +18,7 @@ def test_an_environment_without_keras_is_one_line_naming_the_entry_and_the_fix(w
 
     from harness.execution import environments
     from harness.spec import ROOT
-    from tests.conftest import base_spec
+    from tests.helpers import base_spec
 
     python = environments.create("jax", ROOT / "envs")[0]
     path = write_spec(base_spec(frameworks=["pytorch", {"name": "keras", "backend": "jax", "python": str(python)}]))
