@@ -1,13 +1,11 @@
-"""Shared fixtures: specs written to temporary files, the fault adapter's registration, and one real run that the
-results-as-data and report.html tests read."""
+"""Shared fixtures: specs written to temporary files, the fault adapter's registration, the framework environments,
+and one real run that the results-as-data and report.html tests read; the order of the parallel part. What test
+modules share besides fixtures is in tests/helpers.py."""
 
 from __future__ import annotations
 
-import copy
-import os
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,27 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.fakes.fault_adapter import REGISTRATION  # noqa: E402
-
-TINY_CNN = [
-    {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
-    {"type": "maxpool2d", "pool_size": 2},
-    {"type": "flatten"},
-    {"type": "dense", "units": 10},
-]
-
-BASE_SPEC = {
-    "name": "t",
-    "frameworks": ["pytorch"],
-    "model": {"layers": TINY_CNN},
-    "dataset": {"name": "digits"},
-    "batch_sizes": [32],
-    "epochs": 1,
-    "warmup_steps": 1,
-    "optimizer": {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9},
-    "cpu_threads": 1,
-    "timeout_s": 120,
-}
-
+from tests.helpers import base_spec, made_once  # noqa: E402
 
 #: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they
 #: hold one-second deadlines on killed processes (interruptions) or time the loop's windows (timing): a test running
@@ -92,12 +70,6 @@ def envs():
     return {fw: str(environments.create(fw, ROOT / "envs")[0]) for fw in ("pytorch", "tensorflow", "mxnet", "jax")}
 
 
-def base_spec(**changes):
-    spec = copy.deepcopy(BASE_SPEC)
-    spec.update(changes)
-    return spec
-
-
 @pytest.fixture
 def write_spec(tmp_path):
     """write_spec(dict) -> path of a YAML file holding it."""
@@ -116,26 +88,6 @@ def fault_adapter(monkeypatch):
     monkeypatch.setenv("HARNESS_ADAPTERS", REGISTRATION)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     return "fault"
-
-
-def made_once(tmp_path_factory: pytest.TempPathFactory, key: str, make: Callable[[Path], object]) -> Path:
-    """A folder that ``make(folder)`` fills once per ``pytest`` command, however many xdist workers ask for it: the
-    first to ask makes it under a file lock, the others wait for it (the pattern of pytest-xdist's documentation,
-    "Making session-scoped fixtures execute only once"). Readers that write into it must take a copy."""
-    from filelock import FileLock  # not in envs/jax, whose suite loads this file too
-
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the workers' base folders share this parent
-    folder = base / "made-once" / key
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{folder}.lock"):
-        if not (folder.parent / f"{key}.done").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            make(folder)
-            (folder.parent / f"{key}.done").touch()
-    return folder
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def test_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
     site = tmp_path / "site"
     # the generated reference pages hold the generated tables, not the bare marker
     for page, expected in [("reference/spec.html", "warmup_steps"), ("reference/cli.html", "harness max-batch"),
-                           ("reference/results.html", "wall_seconds")]:
+                           ("reference/results.html", "throughput_samples_per_s")]:
         html = (site / page).read_text()
         assert "generated:" not in html, page
         assert expected in html, (page, expected)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from harness.results import store
-from tests.conftest import base_spec
+from tests.helpers import base_spec
 
 
 def run_cli(spec, tmp_path):
@@ -35,25 +35,25 @@ def test_cli_runs_every_framework_in_its_own_environment_and_writes_the_report(e
                                 epochs=2, warmup_steps=2))
     proc, run_dir = run_cli(spec, tmp_path)
     records = store.read_trials(run_dir)
-    assert [r["id"] for r in records] == [f"{fw}-bs{bs}-r0" for bs in (32, 256) for fw in FRAMEWORKS]
+    assert [r.id for r in records] == [f"{fw}-bs{bs}-r0" for bs in (32, 256) for fw in FRAMEWORKS]
     for r in records:
-        assert r["status"] == "ok", (r["id"], r["reason"], r.get("log_tail", "")[-1500:])
-        m = r["metrics"]
-        assert m["measured_steps"] == 2 * (1438 // r["batch_size"]) - 2
-        assert m["throughput"] > 0 and m["step_time_p90_s"] >= m["step_time_median_s"] > 0
-        assert m["parameter_count"] == 4 * 9 + 4 + 64 * 10 + 10  # tiny CNN: conv 4x1x3x3, dense 64 -> 10
-        assert r["sampler"]["backend"] == "host" and r["sampler"]["stats"]["rss_bytes"]["count"] >= 1
-        assert r["versions"] and r["settings"]["intra_op_threads"] == 1
+        assert r.status == "ok", (r.id, r.reason, (r.log_tail or "")[-1500:])
+        m = r.metrics
+        assert m.measured_steps == 2 * (1438 // r.batch_size) - 2
+        assert m.throughput_samples_per_s > 0 and m.step_time_p90_s >= m.step_time_median_s > 0
+        assert m.parameter_count == 4 * 9 + 4 + 64 * 10 + 10  # tiny CNN: conv 4x1x3x3, dense 64 -> 10
+        assert r.sampler.backend == "host" and r.sampler.stat("rss_bytes", "count") >= 1
+        assert r.versions and r.settings["intra_op_threads"] == 1
         # the framework's own count of train step compilations: TensorFlow traced and JAX compiled its step once,
         # in warm-up, and never in the timed windows; PyTorch eager and MXNet keep no count
-        expected = (1, 0) if r["framework"] in ("tensorflow", "jax") else (None, None)
-        assert (m["compilations_warmup"], m["recompilations"]) == expected, r["id"]
+        expected = (1, 0) if r.framework in ("tensorflow", "jax") else (None, None)
+        assert (m.compilations_warmup, m.recompilations) == expected, r.id
     for bs in (32, 256):  # the same model, weights and batches: the same training, wherever it ran
-        cell = [r["metrics"] for r in records if r["batch_size"] == bs]
-        losses, accuracies = [m["final_train_loss"] for m in cell], [m["test_accuracy"] for m in cell]
+        cell = [r.metrics for r in records if r.batch_size == bs]
+        losses, accuracies = [m.final_train_loss for m in cell], [m.test_accuracy for m in cell]
         assert max(losses) - min(losses) < 1e-3 * max(losses), (bs, losses)
         assert max(accuracies) - min(accuracies) <= 1 / 359 + 1e-9, (bs, accuracies)  # one of 359 test images
-    assert min(r["metrics"]["test_accuracy"] for r in records if r["batch_size"] == 32) > 0.8
+    assert min(r.metrics.test_accuracy for r in records if r.batch_size == 32) > 0.8
     run = json.loads((run_dir / "run.json").read_text())
     assert run["finished"] and run["device"] == "cpu" and run["spec"]["name"] == "e2e"
     entries = {e["name"]: e for e in run["frameworks"]}
@@ -82,9 +82,9 @@ def test_augmentation_variants_through_the_cli(write_spec, tmp_path):
                                 variants={"augmentation": [False, True]}))
     _, run_dir = run_cli(spec, tmp_path)
     records = store.read_trials(run_dir)
-    assert len(records) == 2 and all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
-    loss = {r["variant"]: r["metrics"]["final_train_loss"] for r in records}
+    assert len(records) == 2 and all(r.status == "ok" for r in records), [(r.id, r.reason) for r in records]
+    loss = {r.variant: r.metrics.final_train_loss for r in records}
     assert set(loss) == {"aug off", "aug on"} and abs(loss["aug on"] - loss["aug off"]) > 1e-3, loss
-    augmented = next(r for r in records if r["variant"] == "aug on")
-    events = (run_dir / "events" / f"{augmented['id']}.jsonl").read_text()
+    augmented = next(r for r in records if r.variant == "aug on")
+    events = (run_dir / "events" / f"{augmented.id}.jsonl").read_text()
     assert events.count('"name": "augment"') == 4  # start and end, once per epoch, outside the timed windows

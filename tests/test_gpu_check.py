@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 JAX = ROOT / "envs" / "jax" / "bin" / "python"
 

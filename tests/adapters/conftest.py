@@ -10,8 +10,8 @@ from tests.adapters import scenarios
 
 def _pytorch_scenarios(tmp_path_factory: pytest.TempPathFactory):
     """The folder holding ``scenarios.run`` (layers.npz) and ``scenarios.run_blocks`` (blocks.npz) of PyTorch, made
-    once for every xdist worker of the pytest command (``tests.conftest.made_once``)."""
-    from tests.conftest import made_once
+    once for every xdist worker of the pytest command (``tests.helpers.made_once``)."""
+    from tests.helpers import made_once
 
     def make(folder) -> None:
         from adapters.pytorch.adapter import PyTorchAdapter

@@ -22,7 +22,7 @@ from harness.execution.ranks import RANK_VARIABLES
 from harness.neutral import datasets, models
 from harness.spec import ROOT, DigitsData
 from tests.adapters import kit
-from tests.adapters.test_equivalence import PARAM_ATOL, PARAM_RTOL
+from tests.adapters.kit import PARAM_ATOL, PARAM_RTOL
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 

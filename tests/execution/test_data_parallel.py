@@ -8,16 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from harness.plan import checked_spec, data_parallel_devices, plan, unsupported_reason
 from harness.spec import DataParallelSpec
-from tests.conftest import ROOT, base_spec
-from tests.fakes.fault_adapter import DATA_PARALLEL_REGISTRATION, REGISTRATION
+from tests.helpers import ROOT, base_spec, data_parallel_env, ranks_gone
 
 
 def _cli(*args, env=None):
@@ -86,31 +83,13 @@ def test_a_framework_without_data_parallelism_is_unsupported_at_plan_time(tmp_pa
     assert unsupported_reason(spec, "pytorch", data_parallel=1) is None
 
 
-def _dp_env(tmp_path, **extra):
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    return pids, {"HARNESS_ADAPTERS": f"{REGISTRATION},{DATA_PARALLEL_REGISTRATION}", "PYTHONPATH": str(ROOT),
-                  "HARNESS_FAULT_PIDS": str(pids), **extra}
-
-
 def _records(out):
     run = next(Path(out).iterdir())
     return {r["id"]: r for r in map(json.loads, (run / "trials.jsonl").read_text().splitlines())}, run
 
 
-def _gone(pid_files, within_s=1.0):
-    """True when every recorded rank process has ended within ``within_s``."""
-    pids = [int(p.name.rsplit("-", 1)[1]) for p in pid_files]
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_ranks_run_as_processes_and_the_record_says_so(write_spec, tmp_path):
-    pids, env = _dp_env(tmp_path)
+    pids, env = data_parallel_env(tmp_path)
     path = write_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16], data_parallel=2, warmup_steps=1))
     proc = _cli("run", str(path), "--out", str(tmp_path / "runs"), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -119,10 +98,11 @@ def test_ranks_run_as_processes_and_the_record_says_so(write_spec, tmp_path):
     assert record["status"] == "ok" and record["data_parallel"] == 2 and record["per_device_batch_size"] == 8
     assert record["devices"] == ["cpu:0", "cpu:1"] and record["effective_batch_size"] == 16
     metrics = record["metrics"]
-    assert metrics["data_parallel"] == 2 and metrics["data_parallel_mechanism"].startswith("one numpy process")
+    assert metrics["data_parallel"] == 2 and metrics["data_parallelism"]["mechanism"].startswith("one numpy process")
+    assert metrics["data_parallelism"]["devices"] == ["cpu:0", "cpu:1"]
     assert sorted(p.name.split("-")[0] for p in pids.iterdir()) == ["rank0", "rank1"]
     assert len({p.name.split("-")[1] for p in pids.iterdir()}) == 2  # two processes
-    assert _gone(list(pids.iterdir()))
+    assert ranks_gone(list(pids.iterdir()))
     report = (run / "report.md").read_text()
     assert "## Data-parallel scaling" in report and "one numpy process per device" in report
 
@@ -134,7 +114,7 @@ def test_ranks_run_as_processes_and_the_record_says_so(write_spec, tmp_path):
     (1, "oom", "rank 1: MemoryError: injected out of memory"),
 ])
 def test_one_failing_rank_ends_the_trial_and_the_sweep_goes_on(write_spec, tmp_path, rank, fault, reason):
-    pids, env = _dp_env(tmp_path, HARNESS_FAULT=f"16:{fault}", HARNESS_FAULT_RANK=str(rank),
+    pids, env = data_parallel_env(tmp_path, HARNESS_FAULT=f"16:{fault}", HARNESS_FAULT_RANK=str(rank),
                         HARNESS_STEP_SLEEP="*:0.01")
     path = write_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16, 32], data_parallel=2, warmup_steps=1,
                                 after_oom="try"))
@@ -146,7 +126,7 @@ def test_one_failing_rank_ends_the_trial_and_the_sweep_goes_on(write_spec, tmp_p
     # both trials' ranks started (a rank of the failed trial may end before it records itself) and none is left
     started = sorted(p.name.split("-")[0] for p in pids.iterdir())
     assert started.count("rank0") == 2 and started.count("rank1") >= 1, started
-    assert _gone(list(pids.iterdir())), "a rank outlived its trial"
+    assert ranks_gone(list(pids.iterdir())), "a rank outlived its trial"
 
 
 def test_the_declared_environment_appends_to_flag_variables_and_sets_the_others():

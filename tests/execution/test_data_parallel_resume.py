@@ -11,9 +11,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import ROOT, base_spec
-from tests.execution.test_data_parallel import _dp_env, _gone
-from tests.execution.test_interruptions import start_run
+from tests.helpers import ROOT, base_spec, data_parallel_env, ranks_gone, start_run
 
 
 def _ranks_started(pids, trials: int, timeout: float = 90) -> None:
@@ -28,7 +26,7 @@ def _ranks_started(pids, trials: int, timeout: float = 90) -> None:
 
 def test_an_interrupted_data_parallel_trial_leaves_no_rank_and_resumes(write_spec, tmp_path):
     # global batch 2 is 719 steps an epoch on digits; at 10 ms a step the second trial would take about 7 s
-    pids, env = _dp_env(tmp_path, HARNESS_STEP_SLEEP="2:0.01")
+    pids, env = data_parallel_env(tmp_path, HARNESS_STEP_SLEEP="2:0.01")
     spec = write_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16, 2], data_parallel=2, warmup_steps=0))
     out = tmp_path / "results"
     proc = start_run(spec, out, ROOT, env)
@@ -37,7 +35,7 @@ def test_an_interrupted_data_parallel_trial_leaves_no_rank_and_resumes(write_spe
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 143, stderr[-2000:]
-    assert _gone(list(pids.iterdir()), within_s=5), "a rank outlived the interrupted run"
+    assert ranks_gone(list(pids.iterdir()), within_s=5), "a rank outlived the interrupted run"
     run_dir = next(out.iterdir())
     run = json.loads((run_dir / "run.json").read_text())
     assert run["interrupted"]["finished"] == ["fault-dp-bs16-r0-dp2"]
@@ -53,4 +51,4 @@ def test_an_interrupted_data_parallel_trial_leaves_no_rank_and_resumes(write_spe
         ("fault-dp-bs16-r0-dp2", "ok", 2), ("fault-dp-bs2-r0-dp2", "ok", 2)]
     again = sorted(p.name.split("-")[0] for p in set(pids.iterdir()) - before)
     assert again == ["rank0", "rank1"], again  # only the interrupted trial ran again, with both ranks
-    assert _gone(list(pids.iterdir()))
+    assert ranks_gone(list(pids.iterdir()))

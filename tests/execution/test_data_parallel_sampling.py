@@ -16,9 +16,10 @@ from harness.execution.protocol import Payload
 from harness.measure import nvml as nvml_module
 from harness.measure.host import process_tree
 from harness.plan import checked_spec, plan
-from tests.conftest import ROOT, base_spec
+from harness.record import Phase
 from tests.fakes.fault_adapter import DATA_PARALLEL_REGISTRATION, REGISTRATION
 from tests.fakes.nvml import fake_nvml, reading, uuids
+from tests.helpers import ROOT, base_spec
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_the_host_sampler_follows_every_rank(ranks_folder, tmp_path):
     seen = {}
 
     def on_event(event):
-        if event.get("event") == "phase" and event.get("name") == "train" and "rss" not in seen:
+        if isinstance(event, Phase) and event.name == "train" and "rss" not in seen:
             ranks = _ranks(ranks_folder)
             seen["tree"] = {p.pid for p in process_tree(ranks[0])}
             seen["ranks"] = ranks
@@ -84,7 +85,7 @@ def test_every_gpu_of_a_data_parallel_trial_is_sampled(ranks_folder, tmp_path, m
     outcome = run_worker(Payload(trial=trial, spec=spec), 120, 0.05, "cuda:0", trial.threads,
                          env={"CUDA_VISIBLE_DEVICES": "2,0"})
     assert outcome.status == "ok", outcome.reason
-    assert outcome.result()["settings"]["cuda_visible_devices"] == "2,0"
+    assert outcome.result().settings["cuda_visible_devices"] == "2,0"
     info = outcome.sampler
     assert info["backend"] == "nvml" and info.get("note") is None
     assert [(d["device"], d["uuid"]) for d in info["devices"]] == [("cuda:0", uuids(3)[2]), ("cuda:1", uuids(3)[0])]

@@ -15,9 +15,10 @@ from harness.execution.executors import ExecutorError, LocalExecutor, Slot, join
 from harness.execution.protocol import Payload
 from harness.measure import nvml as nvml_module
 from harness.plan import checked_spec, plan
-from tests.conftest import ROOT, base_spec
+from harness.record import Start
 from tests.fakes.fault_adapter import DATA_PARALLEL_REGISTRATION, REGISTRATION
 from tests.fakes.nvml import fake_nvml, uuids
+from tests.helpers import ROOT, base_spec
 
 
 @pytest.fixture
@@ -76,9 +77,10 @@ def test_a_data_parallel_trial_takes_two_gpus_and_frees_both(dp_adapters, tmp_pa
     assert (pair.placement.device, pair.placement.devices) == ("cuda:2", ["cuda:2", "cuda:0"])
     assert (alone.placement.device, alone.placement.devices) == ("cuda:1", None)
     result = pair.outcome.result()
-    assert result["settings"]["cuda_visible_devices"] == "2,0" and result["metrics"]["devices"] == ["cuda:0", "cuda:1"]
+    assert result.settings["cuda_visible_devices"] == "2,0"
+    assert result.metrics.data_parallelism.devices == ["cuda:0", "cuda:1"]
     assert [d["uuid"] for d in pair.outcome.sampler["devices"]] == [uuids(3)[2], uuids(3)[0]]
-    assert alone.outcome.result()["settings"]["cuda_visible_devices"] == "1"
+    assert alone.outcome.result().settings["cuda_visible_devices"] == "1"
     assert alone.outcome.sampler["uuid"] == uuids(3)[1]  # the worker's cuda:0 behind its own CUDA_VISIBLE_DEVICES
 
 
@@ -92,9 +94,9 @@ def test_a_data_parallel_trial_on_cpu_slots_gets_their_cores_and_threads(dp_adap
     finally:
         executor.close()
     assert finished.outcome.status == "ok", finished.outcome.reason
-    start = next(e for e in finished.outcome.events if e.get("event") == "start")
-    assert finished.placement.cpus == [0, 1] and start["affinity"] == [0, 1]
-    assert finished.outcome.result()["settings"]["omp_threads"] == "2"  # the two slots' threads, shared by the ranks
+    start = next(e for e in finished.outcome.events if isinstance(e, Start))
+    assert finished.placement.cpus == [0, 1] and start.affinity == [0, 1]
+    assert finished.outcome.result().settings["omp_threads"] == "2"  # the two slots' threads, shared by the ranks
     assert finished.placement.devices is None and executor.has_room(2)
 
 

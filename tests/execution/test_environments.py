@@ -18,7 +18,7 @@ from harness.plan import checked_spec
 from harness.results import report, store
 from harness.spec import ROOT, SpecError
 from harness.studies.sweep import run_spec
-from tests.conftest import TINY_CNN, base_spec
+from tests.helpers import TINY_CNN, base_spec
 
 ENVS = ROOT / "envs"
 
@@ -34,9 +34,9 @@ def test_two_entries_of_one_framework_are_two_rows(envs, tmp_path):
     spec = checked_spec(base_spec(frameworks=frameworks, batch_sizes=[32, 64]), tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "r")
     records = store.read_trials(run_dir)
-    assert [r["id"] for r in records] == ["torch-envs-bs32-r0", "torch-harness-bs32-r0", "torch-envs-bs64-r0",
+    assert [r.id for r in records] == ["torch-envs-bs32-r0", "torch-harness-bs32-r0", "torch-envs-bs64-r0",
                                           "torch-harness-bs64-r0"]
-    assert all(r["status"] == "ok" for r in records), [r["reason"] for r in records]
+    assert all(r.status == "ok" for r in records), [r.reason for r in records]
     text = report.write(run_dir).read_text()
     assert "| torch (envs) CPU use % |" in text and "| torch (harness) CPU use % |" in text
     from harness.studies.compare import compare_runs
@@ -59,13 +59,14 @@ def test_command_prefixes_taskset_env_and_a_wrapper_that_closes_every_descriptor
                   {"name": fault_adapter, "label": "wrapper", "command": [str(wrapper), "{python}"]}]
     spec = checked_spec(base_spec(frameworks=frameworks, cpu_threads=1), tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "r")
-    records = {r["label"]: r for r in store.read_trials(run_dir)}
-    assert all(r["status"] == "ok" for r in records.values()), {k: r["reason"] for k, r in records.items()}
+    records = {r.label: r for r in store.read_trials(run_dir)}
+    assert all(r.status == "ok" for r in records.values()), {k: r.reason for k, r in records.items()}
     starts = {label: next(e for e in store.read_lines(run_dir / "events" / f"{label}-bs32-r0.jsonl")
                           if e["event"] == "start") for label in records}
     assert starts["taskset"]["affinity"] == [0]
-    assert records["env"]["settings"] == {"test_mark": "x", "omp_threads": "1"}  # the payload's variables
-    assert records["wrapper"]["settings"]["test_mark"] == "wrapped"
+    env = records["env"].settings  # the payload's variables reached the worker behind `env -i`
+    assert (env["test_mark"], env["omp_threads"]) == ("x", "1") and "cuda_visible_devices" not in env
+    assert records["wrapper"].settings["test_mark"] == "wrapped"
 
 
 def test_a_worker_outside_the_launched_process_tree_is_sampled_by_its_pid(fault_adapter, tmp_path, monkeypatch):
@@ -75,9 +76,9 @@ def test_a_worker_outside_the_launched_process_tree_is_sampled_by_its_pid(fault_
     spec = checked_spec(base_spec(frameworks=[{"name": fault_adapter, "command": ["setsid", "-f", "{python}"]}],
                                   epochs=3), tmp_path / "s.yaml")
     record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
-    assert record["status"] == "ok", record["reason"]
-    assert "runs outside the launched command's process tree; sampled by its pid" in record["sampler"]["note"]
-    assert record["sampler"]["stats"]["rss_bytes"]["max"] > 30e6  # the worker's interpreter with numpy, not setsid
+    assert record.status == "ok", record.reason
+    assert "runs outside the launched command's process tree; sampled by its pid" in record.sampler.note
+    assert record.sampler.stat("rss_bytes", "max") > 30e6  # the worker's interpreter with numpy, not setsid
 
 
 @pytest.mark.parametrize("entry, words", [

@@ -13,7 +13,7 @@ import pytest
 
 from harness import cli
 from harness.execution import environments
-from tests.conftest import ROOT, base_spec
+from tests.helpers import ROOT, base_spec
 
 FAKE_SITE = ROOT / "tests" / "fakes" / "site"
 H100 = {"available": True, "devices": [{"index": 0, "name": "NVIDIA H100 80GB HBM3"}]}

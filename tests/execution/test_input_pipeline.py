@@ -10,7 +10,7 @@ from harness.neutral import image_folder
 from harness.plan import checked_spec, plan, variants
 from harness.results import report, store
 from harness.studies import sweep
-from tests.conftest import ROOT, base_spec
+from tests.helpers import ROOT, base_spec
 
 #: The frameworks whose loader trains on the image folder here (JAX in its own environment, envs/jax).
 FRAMEWORKS = [{"name": "pytorch"}, {"name": "tensorflow"}, {"name": "mxnet"},
@@ -49,17 +49,17 @@ def folder_run(tmp_path_factory):
 
 def test_every_loader_trains_on_the_same_images_as_resident_mode(folder_run):
     records = store.read_trials(folder_run)
-    assert all(r["status"] == "ok" for r in records), [(r["id"], r["reason"]) for r in records]
+    assert all(r.status == "ok" for r in records), [(r.id, r.reason) for r in records]
     losses = {}
     for record in records:
-        metrics = record["metrics"]
-        losses[(record["framework"], metrics["input"])] = [e["train_loss"] for e in metrics["epochs"]]
-        if metrics["input"] == "loader":
-            assert metrics["input_wait_seconds"] > 0 and 0 < metrics["input_wait_share"] < 1
-            loader = record["settings"]["loader"]
+        metrics = record.metrics
+        losses[(record.framework, metrics.input)] = [e.train_loss for e in metrics.epochs]
+        if metrics.input == "loader":
+            assert metrics.input_wait_s > 0 and 0 < metrics.input_wait_share < 1
+            loader = record.settings["loader"]
             assert loader["source"] == "files", loader
         else:
-            assert metrics["input_wait_seconds"] == 0 and "loader" not in record["settings"]
+            assert metrics.input_wait_s == 0 and record.settings["loader"] is None
     for entry in FRAMEWORKS:
         name = entry["name"]
         resident, loader = losses[(name, "resident")], losses[(name, "loader")]
@@ -73,7 +73,7 @@ def test_every_loader_trains_on_the_same_images_as_resident_mode(folder_run):
 def test_a_loader_worker_holds_no_decoded_training_image(folder_run):
     """Through a loader the training images are read from their files only: the worker holds the test set and the
     labels (``data_bytes``), not a decoded copy of the training set beside them as resident mode does."""
-    held = {(r["framework"], r["metrics"]["input"]): r["metrics"]["data_bytes"] for r in store.read_trials(folder_run)}
+    held = {(r.framework, r.metrics.input): r.metrics.data_bytes for r in store.read_trials(folder_run)}
     image = 12 * 12 * 3 * 4  # float32 12 x 12 RGB
     for entry in FRAMEWORKS:
         resident, loader = held[(entry["name"], "resident")], held[(entry["name"], "loader")]
@@ -100,14 +100,14 @@ def test_what_cannot_run_a_loader_is_unsupported_with_the_reason(fault_adapter, 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     spec = checked_spec(base_spec(frameworks=["pytorch", fault_adapter], batch_sizes=[16], input="loader",
                                   variants={"data_parallel": [1, 2]}), tmp_path / "s.yaml")
-    records = {r["id"]: r for r in store.read_trials(sweep.run_spec(spec, tmp_path / "runs"))}
-    assert records["pytorch-bs16-r0-v1-dp2"]["status"] == "unsupported"
-    assert records["pytorch-bs16-r0-v1-dp2"]["reason"] == (
+    records = {r.id: r for r in store.read_trials(sweep.run_spec(spec, tmp_path / "runs"))}
+    assert records["pytorch-bs16-r0-v1-dp2"].status == "unsupported"
+    assert records["pytorch-bs16-r0-v1-dp2"].reason == (
         "not run: input: loader is not combined with data parallelism yet (each device would need its own shard)")
-    assert records["fault-bs16-r0-v0"]["status"] == "unsupported"
-    assert records["fault-bs16-r0-v0"]["reason"] == "the fault adapter has no data loader mode (input: loader)"
-    assert records["pytorch-bs16-r0-v0"]["status"] == "ok"
-    assert records["pytorch-bs16-r0-v0"]["metrics"]["input"] == "loader"
+    assert records["fault-bs16-r0-v0"].status == "unsupported"
+    assert records["fault-bs16-r0-v0"].reason == "the fault adapter has no data loader mode (input: loader)"
+    assert records["pytorch-bs16-r0-v0"].status == "ok"
+    assert records["pytorch-bs16-r0-v0"].metrics.input == "loader"
 
 
 def test_a_spec_brings_its_own_image_folder(write_spec, tmp_path):

@@ -14,16 +14,10 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import base_spec
+from tests.helpers import base_spec, start_run
 
 # Batch 1 on digits is 1438 steps an epoch; at 10 ms a step the second trial would take about 30 s.
 LONG = {"HARNESS_STEP_SLEEP": "1:0.01"}
-
-
-def start_run(spec, out, cwd, extra_env=None):
-    env = {**os.environ, **(extra_env or {})}
-    return subprocess.Popen([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _children(pid: int) -> list[psutil.Process]:

@@ -18,7 +18,7 @@ from harness.plan import plan
 from harness.results import report, store
 from harness.spec import SpecError
 from harness.studies.sweep import run_spec
-from tests.conftest import base_spec
+from tests.helpers import base_spec
 
 
 @pytest.mark.serial  # a trial's timeout, timed
@@ -29,21 +29,21 @@ def test_every_status_in_one_sweep(fault_adapter, monkeypatch, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[8, 12, 16, 20, 24, 28, 32, 64],
                               timeout_s=8, warmup_steps=0, epochs=2, after_oom="try"), tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "results")
-    records = {r["batch_size"]: r for r in store.read_trials(run_dir)}
-    assert {bs: r["status"] for bs, r in records.items()} == {
+    records = {r.batch_size: r for r in store.read_trials(run_dir)}
+    assert {bs: r.status for bs, r in records.items()} == {
         8: "error", 12: "oom", 16: "crashed", 20: "crashed", 24: "error", 28: "timeout", 32: "ok", 64: "ok"}
-    assert records[8]["reason"] == "ValueError: injected failure"
-    assert "ValueError: injected failure" in records[8]["traceback"]
-    assert records[12]["reason"] == "MemoryError: injected out of memory"
-    assert records[16]["reason"].startswith("killed by SIGKILL")
-    assert records[20]["reason"].startswith("killed by SIGSEGV")
-    assert records[24]["reason"].startswith("the worker exited with status 3 without reporting why")
-    assert records[28]["reason"].startswith("no exit within 8 s")
-    assert 8 <= records[28]["wall_seconds"] < 20
+    assert records[8].reason == "ValueError: injected failure"
+    assert "ValueError: injected failure" in records[8].traceback
+    assert records[12].reason == "MemoryError: injected out of memory"
+    assert records[16].reason.startswith("killed by SIGKILL")
+    assert records[20].reason.startswith("killed by SIGSEGV")
+    assert records[24].reason.startswith("the worker exited with status 3 without reporting why")
+    assert records[28].reason.startswith("no exit within 8 s")
+    assert 8 <= records[28].wall_s < 20
     for bs in (32, 64):
-        metrics = records[bs]["metrics"]
-        assert metrics["measured_steps"] == 2 * (1438 // bs) and metrics["throughput"] > 0
-        assert metrics["test_accuracy"] > 0.5  # the numpy softmax regression learns digits
+        metrics = records[bs].metrics
+        assert metrics.measured_steps == 2 * (1438 // bs) and metrics.throughput_samples_per_s > 0
+        assert metrics.test_accuracy > 0.5  # the numpy softmax regression learns digits
     # the report still renders, with the statuses in the failed cells
     text = report.write(run_dir).read_text()
     assert "| Fault | error | oom | crashed | crashed | error | timeout |" in text.replace("fault", "Fault")
@@ -53,21 +53,22 @@ def test_events_are_stamped_and_phases_are_ordered(fault_adapter, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[64], epochs=3, warmup_steps=3),
                     tmp_path / "s.yaml")
     run_dir = run_spec(spec, tmp_path / "results")
-    events = store.read_lines(run_dir / "events" / "fault-bs64-r0.jsonl")
-    kinds = [(e["event"], e.get("name"), e.get("edge")) for e in events]
+    events = store.read_events(run_dir, "fault-bs64-r0")  # typed, as the launcher kept them
+    kinds = [(e.event, getattr(e, "name", None), getattr(e, "edge", None)) for e in events]
     assert kinds[:3] == [("start", None, None), ("ready", None, None), ("phase", "warmup", "start")]
     assert kinds.count(("phase", "train", "start")) == 3 and kinds[-1] == ("result", None, None)
-    stamps = [e["t"] for e in events]
+    stamps = [e.t for e in events]
     assert stamps == sorted(stamps)
     record = store.read_trials(run_dir)[0]
-    assert record["metrics"]["measured_steps"] == 3 * 22 - 3  # 1438 // 64 = 22 steps per epoch, 3 warm-up
+    assert record.metrics.measured_steps == 3 * 22 - 3  # 1438 // 64 = 22 steps per epoch, 3 warm-up
+    assert events[-1].metrics == record.metrics  # the result event's metrics are the record's
 
 
 def test_batch_larger_than_the_dataset_is_a_clear_error(fault_adapter, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[4096]), tmp_path / "s.yaml")
     record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
-    assert record["status"] == "error"
-    assert record["reason"] == "batch size 4096 exceeds the 1438 training samples"
+    assert record.status == "error"
+    assert record.reason == "batch size 4096 exceeds the 1438 training samples"
 
 
 def test_missing_framework_is_one_line_before_anything_runs(monkeypatch, tmp_path):
@@ -125,7 +126,7 @@ def test_trials_survive_sigkill_of_the_orchestrator(fault_adapter, write_spec, t
     assert 2 <= len(lines) < 6
     for line in lines:
         record = json.loads(line)  # whole lines only
-        assert record["status"] == "ok" and record["metrics"]["throughput"] > 0
+        assert record["status"] == "ok" and record["metrics"]["throughput_samples_per_s"] > 0
     text = report.write(trials_file.parent).read_text()
     assert f"{len(lines)} of 6 trials" in text and "not finished" in text
 
@@ -134,11 +135,11 @@ def test_after_an_oom_larger_batch_sizes_are_skipped_unless_asked(fault_adapter,
     monkeypatch.setenv("HARNESS_FAULT", "32:oom")
     common = dict(frameworks=[fault_adapter], batch_sizes=[16, 32, 64, 24], warmup_steps=0)
     spec = validate(base_spec(**common), tmp_path / "s.yaml")
-    records = {r["batch_size"]: r for r in store.read_trials(run_spec(spec, tmp_path / "a"))}
-    assert {bs: r["status"] for bs, r in records.items()} == {16: "ok", 32: "oom", 64: "skipped", 24: "ok"}
-    assert records[64]["reason"] == "not run: batch size 32 already ran out of memory (after_oom: skip)"
+    records = {r.batch_size: r for r in store.read_trials(run_spec(spec, tmp_path / "a"))}
+    assert {bs: r.status for bs, r in records.items()} == {16: "ok", 32: "oom", 64: "skipped", 24: "ok"}
+    assert records[64].reason == "not run: batch size 32 already ran out of memory (after_oom: skip)"
     spec = validate(base_spec(after_oom="try", **common), tmp_path / "s.yaml")
-    statuses = {r["batch_size"]: r["status"] for r in store.read_trials(run_spec(spec, tmp_path / "b"))}
+    statuses = {r.batch_size: r.status for r in store.read_trials(run_spec(spec, tmp_path / "b"))}
     assert statuses == {16: "ok", 32: "oom", 64: "ok", 24: "ok"}
 
 
@@ -157,12 +158,12 @@ def test_time_to_target_accuracy(fault_adapter, tmp_path):
     spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], epochs=4, target_accuracy=0.5),
                     tmp_path / "s.yaml")
     record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
-    reached = record["metrics"]["time_to_target"]
-    first = next(e["epoch"] for e in record["metrics"]["epochs"] if e["test_accuracy"] >= 0.5)
-    assert reached["epochs"] == first + 1 and 0 < reached["training_seconds"] <= reached["wall_seconds"]
+    reached = record.metrics.time_to_target
+    first = next(e.epoch for e in record.metrics.epochs if e.test_accuracy >= 0.5)
+    assert reached.epochs == first + 1 and 0 < reached.training_s <= reached.wall_s
     unreachable = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], target_accuracy=1.0),
                            tmp_path / "s.yaml")
-    assert store.read_trials(run_spec(unreachable, tmp_path / "u"))[0]["metrics"]["time_to_target"] is None
+    assert store.read_trials(run_spec(unreachable, tmp_path / "u"))[0].metrics.time_to_target is None
 
 
 def test_each_seed_trains_from_its_own_weights_and_batches(fault_adapter, tmp_path):
@@ -170,8 +171,8 @@ def test_each_seed_trains_from_its_own_weights_and_batches(fault_adapter, tmp_pa
     start at zero) and so the final loss follow the seed, while the same seed gives the same loss again."""
     spec = validate(base_spec(frameworks=[fault_adapter], seeds=[1, 2], repeats=2, epochs=1), tmp_path / "s.yaml")
     records = store.read_trials(run_spec(spec, tmp_path / "r"))
-    assert [(r["id"], r["seed"]) for r in records] == [("fault-bs32-r0-s1", 1), ("fault-bs32-r0-s2", 2),
-                                                       ("fault-bs32-r1-s1", 1), ("fault-bs32-r1-s2", 2)]
-    loss = {(r["repeat"], r["seed"]): r["metrics"]["final_train_loss"] for r in records}
+    assert [(r.id, r.seed) for r in records] == [("fault-bs32-r0-s1", 1), ("fault-bs32-r0-s2", 2),
+                                                 ("fault-bs32-r1-s1", 1), ("fault-bs32-r1-s2", 2)]
+    loss = {(r.repeat, r.seed): r.metrics.final_train_loss for r in records}
     assert loss[(0, 1)] == loss[(1, 1)] and loss[(0, 2)] == loss[(1, 2)]
     assert loss[(0, 1)] != loss[(0, 2)]

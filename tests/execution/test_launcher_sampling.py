@@ -11,6 +11,8 @@ import pytest
 
 from harness.execution.protocol import Payload
 from harness.measure.nvml import NvmlBackend
+from harness.record import SamplerInfo, TrialRecord
+from harness.results import derived
 from tests.fakes.nvml import (
     UUID0,
     fake_nvml,
@@ -20,7 +22,7 @@ from tests.fakes.nvml import (
 def _fault_trial(tmp_path, batch=64, epochs=3):
     from harness.plan import checked_spec as validate
     from harness.plan import plan
-    from tests.conftest import base_spec
+    from tests.helpers import base_spec
 
     spec = validate(base_spec(frameworks=["fault"], batch_sizes=[batch], epochs=epochs, warmup_steps=0),
                     tmp_path / "s.yaml")
@@ -63,11 +65,16 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
     assert outcome.status == "ok"
     info = outcome.sampler
     assert info["backend"] == "nvml" and info["uuid"] == UUID0 and info["interval_s"] == 0.05
-    energy, metrics = info["energy"], outcome.result()["metrics"]
+    energy, metrics = info["energy"], outcome.result().metrics
     assert energy["method"] == "counter" and energy["windows"] == 3 and energy["short_windows"] == 0
     assert energy["mean_power_w"] == pytest.approx(100.0, rel=0.02)
-    assert energy["seconds"] == pytest.approx(metrics["measured_seconds"], rel=0.05)
-    assert energy["joules_per_sample"] == pytest.approx(energy["joules"] / metrics["measured_samples"])
+    assert energy["seconds"] == pytest.approx(metrics.measured_s, rel=0.05)
+    assert "joules_per_sample" not in energy  # derived by the readers (harness.results.derived), from the record:
+    record = TrialRecord(id=trial.id, framework=trial.framework, label=trial.row, batch_size=trial.batch_size, repeat=0,
+                         device="cuda:0", status="ok", wall_s=1.0, metrics=metrics,
+                         sampler=SamplerInfo.from_measure(info))
+    assert derived.energy_per_sample_j(record) == pytest.approx(energy["joules"] / metrics.measured_samples)
+    assert record.sampler.stat("gpu_util_pct", "mean") == 87.0 and record.sampler.energy.energy_j == energy["joules"]
     assert info["stats"]["gpu_util_percent"]["mean"] == 87.0 and info["stats"]["power_w"]["scope"] == "windows"
     # GPM values every period at least 100 ms after the last GPM read (interval 0.05 s: about every other sample)
     gpm = info["stats"]["sm_active_percent"]

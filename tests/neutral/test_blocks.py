@@ -12,7 +12,7 @@ import yaml
 from harness.neutral import models
 from harness.neutral.models import Input, ModelError
 from harness.spec import ModelSpec
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def shipped_model(name: str) -> ModelSpec:

@@ -24,7 +24,7 @@ from harness.cli.common import load_spec
 from harness.neutral import datasets, download
 from harness.neutral.datasets import DatasetError
 from harness.spec import Cifar10Data, SpecError
-from tests.conftest import ROOT, TINY_CNN, base_spec
+from tests.helpers import ROOT, TINY_CNN, base_spec
 
 
 def small_archive(n_per_batch=3):

@@ -16,7 +16,7 @@ from harness.cli.common import load_spec
 from harness.neutral import datasets, image_folder, inputs
 from harness.neutral.datasets import DatasetError
 from harness.spec import ImageFolderData, SpecError
-from tests.conftest import ROOT, base_spec
+from tests.helpers import ROOT, base_spec
 
 
 def write_image(path, array, image_format=None):
@@ -458,7 +458,7 @@ def test_a_run_decodes_once_and_its_worker_trains_from_the_cache(write_spec, tmp
     from harness.results import store
 
     (record,) = store.read_trials(next(out.iterdir()))
-    assert record["status"] == "ok", record.get("log_tail", "")[-2000:]
-    assert record["metrics"]["data_skipped_files"] == 1
-    assert record["metrics"]["data_bytes"] == 48 * (16 * 16 * 3 * 4 + 8)
-    assert record["metrics"]["test_accuracy"] > 0.8
+    assert record.status == "ok", (record.log_tail or "")[-2000:]
+    assert record.metrics.data_skipped_files == 1
+    assert record.metrics.data_bytes == 48 * (16 * 16 * 3 * 4 + 8)
+    assert record.metrics.test_accuracy > 0.8

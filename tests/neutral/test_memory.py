@@ -125,12 +125,12 @@ def test_the_prediction_against_a_measured_peak_on_the_cpu(tmp_path):
     data = yaml.safe_load((ROOT / "specs" / "resnet_small.yaml").read_text())
     data.update({"frameworks": ["pytorch"], "batch_sizes": [16, 128], "epochs": 1, "cpu_threads": 1})
     run_dir = run_spec(checked_spec(data, tmp_path / "resnet_small.yaml"), tmp_path / "runs")
-    records = {r["batch_size"]: r for r in store.read_trials(run_dir)}
-    assert {r["status"] for r in records.values()} == {"ok"}
-    predicted = {bs: r["metrics"]["memory_predicted"] for bs, r in records.items()}
-    rss = {bs: r["sampler"]["stats"]["rss_bytes"]["max"] for bs, r in records.items()}
-    grown_predicted = predicted[128]["total"] - predicted[16]["total"]
-    assert grown_predicted == predicted[16]["activations_per_sample"] * 112  # only the activations grow
+    records = {r.batch_size: r for r in store.read_trials(run_dir)}
+    assert {r.status for r in records.values()} == {"ok"}
+    predicted = {bs: r.metrics.memory_predicted for bs, r in records.items()}
+    rss = {bs: r.sampler.stat("rss_bytes", "max") for bs, r in records.items()}
+    grown_predicted = predicted[128].total_bytes - predicted[16].total_bytes
+    assert grown_predicted == predicted[16].activations_per_sample_bytes * 112  # only the activations grow
     grown_measured = rss[128] - rss[16]
     assert grown_predicted <= grown_measured <= 4 * grown_predicted, (grown_predicted / 1e6, grown_measured / 1e6)
     # the report's section: the predicted parts, the measured peak and the growth ratio that cancels the runtime
@@ -139,7 +139,8 @@ def test_the_prediction_against_a_measured_peak_on_the_cpu(tmp_path):
     text = report.write(run_dir).read_text()
     section = text[text.index("## Memory by data structure (MB)"):]
     section = section[:section.index("\n## ", 5)]
-    assert f"| total predicted | {predicted[16]['total'] / 1e6:.2f} | {predicted[128]['total'] / 1e6:.2f} |" in section
+    totals = [predicted[bs].total_bytes / 1e6 for bs in (16, 128)]
+    assert f"| total predicted | {totals[0]:.2f} | {totals[1]:.2f} |" in section
     assert f"| PyTorch measured | {rss[16] / 1e6:.2f} | {rss[128] / 1e6:.2f} |" in section
     ratio = grown_measured / grown_predicted
     assert f"| PyTorch growth from batch 16, measured / predicted |  | {ratio:.2f} x |" in section, section

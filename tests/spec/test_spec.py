@@ -1,15 +1,13 @@
-"""Spec validation: every bad spec is one line naming the file and the field, exit status 2, no run directory."""
+"""Spec validation: every bad spec is one SpecError naming the file and the field (what the command line prints
+in one line before exiting 2: tests/cli/test_run.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
 from harness import plan as spec_module
 from harness.spec import SpecError
-from tests.conftest import ROOT, base_spec
+from tests.helpers import ROOT, base_spec
 
 
 def error_of(write_spec, data):
@@ -111,21 +109,6 @@ def test_overrides_are_validated_like_the_file(write_spec):
         spec_module.load(path, {"batch_sizes": [0]})
 
 
-def run_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
-
-
-def test_cli_bad_spec_exits_2_with_one_line_and_no_run_directory(write_spec, tmp_path):
-    path = write_spec(base_spec(batch_sizes=[-1]))
-    out = tmp_path / "results"
-    proc = run_cli("run", str(path), "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"{path}: batch_sizes.0: Input should be greater than 0"
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert not out.exists()
-
-
 def test_a_keras_entry_names_its_backend_adapter(write_spec):
     """``{name: keras, backend: jax}`` is the adapter keras-jax (its label the user's, else that name), and says
     the same as ``{name: keras-jax}``; the trial's framework is that adapter."""
@@ -137,31 +120,3 @@ def test_a_keras_entry_names_its_backend_adapter(write_spec):
     assert [(e.name, e.row) for e in spec.entries] == [("keras-jax", "keras-jax"), ("keras-torch", "kt"),
                                                         ("keras-tensorflow", "keras-tensorflow")]
     assert {t.framework for t in plan.plan(spec, "cpu")} == {"keras-jax", "keras-torch", "keras-tensorflow"}
-
-
-def test_cli_override_error_names_the_spec_file(write_spec, tmp_path):
-    path = write_spec(base_spec())
-    proc = run_cli("run", str(path), "--frameworks", "pytorch,theano", "--out", str(tmp_path / "r"), cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith(f"{path}: frameworks: unknown framework 'theano'")
-    assert len(proc.stderr.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize("layers, dataset, field, words", [
-    ([{"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": 1},
-      {"type": "residual", "shortcut": "identity", "body": [
-          {"type": "conv2d", "filters": 8, "kernel_size": 3, "stride": 2, "padding": 1}, {"type": "batchnorm"}]},
-      {"type": "global_avgpool2d"}, {"type": "dense", "units": 10}], {"name": "digits"}, "model.layers.1.body",
-     "the body changes (4, 8, 8) to (8, 4, 4) and shortcut is identity"),
-    ([{"type": "embedding", "vocab": 16, "dim": 30},
-      {"type": "residual", "body": [{"type": "layernorm"}, {"type": "attention", "heads": 4, "causal": True}]},
-      {"type": "dense", "units": 16}], {"name": "synthetic_tokens", "vocab": 16, "length": 8},
-     "model.layers.1.body.1", "attention width 30 is not divisible by its 4 heads"),
-])
-def test_cli_malformed_block_is_one_line_naming_the_layer(write_spec, tmp_path, layers, dataset, field, words):
-    path = write_spec(base_spec(model={"layers": layers}, dataset=dataset))
-    proc = run_cli("run", str(path), "--out", str(tmp_path / "results"), cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith(f"{path}: {field}: {words}"), proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
-    assert not (tmp_path / "results").exists()

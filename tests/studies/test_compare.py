@@ -294,7 +294,7 @@ def test_drift_on_the_command_line(tmp_path):
 
 
 def test_a_stored_version_1_run_compares_and_enters_the_history(tmp_path):
-    """Runs written before the units moved into the names (schema version 1, tests/results/data/v1-run) read through
+    """Runs written before the units moved into the names (schema version 1, tests/record/data/v1-run) read through
     the one loader: compare sets them against a run of this version, history summarises them, with the same cells."""
     import shutil
     from pathlib import Path
@@ -302,7 +302,7 @@ def test_a_stored_version_1_run_compares_and_enters_the_history(tmp_path):
     from harness.studies import history
 
     old = tmp_path / "v1"
-    shutil.copytree(Path(__file__).parents[1] / "results" / "data" / "v1-run", old)
+    shutil.copytree(Path(__file__).parents[1] / "record" / "data" / "v1-run", old)
     stored = {}
     for line in (old / "trials.jsonl").read_text().splitlines():
         r = json.loads(line)

@@ -19,8 +19,8 @@ from harness.plan import checked_spec as validate
 from harness.plan import model_info
 from harness.results import store
 from harness.studies import max_batch
-from harness.studies.max_batch import MemoryModel, find_max_batch, fit_memory_model, search
-from tests.conftest import ROOT, base_spec
+from harness.studies.max_batch import MemoryModel, find_max_batch, fit_memory_model
+from tests.helpers import ROOT, base_spec, simulate_workers
 
 CNN = [
     {"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "activation": "relu"},
@@ -105,7 +105,7 @@ def test_the_run_directory(searches, tmp_path):
     result = searches["pytorch"]
     spec = cnn_spec(tmp_path, "pytorch", memory_limit_mb=CAPS["pytorch"])
     run_dir = max_batch.write_run(result, spec, tmp_path / "results")
-    run = store.read_run(run_dir)
+    run = json.loads((run_dir / "run.json").read_text())  # a max-batch run.json, not a sweep's RunRecord
     assert run["kind"] == "max-batch" and run["result"]["limit"] == result.limit
     assert run["result"]["with_dataset"] is False and run["result"]["fits_sometimes"] == result.fits_sometimes
     assert run["result"]["model"]["per_sample_bytes"] > 0
@@ -166,46 +166,6 @@ def test_fit_memory_model_with_known_numbers():
     assert MemoryModel(10.0, -1.0, 0.5, 2).predict_limit(100.0) is None  # memory falling with the batch: no prediction
 
 
-class _Outcome:
-    """What find_max_batch reads of a launcher Outcome, for the search-logic tests below (and test_maxbatch_runs)."""
-
-    def __init__(self, status, peak=None, reason=""):
-        self.status, self.reason, self.wall_seconds, self.log_tail, self.sampler = status, reason, 0.0, "", {}
-        self.events = [{"event": "memory_peak", "peak_bytes": peak, "source": "test"}] if peak is not None else []
-
-    def result(self):
-        return None
-
-
-def is_run_check(payload):
-    """A run check's trial (harness.studies.max_batch.runcheck) has its epochs cut to several steps; a probe's are
-    whole (synthetic data sized to the batch) or cut to one step (with the dataset)."""
-    return (payload.trial.max_steps_per_epoch or 0) > 1
-
-
-def _simulate(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b, payloads=None, runs=None, run_fits=None,
-              run_peak=None):
-    """Replaces the worker: fits(b) says whether per-device batch size b fits this time. Returns the sizes probed,
-    in order. Run checks go to ``runs`` (their sizes) and ``run_fits``/``run_peak`` (default: fits and peak), and
-    are not in the sizes returned nor in ``payloads``."""
-    sizes = []
-
-    def fake_run_worker(payload, timeout_s, interval_s, device, threads=None, on_event=None):
-        b = payload.trial.per_device_batch_size
-        run = is_run_check(payload)
-        if run and runs is not None:
-            runs.append(b)
-        elif not run:
-            sizes.append(b)
-            if payloads is not None:
-                payloads.append(payload)
-        ok, size_peak = (run_fits or fits, run_peak or peak) if run else (fits, peak)
-        return _Outcome("ok", size_peak(b)) if ok(b) else _Outcome("oom", reason="RuntimeError: out of memory")
-
-    monkeypatch.setattr(search, "run_worker", fake_run_worker)
-    return sizes
-
-
 def _fits_first_time_only(flaky, limit):
     """fits(b) for _simulate: up to ``limit`` always; the sizes in ``flaky`` the first time only; above, never."""
     seen = []
@@ -239,7 +199,7 @@ def _answer_invariants(result):
 
 def test_search_logic_probes_the_prediction_then_closes_the_bracket(monkeypatch, tmp_path):
     # 50 MB + 1 MB per sample under a 400 MB cap: the limit is 350; the model predicts it exactly.
-    sizes = _simulate(monkeypatch, lambda b: 50e6 + 1e6 * b <= 400e6)
+    sizes = simulate_workers(monkeypatch, lambda b: 50e6 + 1e6 * b <= 400e6)
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.1,
                             run_checks=0)
@@ -264,7 +224,7 @@ def test_search_logic_guesses_from_the_neutral_model_first(monkeypatch, tmp_path
     neutral = memory.predict(model_info(spec), 1, spec.optimizer).activations_per_sample + probe_data
     true_slope = 1.3 * neutral
     peak = lambda b: 80e6 + true_slope * b  # noqa: E731
-    sizes = _simulate(monkeypatch, lambda b: peak(b) <= 400e6, peak=peak)
+    sizes = simulate_workers(monkeypatch, lambda b: peak(b) <= 400e6, peak=peak)
     result = find_max_batch(spec, "pytorch", device="cpu", tolerance=0.02)
     truth = math.floor(320e6 / true_slope)
     assert sizes[0] == 16 and result.probes[1].purpose == "neutral-model guess"
@@ -281,12 +241,12 @@ def test_search_logic_guesses_from_the_neutral_model_first(monkeypatch, tmp_path
 
 def test_search_logic_without_oom_and_with_non_monotonic_memory(monkeypatch, tmp_path):
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
-    _simulate(monkeypatch, lambda b: True)
+    simulate_workers(monkeypatch, lambda b: True)
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=1000)
     assert result.status == "no_oom" and result.limit == 1000
     # 200 fails although 400 fits: the margin's target is verified and the recommendation falls back to a size
     # that was probed successfully.
-    _simulate(monkeypatch, lambda b: b <= 400 and b != 200, peak=lambda b: 1e6 * b)
+    simulate_workers(monkeypatch, lambda b: b <= 400 and b != 200, peak=lambda b: 1e6 * b)
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.05, margin=0.5,
                             run_checks=0)
     assert result.limit == 400 and result.recommended == 64 and result.probed(200).status == "oom"
@@ -298,7 +258,7 @@ def test_search_logic_without_oom_and_with_non_monotonic_memory(monkeypatch, tmp
 def test_search_logic_a_size_that_fits_once_and_fails_once_is_in_the_band_not_the_answer(monkeypatch, tmp_path):
     # The measured problem: under a 400 MB cap, 350 fitted in one run and ran out of memory in the next.
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
-    sizes = _simulate(monkeypatch, _fits_first_time_only({350}, 345))
+    sizes = simulate_workers(monkeypatch, _fits_first_time_only({350}, 345))
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02)
     table = max_batch.table(result)
     assert sizes[:5] == [16, 64, 350, 357, 350], table  # 350 fitted, 357 did not, 350's confirmation failed
@@ -314,7 +274,7 @@ def test_search_logic_a_size_that_fits_once_and_fails_once_is_in_the_band_not_th
 def test_search_logic_a_failed_confirmation_moves_the_answer_lower(monkeypatch, tmp_path):
     # 341..350 fit the first time only: each candidate in turn fails its confirmation, until 336 fits twice.
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
-    sizes = _simulate(monkeypatch, _fits_first_time_only(set(range(341, 351)), 340))
+    sizes = simulate_workers(monkeypatch, _fits_first_time_only(set(range(341, 351)), 340))
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.02, margin=0.01,
                             run_checks=0)
     table = max_batch.table(result)
@@ -328,7 +288,7 @@ def test_search_logic_a_failed_confirmation_moves_the_answer_lower(monkeypatch, 
 
 def test_search_logic_nothing_fits_twice(monkeypatch, tmp_path):
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
-    _simulate(monkeypatch, _fits_first_time_only({1, 2}, 0))
+    simulate_workers(monkeypatch, _fits_first_time_only({1, 2}, 0))
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(2,))
     # 2 fits; the neutral model's guess and every size below it down to 3 do not (geometric, then arithmetic
     # halving); 2's confirmation fails; then 1 fits, and its confirmation fails
@@ -352,8 +312,8 @@ def test_search_logic_invariants_under_noise(monkeypatch, tmp_path):
     for seed in range(40):
         rng = np.random.default_rng(seed)
         limit, width = int(rng.integers(20, 600)), int(rng.integers(0, 40))
-        _simulate(monkeypatch, lambda b, limit=limit, width=width, rng=rng:
-                  b <= limit or (b <= limit + width and rng.random() < 0.5))
+        simulate_workers(monkeypatch, lambda b, limit=limit, width=width, rng=rng:
+                         b <= limit or (b <= limit + width and rng.random() < 0.5))
         # run checks see the same noise; the default margin (None) follows the spread of the fake's peaks
         result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16, 64), tolerance=0.05,
                                 margin=rng.choice([None, 0.0, 0.1]), run_checks=int(rng.choice([0, 2])))
@@ -373,7 +333,7 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
 
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     payloads = []
-    sizes = _simulate(monkeypatch, lambda b: True, payloads=payloads)
+    sizes = simulate_workers(monkeypatch, lambda b: True, payloads=payloads)
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(256,), with_dataset=True)
     digits = datasets.load(spec.dataset)
     assert len(digits.y_train) == 1438
@@ -406,7 +366,7 @@ def test_search_logic_with_token_sequences(monkeypatch, tmp_path):
     model = {"layers": [{"type": "embedding", "vocab": 12, "dim": 4}, {"type": "dense", "units": 12}]}
     spec = validate(base_spec(memory_limit_mb=400, dataset=tokens, model=model), tmp_path / "s.yaml")
     payloads = []
-    _simulate(monkeypatch, lambda b: True, payloads=payloads)
+    simulate_workers(monkeypatch, lambda b: True, payloads=payloads)
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=32)
     assert payloads[0].spec.dataset.model_dump(exclude_unset=True) == {**tokens, "size": 16, "test_size": 16}
     assert result.probe_data_bytes_per_sample == 2 * (6 * 8 + 6 * 8)  # (accumulation + 1) x (ids + labels)
@@ -430,6 +390,40 @@ def test_cli(fault_adapter, write_spec, tmp_path, capsys):
     assert err.startswith(f"{bad}: ") and len(err.strip().splitlines()) == 1
     assert cli.main(["max-batch", str(path), "--framework", "caffe"]) == 2
     assert "unknown framework 'caffe'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, asked", [
+    ({"precision": "fp16"}, {}),  # the PyTorch adapter trains fp16 on CUDA only
+    ({"data_parallel": 2, "input": "loader"}, {"data_parallel": 2, "input": "loader"}),
+    ({"data_parallel": {"devices": 2, "sync_batchnorm": True},
+      "model": {"layers": [{"type": "conv2d", "filters": 2, "kernel_size": 3}, {"type": "batchnorm"},
+                           {"type": "flatten"}, {"type": "dense", "units": 10}]}},
+     {"data_parallel": 2, "sync_batchnorm": True}),
+], ids=["precision", "input", "sync_batchnorm"])
+def test_a_trial_the_adapter_cannot_train_is_refused_before_any_probe(monkeypatch, tmp_path, changes, asked):
+    """The search asks the plan's rule (``harness.plan.support``, through ``harness.plan.unsupported_reason``, which
+    the sweep records) about the whole trial its probes run, and refuses with the same reason; no worker starts."""
+    from harness.plan import unsupported_reason
+
+    sizes = simulate_workers(monkeypatch, lambda b: True)
+    spec = validate(base_spec(memory_limit_mb=400, **changes), tmp_path / "s.yaml")
+    reason = unsupported_reason(spec, "pytorch", device="cpu", **asked)
+    assert reason is not None and reason.startswith("the pytorch adapter" if "input" not in asked else "input:")
+    with pytest.raises(ValueError) as refused:
+        find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=32)
+    assert str(refused.value) == reason and sizes == []
+
+
+def test_cli_refuses_a_trial_the_adapter_cannot_train_in_one_line(write_spec, tmp_path, capsys):
+    from harness import cli
+    from harness.plan import unsupported_reason
+
+    path = write_spec(base_spec(frameworks=["pytorch"], precision="fp16", memory_limit_mb=400, device="cpu"))
+    reason = unsupported_reason(validate(base_spec(precision="fp16"), tmp_path / "s.yaml"), "pytorch", device="cpu")
+    out = tmp_path / "out"
+    assert cli.main(["max-batch", str(path), "--framework", "pytorch", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"{path}: {reason}\n" and not out.exists()
 
 
 def test_apply_cpu_memory_limit_in_a_fresh_process():

@@ -1,8 +1,7 @@
 """max-batch under data parallelism and the recommendation that must hold in a real run.
 
-Real workers under a real CPU cap, with ``MemoryAdapter`` below (numpy: each step writes a buffer of
-``BYTES_PER_SAMPLE`` per per-device sample, no BLAS, which hangs under a cap, so every probe takes a fraction of a
-second; one process per device, its ranks started by the worker as PyTorch's are): ``--data-parallel 2`` finds a
+Real workers under a real CPU cap, with ``tests.fakes.memory_adapter.MemoryAdapter`` (memory that grows with the
+per-device batch and nothing else; one process per device): ``--data-parallel 2`` finds a
 per-device batch whose global batch is 2 x it; the user's case (an answer that fits its probes runs out of memory in a
 plain run, which holds the spec's whole dataset) is caught by the run checks, and a plain ``harness run`` at the
 recommendation is ok. Then the margin and confirmation rules with fake workers whose outcomes are chosen, and the
@@ -14,63 +13,9 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 
-from adapters.base import Adapter, shard
-from adapters.declaration import Declaration
-
-#: What a step holds per per-device sample, beyond its images: written, so resident and counted by the cap.
-BYTES_PER_SAMPLE = 200_000
-REGISTRATION = "memory_dp=tests.studies.test_maxbatch_runs:MemoryAdapter"
-
-
-class MemoryAdapter(Adapter, declaration=Declaration(
-        name="memory_dp", title="memory_dp", adapter="tests.studies.test_maxbatch_runs:MemoryAdapter",
-        data_parallel="processes", data_parallel_mechanism="one numpy process per device, no all-reduce")):
-    """Memory that grows with the per-device batch, and nothing else: a step writes BYTES_PER_SAMPLE per sample of
-    its rank's shard; the dataset stays resident as the worker loaded it."""
-
-    def prepare(self, device, threads, seed):
-        dp = self.options.data_parallel
-        self.rank, self.world = (dp.rank, dp.size) if dp is not None else (0, 1)
-        self.loss_sum, self.loss_steps = 0.0, 0
-
-    def build(self, info, weights, optimizer):
-        self.weights = weights
-
-    def load(self, data):
-        self.x = data.x_train
-
-    def train_step(self, indices, micro_batches=1, position=None):
-        mine = shard(indices, self.world, self.rank)
-        held = np.ones((len(mine), BYTES_PER_SAMPLE // 8))
-        self.loss_sum += float(held[:, 0].mean()) + float(self.x[mine].mean())
-        self.loss_steps += 1
-
-    def wait(self):
-        pass
-
-    def read_loss(self):
-        mean = self.loss_sum / self.loss_steps if self.loss_steps else float("nan")
-        steps, self.loss_sum, self.loss_steps = self.loss_steps, 0.0, 0
-        return mean, steps
-
-    def evaluate(self, batch_size):
-        return 1.0, 0.1
-
-    def predict(self, images):
-        return np.zeros((len(images), 10), dtype=np.float32)
-
-    def get_weights(self):
-        return self.weights
-
-    def versions(self):
-        return {"numpy": np.__version__}
-
-    def is_oom(self, exc):
-        return isinstance(exc, MemoryError)
-
+from tests.fakes.memory_adapter import BYTES_PER_SAMPLE, REGISTRATION
 
 MODEL = {"layers": [{"type": "flatten"}, {"type": "dense", "units": 10}]}
 
@@ -78,7 +23,7 @@ MODEL = {"layers": [{"type": "flatten"}, {"type": "dense", "units": 10}]}
 def memory_spec(**changes):
     """A spec for MemoryAdapter: 32x32x3 images (12,288 bytes each); in a run the dataset's 2048 + 256 images
     (28 MB) are resident in every process, in a probe only the images of its batch."""
-    from tests.conftest import base_spec
+    from tests.helpers import base_spec
 
     return base_spec(**{"frameworks": ["memory_dp"], "model": MODEL, "device": "cpu", "cpu_threads": 2,
                         "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 2048,
@@ -88,7 +33,7 @@ def memory_spec(**changes):
 
 @pytest.fixture
 def memory_adapter(monkeypatch):
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     monkeypatch.setenv("HARNESS_ADAPTERS", REGISTRATION)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
@@ -122,7 +67,7 @@ def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, wri
     events = store.read_lines(run_dir / "events" / f"probe{confirmation['index'] + 1}-bs{limit}.jsonl")
     metrics = next(e for e in events if e["event"] == "result")["metrics"]
     assert metrics["data_parallel"] == 2 and metrics["batch_size"] == 2 * limit
-    assert metrics["per_device_batch_size"] == limit and metrics["devices"] == ["cpu:0", "cpu:1"]
+    assert metrics["per_device_batch_size"] == limit and metrics["data_parallelism"]["devices"] == ["cpu:0", "cpu:1"]
     oom = next(p for p in probes if p["batch_size"] == result["smallest_oom"] and p["status"] == "oom")
     assert "MemoryError" in oom["reason"], oom
     # the recommendation held in run checks of two devices, below the limit
@@ -194,11 +139,10 @@ def fake_search(monkeypatch, tmp_path, fits, peak=lambda b: 50e6 + 1e6 * b, run_
     sizes)."""
     from harness.plan import checked_spec
     from harness.studies.max_batch import find_max_batch
-    from tests.conftest import base_spec
-    from tests.studies.test_maxbatch import _simulate
+    from tests.helpers import base_spec, simulate_workers
 
     runs = []
-    sizes = _simulate(monkeypatch, fits, peak=peak, runs=runs, run_fits=run_fits, run_peak=run_peak,
+    sizes = simulate_workers(monkeypatch, fits, peak=peak, runs=runs, run_fits=run_fits, run_peak=run_peak,
                       payloads=kwargs.pop("payloads", None))
     spec = checked_spec(base_spec(memory_limit_mb=400, **kwargs.pop("spec", {})), tmp_path / "s.yaml")
     kwargs = {"initial_sizes": (16, 64), "tolerance": 0.02, **kwargs}
@@ -336,14 +280,14 @@ def test_the_neutral_model_counts_every_replica_a_process_holds():
     PyTorch runs a process per device."""
     from harness.neutral import datasets
     from harness.plan import checked_spec
-    from harness.studies.max_batch import search
-    from tests.conftest import base_spec
+    from harness.studies.max_batch import checks, search
+    from tests.helpers import base_spec
 
     spec = checked_spec(base_spec(memory_limit_mb=400, frameworks=["pytorch", "tensorflow"]), "s.yaml")
     lines = {}
     for framework in ("pytorch", "tensorflow"):
         for devices in (1, 2):
-            dp = search.check_data_parallel(spec, framework, "cpu", devices, "s.yaml")
+            dp = checks.check_data_parallel(spec, "cpu", devices, "s.yaml")
             state = search._Search(spec, framework, "cpu", 400, None, 0.05, 1, 1000, 60, "s.yaml", False, None, dp)
             lines[framework, devices] = state.result.neutral
     data = 2 * datasets.sample_bytes(spec.dataset)  # digits: a training and a test sample (8 x 8 float32, a label)
@@ -377,7 +321,7 @@ def test_a_run_check_is_the_spec_trial_as_a_run_plans_it(tmp_path):
     of at most RUN_STEPS steps (more than the warm-up)."""
     from harness.plan import checked_spec
     from harness.studies.max_batch import runcheck
-    from tests.conftest import base_spec
+    from tests.helpers import base_spec
 
     spec = checked_spec(base_spec(epochs=5, warmup_steps=7, repeats=3, memory_limit_mb=300, target_accuracy=0.9,
                                   variants={"optimizer": [{"name": "adam", "learning_rate": 0.001}]}),

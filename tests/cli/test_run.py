@@ -1,0 +1,92 @@
+"""``harness run`` on the command line: a bad spec, a bad override or a malformed block is one line on standard error
+naming the file and the field, exit status 2, no traceback and no run directory (``harness.cli``); the parser knows
+every command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.cli import build_parser, main
+from tests.helpers import ROOT, base_spec
+
+
+def run_cli(*args, cwd):
+    """``python -m harness ARGS`` in ``cwd``, with nothing of this environment but the harness on the path."""
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
+def test_cli_bad_spec_exits_2_with_one_line_and_no_run_directory(write_spec, tmp_path):
+    path = write_spec(base_spec(batch_sizes=[-1]))
+    out = tmp_path / "results"
+    proc = run_cli("run", str(path), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"{path}: batch_sizes.0: Input should be greater than 0"
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not out.exists()
+
+
+def test_cli_override_error_names_the_spec_file(write_spec, tmp_path):
+    path = write_spec(base_spec())
+    proc = run_cli("run", str(path), "--frameworks", "pytorch,theano", "--out", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"{path}: frameworks: unknown framework 'theano'")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("layers, dataset, field, words", [
+    ([{"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": 1},
+      {"type": "residual", "shortcut": "identity", "body": [
+          {"type": "conv2d", "filters": 8, "kernel_size": 3, "stride": 2, "padding": 1}, {"type": "batchnorm"}]},
+      {"type": "global_avgpool2d"}, {"type": "dense", "units": 10}], {"name": "digits"}, "model.layers.1.body",
+     "the body changes (4, 8, 8) to (8, 4, 4) and shortcut is identity"),
+    ([{"type": "embedding", "vocab": 16, "dim": 30},
+      {"type": "residual", "body": [{"type": "layernorm"}, {"type": "attention", "heads": 4, "causal": True}]},
+      {"type": "dense", "units": 16}], {"name": "synthetic_tokens", "vocab": 16, "length": 8},
+     "model.layers.1.body.1", "attention width 30 is not divisible by its 4 heads"),
+])
+def test_cli_malformed_block_is_one_line_naming_the_layer(write_spec, tmp_path, layers, dataset, field, words):
+    path = write_spec(base_spec(model={"layers": layers}, dataset=dataset))
+    proc = run_cli("run", str(path), "--out", str(tmp_path / "results"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"{path}: {field}: {words}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_parser_has_every_command_and_a_handler_for_each():
+    """One subcommand per module of harness.cli, each with its handler; an unknown command is argparse's usage error
+    (exit 2)."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert sorted(commands) == ["compare", "env", "envs", "export", "history", "max-batch", "report", "run", "schema"]
+    for name, sub in commands.items():
+        assert callable(sub.get_default("handler")), name
+    with pytest.raises(SystemExit) as exited:
+        main(["train"])
+    assert exited.value.code == 2
+
+
+def test_schema_prints_the_trial_record_schema_of_this_version(tmp_path, capsys):
+    """``harness schema`` prints (or writes with --out) the JSON Schema of a trial record, naming the schema version
+    this harness writes."""
+    import json
+
+    from harness.results.schema import SCHEMA_VERSION
+
+    assert main(["schema"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert f"Schema version {SCHEMA_VERSION}." in printed["description"] and "metrics" in printed["properties"]
+    out = tmp_path / "trial.schema.json"
+    assert main(["schema", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == printed
+
+
+def test_report_of_a_folder_that_is_no_run_is_one_line_and_exit_2(tmp_path):
+    proc = run_cli("report", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("harness report: ") and str(tmp_path) in proc.stderr, proc.stderr
