@@ -8,7 +8,7 @@ SPEC ?= specs/quick.yaml
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
-.PHONY: install envs run lint test test-gpu docs clean
+.PHONY: install envs test-envs run lint test test-gpu docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ install: $(VENV)/.installed
 envs: $(VENV)/.installed
 	$(PY) -m harness envs create
 
+# What the tests need beyond the frameworks' own environments: envs/pytorch-vision, PyTorch with torchvision (its own
+# torch release; on x86_64 a CUDA build, which also runs on the CPU), for tests/adapters/test_pytorch_vision.py.
+test-envs: $(VENV)/.installed
+	$(PY) -m harness envs create --spec specs/torchvision.yaml
+
 run: envs
 	$(PY) -m harness run $(SPEC)
 
@@ -38,7 +43,7 @@ lint: $(VENV)/.installed
 # The suite in two parts: TEST_WORKERS processes side by side (pytest-xdist, a test file per process), then the
 # serial tests alone (tests/conftest.py SERIAL_MODULES and @pytest.mark.serial: they measure time or pin cores).
 # --no-loadscope-reorder: files start in collection order, the longest first (tests/conftest.py LONGEST_FIRST).
-test: envs lint
+test: envs test-envs lint
 	$(PY) -m pytest -m "not gpu and not serial" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	$(PY) -m pytest -m "serial and not gpu" $(PYTEST_ARGS)
 

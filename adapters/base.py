@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from harness.neutral.datasets import Data
     from harness.neutral.info import ModelInfo
     from harness.neutral.inputs import InputSource
+    from harness.neutral.native import NativeSource
     from harness.spec import OptimizerSpec
 
 #: Named float32 arrays: the canonical parameters (``harness.neutral.models.initial_weights``) or buffers.
@@ -217,6 +218,25 @@ class Adapter(abc.ABC):
     def build_neutral(self, info: ModelInfo, weights: Weights, optimizer: OptimizerSpec) -> None:
         """``build`` of the neutral builder's model of ``info`` with ``weights``."""
         self.build(self.neutral_model(info, weights), info.task, optimizer)
+
+    def native_model(self, model: object, source: NativeSource) -> Model:
+        """The other model source: ``model``, what a spec's factory returned (``harness.neutral.native.make``, called
+        after ``prepare`` set the seed), adopted as the framework's model object for ``build`` (initialised for
+        ``source.input`` where the framework initialises lazily, the family's shared initial weights loaded where
+        ``source.initial_weights`` names a file). Raises ``harness.neutral.native.NativeModelError`` (field
+        ``model``) when it is not the framework's own model type (the declaration's ``native_model``). Default: this
+        adapter adopts none."""
+        from harness.neutral.native import NativeModelError
+
+        raise NativeModelError("model", f"the {self.name} adapter trains no model of your own")
+
+    def train_flops_per_sample(self) -> tuple[int | None, str]:
+        """FLOPs of one sample's training step (forward and backward; 2 per multiply-accumulate) of the built model,
+        by the framework's own counter (``torch.utils.flop_counter.FlopCounterMode``, the cost analysis of JAX's
+        compiled step), and what counted them; (None, why not) where the framework has no counter. Called after
+        training, outside the timed windows, for a model of your own (the neutral model's are counted per layer,
+        ``harness.neutral.info``). Default: (None, "<title> has no FLOP counter")."""
+        return None, f"{self.declaration.title} has no FLOP counter"
 
     @abc.abstractmethod
     def load(self, data: Data) -> None:

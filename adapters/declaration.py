@@ -51,7 +51,8 @@ class Limit:
     trial trains on several devices; sync_batchnorm: it asks for synchronised batchnorm and the model has
     batchnorm; compile: the resolved mode ("eager", "compiled"); precision; device: the device kind ("cpu",
     "cuda"); input: "resident" or "loader"; memory_limit: the trial has a memory cap (``memory_limit_mb``, or a
-    max-batch probe's)."""
+    max-batch probe's); native: the trial trains a model of your own (a framework entry's ``model``) rather than the
+    neutral one."""
 
     reason: str
     data_parallel: bool | None = None
@@ -61,6 +62,7 @@ class Limit:
     device: str | None = None
     input: str | None = None
     memory_limit: bool | None = None
+    native: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,11 @@ class Declaration:
     loader_modules: what ``input: loader`` needs in the entry's environment beside the framework, module ->
     distribution (JAX's Grain): the environment probe requires them before a loader trial runs.
     limits: further combinations it cannot train (``Limit``), each with its reason.
+    native_model: the framework's own model type it adopts from a factory (a model of your own,
+    ``harness.spec.NativeModel``), in words ("torch.nn.Module"); "" when it adopts none, and ``native_note`` says
+    what to use instead. shared_weights: for a family whose adapters must start a model of your own from the same
+    initial weights on every backend (Keras), the module that draws them once per seed (run with ``python -m``,
+    ``harness.execution.native_probe``); "" for the others (each draws its own from the seed).
     family, backend: an adapter that runs one API on several frameworks (Keras 3: family "keras") names the backend
     it runs on ("jax", "torch", "tensorflow"); a spec entry ``{name: <family>, backend: <backend>}`` selects it.
     native: the built-in adapter of the framework it runs on ("jax"), for the report's "over native" ratios.
@@ -127,6 +134,9 @@ class Declaration:
     loader: str = ""
     loader_modules: Mapping[str, str] = field(default_factory=dict)
     limits: tuple[Limit, ...] = ()
+    native_model: str = ""
+    native_note: str = ""
+    shared_weights: str = ""
     family: str = ""
     backend: str = ""
     native: str = ""

@@ -27,6 +27,7 @@ DECLARATION = Declaration(
                              "NCCL on CUDA GPUs), gradients all-reduced in buckets during the backward pass"),
     sync_batchnorm=CUDA,
     loader="torch.utils.data.DataLoader",
+    native_model="torch.nn.Module",
     sync_batchnorm_note=("torch.nn.SyncBatchNorm runs on GPUs only: on the CPU its forward raises \"SyncBatchNorm "
                          "expected input tensor to be on GPU\" (torch 2.13)"),
 )

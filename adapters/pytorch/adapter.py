@@ -34,12 +34,14 @@ from adapters.base import (
     device_kind,
 )
 from adapters.pytorch import DECLARATION
+from adapters.pytorch import layers as L
 from adapters.pytorch.inputs import Inputs
 from adapters.pytorch.neutral import Builder, NeutralModule
 from adapters.pytorch.training import Training
 from harness.neutral.datasets import Data
 from harness.neutral.info import ModelInfo
 from harness.neutral.inputs import InputSource
+from harness.neutral.native import NativeModelError, NativeSource
 from harness.spec import OptimizerSpec
 
 
@@ -181,6 +183,38 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         self._neutral = Builder(self._ranks is not None and self._ranks.sync_batchnorm).build(info, weights)
         return self._neutral.module
 
+    def native_model(self, model: object, source: NativeSource) -> Model:
+        """A ``torch.nn.Module`` of your own (``harness.neutral.native.make`` called it after ``prepare`` seeded
+        ``torch.manual_seed``, so its initial weights follow the trial's seed), its output taken as the logits: a
+        tensor, or the ``logits`` of a model output (transformers' ``ModelOutput``), or the first of a tuple
+        (``adapters.pytorch.layers.Logits``). With sync batchnorm asked for, its batchnorm layers are made
+        ``nn.SyncBatchNorm`` (``convert_sync_batchnorm``, what a DDP script does). Raises NativeModelError for
+        anything else."""
+        if not isinstance(model, nn.Module):
+            raise NativeModelError("model", f"{source.factory} returned a {type(model).__module__}."
+                                            f"{type(model).__qualname__}, not a torch.nn.Module")
+        self._neutral = None
+        if self._ranks is not None and self._ranks.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return L.Logits(model)
+
+    def train_flops_per_sample(self) -> tuple[int | None, str]:
+        """``torch.utils.flop_counter.FlopCounterMode`` around the loss, forward and backward, of two test samples
+        in inference mode (so that batchnorm's running statistics do not move; the counted operations are the
+        training mode's), divided by two; the gradients it leaves are cleared."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        training, x, y = self.training, self.inputs.x_test[:2], self.inputs.y_test[:2]
+        training.net.eval()
+        counter = FlopCounterMode(display=False)
+        try:
+            with counter:
+                training.loss(training.net(x), y).backward()
+        finally:
+            training.net.train()
+            training.opt.zero_grad(set_to_none=True)
+        return int(counter.get_total_flops()) // len(x), "torch.utils.flop_counter.FlopCounterMode"
+
     def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
         """``model`` on the device, in training mode except inside ``evaluate`` and ``predict``, trained through
         ``adapters.pytorch.training.Training`` (DistributedDataParallel when data-parallel; evaluation and prediction
@@ -247,12 +281,14 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
     def get_weights(self) -> Weights:
         if self._neutral is not None:
             return self._neutral.state(trained=True)
-        return {name: p.detach().cpu().numpy().copy() for name, p in self.training.net.named_parameters()}
+        return {name.removeprefix("module."): p.detach().cpu().numpy().copy()
+                for name, p in self.training.net.named_parameters()}
 
     def get_buffers(self) -> Weights:
         if self._neutral is not None:
             return self._neutral.state(trained=False)
-        return {name: b.detach().cpu().numpy().copy() for name, b in self.training.net.named_buffers()}
+        return {name.removeprefix("module."): b.detach().cpu().numpy().copy()
+                for name, b in self.training.net.named_buffers() if b.is_floating_point()}
 
     # -- telemetry -----------------------------------------------------------------------------------------------
 

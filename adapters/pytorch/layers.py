@@ -80,3 +80,24 @@ class Network(nn.Sequential):
         for module in self:
             x = module(x)
         return x
+
+
+class Logits(nn.Module):
+    """A model of your own whose output becomes the logits the harness trains on: a tensor as it is, a model output's
+    ``logits`` (transformers' ``ModelOutput``), or the first element of a tuple or list. ``module`` keeps its own
+    parameter names under ``module.``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.module(x)
+        if isinstance(out, torch.Tensor):
+            return out
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            return logits
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            return out[0]
+        raise TypeError(f"the model returned a {type(out).__name__}, not logits (a tensor, or an output with logits)")

@@ -31,6 +31,8 @@ DECLARATION = Declaration(
                              "(tf.config.set_logical_device_configuration) or N GPUs; one process"),
     sync_batchnorm=BOTH,
     loader="tf.data.Dataset",
+    native_note=("a TensorFlow model of your own is a Keras model: give it to a keras-tensorflow entry ({name: keras, "
+                 "backend: tensorflow, model: ...})"),
     sync_batchnorm_note=("the moments all-reduced in the replica context (ReplicaContext.all_reduce), as Keras's "
                          "BatchNormalization(synchronized=True) does (the adapter's batchnorm is FusedBatchNormV3, "
                          "not Keras's); eager mode only (not inside the compiled mode's per-replica XLA function)"),

@@ -17,6 +17,8 @@ def add_parser(sub: Any) -> None:
     create = envs_sub.add_parser("create", help="create (or keep, when up to date) envs/<framework> from "
                                                 "requirements/<framework>-cpu.txt or -gpu.txt")
     create.add_argument("frameworks", nargs="*", help="default: every built-in framework")
+    create.add_argument("--spec", default=None, help="instead: the environments a spec's entries run in "
+                                                     "(envs/<folder>/bin/python), with the packages they name")
     build = create.add_mutually_exclusive_group()
     build.add_argument("--gpu", action="store_true", help="use requirements/<framework>-gpu.txt (CUDA builds) "
                                                           "whatever the machine")
@@ -34,9 +36,9 @@ def handle(args: argparse.Namespace) -> int:
 
     envs_dir = Path(args.dir) if args.dir else ROOT / "envs"
     gpu, why = environments.choose_build(args.gpu, args.cpu)
-    frameworks = args.frameworks or environments.default_frameworks()
     try:  # every name first: an unknown one is one line, before anything is made
-        for framework in frameworks:
+        wanted = _wanted(args)
+        for _, framework, _ in wanted:
             environments.requirements_for(framework, gpu)
     except ValueError as err:
         print(f"harness envs create: {err}", file=sys.stderr)
@@ -44,12 +46,12 @@ def handle(args: argparse.Namespace) -> int:
     print(f"harness envs create: {'CUDA' if gpu else 'CPU'} builds (requirements/<framework>-"
           f"{'gpu' if gpu else 'cpu'}.txt): {why}", file=sys.stderr)
     lines = []
-    for framework in frameworks:
+    for folder, framework, packages in wanted:
         if args.dry_run:
-            print(environments.plan_create(framework, envs_dir, gpu))
+            print(environments.plan_create(framework, envs_dir, gpu, name=folder, packages=packages))
             continue
         try:
-            python, made = environments.create(framework, envs_dir, gpu=gpu)
+            python, made = environments.create(framework, envs_dir, gpu=gpu, name=folder, packages=packages)
         except ValueError as err:
             print(f"harness envs create: {err}", file=sys.stderr)
             return EXIT_USAGE
@@ -57,8 +59,23 @@ def handle(args: argparse.Namespace) -> int:
             print(f"harness envs create: {framework}: `{' '.join(map(str, err.cmd))}` failed with status "
                   f"{err.returncode}", file=sys.stderr)
             return 1
-        print(f"{framework}: {python} ({'created' if made else 'up to date'})", file=sys.stderr)
+        print(f"{folder}: {python} ({'created' if made else 'up to date'})", file=sys.stderr)
         lines.append(environments.spec_entry(framework, python))
     if lines:
         print("frameworks:\n" + "\n".join(lines))
     return 0
+
+
+def _wanted(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(folder, framework, packages) of each environment to make: a spec's (``--spec``: those its entries run in,
+    ``harness.execution.environments.spec_environments``), else each framework named (default: every built-in one)
+    in a folder of its name. Raises ValueError (and SpecError for a spec that does not load)."""
+    from harness.execution import environments
+
+    if args.spec:
+        from harness import spec
+
+        if args.frameworks:
+            raise ValueError("give frameworks or --spec, not both")
+        return environments.spec_environments(spec.load(args.spec))  # its field rules: the data need not be there
+    return [(f, f, ()) for f in (args.frameworks or environments.default_frameworks())]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.execution.entry import PROBE_PREFIX
+from harness.execution.native_probe import checked, request
 from harness.spec import ROOT, FrameworkEntry, Spec, SpecError
 
 PROBE_TIMEOUT_S = 300.0  # a container image may have to start; importing TensorFlow alone takes seconds
@@ -25,14 +27,15 @@ LIGHT_DEPENDENCIES = {"numpy": "numpy", "pydantic": "pydantic", "yaml": "PyYAML"
 #: What loading a dataset needs in the worker, module -> distribution.
 DATASET_DEPENDENCIES = {"digits": {"sklearn": "scikit-learn"}, "image_folder": {"PIL": "Pillow"}}
 
-# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS DEVICE MODULE...`` (the modules it must find:
+# Runs in the entry's interpreter: ``-c PROBE ROOT NAME HARNESS_ADAPTERS DEVICE MODEL MODULE...`` (MODEL: the JSON
+# request of a model of your own, or ""; the modules it must find:
 # the light dependencies and what the dataset needs; the registry travels as an argument: a container does not inherit
 # the environment). Standard library first, then the light dependencies, then the adapter (which imports the
-# framework, as a trial would) and, for a GPU, whether the framework can use it (Adapter.device_problem). One marked
-# JSON line on standard output.
+# framework, as a trial would), for a GPU whether the framework can use it (Adapter.device_problem), and for an entry
+# with a model of its own that model (harness.execution.native_probe.check). One marked JSON line on standard output.
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, os, platform, sys, traceback
-root, name, registry, device, modules = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+root, name, registry, device, model, modules = (*sys.argv[1:6], sys.argv[6:])
 # What is installed in this interpreter: its own paths, not the current directory or the harness's folder (whose
 # egg-info an editable install leaves there).
 own = [p for p in sys.path if p and os.path.abspath(p) not in (os.getcwd(), os.path.abspath(root))]
@@ -52,6 +55,9 @@ if not out["missing"]:
         out["versions"] = adapter.versions()
         if device != "cpu":
             out["device_problem"] = adapter.device_problem(device)
+        if model:  # a model of your own, checked in the same interpreter
+            from harness.execution.native_probe import check
+            out["model_check"] = check(name, json.loads(model))
     except BaseException as exc:
         out["framework_error"] = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
         out["framework_missing"] = isinstance(exc, ImportError)
@@ -74,8 +80,8 @@ def _declared_environment() -> dict[str, str]:
 
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
-          timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu", loader: dict[str, str] | None = None
-          ) -> dict[str, Any]:
+          timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu", loader: dict[str, str] | None = None,
+          model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Starts ``entry``'s interpreter once and returns what it reports: ``python_version``, ``executable``,
     ``numpy``, ``versions`` (the adapter's: framework, CUDA, cuDNN where built in), ``packages`` (every installed
     distribution as ``name==version``, the environment's ``pip freeze``), and ``argv`` (the prefix). Results are
@@ -83,15 +89,17 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     there (module -> distribution, e.g. scikit-learn for the digits dataset). loader: the modules the adapter's data
     loader needs there for ``input: loader`` (its declaration's ``loader_modules``, e.g. JAX's grain). device: "cpu" or
     "cuda:N"; for a GPU the report's ``device_problem`` is why the framework cannot use it
-    (``Adapter.device_problem``), or None.
+    (``Adapter.device_problem``), or None. model: a model of your own to check there
+    (``harness.execution.native_probe.request``); its report is ``model_check``.
 
     Raises ValueError with a one-line reason when the prefix cannot start, exits without a report, lacks numpy,
     pydantic, PyYAML or a needed or loader module, or cannot import the framework. A framework that cannot use
     ``device`` is not an error here: ``probe_entries`` decides."""
     argv = entry.argv()
     needed, loader = needed or {}, loader or {}
+    request = json.dumps(model, sort_keys=True) if model is not None else ""
     key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), device, tuple(sorted(needed)),
-           tuple(sorted(loader)))
+           tuple(sorted(loader)), request)
     if key in _CACHE:
         return _CACHE[key]
     shown = " ".join(argv)
@@ -99,9 +107,9 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     # 75 % of the GPU's memory), a value of the caller's environment first
     env = {**_declared_environment(), **os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], device, *LIGHT_DEPENDENCIES,
-                               *needed, *loader], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
+        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], device, request,
+                               *LIGHT_DEPENDENCIES, *needed, *loader], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=timeout_s, env=env)
     except (FileNotFoundError, PermissionError) as err:
         raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
     except subprocess.TimeoutExpired:
@@ -157,16 +165,43 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu")
             raise SpecError(file, f"frameworks.{i}", f"no interpreter at {entry.python}{hint}")
         try:
             info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name), device=device,
-                         loader=loader_modules(spec, entry.name))
+                         loader=loader_modules(spec, entry.name), model=request(spec, entry))
         except ValueError as err:
             raise SpecError(file, f"frameworks.{i}", str(err)) from None
         if info.get("device_problem"):
             where = info.get("executable") or " ".join(info["argv"])
             raise SpecError(file, f"frameworks.{i}", f"{entry.row} in {where} cannot use {device}: "
                                                      f"{info['device_problem']}; {gpu_fix(entry)} (or set device: cpu)")
+        versions = {**info.get("versions", {}), **_package_versions(entry, info, file, i)}
+        kept = ("traceback", "missing", "device_problem", "model_check")
         out.append({"label": entry.row, "name": entry.name, "python": entry.python, "command": entry.command,
-                    **{k: v for k, v in info.items() if k not in ("traceback", "missing", "device_problem")}})
+                    **{k: v for k, v in info.items() if k not in kept}, "versions": versions,
+                    **({"model": checked(entry, info, file, i)} if entry.model is not None else {})})
     return out
+
+
+def _package_versions(entry: FrameworkEntry, info: dict[str, Any], file: str | os.PathLike[str],
+                      index: int) -> dict[str, str]:
+    """The installed version of each of ``entry.packages`` (pip requirements) in the entry's interpreter, as the
+    probe listed its distributions. Raises SpecError ``frameworks.N.packages`` for one that is not installed, naming
+    the command that installs it."""
+    installed = {_distribution(line.split("==", 1)[0]): line.split("==", 1)[1]
+                 for line in info.get("packages", []) if "==" in line}
+    out: dict[str, str] = {}
+    for requirement in entry.packages:
+        name = _distribution(re.split(r"[\s\[<>=!~;@]", requirement.strip(), maxsplit=1)[0])
+        if name not in installed:
+            where = info.get("executable") or " ".join(entry.argv())
+            raise SpecError(file, f"frameworks.{index}.packages", f"{where} lacks {requirement}, which the entry "
+                                  f"{entry.row} needs: `harness envs create --spec {file}` installs it (or pip "
+                                  f"install {requirement!r} there)")
+        out[name] = installed[name]
+    return out
+
+
+def _distribution(name: str) -> str:
+    """A distribution's name normalised as pip compares them (PEP 503: lower case, runs of -_. as -)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def loader_modules(spec: Spec, name: str) -> dict[str, str]:
@@ -205,19 +240,21 @@ def choose_build(gpu: bool = False, cpu: bool = False, gpu_info: dict[str, Any] 
     return False, f"NVML sees no NVIDIA GPU ({info.get('reason', 'none found')}); --gpu builds CUDA ones instead"
 
 
-def plan_create(framework: str, envs_dir: Path, gpu: bool) -> str:
-    """One line: what ``create(framework, envs_dir, gpu)`` would do (keep, make, or remake and why). Raises
-    ValueError as ``create`` does for a framework without a requirements file."""
+def plan_create(framework: str, envs_dir: Path, gpu: bool, name: str | None = None,
+                packages: tuple[str, ...] = ()) -> str:
+    """One line: what ``create(framework, envs_dir, gpu, name=name, packages=packages)`` would do (keep, make, or
+    remake and why). Raises ValueError as ``create`` does for a framework without a requirements file."""
     requirements = requirements_for(framework, gpu)
-    target = envs_dir / framework
-    shown = requirements.relative_to(ROOT)
+    target = envs_dir / (name or framework)
+    shown = f"{requirements.relative_to(ROOT)}" + (f" + {' '.join(packages)}" if packages else "")
     stamp = target / ".harness-stamp"
+    label = name or framework
     if not (target / "bin" / "python").exists():
-        return f"{framework}: would create {target} from {shown}"
-    if stamp.exists() and _stamp_matches(stamp, requirements):
-        return f"{framework}: {target} is up to date ({shown})"
+        return f"{label}: would create {target} from {shown}"
+    if stamp.exists() and _stamp_matches(stamp, requirements, packages):
+        return f"{label}: {target} is up to date ({shown})"
     before = stamp.read_text().splitlines()[1:2] if stamp.exists() else []
-    return (f"{framework}: would remake {target} from {shown}" +
+    return (f"{label}: would remake {target} from {shown}" +
             (f" (it was made from {before[0]})" if before else " (made from other requirements or Python)"))
 
 
@@ -231,31 +268,37 @@ def requirements_for(framework: str, gpu: bool) -> Path:
     return requirements
 
 
-def _stamp_matches(stamp: Path, requirements: Path) -> bool:
+def _stamp_matches(stamp: Path, requirements: Path, packages: tuple[str, ...] = ()) -> bool:
     lines = stamp.read_text().splitlines()
-    return bool(lines) and lines[0].strip() == _stamp(requirements)
+    return bool(lines) and lines[0].strip() == _stamp(requirements, packages)
 
 
-def _stamp(requirements: Path) -> str:
-    """What an environment was made from: the requirements file (and the files it includes) and the Python."""
+def _stamp(requirements: Path, packages: tuple[str, ...] = ()) -> str:
+    """What an environment was made from: the requirements file (and the files it includes), the packages added to
+    it (a spec entry's ``packages``) and the Python."""
     digest = hashlib.sha256(sys.version.encode())
     for path in (requirements, requirements.parent / "worker.txt"):
         if path.exists():
             digest.update(path.name.encode() + path.read_bytes())
+    if packages:  # an environment without packages keeps the digest it always had
+        digest.update(("\n".join(sorted(packages))).encode())
     return digest.hexdigest()
 
 
-def create(framework: str, envs_dir: Path, gpu: bool = False, log: Any = None) -> tuple[Path, bool]:
-    """Makes (or keeps, when it was made from the same requirements and Python) ``envs_dir/<framework>``: a virtual
-    environment with the framework's requirements, ``-gpu.txt`` (CUDA builds) when ``gpu`` else ``-cpu.txt`` (uv
-    where it is installed, else venv and pip); its ``.harness-stamp`` says which, so a switch remakes it. Returns (its
-    python, whether it was made now). Raises ValueError for a framework without a requirements file and
+def create(framework: str, envs_dir: Path, gpu: bool = False, log: Any = None, name: str | None = None,
+           packages: tuple[str, ...] = ()) -> tuple[Path, bool]:
+    """Makes (or keeps, when it was made from the same requirements, packages and Python) ``envs_dir/<name>`` (default
+    name: the framework's): a virtual environment with the framework's requirements, ``-gpu.txt`` (CUDA builds) when
+    ``gpu`` else ``-cpu.txt``, then ``packages`` (pip requirements a spec entry needs beside its framework, installed
+    after them, so that they may replace a pinned version: torchvision needs its own torch) (uv where it is
+    installed, else venv and pip); its ``.harness-stamp`` says which, so a switch remakes it. Returns (its python,
+    whether it was made now). Raises ValueError for a framework without a requirements file and
     subprocess.CalledProcessError when an install fails."""
     requirements = requirements_for(framework, gpu)
-    target = envs_dir / framework
+    target = envs_dir / (name or framework)
     python = target / "bin" / "python"
     stamp = target / ".harness-stamp"
-    if python.exists() and stamp.exists() and _stamp_matches(stamp, requirements):
+    if python.exists() and stamp.exists() and _stamp_matches(stamp, requirements, packages):
         return python, False
     if target.exists():
         shutil.rmtree(target)
@@ -265,14 +308,37 @@ def create(framework: str, envs_dir: Path, gpu: bool = False, log: Any = None) -
         subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(target)], check=True, stdout=out)
         subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), "-r", str(requirements)],
                        check=True, stdout=out)
+        if packages:
+            subprocess.run([uv, "pip", "install", "--quiet", "--python", str(python), *packages], check=True,
+                           stdout=out)
     else:
         subprocess.run([sys.executable, "-m", "venv", str(target)], check=True, stdout=out)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r",
-                        str(requirements)], check=True, stdout=out)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, "-r", str(requirements)], check=True, stdout=out)
+        if packages:
+            subprocess.run([*pip, *packages], check=True, stdout=out)
     # First line: the digest that decides; second: which build, for people (a switch of --gpu/--cpu remakes it).
-    stamp.write_text(f"{_stamp(requirements)}\n{requirements.relative_to(ROOT)} ({'CUDA' if gpu else 'CPU'} "
-                     f"builds)\n")
+    added = f" + {' '.join(packages)}" if packages else ""
+    stamp.write_text(f"{_stamp(requirements, packages)}\n{requirements.relative_to(ROOT)}{added} "
+                     f"({'CUDA' if gpu else 'CPU'} builds)\n")
     return python, True
+
+
+def spec_environments(spec: Spec) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The environments under envs/ that ``spec``'s entries run in, each once: (the folder's name, the framework
+    whose requirements it is made from, the packages its entries add). An entry whose interpreter is not
+    ``envs/<folder>/bin/python`` (the harness's own, a container, a path elsewhere) is not one of them. Raises
+    ValueError when two entries of one folder name different frameworks or packages."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for entry in spec.entries:
+        python = Path(entry.python) if entry.python and not entry.command else None
+        if python is None or python.parent.parent.parent != ROOT / "envs" or python.name != "python":
+            continue
+        folder, made = python.parent.parent.name, (entry.name, tuple(entry.packages))
+        if out.setdefault(folder, made) != made:
+            raise ValueError(f"envs/{folder} is named by entries of {out[folder][0]} {list(out[folder][1])} and of "
+                             f"{entry.name} {entry.packages}: give each its own environment")
+    return [(folder, framework, packages) for folder, (framework, packages) in out.items()]
 
 
 def spec_entry(framework: str, python: Path) -> str:

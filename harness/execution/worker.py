@@ -24,7 +24,10 @@ import numpy as np
 
 from harness.execution.loop import TrialError, train
 from harness.execution.protocol import Error, ErrorKind, Payload, Ready, Result, Start, event_line
-from harness.plan import Trial
+from harness.neutral import native
+from harness.neutral.info import Input, ModelInfo
+from harness.plan import Trial, entry_for, trained_model
+from harness.plan.support import NativeTask
 from harness.record.metrics import DataParallelism, PredictedMemory, TrialMetrics
 
 if TYPE_CHECKING:
@@ -33,8 +36,7 @@ if TYPE_CHECKING:
     from harness.execution.protocol import _Event
     from harness.execution.ranks import Ranks
     from harness.neutral.datasets import Data
-    from harness.neutral.info import ModelInfo
-    from harness.spec import OptimizerSpec, Spec
+    from harness.spec import FrameworkEntry, OptimizerSpec, Spec
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -95,7 +97,7 @@ def run_options(declaration: Declaration, spec: Spec, trial: Trial, rank: int = 
                       allocator=allocator, data_parallel=data_parallel, input=trial.input, loader=trial.loader)
 
 
-def cannot_train(declaration: Declaration, info: ModelInfo, trial: Trial) -> str | None:
+def cannot_train(declaration: Declaration, info: ModelInfo | NativeTask, trial: Trial) -> str | None:
     """Why the adapter of ``declaration`` cannot train the model ``info`` in this trial, as the plan decides it
     (``harness.plan.support.unsupported``), or None."""
     from harness.plan.support import unsupported
@@ -135,7 +137,9 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         trial, spec = payload.trial, payload.spec
         events.emit(Start(pid=os.getpid(), framework=trial.framework, batch_size=trial.micro_batch_size,
                           python=sys.executable, affinity=_affinity()))
-        info = models.analyze(spec.model, *datasets.describe_input(spec.dataset))
+        entry = entry_for(spec, trial.label or trial.framework)
+        feed, classes = datasets.describe_input(spec.dataset)
+        info = trained_model(spec, entry)  # the neutral model's analysis, or a model of your own's task
         cls, ranks, rank = _adapter_class(payload, info, events)
         adapter = cls(run_options(cls.declaration, spec, trial, rank))
         if trial.device == "cpu" and trial.memory_limit_bytes:
@@ -150,18 +154,17 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         # a loader reads an image folder's training images from their files: they are not held here as well
         data = datasets.load(spec.dataset, seed=trial.seed, train_images=trial.input == "resident")
         optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
-        adapter.build_neutral(info, models.initial_weights(info, trial.seed), optimizer)
+        if isinstance(info, ModelInfo):
+            adapter.build_neutral(info, models.initial_weights(info, trial.seed), optimizer)
+        else:
+            assert entry.model is not None  # trained_model gives a NativeTask for an entry with a model of its own
+            source = _native_source(cls.declaration, entry, feed, classes, trial.seed)
+            adapter.build(adapter.native_model(native.make(entry.model, trial.seed), source), info.task, optimizer)
         _load(adapter, spec, trial, data)
         adapter.wait()
         events.emit(Ready(versions=adapter.versions(), settings=adapter.settings().record()))
         measured = train(adapter, data, trial, events.emit)
-        added: dict[str, Any] = {
-            "memory_predicted": _predicted_memory(info, trial, optimizer, cls.declaration.attention),
-            "parameter_count": info.parameter_count,
-            "train_flops_per_sample": info.train_flops_per_sample,
-            "achieved_flops_per_s": (None if measured.throughput_samples_per_s is None else
-                                     measured.throughput_samples_per_s * info.train_flops_per_sample),
-            **_data_metrics(data),
+        added: dict[str, Any] = {**_model_metrics(adapter, info, trial, optimizer, measured), **_data_metrics(data),
             "precision": trial.precision,
             "compile": adapter.mode,
             "compile_meaning": cls.declaration.compile_modes.get(adapter.mode, ""),
@@ -192,6 +195,42 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         return EXIT_FAILED
 
 
+def _native_source(declaration: Declaration, entry: FrameworkEntry, feed: Input, classes: int,
+                   seed: int) -> native.NativeSource:
+    """What the adapter needs to adopt the entry's model of your own; for a family that starts every backend from the
+    same weights (``Declaration.shared_weights``), the weights file, drawn now unless it exists
+    (``harness.neutral.native.draw_shared_weights``, in this interpreter)."""
+    from harness.neutral.data import cache_folder
+
+    assert entry.model is not None
+    weights = None
+    if declaration.shared_weights:
+        path = native.shared_weights_path(declaration.family or declaration.name, entry.model, feed, classes, seed,
+                                          cache_folder())
+        weights = native.draw_shared_weights(declaration.shared_weights, entry.model, feed, classes, seed, path)
+    return native.NativeSource(entry.model.factory, feed, classes, seed, weights)
+
+
+def _model_metrics(adapter: Adapter, info: ModelInfo | NativeTask, trial: Trial, optimizer: OptimizerSpec,
+                   measured: TrialMetrics) -> dict[str, Any]:
+    """What the record says of the model: its source, parameter count, training FLOPs per sample (the neutral model's
+    counted per layer; a model of your own's by the framework's counter, ``Adapter.train_flops_per_sample``, or None
+    with the reason) and the achieved FLOP/s; the neutral model's predicted memory."""
+    if isinstance(info, ModelInfo):
+        flops: int | None = info.train_flops_per_sample
+        out: dict[str, Any] = {
+            "model_source": "neutral", "parameter_count": info.parameter_count, "flops_source": "the neutral model's "
+            "layers (harness.neutral.info)",
+            "memory_predicted": _predicted_memory(info, trial, optimizer, adapter.declaration.attention)}
+    else:
+        flops, counted_by = adapter.train_flops_per_sample()
+        out = {"model_source": "native", "parameter_count": int(sum(w.size for w in adapter.get_weights().values())),
+               "flops_source": counted_by}
+    throughput = measured.throughput_samples_per_s
+    return {**out, "train_flops_per_sample": flops,
+            "achieved_flops_per_s": None if throughput is None or flops is None else throughput * flops}
+
+
 def _predicted_memory(info: ModelInfo, trial: Trial, optimizer: OptimizerSpec, attention: str) -> PredictedMemory:
     """``harness.neutral.memory.predict`` of one device's training step (the per-device batch), as recorded."""
     from harness.neutral import memory
@@ -203,7 +242,8 @@ def _predicted_memory(info: ModelInfo, trial: Trial, optimizer: OptimizerSpec, a
                            total_bytes=predicted.total, attention=predicted.attention)
 
 
-def _adapter_class(payload: Payload, info: ModelInfo, events: Events) -> tuple[type[Adapter], Ranks | None, int]:
+def _adapter_class(payload: Payload, info: ModelInfo | NativeTask,
+                   events: Events) -> tuple[type[Adapter], Ranks | None, int]:
     """The trial's adapter class, once the plan's rule (``cannot_train``) accepts the trial: for a built-in adapter
     from its declaration before the framework is imported, for an adapter of HARNESS_ADAPTERS from its class; a
     data-parallel trial's environment is set and its ranks started (``_data_parallel_start``) before the import.

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
 from harness import spec as spec_module
-from harness.neutral import datasets, image_folder, models
+from harness.neutral import datasets, image_folder, models, native
+from harness.plan.support import NativeTask
 from harness.spec import (
     Cifar10Data,
     CompileMode,
@@ -73,8 +74,16 @@ def check(spec: Spec, file: str | os.PathLike[str]) -> None:
             raise SpecError(file, "dataset.path", str(err)) from None
     if isinstance(spec.dataset, ImageFolderData):  # the model is checked against the folder the spec means
         spec = spec.model_copy(update={"dataset": check_image_folder(spec.dataset, file)})
+    if spec.model is None:
+        lacking = [entry.row for entry in spec.entries if entry.model is None]
+        if lacking:
+            raise SpecError(file, "model", f"the entries {', '.join(lacking)} have no model of their own "
+                                           "(frameworks.N.model): give the spec a model, or each entry one")
     try:
-        model_info(spec)
+        if spec.model is not None:
+            model_info(spec)
+        else:
+            datasets.describe_input(spec.dataset)
     except models.ModelError as err:
         raise SpecError(file, "model.layers" + (f".{err.path}" if err.path is not None else ""), str(err)) from None
     except datasets.DatasetError as err:  # an image folder's listing or first header (its path as given)
@@ -162,26 +171,39 @@ def data_parallel_devices(dp: DataParallelSpec, device: str) -> tuple[str, ...]:
 
 
 def model_info(spec: Spec) -> models.ModelInfo:
-    """The spec's model analysed for its dataset's input and classes. Raises models.ModelError."""
+    """The spec's neutral model analysed for its dataset's input and classes. Raises models.ModelError, and
+    ValueError for a spec without one (every entry brings a model of its own)."""
+    if spec.model is None:
+        raise ValueError("the spec has no neutral model: every framework entry brings its own")
     return models.analyze(spec.model, *datasets.describe_input(spec.dataset))
+
+
+def trained_model(spec: Spec, entry: FrameworkEntry) -> models.ModelInfo | NativeTask:
+    """What ``entry`` trains, as the plan's rule takes it (``harness.plan.support.unsupported``): the neutral
+    model's analysis, or for an entry with a model of its own the task the dataset sets."""
+    if entry.model is not None:
+        return NativeTask(native.task(datasets.describe_input(spec.dataset)[0]))
+    return model_info(spec)
 
 
 def unsupported_reason(spec: Spec, framework: str, precision: str | None = None, compile: str | None = None,
                        device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
                        input: str = "resident") -> str | None:
-    """Why the adapter named ``framework`` cannot train the spec's model in ``precision`` with ``compile`` on
-    ``device`` (None: the spec's own), on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``
-    (``harness.spec.InputMode``), decided now from its declaration without importing the framework
-    (``harness.plan.support.unsupported``); None when it can, and for an adapter of ``HARNESS_ADAPTERS``, whose
-    declaration only its worker reads (the worker asks the same function). The spec must have passed ``check``."""
+    """Why the entry ``framework`` (its label or its adapter's name, ``entry_for``) cannot train its model (the
+    spec's, or one of its own) in ``precision`` with ``compile`` on ``device`` (None: the spec's own), on
+    ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input`` (``harness.spec.InputMode``), decided now
+    from its adapter's declaration without importing the framework (``harness.plan.support.unsupported``); None when
+    it can, and for an adapter of ``HARNESS_ADAPTERS``, whose declaration only its worker reads (the worker asks the
+    same function). The spec must have passed ``check``."""
     from adapters import declaration  # the registry imports no framework
     from harness.plan.support import unsupported
 
-    record = declaration(framework)
+    entry = entry_for(spec, framework)
+    record = declaration(entry.name)
     if record is None:
         return None
-    return unsupported(record, model_info(spec), precision or spec.precision, compile or spec.compile, device,
-                       data_parallel, sync_batchnorm, input, spec.memory_limit_mb is not None)
+    return unsupported(record, trained_model(spec, entry), precision or spec.precision, compile or spec.compile,
+                       device, data_parallel, sync_batchnorm, input, spec.memory_limit_mb is not None)
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:

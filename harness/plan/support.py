@@ -9,6 +9,7 @@ re-check: a trial that reaches an adapter is one it declared it can train.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.neutral.info import TASKS, ModelInfo, describe_feature, requirements
@@ -17,21 +18,44 @@ from harness.spec.devices import device_kind
 if TYPE_CHECKING:
     from adapters.declaration import Declaration
 
-__all__ = ["data_parallel_gap", "execution_gap", "input_gap", "limit_gap", "support_gap", "unsupported"]
+__all__ = ["NativeTask", "data_parallel_gap", "execution_gap", "input_gap", "limit_gap", "native_gap", "support_gap",
+           "unsupported"]
 
 
-def unsupported(record: Declaration, info: ModelInfo, precision: str = "fp32", compile: str = "default",
-                device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
+def unsupported(record: Declaration, info: ModelInfo | NativeTask, precision: str = "fp32",
+                compile: str = "default", device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
                 input: str = "resident", memory_limit: bool = False) -> str | None:
-    """Why the adapter of ``record`` cannot train ``info`` in ``precision`` with ``compile`` ("default": its own mode)
-    on ``device`` ("cpu", "cuda:N"), on ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input``
-    (``harness.spec.InputMode``), under a memory cap or not (``memory_limit``): the first reason of ``support_gap``,
-    ``execution_gap``, ``data_parallel_gap``, ``input_gap`` and ``limit_gap``, one line; None when it can."""
-    return (support_gap(record, info) or execution_gap(record, precision, compile, device)
+    """Why the adapter of ``record`` cannot train ``info`` (the neutral model's analysis, or a model of your own:
+    ``NativeTask``) in ``precision`` with ``compile`` ("default": its own mode) on ``device`` ("cpu", "cuda:N"), on
+    ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input`` (``harness.spec.InputMode``), under a
+    memory cap or not (``memory_limit``): the first reason of ``support_gap`` (``native_gap`` for a model of your
+    own), ``execution_gap``, ``data_parallel_gap``, ``input_gap`` and ``limit_gap``, one line; None when it can."""
+    return ((native_gap(record, info) if isinstance(info, NativeTask) else support_gap(record, info))
+            or execution_gap(record, precision, compile, device)
             or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device)
             or input_gap(record, input, data_parallel)
             or limit_gap(record, info, precision, compile, device, data_parallel, sync_batchnorm, input,
                          memory_limit))
+
+
+@dataclass(frozen=True)
+class NativeTask:
+    """What the plan knows of a model of your own before its probe: the task the spec's dataset sets
+    (``harness.neutral.native.task``). Whether it has batchnorm is unknown here, so sync batchnorm is decided as if
+    it had (the adapter's declaration)."""
+
+    task: str
+
+
+def native_gap(record: Declaration, native: NativeTask) -> str | None:
+    """None when the adapter adopts a model of your own (``Declaration.native_model``) for ``native``'s task; else
+    one line saying what it lacks."""
+    if not record.native_model:
+        return f"the {record.name} adapter trains no model of your own" + (
+            f": {record.native_note}" if record.native_note else "")
+    if native.task not in record.tasks:
+        return f"the {record.name} adapter does not support {describe_feature(native.task)} (the dataset)"
+    return None
 
 
 def support_gap(record: Declaration, info: ModelInfo) -> str | None:
@@ -60,7 +84,7 @@ def execution_gap(record: Declaration, precision: str, compile: str, device: str
     return None
 
 
-def data_parallel_gap(record: Declaration, info: ModelInfo, devices: int, sync_batchnorm: bool,
+def data_parallel_gap(record: Declaration, info: ModelInfo | NativeTask, devices: int, sync_batchnorm: bool,
                       device: str = "cpu") -> str | None:
     """None when the adapter trains ``info`` on ``devices`` devices (with ``sync_batchnorm``, which matters only for a
     model with batchnorm) on ``device``'s kind; else one line saying what it lacks."""
@@ -88,17 +112,17 @@ def input_gap(record: Declaration, source: str, devices: int = 1) -> str | None:
     return None
 
 
-def limit_gap(record: Declaration, info: ModelInfo, precision: str, compile: str, device: str, data_parallel: int,
-              sync_batchnorm: bool, input: str, memory_limit: bool = False) -> str | None:
+def limit_gap(record: Declaration, info: ModelInfo | NativeTask, precision: str, compile: str, device: str,
+              data_parallel: int, sync_batchnorm: bool, input: str, memory_limit: bool = False) -> str | None:
     """The reason of the first of the declaration's ``limits`` that the trial matches, else None."""
     facts = {"data_parallel": data_parallel > 1, "sync_batchnorm": sync_batchnorm and _has_batchnorm(info),
              "compile": record.mode(compile), "precision": precision, "device": device_kind(device), "input": input,
-             "memory_limit": memory_limit}
+             "memory_limit": memory_limit, "native": isinstance(info, NativeTask)}
     for limit in record.limits:
         if all(getattr(limit, key) in (None, value) for key, value in facts.items()):
             return limit.reason
     return None
 
 
-def _has_batchnorm(info: ModelInfo) -> bool:
-    return any(layer.kind == "batchnorm" for layer in info.walk())
+def _has_batchnorm(info: ModelInfo | NativeTask) -> bool:
+    return isinstance(info, NativeTask) or any(layer.kind == "batchnorm" for layer in info.walk())

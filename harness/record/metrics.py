@@ -129,7 +129,14 @@ class TrialMetrics(Strict):
     memory_predicted: PredictedMemory | None = None
     data_bytes: int | None = Field(default=None, description="bytes of the dataset held on the device")
     data_skipped_files: int | None = Field(default=None, description="unreadable image files left out")
-    parameter_count: int | None = None
-    train_flops_per_sample: int | None = Field(default=None, description="training FLOPs per sample (3 x forward; "
-                                                                           "2 FLOPs per multiply-accumulate)")
+    model_source: Literal["neutral", "native"] | None = Field(default=None, description=(
+        "neutral: the spec's framework-neutral model, built alike by every framework; native: a model of your own "
+        "(the framework entry's model factory)"))
+    parameter_count: int | None = Field(default=None, description="trainable parameters (a model of your own: the "
+                                                                   "sizes of its trainable arrays)")
+    train_flops_per_sample: int | None = Field(default=None, description="training FLOPs per sample (forward and "
+                                               "backward, 2 FLOPs per multiply-accumulate); None where nothing "
+                                               "counted them")
+    flops_source: str | None = Field(default=None, description="what counted train_flops_per_sample, or why nothing "
+                                                               "did")
     achieved_flops_per_s: float | None = Field(default=None, description="throughput x train_flops_per_sample")

@@ -17,7 +17,7 @@ class FrameworkEnvironment(Open):
     """A framework entry's interpreter as its probe reported it before the first trial
     (``harness.execution.environments.probe_entries``): the entry as given (``label``, ``name``, ``python``,
     ``command``), then what the probe found (``argv``, ``executable``, ``python_version``, ``platform``, ``numpy``,
-    ``versions``, ``packages``)."""
+    ``versions`` (with the entry's ``packages``), ``packages``, and for a model of your own ``model``)."""
 
     label: str
     name: str
@@ -27,6 +27,9 @@ class FrameworkEnvironment(Open):
     python_version: str | None = None
     numpy: str | None = None
     versions: dict[str, Any] = Field(default_factory=dict)
+    model: dict[str, Any] | None = Field(default=None, description=(
+        "a model of your own, as its probe found it (harness.execution.native_probe): factory, kwargs, model_type, "
+        "parameter_count, output_shape; null for the spec's neutral model"))
 
 
 class Interruption(Strict):

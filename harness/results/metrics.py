@@ -97,7 +97,9 @@ def metrics_for(backend: str) -> list[Metric]:
                ci=True, over_seeds=True),
         Metric("gflops", "Achieved training compute", "GFLOP/s",
                scaled(lambda r: r.metrics.achieved_flops_per_s, 1e-9), 2,
-               "throughput x training FLOPs per sample (3 x forward; 2 FLOPs per multiply-accumulate)"),
+               "throughput x training FLOPs per sample (forward and backward, 2 FLOPs per multiply-accumulate: the "
+               "neutral model's counted per layer, a model of your own's by its framework's counter, none where it "
+               "has none)"),
     ]
     if backend == "nvml":
         device = [

@@ -21,6 +21,7 @@ from harness.results.data_parallel import data_parallel_section
 from harness.results.input_pipeline import input_pipeline_section
 from harness.results.keras_native import keras_native_section
 from harness.results.memory_breakdown import memory_breakdown_section
+from harness.results.models import models_section
 from harness.results.notes import measurement_notes, slow_window_notes
 from harness.results.overview import (
     environment_section,
@@ -49,11 +50,13 @@ def study_sections(data: ReportData) -> list[Section | None]:
 
 
 def sections(data: ReportData) -> list[Section]:
-    """The whole report as sections: the header, the environments, the Ohio State layout, the memory layers, one
-    section per metric, Keras over native (where a Keras row's native framework is in the run), the study sections,
-    how the sampler fared, the failed trials and the plots. Sections with nothing to say are left out."""
-    found = [header_section(data), environment_section(data), ohio_state_section(data), memory_layers_section(data),
-             memory_breakdown_section(data), *(metric_section(data, metric) for metric in data.metrics),
+    """The whole report as sections: the header, the environments, the models (where an entry brings its own), the
+    Ohio State layout, the memory layers, one section per metric, Keras over native (where a Keras row's native
+    framework is in the run), the study sections, how the sampler fared, the failed trials and the plots. Sections
+    with nothing to say are left out."""
+    found = [header_section(data), environment_section(data), models_section(data), ohio_state_section(data),
+             memory_layers_section(data), memory_breakdown_section(data),
+             *(metric_section(data, metric) for metric in data.metrics),
              keras_native_section(data), *study_sections(data), measurement_notes(data), slow_window_notes(data),
              side_by_side_section(data), failed_section(data), plots_section(data)]
     return [section for section in found if section is not None]

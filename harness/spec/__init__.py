@@ -33,7 +33,16 @@ from harness.spec.dataset import (
     SyntheticTokens,
 )
 from harness.spec.devices import is_gpu
-from harness.spec.frameworks import ROOT, FrameworkEntry, FrameworkItem, as_entry, resolve_entries, select_frameworks
+from harness.spec.frameworks import (
+    ROOT,
+    FrameworkEntry,
+    FrameworkItem,
+    NativeModel,
+    as_entry,
+    expand_backends,
+    resolve_entries,
+    select_frameworks,
+)
 from harness.spec.layers import (
     GELU,
     Activation,
@@ -75,9 +84,9 @@ __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm",
            "Conv2D", "DataParallelSpec", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding",
            "Flatten", "FrameworkEntry", "FrameworkItem", "GELU", "GeneratedImages", "GlobalAvgPool2D",
            "ImageFolderData", "Initializer", "InputMode", "Layer", "LayerNorm", "LoaderSpec", "MaxPool2D",
-           "ModelSpec", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU", "Residual", "SamplerSpec",
-           "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens", "TimingSpec",
-           "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
+           "ModelSpec", "NativeModel", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU", "Residual",
+           "SamplerSpec", "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens",
+           "TimingSpec", "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
 
 
 class Spec(_Strict):
@@ -110,12 +119,14 @@ class Spec(_Strict):
     then global batches per optimizer step, each device training on batch size / N. input: ``InputMode``
     (default ``resident``); ``loader`` feeds every step through the framework's own data loader, configured by
     ``loader`` (``LoaderSpec``), and records the time each step waited for its batch.
+    model: the framework-neutral model, built by every framework alike; optional when every framework entry brings
+    a model of its own (``FrameworkEntry.model``; ``harness.plan.check`` says which entries lack one).
     """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     frameworks: list[FrameworkItem] = Field(min_length=1)
-    model: ModelSpec
+    model: ModelSpec | None = None
     dataset: Dataset
     batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
     epochs: int = Field(default=1, ge=1)
@@ -154,6 +165,11 @@ class Spec(_Strict):
             raise ValueError(f"learning_rate_scaling {info.data['learning_rate_scaling']} needs base_batch_size "
                              "(the batch size the optimizer's learning rate is for)")
         return base
+
+    @field_validator("frameworks", mode="before")
+    @classmethod
+    def _backend_lists(cls, frameworks: Any) -> Any:
+        return expand_backends(frameworks)
 
     @field_validator("frameworks")
     @classmethod

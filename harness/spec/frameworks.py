@@ -22,6 +22,24 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.") or "framework"
 
 
+class NativeModel(_Strict):
+    """A model of your own, by import path: ``factory`` is ``"package.module:callable"`` or ``"file.py:callable"`` (a
+    file relative to the spec's folder), called with ``kwargs`` in the entry's worker after the framework's seed is
+    set; it returns the framework's own model object (``torch.nn.Module``, ``keras.Model``, a Flax module, a Gluon
+    ``HybridBlock``), whose output is the logits: (batch, classes), or (batch, length, vocabulary) for next-token
+    prediction. The harness keeps the loss, optimizer, batch order, precision, compile mode and timing
+    (docs/guide/own-model.md)."""
+
+    factory: str = Field(min_length=3, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def from_file(self) -> bool:
+        """Whether the factory's module is a file (``models.py:make``) rather than an importable module."""
+        module = self.factory.rsplit(":", 1)[0]
+        return module.endswith(".py") or "/" in module or os.sep in module
+
+
 class FrameworkEntry(_Strict):
     """One row of a comparison: a framework (its adapter's name) and the Python its workers run in.
 
@@ -33,6 +51,9 @@ class FrameworkEntry(_Strict):
     the entry's ``name`` then becomes the adapter's, ``keras-jax`` (so ``{name: keras-jax}`` says the same), and the
     plan checks that such an adapter exists (``harness.plan.check_framework_name``).
     label: the row's name in reports, compare and history (default: ``name``); labels are unique within a spec.
+    model: a model of your own (``NativeModel``) instead of the spec's neutral ``model``. packages: what the entry's
+    environment needs beside its framework (pip requirements, e.g. ``torchvision==0.29.1``): ``harness envs create
+    --spec`` installs them, the probe requires them, the report lists their versions.
     python: the interpreter (a path; a relative one is taken relative to the spec file's folder). command: an argv
     prefix that starts a Python (``taskset -c 2-7 {python}``, ``docker run -i ... python``, ``srun ... python``);
     the worker's arguments follow it. In ``python`` and ``command``, ``{root}`` is the folder that holds the harness
@@ -45,6 +66,8 @@ class FrameworkEntry(_Strict):
     label: str | None = Field(default=None, min_length=1, max_length=80)
     python: str | None = Field(default=None, min_length=1)
     command: list[str] | None = Field(default=None, min_length=1)
+    model: NativeModel | None = None
+    packages: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -98,9 +121,33 @@ def select_frameworks(items: list[Any], wanted: list[str]) -> list[Any]:
     return out
 
 
+def expand_backends(items: Any) -> Any:
+    """A ``frameworks`` list with every entry whose ``backend`` is a list (``{name: keras, backend: [jax, torch,
+    tensorflow], model: ...}``: the same model on each backend) made one entry per backend, labelled
+    ``<label>-<backend>`` where it has a label, ``{backend}`` in its ``python`` and ``command`` standing for the
+    backend (``"{root}/envs/keras-{backend}/bin/python"``); other items as they are."""
+    if not isinstance(items, list):
+        return items
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("backend"), list):
+            for backend in item["backend"]:
+                one = {**item, "backend": backend}
+                if item.get("label"):
+                    one["label"] = f"{item['label']}-{backend}"
+                if isinstance(item.get("python"), str):
+                    one["python"] = item["python"].replace("{backend}", str(backend))
+                if isinstance(item.get("command"), list):
+                    one["command"] = [str(part).replace("{backend}", str(backend)) for part in item["command"]]
+                out.append(one)
+        else:
+            out.append(item)
+    return out
+
+
 def resolve_entries(items: list[FrameworkItem], base_dir: Path) -> list[FrameworkItem]:
-    """Substitutes ``{root}`` and ``{python}`` and makes relative interpreter paths absolute (relative to
-    ``base_dir``, the spec file's folder)."""
+    """Substitutes ``{root}`` and ``{python}`` and makes relative interpreter paths and model files absolute
+    (relative to ``base_dir``, the spec file's folder)."""
     out: list[FrameworkItem] = []
     for item in items:
         if isinstance(item, str):
@@ -110,5 +157,10 @@ def resolve_entries(items: list[FrameworkItem], base_dir: Path) -> list[Framewor
         if python and ("/" in python or os.sep in python) and not Path(python).is_absolute():
             python = str((base_dir / python).absolute())
         resolved = item.model_copy(update={"python": python})
-        out.append(resolved.model_copy(update={"command": resolved.argv() if item.command else None}))
+        model = item.model
+        if model is not None and model.from_file:
+            module, name = model.factory.rsplit(":", 1)
+            if not Path(module).is_absolute():
+                model = model.model_copy(update={"factory": f"{(base_dir / module).absolute()}:{name}"})
+        out.append(resolved.model_copy(update={"command": resolved.argv() if item.command else None, "model": model}))
     return out

@@ -263,4 +263,5 @@ def _oom_sizes(records: list[TrialRecord]) -> dict[tuple[str, int, str], int]:
 def _support_key(trial: Trial) -> tuple[str, str, str, int, bool, str]:
     """What decides whether a built-in adapter can run a trial (``harness.plan.unsupported_reason``'s arguments
     besides the spec and the device)."""
-    return trial.framework, trial.precision, trial.compile, trial.data_parallel, trial.sync_batchnorm, trial.input
+    return (trial.label or trial.framework, trial.precision, trial.compile, trial.data_parallel, trial.sync_batchnorm,
+            trial.input)

@@ -3,6 +3,7 @@ classification and the GPU memory cap."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,69 @@ def test_memory_limit_on_a_gpu_is_a_per_process_fraction(monkeypatch):
     unlimited._apply_memory_limit(0)
     unlimited.device = torch.device("cuda:0")
     assert calls == [] and unlimited.settings().record()["memory_limit_bytes"] is None
+
+
+# -- a model of your own ---------------------------------------------------------------------------------------------
+
+def _native(seed=0, options=None, **kwargs):
+    """PyTorchAdapter with specs/models.py's torch_cnn adopted and built on digits (prepare seeded torch first)."""
+    import importlib.util
+
+    from harness.neutral import datasets
+    from harness.neutral.native import NativeSource
+    from harness.spec import ROOT
+
+    module = importlib.util.spec_from_file_location("spec_models", ROOT / "specs" / "models.py")
+    models_py = importlib.util.module_from_spec(module)
+    module.loader.exec_module(models_py)
+    data = datasets.load(datasets.DigitsData(name="digits"))
+    feed, classes = datasets.describe_input(datasets.DigitsData(name="digits"))
+    adapter = PyTorchAdapter(options)
+    adapter.prepare("cpu", 2, seed)
+    made = models_py.torch_cnn(**kwargs)
+    adapter.build(adapter.native_model(made, NativeSource("models.py:torch_cnn", feed, classes, seed)),
+                  "image_classification", kit.SGD)
+    adapter.load(data)
+    return adapter, data
+
+
+def test_a_module_of_your_own_learns_and_its_weights_follow_the_seed():
+    adapter, data = _native()
+    loss0, acc0 = adapter.evaluate(256)
+    kit.train_epochs(adapter, data, epochs=2, batch_size=32)
+    loss1, acc1 = adapter.evaluate(256)
+    assert loss1 < 0.5 * loss0 and acc1 > 0.9, (loss0, acc0, loss1, acc1)
+    weights = adapter.get_weights()
+    assert "0.weight" in weights and "4.running_mean" in adapter.get_buffers()  # the module's own names
+    again, other = _native()[0].get_weights(), _native(seed=1)[0].get_weights()
+    fresh = _native()[0].get_weights()
+    assert all(np.array_equal(again[k], fresh[k]) for k in fresh)  # the same seed, the same initial weights
+    assert not np.array_equal(other["0.weight"], fresh["0.weight"])
+
+
+def test_its_flops_counted_by_torch_equal_the_same_layers_counted_by_the_neutral_model():
+    """FlopCounterMode on the module of your own against the neutral model's per-layer count of the same layers
+    (harness.neutral.info: forward 2 FLOPs per multiply-accumulate, backward twice that but the first layer's input
+    gradient): two independent counts of one architecture."""
+    from harness.neutral import models
+    from harness.spec import ModelSpec
+
+    adapter, _ = _native()
+    flops, source = adapter.train_flops_per_sample()
+    neutral = models.analyze(ModelSpec.model_validate({"layers": [
+        {"type": "conv2d", "filters": 16, "kernel_size": 3, "padding": "same", "activation": "relu"},
+        {"type": "maxpool2d", "pool_size": 2}, {"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same"},
+        {"type": "batchnorm"}, {"type": "relu"}, {"type": "flatten"},
+        {"type": "dense", "units": 64, "activation": "relu"}, {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
+    assert source == "torch.utils.flop_counter.FlopCounterMode"
+    assert flops == neutral.train_flops_per_sample, (flops, neutral.train_flops_per_sample)
+    assert sum(w.size for w in adapter.get_weights().values()) == neutral.parameter_count
+
+
+def test_an_object_that_is_no_module_is_refused():
+    from harness.neutral.info import Input
+    from harness.neutral.native import NativeModelError, NativeSource
+
+    adapter = PyTorchAdapter()
+    with pytest.raises(NativeModelError, match=r"^m.py:f returned a builtins.list, not a torch.nn.Module$"):
+        adapter.native_model([1, 2], NativeSource("m.py:f", Input.images((8, 8, 1)), 10, 0))

@@ -100,7 +100,11 @@ def test_the_report_of_a_stored_version_1_run_is_the_one_its_own_harness_wrote(t
                         "mean training loss over every optimizer step since the evaluation before the last one (the "
                         "last epoch's steps, with an evaluation every epoch), warm-up steps included: each step's loss "
                         "is summed on the device and read outside the timed windows, so the figure does not depend on "
-                        "where they end.")]
+                        "where they end."),
+                       ("throughput x training FLOPs per sample (3 x forward; 2 FLOPs per multiply-accumulate).",
+                        "throughput x training FLOPs per sample (forward and backward, 2 FLOPs per "
+                        "multiply-accumulate: the neutral model's counted per layer, a model of your own's by its "
+                        "framework's counter, none where it has none).")]
 
 
 def test_version_0_runs_from_before_the_schema_still_read(tmp_path):

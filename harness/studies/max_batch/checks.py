@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.plan import accumulation_conflict, check_devices, entry_for, model_info
+from harness.plan import accumulation_conflict, check_devices, entry_for, trained_model
 from harness.plan.support import unsupported
 from harness.spec import DataParallelSpec, Spec, SpecError
 
@@ -70,10 +70,11 @@ def check_supported(spec: Spec, framework: str, device: str, dp: DataParallelSpe
     search with that reason)."""
     from adapters import declaration  # the registry imports no framework
 
-    record = declaration(entry_for(spec, framework).name)
+    entry = entry_for(spec, framework)
+    record = declaration(entry.name)
     if record is None:
         return
-    info = model_info(spec)
+    info = trained_model(spec, entry)
     devices, sync = (1, False) if dp is None else (dp.size, dp.sync_batchnorm)
     why = unsupported(record, info, spec.precision, spec.compile, device, devices, sync, spec.input, memory_limit)
     if why is None:

@@ -138,10 +138,12 @@ class _Search:
         sample. Under data parallelism B is the per-device batch and the line is one process's: a framework that
         drives every device from one process (its declaration's ``data_parallel`` "devices") holds N replicas and N
         devices' activations, one with a process per device (PyTorch) one. Its limit against the cap is
-        ``neutral_limit``."""
+        ``neutral_limit``. None for an entry with a model of its own: the search starts from probes alone."""
         from adapters import attention, declaration  # the registry imports no framework
 
         spec, result = self.spec, self.result
+        if entry_for(spec, result.framework).model is not None:
+            return
         predicted = memory.predict(model_info(spec), 1, spec.optimizer, spec.accumulation_steps,
                                    attention=attention(result.framework))
         record = declaration(entry_for(spec, result.framework).name)
