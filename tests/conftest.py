@@ -43,7 +43,8 @@ LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~100: four real-cap searches, th
                  "execution/test_input_pipeline.py",  # ~32: eight trials reading an image folder
                  "results/test_results_data.py",  # ~26
                  "execution/test_data_parallel.py",  # ~25
-                 "adapters/test_jax_data_parallel.py")  # ~24
+                 "adapters/test_jax_data_parallel.py",  # ~24
+                 "adapters/test_keras_native.py")  # ~24: a model of your own in the three Keras environments
 
 
 @pytest.hookimpl(tryfirst=True)

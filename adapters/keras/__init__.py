@@ -2,7 +2,8 @@
 adapter is ``adapters.keras.adapter`` (one class, ``KerasAdapter``, a subclass per backend that names it) from the
 parts of this package: the neutral builder (``neutral``, its own layers ``layers``), the training mechanics for any
 ``keras.Model`` (``training``, PyTorch's optimizer formulas ``optimizers``), the resident input (``inputs``) and
-what differs per backend (``backends``).
+what differs per backend (``backends``), and the initial weights that a model of your own (any ``keras.Model``,
+``KerasAdapter.native_model``) starts from on every backend, drawn once per seed (``weights``).
 
 A spec selects one as ``{name: keras, backend: jax}`` (or by its name, ``keras-jax``); each runs in its own
 environment (``harness envs create keras-jax``: requirements/keras-jax-cpu.txt), and the worker sets KERAS_BACKEND
@@ -42,6 +43,10 @@ def _keras(backend: str, title: str, native: str, distributions: tuple[str, ...]
         attention=attention,
         data_parallel_mechanism=("not measured through Keras: keras.distribution.DataParallel exists for the JAX "
                                  "backend only; the native adapters train data-parallel"),
+        # a model of your own (adapters.keras.adapter.KerasAdapter.native_model), started on every backend from the
+        # same initial weights, drawn once per seed on Keras's numpy backend (adapters.keras.weights)
+        native_model="keras.Model",
+        shared_weights="adapters.keras.weights",
         **extra,  # type: ignore[arg-type]
     )
 

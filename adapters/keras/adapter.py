@@ -4,7 +4,9 @@ builder (``adapters.keras.neutral``: the canonical layers as a functional ``kera
 (``adapters.keras.training``: any ``keras.Model``, ``Model.train_on_batch`` with ``jit_compile`` False or True, the
 mixed precision policies, gradient accumulation), the resident input (``adapters.keras.inputs``) and what differs per
 backend (``adapters.keras.backends``: device, threads, TF32, memory cap, synchronisation, allocator peaks, OOM). Here:
-Keras imported on its backend, the seed and the dtype policy, and the telemetry.
+Keras imported on its backend, the seed and the dtype policy, the two model sources (the neutral builder's model, or a
+``keras.Model`` of your own loaded with the initial weights shared by every backend, ``adapters.keras.weights``), and
+the telemetry.
 
 This module imports no framework: Keras is imported by ``prepare``, after KERAS_BACKEND is set, and the modules that
 import it (every other one of this package) only then.
@@ -27,6 +29,7 @@ import numpy.typing as npt
 from adapters import keras as declarations
 from adapters.base import Adapter, Batch, Model, RunOptions, Settings, Weights
 from adapters.keras.backends import BACKENDS
+from harness.neutral.native import NativeModelError
 
 if TYPE_CHECKING:
     from adapters.keras.inputs import Inputs
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from adapters.keras.training import Training
     from harness.neutral.datasets import Data
     from harness.neutral.info import ModelInfo
+    from harness.neutral.native import NativeSource
     from harness.spec import OptimizerSpec
 
 
@@ -128,6 +132,32 @@ class KerasAdapter(Adapter):
 
         self._neutral = Builder(self.name, self._seed).build(info, weights)
         return self._neutral.model
+
+    def native_model(self, model: object, source: NativeSource) -> Model:
+        """A ``keras.Model`` of your own (any Keras model: functional, ``Sequential``, subclassed,
+        ``keras.applications``), whose output is taken as the logits. The factory was called after ``prepare`` set
+        the seed and the dtype policy, so a model built by it computes in the trial's precision (a layer given its own
+        ``dtype`` keeps it). Built for ``source.input`` when it is built lazily (``adapters.keras.weights.build_for``);
+        with ``source.initial_weights`` (the family's file, drawn once per seed on Keras's numpy backend by
+        ``adapters.keras.weights``) its variables are loaded from it (``Model.load_weights``), so that every backend
+        starts from the same numbers. Raises NativeModelError (field ``model``) for an object that is not a
+        ``keras.Model``, or a weights file that does not fit it."""
+        keras = self.prepared()
+        if not isinstance(model, keras.Model):
+            raise NativeModelError("model", f"{source.factory} returned a {type(model).__module__}."
+                                            f"{type(model).__qualname__}, not a keras.Model")
+        from adapters.keras.weights import build_for, load
+
+        build_for(model, source.input)
+        if source.initial_weights is not None:
+            try:
+                load(model, source.initial_weights)
+            except ValueError as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                raise NativeModelError("model", f"{source.factory}: the shared initial weights "
+                                                f"{source.initial_weights} do not fit the model: {first}") from None
+        self._neutral = None
+        return model
 
     def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
         """``model`` (any ``keras.Model`` whose outputs are logits: (B, classes), or (B, L, vocab) for a next-token

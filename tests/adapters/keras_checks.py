@@ -19,7 +19,9 @@ from harness.execution import environments
 from harness.spec import ROOT
 from tests.adapters import scenarios
 
-SUITE_TESTS = 23  # the tests in keras_suite.py (10 of them the conformance suite's): all must pass, none skipped
+#: the tests in keras_suite.py per backend (10 of them the conformance suite's; MobileNetV3Small is adopted on the
+#: torch backend only): all must pass, none skipped
+SUITE_TESTS = {"keras-jax": 27, "keras-torch": 28, "keras-tensorflow": 27}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def test_the_keras_adapter_suite_passes_in_its_own_environment(keras_python, ker
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(rf"\b{SUITE_TESTS} passed\b", summary) and not re.search(r"skipped|failed|error", summary), tail
+    assert re.search(rf"\b{SUITE_TESTS[keras_name]} passed\b", summary), tail
+    assert not re.search(r"skipped|failed|error", summary), tail
 
 
 def _scenarios(python: str, name: str, path, which: str) -> dict[str, np.ndarray]:
