@@ -3,7 +3,7 @@
 the training mechanics (``adapters.jax.training``) and the input (``adapters.jax.inputs``); JAX itself is imported
 through ``adapters.jax.runtime``."""
 
-from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration, Limit
 
 DECLARATION = Declaration(
     name="jax",
@@ -38,4 +38,14 @@ DECLARATION = Declaration(
     sync_batchnorm_note=("lax.pmean of the batch moments over the devices (two all-reduces per batchnorm layer); "
                          "without it each device normalises its own shard and the running statistics are the mean "
                          "of the devices'"),
+    # a model of your own: a Flax module (adapters.jax.flax_model), trained by the same mechanics
+    native_model="flax.linen.Module or flax.nnx.Module",
+    limits=tuple(
+        Limit(native=True, precision=precision, reason=(
+            f"a Flax module computes in the dtype its layers are given (their dtype attribute, the module author's "
+            f"choice), so the jax adapter cannot impose {precision} on a model of your own (the neutral model's "
+            f"policy casts inside its own layers, adapters/jax/layers.py)")) for precision in ("bf16", "fp16")
+    ) + (Limit(native=True, sync_batchnorm=True, reason=(
+        "a Flax module's batchnorm is synchronised by its own axis_name (BatchNorm(axis_name=...)), which the jax "
+        "adapter cannot set on a model of your own")),),
 )

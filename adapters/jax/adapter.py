@@ -4,9 +4,11 @@ TensorFlow's layouts, NHWC), the training mechanics (``adapters.jax.training``: 
 "compiled": ``jax.jit`` of the whole step per (batch size, micro-batches), XLA; fp32 (``lax.Precision.HIGHEST``),
 tf32 (GPUs), bf16, and fp16 (GPUs) with dynamic loss scaling; data parallelism over a ``Mesh``) and the input
 (``adapters.jax.inputs``: resident on the device, or a Grain pipeline put on the device ahead of the step). Here: the
-device (and the mesh of a data-parallel trial), the precision flags, the GPU memory cap, and the telemetry.
+device (and the mesh of a data-parallel trial), the precision flags, the GPU memory cap, and the telemetry. A model of
+your own is a Flax module (``adapters.jax.flax_model``) trained by the same mechanics.
 
-Design: docs/design/framework-caveats.md#jax (why no flax, layouts, precision, memory and CPU threads).
+Design: docs/design/framework-caveats.md#jax (flax for a model of your own only, layouts, precision, memory and CPU
+threads).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from adapters.base import (
     Weights,
     device_index,
 )
-from adapters.jax import DECLARATION
+from adapters.jax import DECLARATION, flax_model
 from adapters.jax import layers as L
 from adapters.jax.inputs import Inputs
 from adapters.jax.neutral import Builder, NeutralModel
@@ -40,6 +42,7 @@ from adapters.jax.training import DATA, Functional, Training
 from harness.neutral.datasets import Data
 from harness.neutral.info import ModelInfo
 from harness.neutral.inputs import InputSource
+from harness.neutral.native import NativeSource
 from harness.spec import OptimizerSpec
 
 
@@ -64,6 +67,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         # Data-parallel (``options.data_parallel``): the Mesh of its N devices (axis DATA), else None.
         self._mesh: Any = None
         self._neutral: NeutralModel | None = None  # the neutral builder's model, for the canonical state
+        self._native: dict[str, str] = {}  # a model of your own: what the record says of it (flax_model.Adopted)
         self._training: Training | None = None
         self._inputs: Inputs | None = None
 
@@ -84,7 +88,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
     def versions(self) -> dict[str, str]:
         out = {"jax": jax.__version__, "optax": optax.__version__}
         for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", *(
-                self.declaration.loader_modules.values() if self.options.input == "loader" else ())):
+                self.declaration.loader_modules.values() if self.options.input == "loader" else ()), *(
+                ("flax",) if self._native else ())):
             try:
                 out[dist.replace("-", "_")] = importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
@@ -171,7 +176,28 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         parallel = self.options.data_parallel
         sync = DATA if parallel is not None and parallel.sync_batchnorm else None
         self._neutral = Builder(self._compute, sync).build(info, weights)
+        self._native = {}
         return self._neutral.model
+
+    def native_model(self, model: object, source: NativeSource) -> Model:
+        """A Flax module of your own (``flax.linen.Module`` or ``flax.nnx.Module``) as a ``Functional``
+        (``adapters.jax.flax_model.adopt``: a linen module initialised with ``jax.random.PRNGKey(source.seed)`` on
+        the device, its ``__call__`` told training from inference by a ``train`` or ``deterministic`` argument;
+        an nnx module split, with nnx's own ``train()`` / ``eval()``). Its logits are its output (an array, a
+        ``logits`` attribute, or a tuple's first). Raises NativeModelError for anything else."""
+        adopted = flax_model.adopt(model, source, self.device)
+        self._neutral, self._native = None, adopted.settings
+        return adopted.model
+
+    def train_flops_per_sample(self) -> tuple[int | None, str]:
+        """The "flops" of XLA's cost analysis of the compiled train step (``Training.step_flops``) over the samples
+        one device trains in it: forward, backward and the optimizer update, every op XLA counts (elementwise ones
+        too), as compiled (after its simplifications). None with the reason where the backend reports none."""
+        source = "XLA's cost analysis of the compiled train step"
+        flops, samples = self.training.step_flops()
+        if flops is None:
+            return None, f"{source} has no flops on {getattr(self.device, 'platform', 'this backend')}"
+        return int(round(flops / samples)), source
 
     def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
         """``model`` (a ``training.Functional``) trained through ``adapters.jax.training.Training`` on the device (or
@@ -251,7 +277,9 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             "platform": getattr(self.device, "platform", None),
             "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
             "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-            "compute_dtype": self._compute.dtype.name,  # of conv, dense, attention, the embedding's output
+            # of conv, dense, attention, the embedding's output; a Flax module's layers compute in their own dtype
+            "compute_dtype": "the module's own (its layers' dtype)" if self._native else self._compute.dtype.name,
+            **{f"native_{key}": value for key, value in self._native.items()},
             "matmul_precision": self._compute.precision.name.lower(),  # of those ops; "highest" is float32
             **(self._training.settings() if self._training is not None else {}),
             "allocator_peak": "since the worker started (JAX cannot reset it)",

@@ -80,6 +80,8 @@ class Training:
         # The jitted train steps: (B, micro-batches) -> resident mode's (``_summed_step``), and (B, micro-batches,
         # "loader") -> loader mode's (``_summed_batch_step``).
         self.steps: dict[tuple[Any, ...], Any] = {}
+        #: each step's inputs after the state and loss sum, as shapes, dtypes and shardings (``step_flops``)
+        self.signatures: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._eval = jax.jit(self._eval_batch)
         self._logits = jax.jit(self._infer)
 
@@ -113,6 +115,9 @@ class Training:
                 # #buffer-donation); XLA's CPU client cannot reuse donated buffers (it would warn each time).
                 self.steps[key] = jax.jit(functools.partial(step, micro_batches),
                                           donate_argnums=(0, 1) if self.gpu else ())
+            self.signatures[key] = tuple(
+                jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None))
+                for a in (x, y, *(() if indices is None else (indices,))))
         self._run(self.steps[key], x, y, *(() if indices is None else (indices,)))
 
     def _run(self, step: Any, *inputs: Any) -> None:
@@ -234,6 +239,25 @@ class Training:
         total = float(self.loss_sum)
         self.loss_sum = self.put(jnp.zeros((), jnp.float32))
         return total
+
+    def step_flops(self) -> tuple[float | None, int]:
+        """XLA's cost analysis of the first train step made (``jitted.lower(...).compile().cost_analysis()``, its
+        "flops": XLA's ``HloCostAnalysis`` of the optimised program, 2 per multiply-add, elementwise ops counted
+        too; https://docs.jax.dev/en/latest/aot.html), lowered again from its recorded input signature (no step
+        runs, nothing is donated; the step's own jit cache is not touched), and the samples one device trains in
+        it (B, or B / N data-parallel: the analysis is of one device's program). (None, samples) where the backend
+        reports no flops. Raises RuntimeError before the first step."""
+        if not self.steps:
+            raise RuntimeError("no train step has run: its cost analysis needs one")
+        key, jitted = next(iter(self.steps.items()))
+        state = (self.params, self.opt_state, self.stats, self.key, self.scaler)
+        loss_sum = self.loss_sum if self.loss_sum is not None else self.put(jnp.zeros((), jnp.float32))
+        analysis: Any = jitted.lower(state, loss_sum, *self.signatures[key]).compile().cost_analysis()
+        if isinstance(analysis, (list, tuple)):  # older jaxlib: one dict per program
+            analysis = analysis[0] if analysis else None
+        flops = analysis.get("flops") if isinstance(analysis, dict) else None
+        samples = int(key[0]) // (1 if self.mesh is None else int(self.mesh.devices.size))
+        return (float(flops) if flops is not None and flops > 0 else None), samples
 
     def compilations(self) -> int | None:
         """Entries in the jit caches of the train steps, resident and loader mode's (one per traced and compiled
