@@ -39,9 +39,16 @@ DECLARATION = Declaration(
                         "default, in turn), and when two contexts' SyncBatchNorm operators (or one and an operator "
                         "that the other waits for) draw the same one, the engine runs them one after the other while "
                         "the first waits in the operator's barrier for the second (it hangs in the first step)",
-    # The docstring of mx.gluon.contrib.nn.SyncBatchNorm (mxnet/gluon/contrib/nn/basic_layers.py of 1.9.1): "Current
-    # implementation of SyncBN does not support FP16 training."
+    native_model="mxnet.gluon.HybridBlock",
     limits=(
+        # PyTorch has nn.SyncBatchNorm.convert_sync_batchnorm; Gluon 1.9.1 has no counterpart, and the adapter does
+        # not rebuild someone else's blocks (their names, momentum and axis are theirs).
+        Limit(reason="the mxnet adapter cannot make a model of your own normalise over the global batch: Gluon has no "
+                     "conversion to SyncBatchNorm and the harness does not swap the layers of your block; a block "
+                     "built with mx.gluon.contrib.nn.SyncBatchNorm(num_devices=N) does so itself",
+              data_parallel=True, sync_batchnorm=True, native=True),
+        # The docstring of mx.gluon.contrib.nn.SyncBatchNorm (mxnet/gluon/contrib/nn/basic_layers.py of 1.9.1): "Current
+        # implementation of SyncBN does not support FP16 training."
         Limit(reason="the mxnet adapter has no synchronised batchnorm in fp16: MXNet 1.9.1's SyncBatchNorm 'does not "
                      "support FP16 training'",
               data_parallel=True, sync_batchnorm=True, precision="fp16"),

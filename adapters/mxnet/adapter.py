@@ -3,8 +3,9 @@ builder (``adapters.mxnet.neutral``: the canonical layers as a Gluon ``HybridSeq
 ``adapters.mxnet.layers``), the training mechanics (``adapters.mxnet.training``: any Gluon block, imperative or
 hybridized, fp32 or AMP's fp16, accumulation, several contexts over a kvstore; with ``batchnorm``, ``optimizers`` and
 ``precision``) and the input (``adapters.mxnet.inputs``: resident or Gluon's ``DataLoader``). Here: the device and
-contexts, threads and seed, AMP's initialisation, and the telemetry. Precisions: fp32 everywhere, fp16 on a CUDA GPU
-(AMP); bf16 and tf32 are not declared (the declaration's notes say why).
+contexts, threads and seed, AMP's initialisation, a model of your own (a ``gluon.HybridBlock``, ``native_model``), and
+the telemetry. Precisions: fp32 everywhere, fp16 on a CUDA GPU (AMP); bf16 and tf32 are not declared (the
+declaration's notes say why).
 
 Design: docs/design/framework-caveats.md#mxnet (the asynchronous engine, threads, the two modes, why no bf16 or tf32).
 """
@@ -33,15 +34,22 @@ from adapters.base import (
     device_kind,
 )
 from adapters.mxnet import DECLARATION, precision
+from adapters.mxnet import layers as L
 from adapters.mxnet.batchnorm import BatchNormLayer
 from adapters.mxnet.inputs import Inputs
 from adapters.mxnet.neutral import Builder, NeutralNet
-from adapters.mxnet.runtime import gluon, inter_op_threads, mx, nd, nn, omp_threads, thread_settings
+from adapters.mxnet.runtime import gluon, inter_op_threads, mx, nd, omp_threads, thread_settings
 from adapters.mxnet.training import HYBRIDIZE_FLAGS, Training
 from harness.neutral.datasets import Data
 from harness.neutral.info import ModelInfo
 from harness.neutral.inputs import InputSource
+from harness.neutral.native import NativeModelError, NativeSource
+from harness.neutral.steps import to_layout
 from harness.spec import OptimizerSpec
+
+#: What ``train_flops_per_sample`` answers: MXNet 1.9.1 has nothing that counts FLOPs.
+NO_FLOP_COUNTER = ("MXNet 1.9.1 has no FLOP counter: its profiler (mx.profiler) records operator times and memory, "
+                   "not FLOPs, and Block.summary counts parameters and output shapes only")
 
 
 class MXNetAdapter(Adapter, declaration=DECLARATION):
@@ -54,6 +62,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self._threads_requested: int | None = None
         self._memory_limit: dict[str, Any] = {}  # the GPU memory limit requested and not applied, for settings()
         self._neutral: NeutralNet | None = None  # the neutral builder's model, for the canonical state
+        self._own: Any = None  # any other model build trains (a model of your own's block), for its names
+        self._initialised: dict[str, Any] = {}  # how native_model initialised a model of your own, for settings()
         self._training: Training | None = None
         self._inputs: Inputs | None = None
 
@@ -162,21 +172,78 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             info, weights, self.contexts)
         return self._neutral.net
 
+    def native_model(self, model: object, source: NativeSource) -> Model:
+        """A ``mxnet.gluon.HybridBlock`` of your own (``harness.neutral.native.make`` called its factory after
+        ``prepare`` set ``mx.random.seed``), its output taken as the logits (``adapters.mxnet.layers.Logits``: an
+        NDArray, or the first of a tuple), its parameters on every context of the trial (data-parallel: one copy per
+        device, the same values on each). Raises NativeModelError (field ``model``) for anything but a HybridBlock: a
+        plain ``gluon.Block`` cannot be hybridized, so the compiled mode would not be what it says.
+
+        Initialisation is ``block.initialize(mx.init.Uniform(), ctx=contexts, force_reinit=False)``'s
+        (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/block.html#mxnet.gluon.Block.initialize),
+        parameter by parameter: one not yet initialised gets the initializer it carries where it has one
+        (``Dense(weight_initializer=...)``; biases' zeros, batchnorm's ones and zeros) and Gluon's default
+        ``mx.init.Uniform()``, U(-0.07, 0.07), where not, drawn from MXNet's generator that ``prepare`` seeded; one
+        the factory initialised already keeps its values (a deferred one its initializer: ``initialize`` again would
+        replace it with the default), moved to the trial's contexts (``Parameter.reset_ctx``) where it was put
+        elsewhere. Shapes left to Gluon's deferred initialisation (a layer without ``in_channels`` / ``in_units``)
+        are completed by a forward pass of two zero samples of ``source.input`` (NCHW float32 images, int64 token ids)
+        on the first context, outside ``autograd.record`` (inference: batchnorm's running statistics do not move),
+        waited for. The eager mode makes the block imperative (``hybridize(False)``, should the factory have
+        hybridized it); the compiled mode hybridizes it in ``build`` as it does the neutral model. Its batchnorm
+        layers train as MXNet's own: no running-variance correction (``build``)."""
+        if not isinstance(model, gluon.HybridBlock):
+            raise NativeModelError("model", f"{source.factory} returned a {type(model).__module__}."
+                                            f"{type(model).__qualname__}, not a mxnet.gluon.HybridBlock")
+        self._neutral = None
+        params = list(model.collect_params().values())
+        kept, deferred = 0, False
+        for param in params:
+            try:
+                held = param.list_ctx()  # raises RuntimeError unless initialised (or its initialisation deferred)
+            except RuntimeError:
+                param.initialize(None, ctx=self.contexts, default_init=mx.init.Uniform())
+            else:
+                kept += 1
+                if list(held) != self.contexts:
+                    param.reset_ctx(self.contexts)
+            try:
+                param.data(self.ctx)
+            except gluon.parameter.DeferredInitializationError:
+                deferred = True
+        net = L.Logits(model)
+        if self.mode == "eager":
+            net.hybridize(False)
+        if deferred:
+            zeros = np.zeros((2, *source.input.shape), np.int64 if source.input.kind == "tokens" else np.float32)
+            net(nd.array(zeros if source.input.kind == "tokens" else to_layout(zeros, "NCHW"), ctx=self.ctx,
+                         dtype=zeros.dtype))
+            nd.waitall()  # an error of the model's operators is raised here, not at some later wait
+        self._initialised = {
+            "initialisation": "Gluon's: each parameter's own initializer, else mx.init.Uniform() (U(-0.07, 0.07)); "
+                              "parameters the factory initialised are kept",
+            "gluon_parameters": len(params), "parameters_kept_from_factory": kept}  # running statistics included
+        return net
+
+    def train_flops_per_sample(self) -> tuple[int | None, str]:
+        """(None, ``NO_FLOP_COUNTER``): MXNet 1.9.1 has no FLOP counter (https://mxnet.apache.org/versions/1.9.1/api/
+        python/docs/api/mxnet/profiler/index.html: operator timings and memory)."""
+        return None, NO_FLOP_COUNTER
+
     def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
         """``model`` (a Gluon block initialised on the contexts) trained through ``adapters.mxnet.training.Training``;
-        the input (``adapters.mxnet.inputs.Inputs``) for ``task``. The batchnorm layers whose running variance is
-        corrected are the neutral builder's; a batchnorm in another model raises ValueError (its momentum and values
-        per channel are not known here)."""
+        the input (``adapters.mxnet.inputs.Inputs``) for ``task``. The neutral builder's batchnorm layers get the
+        running-variance correction to the canonical (unbiased) update where MXNet's kernel is biased, for the
+        cross-framework equivalence; any other model (a model of your own) is not claimed equal to another
+        framework's, so its batchnorm trains as MXNet's own (biased on the CPU, unbiased with cuDNN), and ``settings``
+        says so. Raises TypeError for anything but a ``gluon.Block``."""
         if not isinstance(model, gluon.Block):
             raise TypeError(f"the mxnet adapter trains a gluon.Block, not {type(model).__name__}")
         batchnorms: list[BatchNormLayer] = []
         if self._neutral is not None and model is self._neutral.net:
-            batchnorms = self._neutral.batchnorms
+            batchnorms, self._own = self._neutral.batchnorms, None
         else:
-            self._neutral = None
-            if _has_batchnorm(model):
-                raise ValueError("the mxnet adapter corrects the running variance of the neutral builder's batchnorm "
-                                 "layers only; this model has others")
+            self._neutral, self._own = None, model.block if isinstance(model, L.Logits) else model
         self._training = Training(model, task, optimizer, self.options, self.contexts, batchnorms)
         self._inputs = Inputs(self.options, self.contexts, task != "image_classification")
 
@@ -226,10 +293,11 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
 
     def get_weights(self) -> Weights:
         """The first context's copy (data-parallel: every context's is the same, each updated with the same summed
-        gradient by the same optimizer arithmetic)."""
+        gradient by the same optimizer arithmetic). Another model than the neutral one: by the names Gluon's
+        ``save_parameters`` writes ("0.weight", "3.gamma": the path of child names, ``_own_params``)."""
         if self._neutral is not None:
             return self._neutral.state(self.ctx, trained=True)
-        return {name: p.data(self.ctx).asnumpy() for name, p in self.training.params.items() if p.grad_req != "null"}
+        return {name: p.data(self.ctx).asnumpy() for name, p in self._own_params().items() if p.grad_req != "null"}
 
     def get_buffers(self) -> Weights:
         """The first context's running statistics: what ``evaluate`` and ``predict`` use. Data-parallel with
@@ -238,7 +306,16 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         ``Parameter._reduce``). With SyncBatchNorm every context's are the same."""
         if self._neutral is not None:
             return self._neutral.state(self.ctx, trained=False)
-        return {name: p.data(self.ctx).asnumpy() for name, p in self.training.params.items() if p.grad_req == "null"}
+        return {name: p.data(self.ctx).asnumpy() for name, p in self._own_params().items() if p.grad_req == "null"}
+
+    def _own_params(self) -> dict[str, Any]:
+        """The parameters of a model other than the neutral one by their path of child names, as
+        ``Block.save_parameters`` names them (``_collect_params_with_prefix``, MXNet 1.9.1): the same in every
+        process, where Gluon's own names ("hybridsequential0_conv0_weight") count the blocks made before."""
+        if self._own is None:
+            raise RuntimeError("the model is not built yet (build)")
+        params: dict[str, Any] = self._own._collect_params_with_prefix()
+        return params
 
     # -- telemetry -----------------------------------------------------------------------------------------------
 
@@ -254,7 +331,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         AMP's target dtype ("" without AMP), the hybridize flags ({} in the eager mode), AMP's loss scale and its
         policy (fp16), and, on a GPU, the memory pool type (``MXNET_GPU_MEM_POOL_TYPE``, default "Naive":
         https://mxnet.apache.org/versions/1.9.1/api/faq/env_var) and the memory limit not applied; data-parallel, the
-        contexts, the kvstore and the batchnorm kind."""
+        contexts, the kvstore and the batchnorm kind; the batchnorm running variance (corrected, or MXNet's own for a
+        model of your own) and how a model of your own was initialised (``native_model``)."""
         hybridized = self.mode == "compiled"
         extras: dict[str, Any] = {
             "threads_requested": self._threads_requested, **thread_settings(),
@@ -262,6 +340,11 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             "hybridized": hybridized,
             "hybridize": dict(HYBRIDIZE_FLAGS) if hybridized else {},
             "optimizer_impl": "PyTorch semantics on MXNet's SGD / adam_update (epsilon * sqrt(1 - beta2^t))",
+            "running_variance": (
+                "MXNet's own (biased on the CPU, unbiased with cuDNN on a GPU): a model of your own gets no correction"
+                if self._own is not None else
+                "canonical: corrected to the unbiased update where MXNet's kernel is biased (the CPU)"),
+            **(self._initialised if self._own is not None else {}),
         }
         trained = self._training.settings() if self._training is not None else {}
         kvstore = trained.pop("kvstore", "device")  # created at build
@@ -277,7 +360,8 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             dp = self.options.data_parallel
             data_parallel = {
                 "contexts": [str(ctx) for ctx in self.contexts], "kvstore": kvstore, "update_on_kvstore": False,
-                "batchnorm": ("SyncBatchNorm (global batch)" if dp is not None and dp.sync_batchnorm
+                "batchnorm": ("the model's own (per device, unless they are SyncBatchNorm)" if self._own is not None
+                              else "SyncBatchNorm (global batch)" if dp is not None and dp.sync_batchnorm
                               else "BatchNorm (per device)")}
         return Settings(precision=self.options.precision, compile=self.mode, intra_op_threads=omp_threads(),
                         inter_op_threads=inter_op_threads(), memory_limit_bytes=None,
@@ -295,8 +379,3 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             return False
         message = str(exc).lower()
         return "out of memory" in message or "failed to allocate cpu memory" in message
-
-
-def _has_batchnorm(block: Any) -> bool:
-    """Whether ``block`` or a block under it is a batchnorm (``nn.BatchNorm``, SyncBatchNorm included)."""
-    return isinstance(block, nn.BatchNorm) or any(_has_batchnorm(child) for child in block._children.values())

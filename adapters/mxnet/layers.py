@@ -2,7 +2,8 @@
 position embedding, multi-head self-attention and sequence pooling, as ``HybridBlock``s that hybridize with the rest of
 the net, and the activation a layer spec names. Images are NCHW and sequences (B, L, D); every weight is held in the
 canonical layout (``harness.neutral.models``), so ``params`` maps each canonical local name to its Gluon ``Parameter``
-as it is. Imported by the neutral builder (``adapters.mxnet.neutral``).
+as it is. Imported by the neutral builder (``adapters.mxnet.neutral``); ``Logits`` wraps a model of your own
+(``adapters.mxnet.adapter``).
 """
 
 from __future__ import annotations
@@ -152,3 +153,21 @@ def params(block: nn.HybridBlock) -> dict[str, Any]:
         return {"in_proj.weight": block.in_proj.weight, "in_proj.bias": block.in_proj.bias,
                 "out_proj.weight": block.out_proj.weight, "out_proj.bias": block.out_proj.bias}
     return {"weight": block.weight} if block.bias is None else {"weight": block.weight, "bias": block.bias}
+
+
+class Logits(nn.HybridBlock):
+    """A ``HybridBlock`` of your own (``MXNetAdapter.native_model``) whose output becomes the logits the harness
+    trains on: an NDArray (a Symbol while hybridized) as it is, or the first element of a tuple or list. ``block``
+    is its only child, so hybridizing this hybridizes it, and its parameters keep their own names."""
+
+    def __init__(self, block: nn.HybridBlock, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.block = block  # registered as the child "block" (Block.__setattr__)
+
+    def hybrid_forward(self, F: Any, x: Any) -> Any:
+        out = self.block(x)
+        if isinstance(out, (tuple, list)):
+            if not out:
+                raise TypeError("the model returned an empty tuple, not logits")
+            return out[0]
+        return out

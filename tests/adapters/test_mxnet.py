@@ -1,6 +1,7 @@
 """MXNet adapter: the conformance suite (tests/adapters/conformance.py), and what is MXNet's own: the optimizers'
 update rules, evaluation across batch shapes, a step that queues its work, the epoch staged once by ``batches``, the
-batchnorm kernel's biased variance, the settings, the GPU memory limit, and OOM classification."""
+batchnorm kernel's biased variance, the settings, the GPU memory limit, OOM classification, and what ``build``
+takes (a model of your own: test_mxnet_native.py)."""
 
 import json
 import os
@@ -301,15 +302,16 @@ def test_batches_stage_the_epoch_once_when_called_and_steps_are_its_slices(monke
         np.testing.assert_array_equal(states[1][name], value, err_msg=name)
 
 
-def test_an_unknown_model_with_batchnorm_is_refused_by_build():
-    """``build`` trains any Gluon block, but corrects the running variance only of the neutral builder's batchnorm
-    layers: another model with batchnorm is refused rather than trained with MXNet's biased update."""
+def test_build_trains_any_gluon_block_and_refuses_anything_else():
+    """``build`` trains any Gluon block, batchnorm included (corrected only in the neutral builder's model; another
+    model's trains as MXNet's own: tests/adapters/test_mxnet_native.py), and refuses what is not a block."""
     adapter = MXNetAdapter()
     adapter.prepare("cpu", 2, 0)
     net = mx.gluon.nn.HybridSequential()
     net.add(mx.gluon.nn.Dense(4, in_units=3), mx.gluon.nn.BatchNorm(in_channels=4))
     net.initialize(ctx=adapter.contexts)
-    with pytest.raises(ValueError, match="neutral builder's batchnorm"):
-        adapter.build(net, "image_classification", kit.SGD)
+    adapter.build(net, "image_classification", kit.SGD)
+    assert adapter.training.variance.corrected == []
+    assert set(adapter.get_buffers()) == {"1.running_mean", "1.running_var"}
     with pytest.raises(TypeError, match="gluon.Block"):
         adapter.build(object(), "image_classification", kit.SGD)
