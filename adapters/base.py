@@ -105,6 +105,8 @@ class RunOptions(BaseModel):
     input: InputMode = "resident"
     #: the loader's workers and prefetch (``input == "loader"``)
     loader: LoaderSpec = Field(default_factory=LoaderSpec)
+    #: a directory for the framework's persistent compilation cache (JAX's); None: no cache
+    compilation_cache: str | None = None
 
 
 class Settings(BaseModel):

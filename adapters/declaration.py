@@ -95,6 +95,11 @@ class Declaration:
     loader_modules: what ``input: loader`` needs in the entry's environment beside the framework, module ->
     distribution (JAX's Grain): the environment probe requires them before a loader trial runs.
     limits: further combinations it cannot train (``Limit``), each with its reason.
+    fork_safe: a worker may be forked from a parent that has imported the adapter's module (and so the framework)
+    and done nothing else (``harness.execution.forkserver``): the framework starts no thread at import that a fork
+    would leave behind, or re-creates them after fork itself; shown by tests/execution/test_forkserver.py. preload:
+    modules the parent imports besides the adapter's, which every trial would import later (PyTorch imports
+    ``torch._dynamo`` when its first optimizer is made).
     native_model: the framework's own model type it adopts from a factory (a model of your own,
     ``harness.spec.NativeModel``), in words ("torch.nn.Module"); "" when it adopts none, and ``native_note`` says
     what to use instead. shared_weights: for a family whose adapters must start a model of your own from the same
@@ -136,6 +141,8 @@ class Declaration:
     limits: tuple[Limit, ...] = ()
     native_model: str = ""
     native_note: str = ""
+    fork_safe: bool = False
+    preload: tuple[str, ...] = ()
     shared_weights: str = ""
     family: str = ""
     backend: str = ""

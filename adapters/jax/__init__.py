@@ -34,6 +34,7 @@ DECLARATION = Declaration(
     # jax.device_put ahead of the step (adapters.jax.inputs: Inputs.open_loader, _device_prefetch); the environment
     # probe requires grain before a loader trial runs
     loader="grain.MapDataset",
+    fork_safe=True,
     loader_modules={"grain": "grain"},
     sync_batchnorm_note=("lax.pmean of the batch moments over the devices (two all-reduces per batchnorm layer); "
                          "without it each device normalises its own shard and the running statistics are the mean "

@@ -117,6 +117,10 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         memory cap, and the seed of the training PRNG key. ``threads`` is the launcher's: XLA's CPU client has no
         thread count of its own (``adapters.jax.runtime`` turns its Eigen pool off for one thread)."""
         jax.config.update("jax_default_matmul_precision", self._compute.precision.name.lower())
+        if self.options.compilation_cache is not None:  # JAX's persistent cache, every program whatever its size
+            jax.config.update("jax_compilation_cache_dir", self.options.compilation_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         if device.startswith("cuda"):
             self._apply_memory_limit()
             if (problem := self.device_problem(device)) is not None:
@@ -283,6 +287,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             "matmul_precision": self._compute.precision.name.lower(),  # of those ops; "highest" is float32
             **(self._training.settings() if self._training is not None else {}),
             "allocator_peak": "since the worker started (JAX cannot reset it)",
+            "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
         }
         if not one_thread():
             extras["intra_op_threads_note"] = "XLA's default (every core; it has no intra-op thread count)"

@@ -33,6 +33,7 @@ DECLARATION = Declaration(
                             "every context applies the same update (update_on_kvstore=False)",
     sync_batchnorm=CUDA,
     loader="mxnet.gluon.data.DataLoader",
+    fork_safe=True,
     sync_batchnorm_note="mx.gluon.contrib.nn.SyncBatchNorm, on GPUs only and in fp32 only ('does not support FP16 "
                         "training'): over CPU contexts MXNet 1.9.1's SyncBatchNorm deadlocks, because every CPU "
                         "context draws its temporary workspace from one shared pool (MXNET_CPU_TEMP_COPY, 4 by "

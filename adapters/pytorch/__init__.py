@@ -27,6 +27,9 @@ DECLARATION = Declaration(
                              "NCCL on CUDA GPUs), gradients all-reduced in buckets during the backward pass"),
     sync_batchnorm=CUDA,
     loader="torch.utils.data.DataLoader",
+    fork_safe=True,
+    # torch.optim.Optimizer's constructor imports TorchDynamo (about 1.5 s on the project's CPU VM)
+    preload=("torch._dynamo",),
     native_model="torch.nn.Module",
     sync_batchnorm_note=("torch.nn.SyncBatchNorm runs on GPUs only: on the CPU its forward raises \"SyncBatchNorm "
                          "expected input tensor to be on GPU\" (torch 2.13)"),

@@ -31,6 +31,7 @@ DECLARATION = Declaration(
                              "(tf.config.set_logical_device_configuration) or N GPUs; one process"),
     sync_batchnorm=BOTH,
     loader="tf.data.Dataset",
+    fork_safe=True,
     native_note=("a TensorFlow model of your own is a Keras model: give it to a keras-tensorflow entry ({name: keras, "
                  "backend: tensorflow, model: ...})"),
     sync_batchnorm_note=("the moments all-reduced in the replica context (ReplicaContext.all_reduce), as Keras's "

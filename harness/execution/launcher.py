@@ -17,6 +17,7 @@ sweep before any worker starts, from ``harness.plan.unsupported_reason``).
 
 from __future__ import annotations
 
+import atexit
 import os
 import selectors
 import signal
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from harness.execution import forkserver
 from harness.execution.entry import worker_command
 from harness.execution.protocol import Payload, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
@@ -63,6 +65,9 @@ class Outcome:
     log_tail: str = ""
     wall_seconds: float = 0.0
     sampler: dict[str, Any] = field(default_factory=dict)
+    start: str = "cold"  # cold, or forked from a preloaded parent (harness.execution.forkserver)
+    started: float = 0.0  # time.monotonic() when the launcher started the worker
+    ended: float = 0.0  # time.monotonic() when it saw the worker's exit
 
     def result(self) -> Result | None:
         """The worker's last ``result`` event, or None."""
@@ -124,7 +129,7 @@ def _tail(log: Any) -> str:
     return log.read().decode("utf-8", errors="replace")
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: subprocess.Popen[bytes] | forkserver.Forked) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -204,11 +209,38 @@ def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, dev
     wall = time.monotonic() - started
     returncode = run.proc.returncode
     status, reason = classify(returncode, run.events, run.timed_out, timeout_s, tail)
+    ended = run.ended or time.monotonic()
     if sampler is None:
-        return Outcome(status, reason, run.events, [], returncode, tail, wall, {"backend": None, "interval_s": None})
+        return Outcome(status, reason, run.events, [], returncode, tail, wall, {"backend": None, "interval_s": None},
+                       run.start, started, ended)
     note = "; ".join(filter(None, [note, *run.notes])) or None
     return Outcome(status, reason, run.events, list(sampler.samples), returncode, tail, wall,
-                   sampler_info(sampler, note, run.events))
+                   sampler_info(sampler, note, run.events), run.start, started, ended)
+
+
+#: The preloaded parents of this process's forked workers (``harness.execution.forkserver``), ended at its exit.
+SERVERS = forkserver.Servers()
+atexit.register(SERVERS.close)
+
+
+def start_mode(payload: Payload) -> str:
+    """How ``payload``'s worker starts: "forked" from a preloaded parent when the spec allows it (``worker_start:
+    auto``), the platform can, the framework's declaration says its imports are safe to fork from
+    (``Declaration.fork_safe``; an adapter of HARNESS_ADAPTERS has no declaration here) and the entry runs a plain
+    interpreter (a command prefix, a container, cannot receive the worker's streams); "cold" otherwise."""
+    import adapters  # the registry of declarations: imports no framework
+
+    trial = payload.trial
+    record = adapters.declaration(trial.framework)
+    if (payload.spec.worker_start != "auto" or trial.command or record is None or not record.fork_safe
+            or not forkserver.forkable()):
+        return "cold"
+    return "forked"
+
+
+def close_servers() -> None:
+    """Ends every preloaded parent (the end of a sweep or a search: each holds a framework's memory)."""
+    SERVERS.close()
 
 
 def sampled_devices(payload: Payload, device: str) -> str | list[str]:
@@ -235,8 +267,18 @@ class _WorkerRun:
         settings = {**worker_settings(threads, allocator=payload.spec.allocator.model_dump(mode="json")), **(env or {})}
         payload = payload.model_copy(update={"env": settings, "launcher_pid": os.getpid(),
                                              "cpus": list(cpus) if cpus else payload.cpus})
-        self.proc = subprocess.Popen(worker_argv(payload.trial), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=log, env={**os.environ, **settings}, start_new_session=True)
+        self.start, self.ended = start_mode(payload), 0.0
+        self.proc: subprocess.Popen[bytes] | forkserver.Forked
+        if self.start == "forked":
+            try:
+                entry = FrameworkEntry(name=payload.trial.framework, python=payload.trial.python)
+                self.proc = SERVERS.get(entry.argv(), payload.trial.framework, settings).spawn(log)
+            except (RuntimeError, OSError) as err:
+                self.notes.append(f"not forked ({err}): started cold")
+                self.start = "cold"
+        if self.start == "cold":
+            self.proc = subprocess.Popen(worker_argv(payload.trial), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, env={**os.environ, **settings}, start_new_session=True)
         if sampler is not None:
             sampler.start(self.proc.pid)
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -314,11 +356,13 @@ class _WorkerRun:
         if not self.timed_out:
             try:
                 self.proc.wait(timeout=max(0.0, deadline - time.monotonic()) + KILL_GRACE_S)
+                self.ended = time.monotonic()
                 return
             except subprocess.TimeoutExpired:
                 self.timed_out = True
         _kill_group(self.proc)
         self.proc.wait()
+        self.ended = time.monotonic()
 
     def close(self) -> None:
         """Stops the sampler and makes sure nothing of the worker outlives it."""

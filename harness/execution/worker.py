@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy as np
 
 from harness.execution.loop import TrialError, train
-from harness.execution.protocol import Error, ErrorKind, Payload, Ready, Result, Start, event_line
+from harness.execution.protocol import Error, ErrorKind, Payload, Phase, Ready, Result, Start, event_line
 from harness.neutral import native
 from harness.neutral.info import Input, ModelInfo
 from harness.plan import Trial, entry_for, trained_model
@@ -93,8 +93,10 @@ def run_options(declaration: Declaration, spec: Spec, trial: Trial, rank: int = 
         processes = trial.data_parallel if declaration.data_parallel == "processes" else 1
         data_parallel = DataParallel(devices=trial.devices, processes=processes, rank=rank,
                                      sync_batchnorm=trial.sync_batchnorm)
+    cache = None if spec.compilation_cache is None else os.path.abspath(spec.compilation_cache)
     return RunOptions(precision=trial.precision, compile=trial.compile, memory_limit_bytes=trial.memory_limit_bytes,
-                      allocator=allocator, data_parallel=data_parallel, input=trial.input, loader=trial.loader)
+                      allocator=allocator, data_parallel=data_parallel, input=trial.input, loader=trial.loader,
+                      compilation_cache=cache)
 
 
 def cannot_train(declaration: Declaration, info: ModelInfo | NativeTask, trial: Trial) -> str | None:
@@ -140,7 +142,9 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         entry = entry_for(spec, trial.label or trial.framework)
         feed, classes = datasets.describe_input(spec.dataset)
         info = trained_model(spec, entry)  # the neutral model's analysis, or a model of your own's task
+        events.emit(Phase(name="import", edge="start"))
         cls, ranks, rank = _adapter_class(payload, info, events)
+        events.emit(Phase(name="import", edge="end"))
         adapter = cls(run_options(cls.declaration, spec, trial, rank))
         if trial.device == "cpu" and trial.memory_limit_bytes:
             from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
@@ -152,7 +156,10 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
             threads = max(1, threads // trial.data_parallel)  # the trial's threads shared by its ranks
         adapter.prepare(trial.device, threads, trial.seed)  # a rank's own device is in its options
         # a loader reads an image folder's training images from their files: they are not held here as well
+        events.emit(Phase(name="data", edge="start"))
         data = datasets.load(spec.dataset, seed=trial.seed, train_images=trial.input == "resident")
+        events.emit(Phase(name="data", edge="end"))
+        events.emit(Phase(name="build", edge="start"))
         optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
         if isinstance(info, ModelInfo):
             adapter.build_neutral(info, models.initial_weights(info, trial.seed), optimizer)
@@ -162,6 +169,7 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
             adapter.build(adapter.native_model(native.make(entry.model, trial.seed), source), info.task, optimizer)
         _load(adapter, spec, trial, data)
         adapter.wait()
+        events.emit(Phase(name="build", edge="end"))
         events.emit(Ready(versions=adapter.versions(), settings=adapter.settings().record()))
         measured = train(adapter, data, trial, events.emit)
         added: dict[str, Any] = {**_model_metrics(adapter, info, trial, optimizer, measured), **_data_metrics(data),

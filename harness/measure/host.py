@@ -62,15 +62,17 @@ class HostBackend:
         if self._pid is None:
             return {}
         cpu = 0.0
-        rss = 0
+        rss = anon = 0
         for proc in self._current_tree():
             try:
                 with proc.oneshot():
                     cpu += proc.cpu_percent(None)
-                    rss += proc.memory_info().rss
+                    memory = proc.memory_info()
+                    rss += memory.rss
+                    anon += memory.rss - getattr(memory, "shared", 0)  # Linux: RssAnon (shared = RssFile + RssShmem)
             except psutil.Error:
                 continue
-        return {"cpu_percent": cpu, "rss_bytes": float(rss)}
+        return {"cpu_percent": cpu, "rss_bytes": float(rss), "rss_anon_bytes": float(anon)}
 
     def close(self) -> None:
         self._procs = {}
@@ -78,4 +80,6 @@ class HostBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": "host", "cpu_count": psutil.cpu_count(), "unavailable": dict(self.unavailable), "metrics": {
             "cpu_percent": "CPU use of the worker process tree, % (100 = one core busy)",
-            "rss_bytes": "resident memory of the worker process tree, bytes"}}
+            "rss_bytes": "resident memory of the worker process tree, bytes",
+            "rss_anon_bytes": "of that, the anonymous memory (heap, the framework's allocations, tensors, the "
+                              "dataset; not the libraries' file-backed pages), bytes"}}

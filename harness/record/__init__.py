@@ -32,6 +32,7 @@ from harness.record.metrics import (
     TimeToTarget,
     TrialMetrics,
 )
+from harness.record.phases import TrialPhases
 from harness.record.run import FrameworkEnvironment, Interruption, RunRecord
 from harness.record.sampler import DeviceSummary, EnergyInfo, MetricStats, SamplerInfo, ThrottleInfo
 from harness.record.trial import Placement, TrialRecord
@@ -40,5 +41,5 @@ from harness.record.version import SCHEMA_VERSION, SchemaError, check_version
 __all__ = ["SCHEMA_VERSION", "AllocatorMemory", "DataParallelism", "DeviceSummary", "EnergyInfo", "Epoch",
            "EpochMetrics", "Error", "ErrorKind", "Event", "FrameworkEnvironment", "Interruption", "MemoryLimit",
            "MemoryPeak", "MetricStats", "Phase", "Placement", "PredictedMemory", "Ready", "Result", "RunRecord",
-           "SamplerInfo", "SchemaError", "Start", "ThrottleInfo", "TimeToTarget", "TrialMetrics", "TrialRecord",
-           "check_version", "event_data", "first", "parse_events", "phase_windows"]
+           "SamplerInfo", "SchemaError", "Start", "ThrottleInfo", "TimeToTarget", "TrialMetrics", "TrialPhases",
+           "TrialRecord", "check_version", "event_data", "first", "parse_events", "phase_windows"]

@@ -50,11 +50,14 @@ class Ready(_Event):
     settings: dict[str, Any] = Field(default_factory=dict)
 
 
-PhaseName = Literal["warmup", "train", "eval", "augment"]
+#: import: the adapter's module (the framework) imported; data: the dataset loaded; build: the model built, the data
+#: placed on the device and the loader opened; warmup, train (a timed window), eval, augment (an epoch's images).
+PhaseName = Literal["import", "data", "build", "warmup", "train", "eval", "augment"]
 
 
 class Phase(_Event):
-    """An edge of a phase: warm-up, a timed training window run, an evaluation, an augmentation load."""
+    """An edge of a phase (``PhaseName``): the framework's import, the data, the model's build, warm-up, a timed
+    training window, an evaluation, an augmentation load."""
 
     event: Literal["phase"] = "phase"
     name: PhaseName

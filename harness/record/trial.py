@@ -5,7 +5,7 @@ in ``results/trial.schema.json``), and ``Placement``, where and when it ran: the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -13,6 +13,7 @@ from pydantic.dataclasses import dataclass
 from harness.plan import Status
 from harness.record.base import Strict
 from harness.record.metrics import TrialMetrics
+from harness.record.phases import TrialPhases
 from harness.record.sampler import SamplerInfo
 from harness.record.version import SCHEMA_VERSION
 
@@ -76,6 +77,10 @@ class TrialRecord(Strict):
                                                                        "allocator, loader")
     finished: str | None = Field(default=None, description="UTC time the record was written, ISO 8601")
     placement: Placement | None = None
+    start: Literal["cold", "forked"] | None = Field(default=None, description=(
+        "how the worker started: cold (a new interpreter that imported the framework) or forked (from a parent "
+        "per environment that had imported it, harness.execution.forkserver)"))
+    phases: TrialPhases | None = Field(default=None, description="where the worker's wall time went, seconds")
     log_tail: str | None = Field(default=None, description="not ok: the end of the worker's standard error")
     traceback: str | None = Field(default=None, description="not ok: the worker's traceback, where it sent one")
 

@@ -41,6 +41,11 @@ def _cpus(record: TrialRecord) -> str | None:
     return None if cpus is None else ",".join(map(str, cpus))
 
 
+def _phase(name: str) -> Callable[[TrialRecord], float | None]:
+    """A reader of one of the record's phases (``TrialPhases``), seconds."""
+    return lambda r: None if r.phases is None else getattr(r.phases, name)
+
+
 #: The columns of ``Run.trials`` after the identity columns: name (units in the name) -> how it is read from a trial
 #: record (results/README.md says what each field means).
 TRIAL_COLUMNS: dict[str, Callable[[TrialRecord], Any]] = {
@@ -60,6 +65,7 @@ TRIAL_COLUMNS: dict[str, Callable[[TrialRecord], Any]] = {
     "final_train_loss": lambda r: r.metrics.final_train_loss,
     "peak_memory_bytes": derived.peak_memory_bytes,
     "rss_peak_bytes": lambda r: r.sampler.stat("rss_bytes", "max"),
+    "rss_anon_peak_bytes": lambda r: r.sampler.stat("rss_anon_bytes", "max"),
     "cpu_util_mean_pct": lambda r: r.sampler.stat("cpu_pct", "mean"),
     "gpu_util_mean_pct": lambda r: r.sampler.stat("gpu_util_pct", "mean"),
     "gpu_util_max_pct": lambda r: r.sampler.stat("gpu_util_pct", "max"),
@@ -83,6 +89,10 @@ TRIAL_COLUMNS: dict[str, Callable[[TrialRecord], Any]] = {
     "started_unix_s": lambda r: None if r.placement is None else r.placement.started_unix_s,
     "ended_unix_s": lambda r: None if r.placement is None else r.placement.ended_unix_s,
     "finished": lambda r: r.finished,
+    "worker_start": lambda r: r.start,
+    **{f"phase_{name}": _phase(name) for name in ("start_s", "import_s", "prepare_s", "data_s", "build_s",
+                                                   "warmup_s", "timed_s", "eval_s", "other_s", "teardown_s",
+                                                   "total_s")},
 }
 
 IDENTITY = ("id", "row", "label", "framework", "environment", "variant", "precision", "compile", "batch_size",

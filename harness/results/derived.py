@@ -66,9 +66,19 @@ def mean_power_w(record: TrialRecord) -> float | None:
 
 def peak_memory_bytes(record: TrialRecord) -> float | None:
     """The report's memory figure: the worker's NVML process memory on a GPU (the device's used memory where NVML
-    has no per-process figure), the resident memory of the worker's process tree on the CPU; peaks over the timed
-    windows."""
-    for metric in ("process_memory_bytes", "device_memory_used_bytes", "rss_bytes"):
+    has no per-process figure), ``host_memory_bytes`` on the CPU; peaks over the timed windows."""
+    for metric in ("process_memory_bytes", "device_memory_used_bytes"):
+        if (value := record.sampler.stat(metric, "max")) is not None:
+            return value
+    return host_memory_bytes(record)
+
+
+def host_memory_bytes(record: TrialRecord) -> float | None:
+    """On the CPU: the peak anonymous resident memory of the worker's process tree over the timed windows (its heap,
+    the framework's allocations, tensors and the dataset; not the libraries' file-backed pages, whose resident count
+    depends on how the process started: a worker forked from a preloaded parent faults in only the pages it touches,
+    ``harness.execution.forkserver``); for a run recorded before that figure existed, the whole resident memory."""
+    for metric in ("rss_anon_bytes", "rss_bytes"):
         if (value := record.sampler.stat(metric, "max")) is not None:
             return value
     return None

@@ -46,16 +46,17 @@ def _memory_words(data: ReportData, metric: Metric) -> str:
                 "what its allocator reserved plus the CUDA context (the device's used memory where NVML gives no "
                 "per-process figure), not the framework allocator's own peak, which each framework counts its own "
                 "way")
-    return (f"the report's {metric.title} ({metric.unit}): the peak resident set size of the worker's process tree, "
-            "which includes the interpreter, the libraries (Keras's own among them) and the dataset")
+    return (f"the report's {metric.title} ({metric.unit}): the peak anonymous resident memory of the worker's process "
+            "tree (RSS less its file-backed and shared pages), which includes the interpreter's heap, the framework's "
+            "allocations (Keras's own among them) and the dataset, not the libraries' code")
 
 
 def keras_native_section(data: ReportData) -> Section | None:
     """Per (Keras row, native row) pair (``pairs``) and batch size at which both have ok trials: the throughput
     ratio, Keras / native of the median throughput over the ok repeats (samples/s; below 1 Keras trains fewer samples
     per second: 0.80 is 20 % slower), and the peak memory ratio, Keras / native of the median of the report's memory
-    metric (on a GPU the worker process's NVML peak, on the host the worker tree's peak RSS; above 1 Keras needs
-    more), each with ``noise_verdict`` on the two cells' 95% bootstrap intervals of the median. None when no Keras
+    metric (on a GPU the worker process's NVML peak, on the host the worker tree's peak anonymous RSS; above 1 Keras
+    needs more), each with ``noise_verdict`` on the two cells' 95% bootstrap intervals of the median. None when no Keras
     row's native adapter is in the run."""
     found = pairs(data)
     if not found:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from harness.record.metrics import PREDICTED_PARTS
 from harness.record.trial import TrialRecord
+from harness.results.derived import host_memory_bytes
 from harness.results.metrics import MB, Metric, Read, scaled, title
 from harness.results.sections import Paragraph, Section, batch_table
 from harness.results.tables import ReportData, format_cell, metric_table
@@ -18,8 +19,9 @@ NOTE = {
             "NVML's memory of the worker process (which also holds the CUDA context and the allocator's cache). "
             "Difference = measured - predicted - the resident dataset: what the framework adds (workspaces for "
             "convolutions and matrix products, temporaries of the backward pass, allocator rounding).",
-    "host": "Measured on the CPU: the peak resident memory (RSS) of the worker, which also holds the interpreter and "
-            "the framework's libraries (hundreds of MB before the first tensor), so the difference here is mostly "
+    "host": "Measured on the CPU: the peak anonymous resident memory of the worker, which also holds the "
+            "interpreter's and the framework's own allocations (hundreds of MB before the first tensor), so the "
+            "difference here is mostly "
             "the runtime, not the training step; on a GPU the allocator's own peak makes it the framework's "
             "overhead and workspace.",
 }
@@ -29,10 +31,9 @@ def _measured(record: TrialRecord) -> float | None:
     """Bytes the framework was measured to hold (see NOTE)."""
     if (allocator := record.metrics.memory.allocator_peak_bytes) is not None:
         return float(allocator)
-    for metric in ("process_memory_bytes", "rss_bytes"):
-        if (value := record.sampler.stat(metric, "max")) is not None:
-            return value
-    return None
+    if (value := record.sampler.stat("process_memory_bytes", "max")) is not None:
+        return value
+    return host_memory_bytes(record)
 
 
 def _part(part: str) -> Read:

@@ -138,8 +138,11 @@ def metrics_for(backend: str) -> list[Metric]:
                    "cpu_pct"),
             Metric("util_max", "CPU use (max)", "%", sampler_stat("cpu_pct", "max"), 1, "max of the same samples",
                    "cpu_pct"),
-            Metric("memory", "Resident memory (peak)", "MB", sampler_stat("rss_bytes", "max", 1 / MB), 1,
-                   "peak resident set size of the worker process tree (psutil); MB = 10^6 bytes", "rss_bytes"),
+            Metric("memory", "Memory (peak)", "MB", scaled(derived.host_memory_bytes, 1 / MB), 1,
+                   "peak anonymous resident memory of the worker process tree (psutil: RSS less its file-backed and "
+                   "shared pages): the heap, the framework's allocations, tensors and the dataset, not the libraries' "
+                   "code, whose resident share depends on how the process started; MB = 10^6 bytes (runs recorded "
+                   "before this figure: the whole RSS)", "rss_anon_bytes"),
         ]
     return device[:3] + common + device[3:]
 

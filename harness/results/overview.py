@@ -120,6 +120,9 @@ def header_section(data: ReportData) -> Section:
         + f"; {timing_mode(spec.get('timing', {}))}",
         f"Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
         "Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
+        *([f"Compilation cache: JAX's persistent cache in `{spec['compilation_cache']}`, shared by the trials: a "
+           "first step or warm-up that found its programs there read them from disk instead of compiling"]
+          if spec.get("compilation_cache") else []),
         *([f"Interrupted by {run.interrupted.by} at {run.interrupted.at}: {len(run.interrupted.not_run)} planned "
            "trial(s) not run; `harness run SPEC --resume RUN_DIR` continues it"] if run.interrupted else []),
     ]
@@ -138,7 +141,7 @@ def header_section(data: ReportData) -> Section:
                          "it (see How the sampler fared).")
     else:
         notes.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
-                     "and the memory rows its resident memory (RSS), in the layout of the GPU tables.")
+                     "and the memory rows its anonymous resident memory, in the layout of the GPU tables.")
     title_text = f"{spec['name']}: {len(records)} of {len(run.planned_trials)} trials"
     return Section("header", title_text, (BulletList(tuple(items)), Lines(tuple(notes))), level=1)
 

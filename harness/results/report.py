@@ -37,6 +37,7 @@ from harness.results.plots import plot, plot_trial
 from harness.results.precision import precision_accuracy_section
 from harness.results.sections import Section, to_markdown
 from harness.results.tables import ReportData
+from harness.results.time_budget import time_budget_section
 
 __all__ = ["ReportData", "build", "render_markdown", "sections", "write"]
 
@@ -52,13 +53,13 @@ def study_sections(data: ReportData) -> list[Section | None]:
 def sections(data: ReportData) -> list[Section]:
     """The whole report as sections: the header, the environments, the models (where an entry brings its own), the
     Ohio State layout, the memory layers, one section per metric, Keras over native (where a Keras row's native
-    framework is in the run), the study sections, how the sampler fared, the failed trials and the plots. Sections
-    with nothing to say are left out."""
+    framework is in the run), the study sections, how the sampler fared, where the trials' time went, the failed
+    trials and the plots. Sections with nothing to say are left out."""
     found = [header_section(data), environment_section(data), models_section(data), ohio_state_section(data),
              memory_layers_section(data), memory_breakdown_section(data),
              *(metric_section(data, metric) for metric in data.metrics),
              keras_native_section(data), *study_sections(data), measurement_notes(data), slow_window_notes(data),
-             side_by_side_section(data), failed_section(data), plots_section(data)]
+             time_budget_section(data), side_by_side_section(data), failed_section(data), plots_section(data)]
     return [section for section in found if section is not None]
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 
 from harness.record.run import RunRecord
 from harness.record.trial import TrialRecord
+from harness.results.derived import host_memory_bytes
 from harness.results.metrics import MB, Metric, metrics_for, scaled, spec_rows, title
 from harness.results.stats import mean_ci, median_ci, overlaps
 
@@ -200,7 +201,7 @@ def ohio_state_rows(data: ReportData) -> list[tuple[str, list[str]]]:
     epochs = data.spec["epochs"]
     util, memory = metrics["util"], metrics["memory"]
     util_label = "GPU use %" if data.backend == "nvml" else "CPU use %"
-    memory_label = "GPU memory MB" if data.backend == "nvml" else "RSS MB"
+    memory_label = "GPU memory MB" if data.backend == "nvml" else "memory MB"
     extra = [(metrics[key], label) for key, label in UTIL_ROWS if key in metrics
              and any(metrics[key].read(r) is not None for r in data.records)]
     rows = []
@@ -218,9 +219,11 @@ MEMORY_NOTE = {
             "the framework allocator's own peak of live tensors (PyTorch max_memory_allocated, and "
             "max_memory_reserved; TensorFlow get_memory_info peak; MXNet exposes no peak). Every layer includes the "
             "dataset, which the harness keeps on the device (data MB row).",
-    "host": "On the CPU there is one layer: the resident memory (RSS) of the worker process tree, peak over the timed "
-            "windows, MB = 10^6 bytes; it includes the interpreter, the framework libraries and the dataset "
-            "(data MB row). PyTorch, TensorFlow and MXNet keep no allocator statistics for CPU memory.",
+    "host": "On the CPU: the anonymous resident memory of the worker process tree (RSS less its file-backed and shared "
+            "pages), peak over the timed windows, MB = 10^6 bytes; it includes the interpreter's heap, the "
+            "framework's allocations and the dataset (data MB row), not the libraries' code, whose resident share "
+            "depends on how the worker started; the whole RSS is the RSS MB row. PyTorch, TensorFlow and MXNet keep "
+            "no allocator statistics for CPU memory.",
 }
 
 
@@ -233,7 +236,7 @@ def memory_rows(data: ReportData) -> list[tuple[str, list[str]]]:
             ("allocator peak MB", lambda r: r.metrics.memory.allocator_peak_bytes),
             ("allocator reserved peak MB", lambda r: r.metrics.memory.allocator_reserved_peak_bytes)]
     else:
-        layers = [("RSS MB", lambda r: r.sampler.stat("rss_bytes", "max"))]
+        layers = [("memory MB", host_memory_bytes), ("RSS MB", lambda r: r.sampler.stat("rss_bytes", "max"))]
     layers.append(("data MB", lambda r: r.metrics.data_bytes))
     rows = []
     for fw in data.frameworks:

@@ -119,6 +119,15 @@ class Spec(_Strict):
     then global batches per optimizer step, each device training on batch size / N. input: ``InputMode``
     (default ``resident``); ``loader`` feeds every step through the framework's own data loader, configured by
     ``loader`` (``LoaderSpec``), and records the time each step waited for its batch.
+    worker_start: how each trial's fresh worker process starts: ``auto`` (forked from a parent per environment that
+    has imported the framework, where the framework's declaration says that is safe, ``harness.execution.forkserver``;
+    cold otherwise) or ``cold`` (a new interpreter every time). Either way each trial has its own process, allocator
+    and device state; the record says which path each trial took.
+    compilation_cache: a directory for JAX's persistent compilation cache (``jax_compilation_cache_dir``, every
+    program cached whatever its compile time), shared by the run's trials; None (the default): no cache, so every
+    trial's first step and warm-up include compiling. A warm cache changes what first-step time means (a read from
+    disk, not a compile); the report says when one was used. The other frameworks' caches are not set by the harness
+    (``docs/design/framework-caveats.md``).
     model: the framework-neutral model, built by every framework alike; optional when every framework entry brings
     a model of its own (``FrameworkEntry.model``; ``harness.plan.check`` says which entries lack one).
     """
@@ -157,6 +166,8 @@ class Spec(_Strict):
     data_parallel: DataParallelSpec | None = None
     input: InputMode = "resident"
     loader: LoaderSpec = LoaderSpec()
+    worker_start: Literal["auto", "cold"] = "auto"
+    compilation_cache: str | None = Field(default=None, min_length=1)
 
     @field_validator("base_batch_size")
     @classmethod

@@ -20,6 +20,7 @@ from harness.record import (
     RunRecord,
     SamplerInfo,
     TrialMetrics,
+    TrialPhases,
     TrialRecord,
     first,
 )
@@ -68,6 +69,7 @@ def trial_record(trial: Trial, outcome: Outcome, placement: Placement | None = N
         "sampler": SamplerInfo.from_measure(outcome.sampler),
         "versions": (result.versions if result is not None else {}) or (ready.versions if ready else {}),
         "settings": (result.settings if result is not None else {}) or (ready.settings if ready else {}),
+        "start": outcome.start, "phases": TrialPhases.from_events(outcome.events, outcome.started, outcome.ended),
         "finished": now(), **failed, **where})
 
 

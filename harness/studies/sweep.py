@@ -9,6 +9,7 @@ from typing import Any
 
 from harness.execution.environments import probe_entries
 from harness.execution.executors import Executor, ExecutorError, Finished, LocalExecutor, local_slots
+from harness.execution.launcher import close_servers
 from harness.execution.protocol import Payload
 from harness.measure import machine
 from harness.measure.machine import resolve_device
@@ -94,6 +95,7 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     finally:
         if made:
             executor.close()
+        close_servers()  # the preloaded parents of forked workers: each holds a framework's memory
     RunFile(run_dir).update(lambda run: run.finish(now()))
     return run_dir
 

@@ -55,7 +55,9 @@ def test_events_are_stamped_and_phases_are_ordered(fault_adapter, tmp_path):
     run_dir = run_spec(spec, tmp_path / "results")
     events = store.read_events(run_dir, "fault-bs64-r0")  # typed, as the launcher kept them
     kinds = [(e.event, getattr(e, "name", None), getattr(e, "edge", None)) for e in events]
-    assert kinds[:3] == [("start", None, None), ("ready", None, None), ("phase", "warmup", "start")]
+    assert kinds[:9] == [("start", None, None), ("phase", "import", "start"), ("phase", "import", "end"),
+                         ("phase", "data", "start"), ("phase", "data", "end"), ("phase", "build", "start"),
+                         ("phase", "build", "end"), ("ready", None, None), ("phase", "warmup", "start")]
     assert kinds.count(("phase", "train", "start")) == 3 and kinds[-1] == ("result", None, None)
     stamps = [e.t for e in events]
     assert stamps == sorted(stamps)

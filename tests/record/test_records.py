@@ -7,6 +7,7 @@ circle inside ``harness.results``."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import json
 import math
@@ -90,13 +91,20 @@ def test_a_stored_version_1_run_reads_as_this_versions_records(tmp_path):
 
 def test_the_report_of_a_stored_version_1_run_is_the_one_its_own_harness_wrote(tmp_path):
     """What a run measures and writes stays the same: the report of the stored run, written now, is line for line
-    the one the harness that wrote the run made of it (``data/v1-run.report.md``), but for the training loss's
-    meaning, corrected on purpose."""
-    text = report.write(_copy(tmp_path)).read_text()
-    before = (DATA / "v1-run.report.md").read_text()
-    changed = [(a, b) for a, b in zip(before.splitlines(), text.splitlines()) if a != b]
-    assert len(text.splitlines()) == len(before.splitlines())
-    assert changed == [("mean of the losses read at each sync during the last epoch.",
+    the one the harness that wrote the run made of it (``data/v1-run.report.md``), but for changes made on purpose:
+    the training loss's and MFU's meaning, and CPU memory reported as anonymous resident memory (an old run has only
+    RSS, which stands in for it, with the same figures)."""
+    text = report.write(_copy(tmp_path)).read_text().splitlines()
+    before = (DATA / "v1-run.report.md").read_text().splitlines()
+    changed, added = [], []
+    for op, a0, a1, b0, b1 in difflib.SequenceMatcher(None, before, text, autojunk=False).get_opcodes():
+        if op == "delete":
+            raise AssertionError(f"lines dropped: {before[a0:a1]}")
+        if op in ("replace", "insert"):
+            changed += list(zip(before[a0:a1], text[b0:b1]))
+            added += range(b0 + (a1 - a0), b1)
+    meaning = [(a, b) for a, b in changed if "memory" not in (a + b).lower() and "RSS" not in a]
+    assert meaning == [("mean of the losses read at each sync during the last epoch.",
                         "mean training loss over every optimizer step since the evaluation before the last one (the "
                         "last epoch's steps, with an evaluation every epoch), warm-up steps included: each step's loss "
                         "is summed on the device and read outside the timed windows, so the figure does not depend on "
@@ -105,6 +113,12 @@ def test_the_report_of_a_stored_version_1_run_is_the_one_its_own_harness_wrote(t
                         "throughput x training FLOPs per sample (forward and backward, 2 FLOPs per "
                         "multiply-accumulate: the neutral model's counted per layer, a model of your own's by its "
                         "framework's counter, none where it has none).")]
+    rows = [(a, b) for a, b in changed if a.startswith("|")]
+    assert rows and all(a.replace("RSS MB", "memory MB") == b for a, b in rows)  # renamed, same figures
+    assert all("memory" in b.lower() for a, b in changed if (a, b) not in meaning)
+    # the memory section gains a "memory MB" row above each configuration's RSS row, with its figures
+    assert [text[i] for i in added] == [text[i + 1].replace("RSS MB", "memory MB") for i in added]
+    assert len(added) == 2
 
 
 def test_version_0_runs_from_before_the_schema_still_read(tmp_path):

@@ -65,7 +65,7 @@ def test_ratios_and_verdicts_per_batch_size(tmp_path):
     assert "| Keras (JAX) | JAX | 8 | 0.50 | slower | 1.50 | more memory |" in text
     assert "below 1 Keras trains fewer samples per second" in text
     assert "per-step host synchronisation" in text and "`Model.train_on_batch`" in text
-    assert "Resident memory (peak) (MB)" in text and "resident set size" in text  # the host's memory metric, named
+    assert "Memory (peak) (MB)" in text and "anonymous resident memory" in text  # the host's memory metric, named
 
 
 def test_the_section_is_in_the_report_and_its_html(tmp_path):
@@ -94,7 +94,7 @@ def test_absent_without_the_native_framework(tmp_path):
 def test_an_unlabelled_keras_row_reads_as_its_declaration_title(tmp_path):
     text = report.render_markdown(_data(tmp_path, _records()))
     assert "| Keras (JAX) | 51.0 [50.0, 52.0] | 201.0 [199.0, 203.0] |" in text  # the Throughput table
-    assert "| Keras (JAX) RSS MB | 752.00 | 503.00 |" in text  # the Ohio State layout
+    assert "| Keras (JAX) memory MB | 752.00 | 503.00 |" in text  # the Ohio State layout
     assert "keras-jax" not in text.replace("keras-jax-bs", "")  # no row shows the adapter's bare name
 
 

@@ -25,8 +25,8 @@ def test_ohio_state_layout_with_statuses_and_medians(tmp_path):
     text = report.write(make_run(tmp_path, records)).read_text()
     assert "| batch size | 8 | 16 |" in text
     assert "| PyTorch CPU use % | 90.00 | 90.00 |" in text
-    assert "| PyTorch RSS MB | 500.00 | 500.00 |" in text
-    assert "| MXNet RSS MB | 500.00 | oom |" in text
+    assert "| PyTorch memory MB | 500.00 | 500.00 |" in text  # a record without rss_anon_bytes: its whole RSS
+    assert "| MXNet memory MB | 500.00 | oom |" in text
     assert "| PyTorch accuracy after 10 epochs % | 60.00 | 50.00 |" in text
     assert "| mxnet-bs16-r0 | oom | CUDA out of memory |" in text
     assert "| PyTorch RSS MB | 500.0 | 500.0 |" in text and "| PyTorch data MB | 2.0 | 2.0 |" in text
@@ -257,7 +257,7 @@ def test_no_gpm_rows_without_gpm_values(tmp_path):
     (tmp_path / "cpu").mkdir()
     cpu = report.build(make_run(tmp_path / "cpu", [_with_gpm(record("pytorch", 8))], batch_sizes=(8,)))
     assert [label for label, _ in tables.ohio_state_rows(cpu)] == [
-        "PyTorch CPU use %", "PyTorch RSS MB", "PyTorch accuracy after 10 epochs %"]
+        "PyTorch CPU use %", "PyTorch memory MB", "PyTorch accuracy after 10 epochs %"]
 
 
 def test_markdown_and_html_are_rendered_from_the_same_sections(tmp_path):

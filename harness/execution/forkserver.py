@@ -1,0 +1,297 @@
+"""Fresh worker processes without the interpreter's and the framework's start-up: one preloaded parent per environment
+that forks a child per trial.
+
+The parent (``serve``, started behind the entry's interpreter like a worker, with the worker's environment) imports
+what every worker of that framework imports, the harness's worker side and the adapter's module (so the framework),
+and nothing more: no device is touched, no CUDA context made, no model built, no framework thread pool started by the
+harness (a library's own pool started at import, OpenBLAS's for one, is re-created after fork by its own
+``pthread_atfork`` handlers). For each trial it receives the worker's three standard streams over a Unix socket
+(``SCM_RIGHTS``), forks, and the child becomes the trial's worker exactly as a cold start would be from the bootstrap
+on (``harness.execution.bootstrap.main``): its own process and session, its own allocator and device state, the
+payload read from its standard input. The parent reaps its children and reports each one's exit status back; it is
+single-threaded, so that forking copies no lock another thread holds. It dies when the launcher that started it goes
+(its standard input closes).
+
+Which trials fork: those of a framework whose declaration says its imports are safe to fork from
+(``Declaration.fork_safe``), run by a plain interpreter (no command prefix: a container cannot receive the streams),
+on Linux; every other trial, and every trial of a spec with ``worker_start: cold``, starts cold. The record says which
+(``TrialRecord.start``). Design and the isolation tests: docs/design/timing.md#where-a-trials-time-goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.execution.entry import ROOT
+
+#: What ``-c`` runs in the entry's interpreter to start a server: ROOT first on ``sys.path``, then ``serve``.
+SERVER = ("import sys; sys.path.insert(0, sys.argv[1]); "
+          "from harness.execution.forkserver import serve; sys.exit(serve(sys.argv[2], sys.argv[3]))")
+READY_TIMEOUT_S = 300.0  # importing a framework can take a while on a loaded machine
+
+
+def serve(socket_path: str, framework: str) -> int:
+    """The parent's loop, in the entry's interpreter: preload, announce ``ready <pid>`` on standard output, then fork
+    a child per connection until standard input closes (the launcher is gone: every child still running is killed).
+    Returns the exit status."""
+    import importlib
+
+    import adapters
+    import harness.execution.worker  # noqa: F401 - the worker side: numpy, pydantic, the harness's modules
+
+    cls = adapters.get(framework)  # the adapter's module, and so the framework; nothing is made of it
+    for module in cls.declaration.preload:
+        importlib.import_module(module)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(16)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(0, selectors.EVENT_READ, "launcher")
+    os.write(1, f"ready {os.getpid()}\n".encode())
+    children: dict[int, socket.socket] = {}
+    while True:
+        for key, _ in selector.select(timeout=0.05):
+            if key.data == "launcher":
+                if not os.read(0, 4096):  # the launcher is gone: so are the trials it started here
+                    for pid in children:
+                        _kill(pid)
+                    return 0
+                continue
+            conn, _ = listener.accept()
+            _, fds, _, _ = socket.recv_fds(conn, 1024, 3)
+            pid = os.fork()
+            if pid == 0:
+                _child(fds, [listener, conn], selector)  # never returns
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"pid {pid}\n".encode())
+            children[pid] = conn
+        while children:  # reap: each child's exit status goes back to its launcher
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in children:
+                conn = children.pop(pid)
+                try:
+                    conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass  # the launcher stopped waiting for it
+                conn.close()
+
+
+def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseSelector) -> None:
+    """In the forked child: a session of its own (the launcher kills the trial's process group), the trial's
+    streams on 0, 1 and 2, default signal handling, then the bootstrap's ``main``; exits without returning to the
+    parent's loop (``os._exit``: the parent's finalizers are not the child's)."""
+    code = 1
+    try:
+        os.setsid()
+        selector.close()
+        for sock in close:
+            sock.close()
+        for target, fd in zip((0, 1, 2), fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        from harness.execution.bootstrap import main
+
+        code = main()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported on the child's standard error, the trial's log
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Forked:
+    """A child of a server, as the launcher sees it: what it needs of ``subprocess.Popen`` (``pid``, ``returncode``,
+    ``poll``, ``wait``, ``stdin``, ``stdout``). Its exit status comes from the server, which reaped it (negative:
+    killed by that signal, as Popen reports it)."""
+
+    def __init__(self, conn: socket.socket, pid: int, stdin: Any, stdout: Any):
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+        self._conn = conn
+        self._buffer = b""
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
+            self._read(0.5 if left is None else min(left, 0.5))
+        return self.returncode
+
+    def _read(self, timeout: float) -> None:
+        self._conn.settimeout(timeout if timeout > 0 else 0.0)
+        try:
+            chunk = self._conn.recv(4096)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the server went away without a status: the child was killed with it
+            self.returncode = -signal.SIGKILL
+            return
+        self._buffer += chunk
+        for line in self._buffer.split(b"\n"):
+            if line.startswith(b"exit "):
+                self.returncode = int(line.split()[1])
+                self._conn.close()
+
+
+class Server:
+    """One preloaded parent (``serve``) behind ``argv`` (an interpreter) for ``framework``, started with ``env``
+    (the worker's environment: thread counts and allocator settings are read when the framework is imported, so a
+    server serves only trials of the same environment). Raises RuntimeError when it does not become ready."""
+
+    def __init__(self, argv: list[str], framework: str, env: dict[str, str]):
+        self.folder = tempfile.mkdtemp(prefix="harness-fork-")
+        self.socket_path = str(Path(self.folder) / "server.sock")
+        self.log = open(Path(self.folder) / "server.log", "w+b")
+        self.proc = subprocess.Popen([*argv, "-c", SERVER, str(ROOT), self.socket_path, framework],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     env={**os.environ, **env}, start_new_session=True)
+        assert self.proc.stdout is not None
+        line = _read_line(self.proc.stdout, READY_TIMEOUT_S)
+        if not line.startswith(b"ready "):
+            self.close()
+            self.log.seek(0)
+            last = next((x for x in reversed(self.log.read().decode(errors="replace").splitlines()) if x.strip()), "")
+            raise RuntimeError(f"the fork server for {framework} did not start: {last[:300]}")
+
+    def spawn(self, stderr: Any) -> Forked:
+        """A forked worker whose standard error is ``stderr`` (a file); its standard input and output are new
+        pipes, whose other ends are returned as ``Forked.stdin`` (bytes, write) and ``Forked.stdout`` (read)."""
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.socket_path)
+            socket.send_fds(conn, [b"trial"], [stdin_r, stdout_w, stderr.fileno()])
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = conn.recv(64)
+                if not chunk:
+                    raise RuntimeError("the fork server closed the connection before forking")
+                line += chunk
+        except BaseException:
+            conn.close()
+            for fd in (stdin_r, stdin_w, stdout_r, stdout_w):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (stdin_r, stdout_w):  # the child's ends: it holds them now
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        pid = int(line.split()[1])
+        return Forked(conn, pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """Ends the server (its standard input closed: it kills the children still running and exits)."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            _kill(self.proc.pid)
+            self.proc.wait()
+        self.log.close()
+        for name in ("server.sock", "server.log"):
+            try:
+                (Path(self.folder) / name).unlink()
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.folder)
+        except OSError:
+            pass
+
+
+class Servers:
+    """The launcher's servers, one per (interpreter, framework, environment), started on first use and ended by
+    ``close`` (the sweep's end, or the interpreter's exit). Thread-safe: parallel executors launch from threads."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, Server] = {}
+        self._lock = threading.Lock()
+
+    def get(self, argv: list[str], framework: str, env: dict[str, str]) -> Server:
+        """The running server for this key, started now if there is none (or it died). Raises RuntimeError."""
+        key = json.dumps([argv, framework, sorted(env.items())])
+        with self._lock:
+            server = self._servers.get(key)
+            if server is None or not server.alive():
+                if server is not None:
+                    server.close()
+                server = self._servers[key] = Server(argv, framework, env)
+            return server
+
+    def close(self) -> None:
+        with self._lock:
+            servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            server.close()
+
+
+def forkable() -> bool:
+    """Whether this platform can fork workers from a server (Linux: fork, Unix sockets, passing descriptors)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(os, "fork")
+
+
+def _read_line(stream: Any, timeout_s: float) -> bytes:
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    line = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not line.endswith(b"\n") and (left := deadline - time.monotonic()) > 0:
+            if selector.select(timeout=left):
+                chunk = os.read(stream.fileno(), 1)
+                if not chunk:
+                    break
+                line += chunk
+    finally:
+        selector.close()
+    return line

@@ -1,0 +1,165 @@
+"""Workers forked from a preloaded parent per environment (harness.execution.forkserver) are fresh trials as cold-
+started ones are: the same losses and accuracy from the same weights and batches, resident memory within noise; a
+trial that runs out of memory, is killed or hangs leaves the next one of the same parent untouched; a data-parallel
+trial's ranks start; a spec's ``worker_start: cold`` and a framework not declared fork-safe start cold; the record
+says which path each trial took and where its time went. A GPU test checks that the parent never makes a CUDA
+context."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from harness.execution import launcher
+from harness.execution.protocol import Payload
+from harness.plan import checked_spec, plan
+from harness.record.events import Ready
+from harness.results import report, store
+from harness.studies import sweep
+from tests.helpers import ROOT, base_spec
+
+ENVS = {fw: str(ROOT / "envs" / fw / "bin" / "python") for fw in ("pytorch", "tensorflow", "mxnet", "jax")}
+
+
+def _run(tmp_path, name, **changes):
+    data = base_spec(**{"frameworks": [{"name": fw, "python": python} for fw, python in ENVS.items()],
+                        "batch_sizes": [64], "epochs": 2, "cpu_threads": 1, **changes})
+    spec = checked_spec(data, tmp_path / f"{name}.yaml")
+    run_dir = sweep.run_spec(spec, tmp_path / name)
+    return {r.framework: r for r in store.read_trials(run_dir)}, run_dir
+
+
+def test_a_forked_trial_trains_as_a_cold_one_in_every_framework(tmp_path):
+    (forked, forked_dir), (cold, cold_dir) = _run(tmp_path, "forked"), _run(tmp_path, "cold", worker_start="cold")
+    for framework in ENVS:
+        a, b = forked[framework], cold[framework]
+        assert (a.status, b.status) == ("ok", "ok"), (a.reason, b.reason)
+        assert (a.start, b.start) == ("forked", "cold"), framework
+        # equal to float32 rounding: oneDNN may pick another kernel for another buffer alignment, so even two cold
+        # TensorFlow trials now and then differ in a loss's last bit (seen once in ~10 runs, 1 ulp of the sum)
+        assert [e.train_loss for e in a.metrics.epochs] == pytest.approx([e.train_loss for e in b.metrics.epochs],
+                                                                         rel=1e-6), framework
+        assert a.metrics.test_accuracy == b.metrics.test_accuracy, framework
+        assert a.metrics.test_loss == pytest.approx(b.metrics.test_loss, rel=1e-6), framework
+        # the report's CPU memory, anonymous RSS: the same process, as far as memory goes (the whole RSS is not: a
+        # forked child faults in only the library pages it touches)
+        rss_a, rss_b = a.sampler.stats["rss_anon_bytes"].max, b.sampler.stats["rss_anon_bytes"].max
+        assert abs(rss_a / rss_b - 1) < 0.1, (framework, rss_a, rss_b)
+        # what forking saves: the interpreter and the framework's import, not the trial's own work
+        assert a.phases.import_s < 0.1 < b.phases.import_s, (framework, a.phases, b.phases)
+        assert a.phases.total_s == pytest.approx(a.wall_s, abs=0.5)
+    # the report says which path each row took
+    for run_dir, path in ((forked_dir, "forked"), (cold_dir, "cold")):
+        text = report.write(run_dir).read_text()
+        assert all(f"| {title} | {path} | 1 |" in text for title in ("PyTorch", "TensorFlow", "MXNet", "JAX")), text
+
+
+def _payload(tmp_path, **changes):
+    data = {"frameworks": [{"name": "pytorch", "python": ENVS["pytorch"]}], "batch_sizes": [32], "epochs": 1,
+            "cpu_threads": 1, **changes}
+    spec = checked_spec(base_spec(**data), tmp_path / "s.yaml")
+    (trial,) = plan(spec, "cpu")
+    return Payload(trial=trial, spec=spec)
+
+
+def test_an_oom_a_kill_and_a_hang_leave_the_next_forked_trial_untouched(tmp_path):
+    """One parent serves every trial below: one runs out of memory under a cap, one is killed once ready, one is
+    stopped at its timeout; each is recorded as what it was, and a trial after each trains as the first did."""
+    payload = _payload(tmp_path)
+    first = launcher.run_worker(payload, 120, None, "cpu", threads=1)
+    assert (first.status, first.start) == ("ok", "forked"), first.reason
+    # a dense layer of 3072 x 8000 weights, ~98 MB per copy: does not fit 150 MB at any batch size
+    capped = _payload(tmp_path, memory_limit_mb=150, dataset={"name": "synthetic", "shape": [32, 32, 3], "classes": 10},
+                      model={"layers": [{"type": "flatten"}, {"type": "dense", "units": 8000},
+                                        {"type": "dense", "units": 10}]})
+    oom = launcher.run_worker(capped, 120, None, "cpu", threads=1)
+    assert (oom.status, oom.start) == ("oom", "forked"), oom.reason
+
+    def kill_when_ready(event):
+        if isinstance(event, Ready):
+            os.kill(started.pop(), signal.SIGKILL)
+
+    started = []
+    original = launcher.forkserver.Server.spawn
+
+    def spawn(self, stderr):
+        child = original(self, stderr)
+        started.append(child.pid)
+        return child
+
+    launcher.forkserver.Server.spawn = spawn
+    try:
+        killed = launcher.run_worker(payload, 120, None, "cpu", threads=1, on_event=kill_when_ready)
+    finally:
+        launcher.forkserver.Server.spawn = original
+    assert (killed.status, killed.start) == ("crashed", "forked") and "SIGKILL" in killed.reason, killed.reason
+    # 500 epochs take minutes: stopped at its timeout, its group killed
+    hung = launcher.run_worker(_payload(tmp_path, epochs=500), 1.0, None, "cpu", threads=1)
+    assert hung.status == "timeout", hung.reason
+    after = launcher.run_worker(payload, 120, None, "cpu", threads=1)
+    assert (after.status, after.start) == ("ok", "forked"), after.reason
+    assert after.result().metrics.epochs[0].train_loss == first.result().metrics.epochs[0].train_loss
+    launcher.close_servers()
+
+
+def test_a_data_parallel_trial_forks_rank_0_and_starts_its_ranks(tmp_path):
+    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": ENVS["pytorch"]}], batch_sizes=[32],
+                                  epochs=1, cpu_threads=2, data_parallel=2), tmp_path / "s.yaml")
+    (record,) = store.read_trials(sweep.run_spec(spec, tmp_path / "runs"))
+    assert (record.status, record.start, record.data_parallel) == ("ok", "forked", 2), record.reason
+    assert record.settings["data_parallel"]["world_size"] == 2
+
+
+def test_what_starts_cold(tmp_path, fault_adapter):
+    """A spec asking for cold starts, an adapter without a declaration here (HARNESS_ADAPTERS), a command prefix:
+    cold, and the record says so."""
+    assert launcher.start_mode(_payload(tmp_path, worker_start="cold")) == "cold"
+    assert launcher.start_mode(_payload(tmp_path)) == "forked"
+    spec = checked_spec(base_spec(frameworks=[fault_adapter]), tmp_path / "f.yaml")
+    (trial,) = plan(spec, "cpu")
+    assert launcher.start_mode(Payload(trial=trial, spec=spec)) == "cold"
+    prefixed = checked_spec(base_spec(frameworks=[{"name": "pytorch", "command": ["env", "{python}"]}]),
+                            tmp_path / "p.yaml")
+    (trial,) = plan(prefixed, "cpu")
+    assert launcher.start_mode(Payload(trial=trial, spec=prefixed)) == "cold"
+
+
+@pytest.mark.gpu
+def test_the_parent_never_makes_a_cuda_context(tmp_path):
+    """On a GPU: NVML lists no process of the parent's pid on any device, before and after a forked trial trained on
+    cuda:0 (the trial's child has its own context, gone with it)."""
+    import pynvml
+
+    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": ENVS["pytorch"]}], batch_sizes=[32],
+                                  epochs=1, device="cuda:0"), tmp_path / "s.yaml")
+    (trial,) = plan(spec, "cuda:0")
+    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 300, None, "cuda:0")
+    assert (outcome.status, outcome.start) == ("ok", "forked"), outcome.reason
+    parents = {server.proc.pid for server in launcher.SERVERS._servers.values()}
+    pynvml.nvmlInit()
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            users = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            assert not users & parents, (index, users, parents)
+    finally:
+        pynvml.nvmlShutdown()
+        launcher.close_servers()
+
+
+def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path):
+    """Off by default; with ``compilation_cache`` the trials share JAX's persistent cache: the first fills it, the
+    second's first step reads its programs instead of compiling them, and the record and report say so."""
+    cache = tmp_path / "cache"
+    records, run_dir = _run(tmp_path, "cached", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1,
+                            repeats=2, compilation_cache=str(cache))
+    first, second = sorted((r for r in store.read_trials(run_dir)), key=lambda r: r.repeat)
+    assert (first.status, second.status) == ("ok", "ok")
+    assert first.settings["compilation_cache_dir"] == str(cache) and any(cache.iterdir())
+    assert second.metrics.first_step_s < 0.7 * first.metrics.first_step_s, (first.phases, second.phases)
+    assert f"JAX's persistent cache in `{cache}`" in report.write(run_dir).read_text()
+    plain, plain_dir = _run(tmp_path, "plain", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1)
+    assert plain["jax"].settings["compilation_cache_dir"] is None
+    assert "persistent cache" not in report.write(plain_dir).read_text()
