@@ -28,10 +28,12 @@ CNN = [{"type": "conv2d", "filters": 32, "kernel_size": 3, "padding": "same", "a
        {"type": "maxpool2d", "pool_size": 2}, {"type": "flatten"},
        {"type": "dense", "units": 128, "activation": "relu", "kernel_init": "he_uniform"},
        {"type": "dense", "units": 10}]
-# Sizes: the GPU's (the issue's study: batch 4..1024, 2 epochs, 2 repeats) and --allow-cpu's (the same steps, tiny).
+# Sizes: the GPU's (the issue's study: batch 4..1024, 2 repeats) and --allow-cpu's (the same steps, tiny).
 SIZES = {
-    "gpu": {"batch_sizes": [4, 8, 16, 32, 64, 128, 256, 512, 1024], "epochs": 2, "repeats": 2, "warmup_steps": 5,
-            "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 4096, "test_size": 1024},
+    # CIFAR-10's sizes (50,000 / 10,000), one epoch: on an H200 (2026-11-26) 4,096 samples trained in 5 ms at batch
+    # 1024, shorter than NVML's utilization period and the energy counter's refresh, so those read nothing useful
+    "gpu": {"batch_sizes": [4, 8, 16, 32, 64, 128, 256, 512, 1024], "epochs": 1, "repeats": 2, "warmup_steps": 5,
+            "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 50000, "test_size": 10000},
             "timeout_s": 240, "max_batch_args": [],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "2"]},
     "cpu": {"batch_sizes": [16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
@@ -42,8 +44,8 @@ SIZES = {
             "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"]},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
-LIMITS = {"install": 120, "environment": 60, "gpu_tests": 180, "sweep": 330, "max_batch": 150,
-          "sampler_overhead": 200}
+LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 110,
+          "sweep_keras": 120, "sampler_overhead": 100}
 
 
 def _absolute(python: str) -> str:
@@ -61,7 +63,9 @@ class Check:
         self.python = _absolute(args.interpreter)
         self.allow_cpu = args.allow_cpu
         self.frameworks = [f for f in args.frameworks.split(",") if f]
-        self.pythons = {f: self.python for f in self.frameworks}
+        self.keras = [f for f in args.keras.split(",") if f]
+        self.pythons = {f: self.python for f in self.frameworks + self.keras}
+        self.worker_start = "auto"
         for item in args.entry_python:
             name, _, python = item.partition("=")
             self.pythons[name] = _absolute(python)
@@ -196,22 +200,56 @@ def step_gpu_tests(check: Check) -> None:
                  reason="" if status == "ok" else f"pytest exit {code}: {tail(text)}")
 
 
-def sweep_spec(check: Check) -> Path:
+def _entry(check: Check, name: str) -> dict[str, str]:
+    """A spec's framework entry: ``pytorch`` or ``jax``, or ``keras-<backend>`` (Keras 3 on that backend)."""
+    if name.startswith("keras-"):
+        return {"name": "keras", "backend": name[6:], "label": name, "python": check.pythons[name]}
+    return {"name": name, "python": check.pythons[name]}
+
+
+def sweep_spec(check: Check, name: str = "gpu-check", frameworks: list[str] | None = None,
+               **overrides: Any) -> Path:
     """The Ohio State study's shape: the specs/cnn.yaml model on synthetic CIFAR-shaped data, PyTorch and JAX in
-    the given interpreters (JSON, which is YAML)."""
+    the given interpreters (JSON, which is YAML), workers started as the fork check found they can be."""
     sizes = check.sizes
-    spec = {"name": "gpu-check", "description": "scripts/gpu-check.sh: the Ohio State layout on synthetic CIFAR-shaped "
-                                                "data",
-            "frameworks": [{"name": f, "python": check.pythons[f]} for f in check.frameworks],
+    spec = {"name": name, "description": "scripts/gpu-check.sh: the Ohio State layout on synthetic CIFAR-shaped "
+                                         "data",
+            "frameworks": [_entry(check, f) for f in (frameworks or check.frameworks)],
             "model": {"layers": CNN}, "dataset": sizes["dataset"], "batch_sizes": sizes["batch_sizes"],
             "epochs": sizes["epochs"], "repeats": sizes["repeats"], "warmup_steps": sizes["warmup_steps"],
             "optimizer": {"name": "sgd", "learning_rate": 0.01, "momentum": 0.9}, "seed": 0, "device": check.device,
-            "sampler": {"interval_s": 0.1}, "timeout_s": sizes["timeout_s"]}
+            "sampler": {"interval_s": 0.1}, "timeout_s": sizes["timeout_s"], "worker_start": check.worker_start,
+            **overrides}
     if "cpu_threads" in sizes:
         spec["cpu_threads"] = sizes["cpu_threads"]
-    path = check.out / "gpu-check.yaml"
+    path = check.out / f"{name}.yaml"
     path.write_text(json.dumps(spec, indent=2), encoding="utf-8")
     return path
+
+
+def step_fork_check(check: Check) -> None:
+    """One small trial per framework with ``worker_start: auto``: where each is forked from a preloaded parent and
+    trains, the sweep forks too; where any fails or starts cold, the sweep starts every worker cold (the reason is
+    in the summary)."""
+    started = time.monotonic()
+    spec = sweep_spec(check, "fork-check", batch_sizes=[64], epochs=1, repeats=1)
+    code, text = check.harness("fork_check", "run", str(spec), "--out", str(check.out / "runs"), "--no-progress")
+    found = re.search(r"^run directory: (.+)$", text, re.M)
+    if not found:
+        check.worker_start = "cold"
+        check.record("fork_check", "failed", started, reason=f"exit {code}: {tail(text)}; the sweep starts cold")
+        return
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from harness.results.store import read_trials
+
+    trials = [{"label": r.label, "status": r.status, "start": r.start, "reason": r.reason[:200],
+               "phases": r.phases.model_dump() if r.phases is not None else None}
+              for r in read_trials(Path(found.group(1).strip()))]
+    good = bool(trials) and all(t["status"] == "ok" and t["start"] == "forked" for t in trials)
+    check.worker_start = "auto" if good else "cold"
+    check.record("fork_check", "ok" if good else "failed", started, trials=trials,
+                 reason="" if good else "a forked trial failed or started cold; the sweep starts cold")
 
 
 def _cells(run_dir: Path) -> list[dict[str, Any]]:
@@ -237,13 +275,14 @@ def _cells(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def step_sweep(check: Check) -> None:
+def step_sweep(check: Check, step: str = "sweep", frameworks: list[str] | None = None,
+               **overrides: Any) -> None:
     started = time.monotonic()
-    spec = sweep_spec(check)
-    code, text = check.harness("sweep", "run", str(spec), "--out", str(check.out / "runs"), "--no-progress")
+    spec = sweep_spec(check, "gpu-check" if step == "sweep" else step, frameworks, **overrides)
+    code, text = check.harness(step, "run", str(spec), "--out", str(check.out / "runs"), "--no-progress")
     found = re.search(r"^run directory: (.+)$", text, re.M)
     if not found:
-        check.record("sweep", "failed", started, reason=f"exit {code}: {tail(text)}")
+        check.record(step, "failed", started, reason=f"exit {code}: {tail(text)}")
         return
     run_dir = Path(found.group(1).strip())
     cells = _cells(run_dir)
@@ -252,7 +291,7 @@ def step_sweep(check: Check) -> None:
     status = "ok" if code == 0 and ok == len(cells) and len(reports) == 2 else "failed"
     failed = sorted({f"{c['label']} {c['batch_size']}: {c['status']} {c['reason']}" for c in cells
                      if c["status"] != "ok"})
-    check.record("sweep", status, started, run_dir=str(run_dir), reports=reports, trials=len(cells), ok=ok,
+    check.record(step, status, started, run_dir=str(run_dir), reports=reports, trials=len(cells), ok=ok,
                  cells=cells, reason="" if status == "ok" else f"exit {code}; " + "; ".join(failed[:4]))
 
 
@@ -281,6 +320,14 @@ def step_max_batch(check: Check) -> None:
     check.record("max_batch", "failed" if problems else "ok", started, results=results, reason="; ".join(problems))
 
 
+def step_sweep_keras(check: Check) -> None:
+    """Keras 3 on the given backends (``--keras``), the sweep's model at batch 64 and 512, one repeat."""
+    if check.keras:
+        sizes = check.sizes["batch_sizes"] if check.allow_cpu else [64, 512]
+        step_sweep(check, "sweep_keras", check.keras, batch_sizes=sizes, repeats=1,
+                   worker_start="auto" if check.worker_start == "auto" else "cold")
+
+
 def step_sampler_overhead(check: Check) -> None:
     started = time.monotonic()
     out = check.out / "sampler_overhead.json"
@@ -305,11 +352,11 @@ def write_markdown(check: Check) -> None:
              "| step | status | seconds | detail |", "| --- | --- | ---: | --- |"]
     for name, step in check.summary["steps"].items():
         lines.append(f"| {name} | {step['status']} | {step['seconds']} | {step.get('reason', '')} |")
-    sweep = check.summary["steps"].get("sweep", {})
-    if sweep.get("cells"):
+    cells = [c for name in ("sweep", "sweep_keras") for c in check.summary["steps"].get(name, {}).get("cells", [])]
+    if cells:
         lines += ["", "| row | batch | repeat | status | samples/s | GPU use % | SM active % | MFU |",
                   "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
-        for c in sweep["cells"]:
+        for c in cells:
             def fmt(v: Any, f: str) -> str:
                 return "" if v is None else format(v, f)
             lines.append(f"| {c['label']} | {c['batch_size']} | {c['repeat']} | {c['status']} "
@@ -325,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "index)")
     parser.add_argument("--allow-cpu", action="store_true", help="run the same steps on the CPU with tiny sizes")
     parser.add_argument("--frameworks", default="pytorch,jax", help="default: pytorch,jax")
+    parser.add_argument("--keras", default="", help="Keras 3 rows after the rest, e.g. keras-jax,keras-torch "
+                                                    "(default: none)")
     parser.add_argument("--entry-python", action="append", default=[], metavar="FRAMEWORK=PYTHON",
                         help="the interpreter of one framework's entry (default: the check's own)")
     parser.add_argument("--interpreter", default=os.environ.get("HARNESS_CHECK_PYTHON", "python3"),
@@ -336,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check: device {check.device}, interpreter {check.python}, output {check.out}", file=sys.stderr)
     step_install(check, args.wheels)
     if step_environment(check):
-        for step in (step_gpu_tests, step_sweep, step_max_batch, step_sampler_overhead):
+        for step in (step_gpu_tests, step_fork_check, step_sweep, step_max_batch, step_sampler_overhead,
+                     step_sweep_keras):
             try:
                 step(check)
             except Exception as err:  # noqa: BLE001 - one step's surprise must not stop the others

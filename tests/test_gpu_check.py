@@ -13,6 +13,7 @@ import pytest
 from tests.helpers import ROOT
 
 JAX = ROOT / "envs" / "jax" / "bin" / "python"
+KERAS_JAX = ROOT / "envs" / "keras-jax" / "bin" / "python"
 
 
 def gpu_check(out, *args, timeout=400):
@@ -26,11 +27,17 @@ def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_rep
         pytest.fail("envs/jax is missing: make envs")
     wheels = tmp_path / "wheels"  # every requirement is already installed: pip needs no wheel for it
     wheels.mkdir()
-    done = gpu_check(tmp_path / "out", "--wheels", str(wheels), "--entry-python", f"jax={JAX}")
+    done = gpu_check(tmp_path / "out", "--wheels", str(wheels), "--entry-python", f"jax={JAX}",
+                     "--keras", "keras-jax", "--entry-python", f"keras-jax={KERAS_JAX}")
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     steps = summary["steps"]
     assert done.returncode == 0, (done.stderr[-3000:], summary)
-    assert list(steps) == ["install", "environment", "gpu_tests", "sweep", "max_batch", "sampler_overhead"]
+    assert list(steps) == ["install", "environment", "gpu_tests", "fork_check", "sweep", "max_batch",
+                           "sampler_overhead", "sweep_keras"]
+    # every framework's worker forked from its preloaded parent and trained, so the sweep forks too
+    assert steps["fork_check"]["status"] == "ok"
+    assert {(t["label"], t["start"]) for t in steps["fork_check"]["trials"]} == {("pytorch", "forked"),
+                                                                                  ("jax", "forked")}
     assert steps["install"]["status"] == "ok" and steps["environment"]["status"] == "ok"
     assert steps["gpu_tests"]["status"] == "not run" and steps["gpu_tests"]["collected"] >= 4  # never a pass
     sweep = steps["sweep"]
@@ -47,6 +54,10 @@ def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_rep
     assert "| sweep | ok |" in (tmp_path / "out" / "summary.md").read_text()
     spec = json.loads((tmp_path / "out" / "gpu-check.yaml").read_text())
     assert spec["frameworks"] == [{"name": "pytorch", "python": sys.executable}, {"name": "jax", "python": str(JAX)}]
+    assert spec["worker_start"] == "auto"
+    keras = steps["sweep_keras"]
+    assert keras["status"] == "ok" and [c["label"] for c in keras["cells"]] == ["keras-jax"]
+    assert "| keras-jax | 16 | 0 | ok |" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_a_failing_step_leaves_the_others_running_and_the_check_exits_1(tmp_path):
@@ -54,7 +65,7 @@ def test_a_failing_step_leaves_the_others_running_and_the_check_exits_1(tmp_path
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert done.returncode == 1
     statuses = {name: step["status"] for name, step in summary["steps"].items()}
-    assert statuses == {"install": "ok", "environment": "ok", "gpu_tests": "not run", "sweep": "failed",
-                        "max_batch": "failed", "sampler_overhead": "failed"}
-    assert summary["failed"] == ["sweep", "max_batch", "sampler_overhead"]
+    assert statuses == {"install": "ok", "environment": "ok", "gpu_tests": "not run", "fork_check": "failed",
+                        "sweep": "failed", "max_batch": "failed", "sampler_overhead": "failed"}
+    assert summary["failed"] == ["fork_check", "sweep", "max_batch", "sampler_overhead"]
     assert "nosuch" in summary["steps"]["sweep"]["reason"]

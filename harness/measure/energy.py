@@ -66,8 +66,10 @@ def energy_over_windows(samples: list[dict[str, Any]], windows: list[tuple[float
       interpolated at the edges). On Ampere (except GA100) and newer GPUs NVML's power is a 1 s moving average, which
       smears energy across window edges by about a second: windows shorter than POWER_AVERAGING_S count as short.
       Between samples power is assumed linear, so the result is only as good as the sampling interval.
-    Both are board-level: every process on the GPU, plus idle power. Approximate by construction; the edge samples
-    the launcher takes at each window's start and end (Sampler.poke) put readings close to the edges.
+    When the windows together are shorter than the method's refresh, ``joules`` is None and ``note`` says why (the edges
+    would read the same value). Both are board-level: every process on the GPU, plus idle power. Approximate by
+    construction; the edge samples the launcher takes at each window's start and end (Sampler.poke) put readings close
+    to the edges.
     """
     seconds = float(sum(b - a for a, b in windows))
     out: dict[str, Any] = {"joules": None, "method": None, "seconds": seconds, "short_windows": 0,
@@ -99,7 +101,13 @@ def energy_over_windows(samples: list[dict[str, Any]], windows: list[tuple[float
     if out["method"] is not None:
         out["short_windows"] = sum(1 for a, b in windows if b - a < out["short_window_s"])
         out["unbracketed_edges"] = int(out["unbracketed_edges"])
-        out["mean_power_w"] = out["joules"] / seconds if seconds > 0 else None
+        if seconds < out["short_window_s"]:
+            # all the timed time fits inside one refresh of the reading: a counter read at two edges that close reads
+            # the same value (an H200 gave 0.0 J for 5.6 ms of training), so there is no figure, not a zero
+            notes.append(f"the timed windows total {seconds:.3f} s, less than the reading's refresh "
+                         f"({out['short_window_s']} s): no energy figure")
+            out["joules"] = None
+        out["mean_power_w"] = out["joules"] / seconds if seconds > 0 and out["joules"] is not None else None
     if notes:
         out["note"] = "; ".join(notes)
     return out

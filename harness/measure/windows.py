@@ -22,6 +22,10 @@ EDGE_LAG_S = 0.5  # an end-edge sample taken at most this long after its window'
 # Metrics that are not levels: a cumulative counter and a bitmask. phase_stats skips them (a mean means nothing);
 # energy_over_windows and throttle_summary read them.
 NON_STAT_METRICS = ("energy_mj", "throttle_reasons")
+# Metrics the driver itself averages over its own sample period: nvmlDeviceGetUtilizationRates's "past sample period"
+# is 1/6 s to 1 s by product (NVML API reference, nvmlUtilization_t). Over windows shorter than the shortest period a
+# reading describes mostly the time around them (an H200 read 0 % for 5 ms of training), so they get no statistic.
+PERIOD_AVERAGED_S = {"gpu_util_percent": 1 / 6, "mem_util_percent": 1 / 6}
 
 
 def windows_from_events(events: Iterable[dict[str, Any]], phase: str = "train") -> list[tuple[float, float]]:
@@ -58,19 +62,25 @@ def scopes(windows: list[tuple[float, float]]) -> list[tuple[str, list[tuple[flo
 def phase_stats(samples: list[dict[str, Any]], windows: list[tuple[float, float]]) -> dict[str, dict[str, Any]]:
     """Mean, median, max and count of every metric over the samples that belong to ``windows``.
 
-    A sample belongs to a window when it was taken inside it, or when it is the end-edge sample taken at most
-    EDGE_LAG_S after the window's end; start-edge samples (baselines, which describe the time before the window)
-    never do. Missing values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the
-    timed windows); ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the
-    samples from the first window's start to the last one's end were used instead, evaluation pauses included;
-    ``"none"`` when even that span holds no sample (statistics None, count 0). NON_STAT_METRICS (a counter, a bitmask)
-    are left out, on every device of a multi-device sample too (``<metric>@<i>``, ``harness.measure.multi_gpu``): see
+    A sample belongs to a window when it was taken inside it, or when it is the end-edge sample taken at most EDGE_LAG_S
+    after the window's end; start-edge samples (baselines, which describe the time before the window) never do. Missing
+    values (None) are left out. ``scope`` says which samples were used: ``"windows"`` (inside the timed windows);
+    ``"span"`` when no sample fell inside them (windows shorter than the sampling interval), so the samples from the
+    first window's start to the last one's end were used instead, evaluation pauses included; ``"none"`` when even that
+    span holds no sample (statistics None, count 0); ``"too short"`` for a metric of PERIOD_AVERAGED_S when the windows
+    together are shorter than the driver's own averaging period. NON_STAT_METRICS (a counter, a bitmask) are left out,
+    on every device of a multi-device sample too (``<metric>@<i>``, ``harness.measure.multi_gpu``): see
     energy_over_windows and throttle_summary.
     """
     metrics = sorted({k for s in samples for k in s
                       if k not in ("t", "edge") and k.partition("@")[0] not in NON_STAT_METRICS})
     stats: dict[str, dict[str, Any]] = {}
+    timed = sum(b - a for a, b in windows)
     for metric in metrics:
+        period = PERIOD_AVERAGED_S.get(metric.partition("@")[0])
+        if period is not None and timed < period:
+            stats[metric] = {"mean": None, "median": None, "max": None, "count": 0, "scope": "too short"}
+            continue
         for scope, ranges in scopes(windows):
             values = np.asarray([s[metric] for s in samples if s.get(metric) is not None and belongs(s, ranges)],
                                 dtype=float)

@@ -24,7 +24,8 @@ class MetricStats(Open):
     count: int = Field(default=0, description="samples with a value that the statistics used")
     scope: str | None = Field(default=None, description=(
         "windows (samples inside the timed windows and their end-edge samples), span (windows shorter than the "
-        "interval: the samples from the first window's start to the last one's end) or none"))
+        "interval: the samples from the first window's start to the last one's end), none, or too short (a metric the "
+        "driver averages over its own period, longer than the windows together: harness.measure.windows)"))
 
 
 class EnergyInfo(Open):

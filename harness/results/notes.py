@@ -21,6 +21,8 @@ def measurement_notes(data: ReportData) -> Section | None:
     notes: dict[str, list[str]] = {}
     methods: dict[str, list[str]] = {}
     short: list[str] = []
+    no_energy: list[str] = []
+    too_short: list[str] = []
     throttled: list[str] = []
     for r in data.records:
         info = r.sampler
@@ -32,9 +34,14 @@ def measurement_notes(data: ReportData) -> Section | None:
         energy = info.energy
         if r.status == "ok" and data.backend == "nvml":
             methods.setdefault((energy.method if energy else None) or "none", []).append(r.id)
-            if energy is not None and energy.short_windows:
+            if energy is not None and energy.energy_j is None and energy.method and energy.duration_s is not None:
+                no_energy.append(f"{r.id} ({energy.duration_s:.3f} s)")
+            elif energy is not None and energy.short_windows:
                 short.append(f"{r.id} ({energy.short_windows} of {energy.windows} windows "
                              f"< {energy.short_window_s} s)")
+        util = info.stats.get("gpu_util_pct")
+        if r.status == "ok" and util is not None and util.scope == "too short":
+            too_short.append(r.id)
         shares = info.throttle.share if info.throttle is not None else {}
         active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
         if active:
@@ -55,6 +62,12 @@ def measurement_notes(data: ReportData) -> Section | None:
     if short:
         blocks.append(Paragraph("Energy of windows shorter than the readings' refresh is approximate (the counter or "
                                 "power reading lags the window edges): " + _few(short) + "."))
+    if no_energy:
+        blocks.append(Paragraph("No energy figure where the timed windows together were shorter than the reading's "
+                                "refresh (both edges would read the same value): " + _few(no_energy) + "."))
+    if too_short:
+        blocks.append(Paragraph("No GPU utilization where the timed windows together were shorter than the driver's "
+                                "averaging period (1/6 s; nvmlDeviceGetUtilizationRates): " + _few(too_short) + "."))
     if throttled:
         blocks.append(Paragraph("Clock throttling seen in the timed windows (share of samples; see "
                                 "nvmlClocksEventReasons): " + _few(throttled) + "."))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -100,7 +101,10 @@ def test_an_oom_a_kill_and_a_hang_leave_the_next_forked_trial_untouched(tmp_path
     assert hung.status == "timeout", hung.reason
     after = launcher.run_worker(payload, 120, None, "cpu", threads=1)
     assert (after.status, after.start) == ("ok", "forked"), after.reason
-    assert after.result().metrics.epochs[0].train_loss == first.result().metrics.epochs[0].train_loss
+    # the same training as the first trial's, to float32 rounding (see the every-framework test: 1.8867884982715954
+    # against 1.886788715015758 was seen, a few ulps of a float32 sum)
+    assert after.result().metrics.epochs[0].train_loss == pytest.approx(first.result().metrics.epochs[0].train_loss,
+                                                                        rel=1e-6)
     launcher.close_servers()
 
 
@@ -132,7 +136,9 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path):
     cuda:0 (the trial's child has its own context, gone with it)."""
     import pynvml
 
-    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": ENVS["pytorch"]}], batch_sizes=[32],
+    # a GPU box has no envs/: there the interpreter that runs the tests holds PyTorch (scripts/gpu-check.sh)
+    python = ENVS["pytorch"] if os.path.exists(ENVS["pytorch"]) else sys.executable
+    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": python}], batch_sizes=[32],
                                   epochs=1, device="cuda:0"), tmp_path / "s.yaml")
     (trial,) = plan(spec, "cuda:0")
     outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 300, None, "cuda:0")

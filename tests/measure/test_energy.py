@@ -54,3 +54,29 @@ def test_energy_without_readings_or_windows_is_none():
     assert one["method"] == "power_integral" and one["joules"] == pytest.approx(40.0)
 
 
+
+
+def test_windows_shorter_than_the_counters_refresh_give_no_figure_not_zero():
+    """An H200 read 0.0 J for 5.6 ms of training (batch 1024 of a small CNN): both edges fell between two updates of
+    the counter. Timed windows that together are shorter than the refresh get None and a note; longer ones keep their
+    figure even where one window is short."""
+    samples = [{"t": 0.1 * i, "energy_mj": 20_000 * (i // 1), "power_w": 200.0} for i in range(30)]
+    flat = [{**s, "energy_mj": 20_000 * (i // 1 if i < 10 else 10)} for i, s in enumerate(samples)]
+    short = energy_over_windows(flat, [(1.502, 1.5076)])
+    assert short["joules"] is None and short["mean_power_w"] is None and short["method"] == "counter"
+    assert "0.006 s, less than the reading's refresh (0.1 s)" in short["note"]
+    longer = energy_over_windows(samples, [(0.5, 0.55), (1.0, 1.2)])
+    assert longer["joules"] == pytest.approx(0.25 * 200) and "note" not in longer
+
+
+def test_utilization_gets_no_statistic_over_windows_shorter_than_the_drivers_period():
+    from harness.measure.windows import PERIOD_AVERAGED_S, phase_stats
+
+    samples = [{"t": 0.05 * i, "gpu_util_percent": 0.0 if i < 20 else 90.0, "sm_active_percent": 50.0,
+                "edge": "end" if i == 21 else None} for i in range(40)]
+    tiny = phase_stats(samples, [(1.049, 1.05)])  # 1 ms: the end-edge sample at 1.05 s would read 90 %
+    assert tiny["gpu_util_percent"] == {"mean": None, "median": None, "max": None, "count": 0, "scope": "too short"}
+    assert tiny["sm_active_percent"]["mean"] == 50.0  # GPM is averaged between the sampler's own readings
+    enough = phase_stats(samples, [(1.0, 1.0 + PERIOD_AVERAGED_S["gpu_util_percent"] + 0.01)])
+    assert enough["gpu_util_percent"]["mean"] == pytest.approx(90.0)
+    assert enough["gpu_util_percent"]["scope"] == "windows"

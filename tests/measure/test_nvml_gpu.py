@@ -71,7 +71,9 @@ def test_real_nvml_describes_and_samples_the_gpu():
     backend.close()
     assert info["uuid"].startswith(("GPU-", "MIG-")) and info["name"]
     assert info["memory_info_version"] in (1, 2)
-    assert 0 <= sample["gpu_util_percent"] <= 100 and sample["device_memory_used_bytes"] > 0
+    # an idle device with no context can read 0 bytes used (an H200 in a container did, driver 580.159): a reading
+    # that is there, not a positive one; memory in use is checked while training (the process-memory test)
+    assert 0 <= sample["gpu_util_percent"] <= 100 and sample["device_memory_used_bytes"] >= 0
     assert info["unavailable"] == {} or all(isinstance(r, str) for r in info["unavailable"].values())
 
 

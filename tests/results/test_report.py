@@ -148,6 +148,17 @@ def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
     assert "total-energy counter (nvmlDeviceGetTotalEnergyConsumption): 1 trials" in section
     assert "power integrated over time" in section and "pytorch-bs8-r0 (2 of 5 windows < 1.0 s)" in section
     assert "pytorch-bs8-r0: sw_power_cap 25%" in section and "gpu_idle" not in section
+    assert "No energy figure" not in section and "No GPU utilization" not in section
+    # windows too short for the counter's refresh and for the driver's utilization period (seen on an H200)
+    recs[1]["sampler"]["energy"] = {"energy_j": None, "method": "counter", "short_windows": 1, "windows": 1,
+                                    "duration_s": 0.0056, "note": "less than the reading's refresh"}
+    recs[1]["sampler"]["stats"]["gpu_util_pct"] = {"count": 0, "scope": "too short"}
+    (tmp_path / "s").mkdir()
+    section = report.write(make_run(tmp_path / "s", recs, batch_sizes=(8,))).read_text()
+    section = section[section.index("## How the sampler fared"):]
+    assert "shorter than the reading's refresh (both edges would read the same value): mxnet-bs8-r0 (0.006 s)" \
+        in section
+    assert "driver's averaging period (1/6 s; nvmlDeviceGetUtilizationRates): mxnet-bs8-r0." in section
     quiet = [record("pytorch", 8)]  # host backend, nothing unusual: no section at all
     (tmp_path / "q").mkdir()
     assert "How the sampler fared" not in report.write(make_run(tmp_path / "q", quiet, batch_sizes=(8,))).read_text()
