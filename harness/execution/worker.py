@@ -172,35 +172,43 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         events.emit(Phase(name="build", edge="end"))
         events.emit(Ready(versions=adapter.versions(), settings=adapter.settings().record()))
         measured = train(adapter, data, trial, events.emit)
-        added: dict[str, Any] = {**_model_metrics(adapter, info, trial, optimizer, measured), **_data_metrics(data),
-            "precision": trial.precision,
-            "compile": adapter.mode,
-            "compile_meaning": cls.declaration.compile_modes.get(adapter.mode, ""),
-        }
-        if trial.data_parallel > 1:
-            added["data_parallelism"] = DataParallelism(devices=list(trial.devices),
-                                                        sync_batchnorm=trial.sync_batchnorm,
-                                                        mechanism=cls.declaration.data_parallel_mechanism)
-        metrics = TrialMetrics.model_validate({**measured.model_dump(exclude_unset=True), **added})
+        metrics = _metrics(adapter, info, trial, optimizer, measured, data)
         if ranks is not None:
             ranks.close()  # a rank that failed ends the trial here, before the result
         events.emit(Result(metrics=metrics, versions=adapter.versions(), settings=adapter.settings().record()))
         return EXIT_OK
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the process exits non-zero
-        oom = False
-        if adapter is not None:
-            try:
-                oom = adapter.is_oom(exc)
-            except Exception:  # noqa: BLE001 - a broken classifier must not hide the original error
-                oom = False
-        # Python's own MemoryError is an out-of-memory too: an allocation outside the framework's allocator (numpy,
-        # a lazily imported module) failing, typically under a CPU memory cap (harness.execution.limits).
-        oom = oom or isinstance(exc, MemoryError)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        reason = reason if isinstance(exc, TrialError) else f"{type(exc).__name__}: {reason}".rstrip(": ")
-        kind: ErrorKind = "unsupported" if isinstance(exc, Unsupported) else "oom" if oom else "error"
-        events.emit(Error(kind=kind, reason=reason[:500], traceback="".join(traceback.format_exception(exc))[-4000:]))
+        events.emit(_failure(adapter, exc))
         return EXIT_FAILED
+
+
+def _metrics(adapter: Adapter, info: Any, trial: Any, optimizer: Any, measured: Any, data: Any) -> TrialMetrics:
+    """The trial's metrics: the training loop's measurements with the model's, the data's and the trial's settings."""
+    added: dict[str, Any] = {**_model_metrics(adapter, info, trial, optimizer, measured), **_data_metrics(data),
+                             "precision": trial.precision, "compile": adapter.mode,
+                             "compile_meaning": type(adapter).declaration.compile_modes.get(adapter.mode, "")}
+    if trial.data_parallel > 1:
+        added["data_parallelism"] = DataParallelism(devices=list(trial.devices), sync_batchnorm=trial.sync_batchnorm,
+                                                    mechanism=type(adapter).declaration.data_parallel_mechanism)
+    return TrialMetrics.model_validate({**measured.model_dump(exclude_unset=True), **added})
+
+
+def _failure(adapter: Adapter | None, exc: BaseException) -> Error:
+    """The error event for a trial that raised ``exc``: out-of-memory as the adapter classifies it (or Python's
+    MemoryError), unsupported, or another error; the reason's first line and the traceback's end."""
+    oom = False
+    if adapter is not None:
+        try:
+            oom = adapter.is_oom(exc)
+        except Exception:  # noqa: BLE001 - a broken classifier must not hide the original error
+            oom = False
+    # Python's own MemoryError is an out-of-memory too: an allocation outside the framework's allocator (numpy,
+    # a lazily imported module) failing, typically under a CPU memory cap (harness.execution.limits).
+    oom = oom or isinstance(exc, MemoryError)
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    reason = reason if isinstance(exc, TrialError) else f"{type(exc).__name__}: {reason}".rstrip(": ")
+    kind: ErrorKind = "unsupported" if isinstance(exc, Unsupported) else "oom" if oom else "error"
+    return Error(kind=kind, reason=reason[:500], traceback="".join(traceback.format_exception(exc))[-4000:])
 
 
 def _native_source(declaration: Declaration, entry: FrameworkEntry, feed: Input, classes: int,

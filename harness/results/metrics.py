@@ -76,7 +76,13 @@ GPM_METRICS = [
 
 def metrics_for(backend: str) -> list[Metric]:
     """The metrics reported for a run whose sampler used ``backend`` ("nvml" or "host")."""
-    common = [
+    device = _gpu_metrics() if backend == "nvml" else _cpu_metrics()
+    return device[:3] + _common_metrics() + device[3:]
+
+
+def _common_metrics() -> list[Metric]:
+    """Every run's: speed, accuracy, loss, compute."""
+    return [
         Metric("throughput", "Throughput", "samples/s", scaled(lambda r: r.metrics.throughput_samples_per_s), 1,
                "training samples per second over the timed windows (warm-up, evaluation excluded)", ci=True),
         Metric("seconds_per_epoch", "Time per epoch", "s", scaled(lambda r: r.metrics.epoch_time_s), 3,
@@ -101,8 +107,11 @@ def metrics_for(backend: str) -> list[Metric]:
                "neutral model's counted per layer, a model of your own's by its framework's counter, none where it "
                "has none)"),
     ]
-    if backend == "nvml":
-        device = [
+
+
+def _gpu_metrics() -> list[Metric]:
+    """An NVML-sampled run's device metrics: utilization, memory layers, MFU, GPM, power and energy."""
+    return [
             Metric("util", "GPU use (mean)", "%", sampler_stat("gpu_util_pct", "mean"), 2,
                    "mean of NVML utilization.gpu over the timed windows: % of time any kernel ran (not SM occupancy)",
                    "gpu_util_pct"),
@@ -131,8 +140,11 @@ def metrics_for(backend: str) -> list[Metric]:
                    "board energy over the timed windows (NVML total-energy counter, else integrated power) / samples "
                    "trained in them; the whole board, not only this process"),
         ]
-    else:
-        device = [
+
+
+def _cpu_metrics() -> list[Metric]:
+    """A host-sampled run's: CPU use and memory."""
+    return [
             Metric("util", "CPU use (mean)", "%", sampler_stat("cpu_pct", "mean"), 1,
                    "mean CPU use of the worker process tree over the timed windows (psutil; 100 = one core busy)",
                    "cpu_pct"),
@@ -144,7 +156,6 @@ def metrics_for(backend: str) -> list[Metric]:
                    "code, whose resident share depends on how the process started; MB = 10^6 bytes (runs recorded "
                    "before this figure: the whole RSS)", "rss_anon_bytes"),
         ]
-    return device[:3] + common + device[3:]
 
 
 def spec_rows(spec: dict[str, Any]) -> list[str]:
