@@ -1,23 +1,24 @@
 """How close does the harness come to a hand-written loop? Per framework and batch size, the throughput of a real
 harness trial divided by that of the framework's idiomatic training loop, same model, data, batch size, optimizer,
 threads and warm-up, interleaved over several repeats (issue 12, item 3: the goal is a median ratio >= 0.97 for every
-framework at batch 64 and 512 on the CPU).
+framework at batch 64 and 512 on the CPU; on a GPU, ``--device cuda:N``, for PyTorch and JAX).
 
 What runs, for each repeat, framework and batch size, back to back (which one goes first alternates, so drift of the
 machine hits both):
 
 - the harness: one trial exactly as a user's run makes it. The spec (default ``specs/quick.yaml``: the CNN on digits,
   one intra-op thread, each framework in its own ``envs/<framework>`` interpreter) with only the framework, the batch
-  size, the epochs and the device (cpu) overridden goes through ``harness.plan.load`` and ``harness.plan.plan``, and
-  the trial through ``harness.execution.launcher.run_worker``: a fresh worker process, the spec's sampler watching
-  it, the spec's timing (``timing``: whatever the harness does by default; ``--timing`` overrides it). Its
-  ``throughput`` metric is read: samples per second over the timed windows, warm-up excluded.
-- the loop: ``benchmarks/idiomatic_loops.py`` in the same interpreter, with the environment the launcher gives a
-  worker (thread variables: ``worker_settings``): the same model built natively from the same initial weights, the
-  data and every step's batch indices resident on the device, the spec's warm-up steps untimed, then every other step
-  timed with one sync at each edge. PyTorch eager; TensorFlow the faster of a ``tf.function`` step loop and Keras
-  ``fit`` (per repeat); MXNet hybridized Gluon with autograd and ``Trainer``; JAX a ``jax.jit`` update step with
-  optax. See that module's docstring.
+  size, the epochs and the device (``--device``: cpu by default) overridden goes through ``harness.plan.load`` and
+  ``harness.plan.plan``, and the trial through ``harness.execution.launcher.run_worker``: a fresh worker process, the
+  spec's sampler watching it (psutil on the CPU, NVML on a GPU), the spec's timing (``timing``: whatever the harness
+  does by default; ``--timing`` overrides it). Its ``throughput`` metric is read: samples per second over the timed
+  windows, warm-up excluded.
+- the loop: ``benchmarks/idiomatic_loops.py`` in the same interpreter on the same device, with the environment the
+  launcher gives a worker (``worker_settings`` of the trial's threads, on a GPU as on the CPU): the same model built
+  natively from the same initial weights, the data and every step's batch indices resident on the device, the spec's
+  warm-up steps untimed, then every other step timed with one sync at each edge. PyTorch eager; TensorFlow the faster
+  of a ``tf.function`` step loop and Keras ``fit`` (per repeat); MXNet hybridized Gluon with autograd and
+  ``Trainer``; JAX a ``jax.jit`` update step with optax. See that module's docstring.
 
 Both time the same steps (Keras ``fit`` also its warm-up's worth) of the same number of epochs, chosen per batch size
 so that a measurement covers at least ``--min-steps`` steps and ``--min-samples`` samples (about two seconds here;
@@ -30,6 +31,18 @@ each starting with the device's queue empty.
     .venv/bin/python benchmarks/harness_vs_loop.py                  # all four, batch 64 and 512, 5 repeats
     .venv/bin/python benchmarks/harness_vs_loop.py --frameworks tensorflow,mxnet --repeats 3 --out /tmp/hvl.json
     .venv/bin/python benchmarks/harness_vs_loop.py --timing '{"window": "step"}'   # another timing than the spec's
+    python3 benchmarks/harness_vs_loop.py --device cuda:0 --frameworks pytorch,jax \
+        --python pytorch=python3 --python jax=python3 --repeats 3 --min-steps 300   # on a GPU machine
+
+On a GPU (``--device cuda:N``) PyTorch's and JAX's loops put the model, the data and every step's indices on that
+GPU and sync it at the timed edges (``torch.cuda.synchronize``, ``block_until_ready``); TensorFlow and MXNet are not
+run there (their GPU builds are not on the GPU machines): each of their cells is recorded ``skipped`` with the
+reason, and nothing starts for it. Threads are the trial's, for the worker and the loop alike (``worker_settings`` of
+them, ``--threads`` of the loop): on the CPU the spec's ``cpu_threads``; on a GPU every available CPU, the harness's
+default for a spec without ``cpu_threads`` (quick.yaml's one thread is sized for a 2-core VM, and would turn on the
+JAX adapter's single-thread XLA CPU flags); ``--cpu-threads`` sets them on either. ``--python FRAMEWORK=PATH``
+replaces the interpreter (and any command prefix) of a framework's entry in the spec for both sides: a GPU machine
+has no ``envs/``, its one ``python3`` holds PyTorch and JAX.
 
 Reading it: ``ratio`` is harness / loop throughput within one repeat (paired); the table gives its median and
 min..max over repeats, the median throughputs of both, the loop variant that was fastest, the test accuracy of both
@@ -61,35 +74,49 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.idiomatic_loops import DEVICE, device_refusal  # noqa: E402
 from harness import plan as plan_module  # noqa: E402
-from harness.execution.launcher import run_worker, worker_settings  # noqa: E402
+from harness.execution.launcher import close_servers, run_worker, worker_settings  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
 from harness.neutral import datasets  # noqa: E402
 from harness.plan import available_cpus  # noqa: E402
 from harness.record import TrialMetrics  # noqa: E402
-from harness.spec import Spec  # noqa: E402
+from harness.spec import Spec, as_entry  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 GOAL = 0.97
 
 
 def load_spec(path: str, framework: str, batch_size: int, epochs: int, timing: dict[str, Any] | None,
-              evaluate_every: int | None = None) -> Spec:
-    """The spec file with only the framework, batch size, epochs, repeats (1), device (cpu) and evaluation
-    (``evaluate_every``: None = after the last epoch only, as the loop evaluates) overridden, and ``timing`` where
-    given; validated and checked as ``harness run`` does."""
+              evaluate_every: int | None = None, device: str = "cpu",
+              pythons: dict[str, str] | None = None, cpu_threads: int | None = None) -> Spec:
+    """The spec file with only the framework, batch size, epochs, repeats (1), device (``device``: "cpu" or
+    "cuda:N") and evaluation (``evaluate_every``: None = after the last epoch only, as the loop evaluates)
+    overridden, and ``timing`` and ``cpu_threads`` where given; validated and checked as ``harness run`` does.
+    ``pythons``: framework -> interpreter, which replaces the interpreter (and any command prefix) of that
+    framework's entry."""
     overrides: dict[str, Any] = {"frameworks": [framework], "batch_sizes": [batch_size], "epochs": epochs,
-                                 "repeats": 1, "device": "cpu", "evaluate_every": evaluate_every or epochs}
+                                 "repeats": 1, "device": device, "evaluate_every": evaluate_every or epochs}
     if timing is not None:
         overrides["timing"] = timing
-    return plan_module.load(path, overrides)
+    if cpu_threads is not None:
+        overrides["cpu_threads"] = cpu_threads
+    spec = plan_module.load(path, overrides)
+    if not pythons:
+        return spec
+    entries = []
+    for entry in (as_entry(item) for item in spec.frameworks):
+        python = pythons.get(entry.row, pythons.get(entry.name))
+        entries.append(entry if python is None else entry.model_copy(update={"python": python, "command": None}))
+    return spec.model_copy(update={"frameworks": entries})
 
 
-def run_harness(spec: Spec, sampler: bool) -> dict[str, Any]:
-    """One real harness trial (plan -> run_worker, a fresh worker); its throughput and what goes with it."""
-    (trial,) = plan_module.plan(spec, "cpu")
+def run_harness(spec: Spec, sampler: bool, device: str = "cpu") -> dict[str, Any]:
+    """One real harness trial (plan -> run_worker, a fresh worker) on ``device`` (the spec's, which the sampler
+    watches too); its throughput and what goes with it."""
+    (trial,) = plan_module.plan(spec, device)
     interval = spec.sampler.interval_s if sampler else None
-    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, "cpu", trial.threads)
+    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, device, trial.threads)
     result = outcome.result()
     metrics = result.metrics if result is not None else TrialMetrics()
     return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.throughput_samples_per_s,
@@ -97,19 +124,22 @@ def run_harness(spec: Spec, sampler: bool) -> dict[str, Any]:
             "step_time_median_s": metrics.step_time_median_s, "test_accuracy": metrics.test_accuracy,
             "final_train_loss": metrics.final_train_loss, "timed_windows": metrics.timed_windows,
             "timing_window": metrics.timing_window, "wall_s": outcome.wall_seconds,
-            "threads": trial.threads, "timing": spec.timing.model_dump(mode="json"),
+            "threads": trial.threads, "device": trial.device, "python": plan_module.entry_for(spec, trial.label).argv(),
+            "timing": spec.timing.model_dump(mode="json"),
             "trial": {k: v for k, v in Payload(trial=trial, spec=spec).model_dump(mode="json")["trial"].items()
                       if k not in ("python", "command")},
             "sampler_interval_s": interval}
 
 
 def run_loop(spec: Spec, spec_path: str, framework: str, batch_size: int, epochs: int,
-             threads: int) -> dict[str, Any]:
-    """``benchmarks.idiomatic_loops`` in the framework entry's interpreter, with the worker's thread environment."""
+             threads: int, device: str = "cpu") -> dict[str, Any]:
+    """``benchmarks.idiomatic_loops`` on ``device`` in the framework entry's interpreter, with the worker's thread
+    environment (``worker_settings`` of ``threads``, the trial's)."""
     entry = plan_module.entry_for(spec, framework)
     argv = [*entry.argv(), "-m", "benchmarks.idiomatic_loops", "--framework", framework,
             "--batch-size", str(batch_size), "--epochs", str(epochs), "--spec", spec_path,
-            "--warmup-steps", str(spec.warmup_steps), "--threads", str(threads), "--seed", str(spec.seed)]
+            "--warmup-steps", str(spec.warmup_steps), "--threads", str(threads), "--seed", str(spec.seed),
+            "--device", device]
     env = {**os.environ, **worker_settings(threads, allocator=spec.allocator.model_dump(mode="json"))}
     started = time.monotonic()
     try:
@@ -125,7 +155,15 @@ def run_loop(spec: Spec, spec_path: str, framework: str, batch_size: int, epochs
     out = json.loads(lines[-1])
     best = out["variants"][out["best"]]
     return {"status": "ok", "reason": "", **out, "test_accuracy": best["test_accuracy"],
-            "timed_steps": best["timed_steps"], "wall_s": wall}
+            "timed_steps": best["timed_steps"], "wall_s": wall, "python": entry.argv()}
+
+
+def skipped_run(framework: str, batch_size: int, epochs: int, reason: str) -> dict[str, Any]:
+    """The record of a cell that does not run on this device (``idiomatic_loops.device_refusal``): both sides
+    ``skipped`` with the reason, no process started."""
+    side = {"status": "skipped", "reason": reason, "throughput": None}
+    return {"repeat": None, "framework": framework, "batch_size": batch_size, "epochs": epochs, "order": [],
+            "harness": dict(side), "loop": dict(side), "ratio": None}
 
 
 def auto_epochs(n_train: int, batch_size: int, warmup: int, min_steps: int, min_samples: int) -> int:
@@ -149,6 +187,15 @@ def summarize(runs: list[dict[str, Any]], cells: list[tuple[str, int]]) -> tuple
     rows = []
     for framework, batch in cells:
         cell = [r for r in runs if r["framework"] == framework and r["batch_size"] == batch]
+        skipped = next((r["loop"]["reason"] for r in cell if r["loop"]["status"] == "skipped"), None)
+        if skipped is not None:
+            rows.append({"framework": framework, "batch_size": batch, "epochs": cell[0]["epochs"],
+                         "ratio_median": None, "ratio_min": None, "ratio_max": None, "repeats": 0,
+                         "harness_throughput_median": None, "loop_throughput_median": None, "loop_fastest": "n/a",
+                         "goal_met": None, "failures": [], "skipped": skipped})
+            lines.append(f"| {framework} | {batch} | {cell[0]['epochs']} |  |  |  |  |  |  | 0 |  | "
+                         f"skipped: {skipped} |")
+            continue
         ok = [r for r in cell if r["harness"]["status"] == "ok" and r["loop"]["status"] == "ok"]
         ratios = [r["ratio"] for r in ok]
         harness_tp = [r["harness"]["throughput"] for r in ok]
@@ -177,6 +224,37 @@ def summarize(runs: list[dict[str, Any]], cells: list[tuple[str, int]]) -> tuple
     return "\n".join(lines), rows
 
 
+def gpu_threads(device: str, cpu_threads: int | None) -> int | None:
+    """The ``cpu_threads`` override: ``--cpu-threads`` where given; on a GPU else every available CPU, what a spec
+    without ``cpu_threads`` gives a trial (the harness's default: the spec's one thread is sized for a 2-core CPU
+    machine, and would put XLA's single-thread CPU flags on a GPU run); on the CPU else None (the spec's)."""
+    if cpu_threads is not None or not device.startswith("cuda"):
+        return cpu_threads
+    return available_cpus()
+
+
+def measure(args: argparse.Namespace, framework: str, batch: int, epochs: int, timing: dict[str, Any] | None,
+            device: str, pythons: dict[str, str], repeat: int, index: int, log: Any) -> dict[str, Any]:
+    """One repeat of one cell: the harness trial and the loop back to back (which one first alternates), on
+    ``device``, with the trial's threads for both."""
+    spec = load_spec(args.spec, framework, batch, epochs, timing, args.evaluate_every, device, pythons,
+                     gpu_threads(device, args.cpu_threads))
+    threads = spec.cpu_threads or available_cpus()  # the trial's (harness.plan.plan), on a GPU as on the CPU
+    order = ("harness", "loop") if (repeat + index) % 2 == 0 else ("loop", "harness")
+    run: dict[str, Any] = {"repeat": repeat, "framework": framework, "batch_size": batch, "epochs": epochs,
+                           "order": list(order)}
+    for side in order:
+        run[side] = (run_harness(spec, not args.no_sampler, device) if side == "harness" else
+                     run_loop(spec, args.spec, framework, batch, epochs, threads, device))
+    h, lp = run["harness"], run["loop"]
+    run["ratio"] = h["throughput"] / lp["throughput"] if h["status"] == lp["status"] == "ok" else None
+    detail = (f"ratio {run['ratio']:.3f} (harness {h['throughput']:,.0f}, loop {lp['throughput']:,.0f} "
+              f"samples/s, {lp['best']})" if run["ratio"] is not None else
+              f"harness {h['status']} {h['reason'][:100]}; loop {lp['status']} {lp['reason'][:100]}")
+    log(f"repeat {repeat + 1}/{args.repeats} {framework} bs {batch} ({order[0]} first): {detail}")
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,15 +279,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the harness trials without the sampler (default: the spec's sampler, as in a run)")
     parser.add_argument("--out", default=None,
                         help="raw results as JSON (default: results/harness_vs_loop-<UTC time>.json)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda:N: the harness trial, its sampler and the loop (cuda means "
+                             "cuda:0; on a GPU PyTorch and JAX only, the other cells are recorded skipped)")
+    parser.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PYTHON",
+                        help="the interpreter of a framework's worker and loop, instead of its spec entry's "
+                             "(e.g. pytorch=python3 on a machine without envs/); repeatable")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="intra-op CPU threads of the worker and the loop (default: the spec's cpu_threads on the "
+                             "CPU; on a GPU every available CPU, the harness's default for a spec without it)")
     args = parser.parse_args(argv)
 
     frameworks = args.frameworks.split(",")
     unknown = set(frameworks) - set(FRAMEWORKS)
     if unknown:
         parser.error(f"unknown framework(s): {', '.join(sorted(unknown))}")
+    device = "cuda:0" if args.device == "cuda" else args.device
+    if not DEVICE.fullmatch(device):
+        parser.error(f"--device is cpu or cuda:N, not {args.device!r}")
+    pythons: dict[str, str] = {}
+    for item in args.python:
+        name, _, python = item.partition("=")
+        if not python:
+            parser.error(f"--python takes FRAMEWORK=PYTHON, not {item!r}")
+        if name not in FRAMEWORKS:
+            parser.error(f"--python {item}: unknown framework {name!r}; expected one of {', '.join(FRAMEWORKS)}")
+        # a path (not a bare name looked up in PATH) made absolute: the loop runs with the repository as its cwd
+        pythons[name] = str(Path(python).absolute()) if os.sep in python else python
     batches = [int(b) for b in args.batch_sizes.split(",")]
     timing = json.loads(args.timing) if args.timing else None
-    base = load_spec(args.spec, frameworks[0], batches[0], 1, timing)
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        parser.error(f"--cpu-threads must be at least 1, not {args.cpu_threads}")
+    base = load_spec(args.spec, frameworks[0], batches[0], 1, timing, device=device, pythons=pythons,
+                     cpu_threads=gpu_threads(device, args.cpu_threads))
     n_train = len(datasets.load(base.dataset, seed=base.seed).y_train)
     epochs = {b: args.epochs or auto_epochs(n_train, b, base.warmup_steps, args.min_steps, args.min_samples)
               for b in batches}
@@ -223,29 +325,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:6.1f} s] {text}", file=sys.stderr, flush=True)
 
     runs: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
-        for index, (framework, batch) in enumerate(cells):
-            spec = load_spec(args.spec, framework, batch, epochs[batch], timing, args.evaluate_every)
-            threads = spec.cpu_threads or available_cpus()
-            order = ("harness", "loop") if (repeat + index) % 2 == 0 else ("loop", "harness")
-            run: dict[str, Any] = {"repeat": repeat, "framework": framework, "batch_size": batch,
-                                   "epochs": epochs[batch], "order": list(order)}
-            for side in order:
-                run[side] = (run_harness(spec, not args.no_sampler) if side == "harness" else
-                             run_loop(spec, args.spec, framework, batch, epochs[batch], threads))
-            h, lp = run["harness"], run["loop"]
-            run["ratio"] = h["throughput"] / lp["throughput"] if h["status"] == lp["status"] == "ok" else None
-            runs.append(run)
-            detail = (f"ratio {run['ratio']:.3f} (harness {h['throughput']:,.0f}, loop {lp['throughput']:,.0f} "
-                      f"samples/s, {lp['best']})" if run["ratio"] is not None else
-                      f"harness {h['status']} {h['reason'][:100]}; loop {lp['status']} {lp['reason'][:100]}")
-            log(f"repeat {repeat + 1}/{args.repeats} {framework} bs {batch} ({order[0]} first): {detail}")
+    refused = {cell: reason for cell in cells if (reason := device_refusal(cell[0], device)) is not None}
+    for (framework, batch), reason in refused.items():
+        runs.append(skipped_run(framework, batch, epochs[batch], reason))
+        log(f"{framework} bs {batch} skipped: {reason}")
+    try:
+        for repeat in range(args.repeats):
+            for index, (framework, batch) in enumerate(cells):
+                if (framework, batch) not in refused:
+                    runs.append(measure(args, framework, batch, epochs[batch], timing, device, pythons, repeat,
+                                        index, log))
+    finally:
+        close_servers()  # the preloaded parents of forked workers, if any (each holds a framework's memory)
 
     table, rows = summarize(runs, cells)
     load_after = os.getloadavg()
     timing_text = json.dumps(timing) if timing is not None else f"the spec's ({json.dumps(base.timing.model_dump())})"
-    print(f"Harness vs idiomatic loop: spec {args.spec}, device cpu, {base.cpu_threads or available_cpus()} intra-op "
-          f"thread(s), {available_cpus()} CPUs, timing {timing_text}, sampler "
+    print(f"Harness vs idiomatic loop: spec {args.spec}, device {device}, "
+          f"{base.cpu_threads or available_cpus()} intra-op thread(s), {available_cpus()} CPUs, timing {timing_text}, "
+          "sampler "
           f"{'off' if args.no_sampler else f'{base.sampler.interval_s:g} s'}, warm-up {base.warmup_steps} step(s), "
           "harness evaluation "
           f"{f'every {args.evaluate_every} epoch(s)' if args.evaluate_every else 'after the last epoch'}, "
@@ -257,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
-        "spec": args.spec, "frameworks": frameworks, "batch_sizes": batches, "repeats": args.repeats,
+        "spec": args.spec, "device": device, "pythons": pythons, "threads": base.cpu_threads or available_cpus(),
+        "frameworks": frameworks, "batch_sizes": batches, "repeats": args.repeats,
         "epochs": {str(b): e for b, e in epochs.items()}, "timing_override": timing, "sampler": not args.no_sampler,
         "evaluate_every": args.evaluate_every,
         "cpus": available_cpus(), "load_before": load_before, "load_after": load_after, "goal": GOAL,

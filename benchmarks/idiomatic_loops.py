@@ -21,7 +21,9 @@ The loops (the framework's idiomatic way to train with data already on the devic
 
 - ``pytorch``: eager ``nn.Sequential``, ``torch.optim.SGD``; per step ``x[idx]``, ``zero_grad``, ``backward``,
   ``step``; the resident images NCHW with default strides, so the convolution runs the same kernels as in the
-  harness's adapter (channels-last strides would pick others). Threads: ``torch.set_num_threads``, inter-op 1.
+  harness's adapter (channels-last strides would pick others). Threads: ``torch.set_num_threads``, inter-op 1. On a
+  GPU (``--device cuda:N``): ``torch.cuda.set_device``, TF32 off in matmuls and convolutions (fp32, as the adapter
+  sets it), the model, the data and every step's indices on the device, ``torch.cuda.synchronize`` at both edges.
 - ``tensorflow``: two loops, the faster counts. ``tf_function``: a Keras model and ``keras.optimizers.SGD`` in a
   ``tf.function`` train step (gather, ``tf.GradientTape``, ``apply_gradients``) called once per step from Python with
   the step's index tensor; ``keras_fit``: ``model.compile`` + ``model.fit`` on a ``tf.data`` pipeline of the resident
@@ -36,7 +38,10 @@ The loops (the framework's idiomatic way to train with data already on the devic
 - ``jax``: a ``jax.jit``-compiled update step over a parameter dict (``lax`` convolution and pooling), optax SGD with
   momentum; per step the jitted function gets the state, the resident data and the step's index array;
   ``block_until_ready`` at the edges. Threads: with one thread, ``XLA_FLAGS`` turns XLA's Eigen pool off, as the
-  harness's adapter does.
+  harness's adapter does (``adapters/jax/runtime.py``, on any device: the flags concern XLA's CPU client only, so on
+  a GPU they change nothing the step runs; nothing here sets ``JAX_PLATFORMS``). On a GPU: ``jax_default_device``
+  is the GPU of ``--device cuda:N`` (JAX's default device for ``cuda:0``), where the data, indices and state are put;
+  JAX without a GPU backend is an error, never a silent CPU run.
 
 Run from the repository root in the framework's environment (the thread variables as the harness's launcher sets
 them: ``harness.execution.launcher.worker_settings``; ``harness_vs_loop.py`` does all of this)::
@@ -47,7 +52,9 @@ them: ``harness.execution.launcher.worker_settings``; ``harness_vs_loop.py`` doe
 It prints one JSON object on standard output (its last line): per loop variant, the timed steps, samples and
 seconds, the throughput, the final training loss and the test accuracy, and ``best``/``throughput``: the fastest
 variant. Supported layers: conv2d, maxpool2d, avgpool2d, flatten, dense, relu (and a trailing softmax, folded into
-the loss); optimizer: sgd. The CPU only.
+the loss); optimizer: sgd. Devices: ``--device cpu`` (default) for every framework; ``--device cuda:N`` for PyTorch
+and JAX only: TensorFlow and MXNet are refused with one line (``device_refusal``: their GPU builds are not installed
+on the GPU machines this benchmark is run on), before anything is imported.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -69,8 +77,21 @@ if str(ROOT) not in sys.path:
 
 from harness.neutral import datasets, models  # noqa: E402
 from harness.spec import load as load_spec  # noqa: E402
+from harness.spec.devices import device_index  # noqa: E402
 
 SUPPORTED = {"conv2d", "maxpool2d", "avgpool2d", "flatten", "dense", "relu", "softmax"}
+#: The loops that run on a GPU (``--device cuda:N``); the others run on the CPU only.
+GPU_LOOPS = ("pytorch", "jax")
+DEVICE = re.compile(r"cpu|cuda:\d+")
+
+
+def device_refusal(framework: str, device: str) -> str | None:
+    """Why ``framework``'s loop does not run on ``device`` (one line), or None when it does: TensorFlow's and
+    MXNet's loops on a GPU (their GPU builds are not available on the GPU machines). Imports nothing."""
+    if device.startswith("cuda") and framework not in GPU_LOOPS:
+        return (f"{framework} not supported on a GPU in this benchmark: no {framework} GPU build on the GPU machines "
+                f"(on {device} only {' and '.join(GPU_LOOPS)} run)")
+    return None
 
 
 class Job:
@@ -83,6 +104,7 @@ class Job:
         self.epochs = args.epochs
         self.warmup = spec.warmup_steps if args.warmup_steps is None else args.warmup_steps
         self.threads = args.threads
+        self.device = args.device
         self.data = datasets.load(spec.dataset, seed=self.seed)
         self.info = models.analyze(spec.model, tuple(self.data.x_train.shape[1:]), self.data.num_classes)
         unsupported = {layer.kind for layer in self.info.layers} - SUPPORTED
@@ -142,6 +164,16 @@ def run_pytorch(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     import torch.nn.functional as F
     from torch import nn
 
+    gpu = job.device.startswith("cuda")
+    if gpu:
+        if not torch.cuda.is_available() or device_index(job.device) >= torch.cuda.device_count():
+            raise SystemExit(f"idiomatic_loops: PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+                             f"{torch.cuda.device_count()} CUDA device(s); {job.device} is not one")
+        torch.cuda.set_device(device_index(job.device))
+        # fp32 means fp32, as the adapter sets it: no TF32 in matmuls or convolutions (cuDNN's default allows it)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    device = torch.device(job.device)
     torch.set_num_threads(job.threads)
     torch.set_num_interop_threads(1)
     torch.manual_seed(job.seed)
@@ -165,7 +197,7 @@ def run_pytorch(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
             layers.append(nn.Flatten())
         elif layer.kind == "relu":
             layers.append(nn.ReLU())
-    net = nn.Sequential(*layers).train()
+    net = nn.Sequential(*layers).to(device).train()
     opt = torch.optim.SGD(net.parameters(), lr=job.lr, momentum=job.momentum)
     # NCHW, resident, with the default (contiguous_format) strides. torch.tensor of the transposed NHWC array would
     # keep NHWC strides (channels-last memory), and x[idx] would keep them too, sending the convolution down
@@ -173,8 +205,9 @@ def run_pytorch(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     # a contiguous_format batch), not a lighter loop.
     x = torch.empty(job.data.x_train.shape[0], *job.info.input_shape)
     x.copy_(torch.from_numpy(job.data.x_train).permute(0, 3, 1, 2))
-    y = torch.from_numpy(job.data.y_train)
-    batches = [torch.from_numpy(idx) for idx in job.step_indices()]
+    x = x.to(device)  # the same tensor on the CPU; on a GPU the copy keeps the contiguous strides
+    y = torch.from_numpy(job.data.y_train).to(device)
+    batches = [torch.from_numpy(idx).to(device) for idx in job.step_indices()]
 
     def train(steps: list[torch.Tensor]) -> torch.Tensor:
         for idx in steps:
@@ -186,16 +219,26 @@ def run_pytorch(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
 
     if job.warmup:
         train(batches[:job.warmup]).item()
+    if gpu:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     loss = train(batches[job.warmup:])
-    final = loss.item()  # the CPU is synchronous; the read is the edge anyway
-    seconds = time.perf_counter() - start
+    if gpu:
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        final = loss.item()  # after the clock, as the harness reads its loss after the window's wait
+    else:
+        final = loss.item()  # the CPU is synchronous; the read is the edge anyway
+        seconds = time.perf_counter() - start
     net.eval()
     with torch.no_grad():
-        logits = net(torch.from_numpy(job.data.x_test).permute(0, 3, 1, 2).contiguous())
-    accuracy = float((logits.argmax(1) == torch.from_numpy(job.data.y_test)).float().mean())
-    versions = {"torch": torch.__version__, "intra_op_threads": torch.get_num_threads(),
+        logits = net(torch.from_numpy(job.data.x_test).permute(0, 3, 1, 2).contiguous().to(device))
+    accuracy = float((logits.argmax(1).cpu() == torch.from_numpy(job.data.y_test)).float().mean())
+    versions = {"torch": torch.__version__, "device": str(x.device), "intra_op_threads": torch.get_num_threads(),
                 "inter_op_threads": torch.get_num_interop_threads()}
+    if gpu:
+        versions.update({"cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device),
+                         "allow_tf32": torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32})
     return {"eager": job.record(len(batches) - job.warmup, seconds, final, accuracy)}, versions
 
 
@@ -373,7 +416,17 @@ def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     import jax.numpy as jnp
     import optax
 
-    jax.config.update("jax_default_matmul_precision", "highest")  # as the adapter (no effect on the CPU)
+    if job.device.startswith("cuda"):
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError as err:  # no GPU backend (a CPU-only jaxlib, or JAX_PLATFORMS without it)
+            raise SystemExit(f"idiomatic_loops: JAX {jax.__version__} has no GPU for {job.device} "
+                             f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}): {err}") from None
+        if device_index(job.device) >= len(gpus):
+            raise SystemExit(f"idiomatic_loops: JAX sees {len(gpus)} GPU(s); {job.device} is not one")
+        # every array and jitted call below without a device of its own goes there (cuda:0 is JAX's default anyway)
+        jax.config.update("jax_default_device", gpus[device_index(job.device)])
+    jax.config.update("jax_default_matmul_precision", "highest")  # as the adapter (fp32; no effect on the CPU)
     params = {k: jnp.asarray(v) for k, v in job.hwc_weights().items()}
     forward_layers: list[Callable[[dict[str, jax.Array], jax.Array], jax.Array]] = []
     for layer in job.info.layers:
@@ -422,7 +475,8 @@ def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     seconds = time.perf_counter() - start
     logits = jax.jit(forward)(params, jax.device_put(job.data.x_test))
     accuracy = float(np.mean(np.asarray(logits).argmax(axis=1) == job.data.y_test))
-    versions = {"jax": jax.__version__, "optax": optax.__version__, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    versions = {"jax": jax.__version__, "optax": optax.__version__, "device": str(next(iter(x.devices()))),
+                "platform": next(iter(x.devices())).platform, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     return {"jit": job.record(len(batches) - job.warmup, seconds, float(loss), accuracy)}, versions
 
 
@@ -472,11 +526,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=None, help="default: the spec's")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads (inter-op 1; default: 1)")
     parser.add_argument("--seed", type=int, default=None, help="default: the spec's")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda:N (PyTorch and JAX only; cuda means cuda:0)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        args.device = "cuda:0"
+    if not DEVICE.fullmatch(args.device):
+        parser.error(f"--device is cpu or cuda:N, not {args.device!r}")
+    if (refusal := device_refusal(args.framework, args.device)) is not None:
+        raise SystemExit(f"idiomatic_loops: {refusal}")
     job = Job(args)
     variants, versions = LOOPS[args.framework](job)
     best = max(variants, key=lambda name: variants[name]["throughput"])
-    print(json.dumps({"framework": args.framework, "batch_size": job.batch, "epochs": job.epochs,
+    print(json.dumps({"framework": args.framework, "device": job.device, "batch_size": job.batch, "epochs": job.epochs,
                       "warmup_steps": job.warmup, "steps_per_epoch": job.steps_per_epoch, "threads": job.threads,
                       "variants": variants, "best": best, "throughput": variants[best]["throughput"],
                       "versions": versions}))
