@@ -35,7 +35,7 @@ SIZES = {
     "gpu": {"batch_sizes": [4, 8, 16, 32, 64, 128, 256, 512, 1024], "epochs": 1, "repeats": 2, "warmup_steps": 5,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 50000, "test_size": 10000},
             "timeout_s": 240, "max_batch_args": [],
-            "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "2"]},
+            "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "5"]},
     "cpu": {"batch_sizes": [16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
             "timeout_s": 120,
@@ -45,7 +45,8 @@ SIZES = {
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
 LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 110,
-          "sweep_keras": 120, "sampler_overhead": 100}
+          "sweep_keras": 120, "sampler_overhead": 100,
+          "harness_vs_loop": 150}
 
 
 def _absolute(python: str) -> str:
@@ -320,6 +321,25 @@ def step_max_batch(check: Check) -> None:
     check.record("max_batch", "failed" if problems else "ok", started, results=results, reason="; ".join(problems))
 
 
+def step_harness_vs_loop(check: Check) -> None:
+    """benchmarks/harness_vs_loop.py on the GPU: harness / hand-written-loop throughput at batch 64 and 512 for the
+    frameworks (goal >= 0.97). With --allow-cpu not run: tests/test_harness_vs_loop.py covers it on the CPU."""
+    started = time.monotonic()
+    if check.allow_cpu:
+        check.record("harness_vs_loop", "not run", started, reason="the CPU's is tests/test_harness_vs_loop.py")
+        return
+    out = check.out / "harness_vs_loop.json"
+    pythons = [a for f in check.frameworks for a in ("--python", f"{f}={check.pythons[f]}")]
+    code, text = check.run("harness_vs_loop", [check.python, "benchmarks/harness_vs_loop.py", "--device", check.device,
+                                               "--frameworks", ",".join(check.frameworks), "--batch-sizes", "64,512",
+                                               "--repeats", "3", "--min-steps", "300", "--out", str(out), *pythons])
+    if code != 0 or not out.exists():
+        check.record("harness_vs_loop", "failed", started, reason=f"exit {code}: {tail(text)}")
+        return
+    check.record("harness_vs_loop", "ok", started, result=json.loads(out.read_text(encoding="utf-8")),
+                 reason=tail(text, 6))
+
+
 def step_sweep_keras(check: Check) -> None:
     """Keras 3 on the given backends (``--keras``), the sweep's model at batch 64 and 512, one repeat."""
     if check.keras:
@@ -385,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check: device {check.device}, interpreter {check.python}, output {check.out}", file=sys.stderr)
     step_install(check, args.wheels)
     if step_environment(check):
-        for step in (step_gpu_tests, step_fork_check, step_sweep, step_max_batch, step_sampler_overhead,
-                     step_sweep_keras):
+        for step in (step_gpu_tests, step_fork_check, step_sweep, step_max_batch, step_harness_vs_loop,
+                     step_sampler_overhead, step_sweep_keras):
             try:
                 step(check)
             except Exception as err:  # noqa: BLE001 - one step's surprise must not stop the others
