@@ -42,12 +42,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     run_checks = 2  # harness.studies.max_batch.runcheck.RUN_CHECKS
     parser = subparsers.add_parser(
         "max-batch", help="find the largest batch size that fits the memory cap (one worker per probe)",
-        description="Probes batch sizes, each in its own worker, fits peak memory = fixed + per-sample x batch, "
-                    "predicts the limit from the cap and bisects to it. The answer is ok in two probes; a size "
-                    "seen both fitting and running out of memory is reported as 'fits sometimes', never as the "
-                    "answer. The recommendation keeps a margin below it and holds in run checks (the spec's trial "
-                    "as `harness run` runs it). Exit 0 with the result, 1 when a probe failed otherwise than out "
-                    "of memory, 2 for a bad spec or arguments.")
+        description="Probes batch sizes, each in its own worker: two small ones, then where the line peak memory "
+                    "= fixed + per-sample x batch through the sizes that fit reaches the cap, narrowing the bracket "
+                    "to the limit. The answer is ok in two probes; a size seen both fitting and running out of "
+                    "memory is reported as 'fits sometimes', never as the answer. The recommendation keeps a margin "
+                    "below it and holds in every run check made of it (the spec's trial as `harness run` runs it), "
+                    "searched downward until one holds. Exit 0 with the result, 1 when a probe failed otherwise "
+                    "than out of memory, 2 for a bad spec or arguments.")
     parser.add_argument("spec", help="a YAML spec, e.g. specs/max_batch.yaml")
     parser.add_argument("--framework", required=True, help="pytorch, tensorflow, mxnet (or a registered adapter)")
     parser.add_argument("--memory-limit-mb", type=float, help="the cap (MB = 10^6 bytes); default: the spec's "
@@ -58,11 +59,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=_fraction, default=tolerance,
                         help=f"stop when the bracket is within this fraction (default {tolerance})")
     parser.add_argument("--initial-sizes", type=_sizes,
-                        help="small sizes probed first (default: 16, then the neutral memory model's guess)")
+                        help="small sizes probed first (default: 16 and 64, whose peaks give the fixed and "
+                             "per-sample bytes)")
     parser.add_argument("--max-batch", type=int, help="the largest size to try")
     parser.add_argument("--with-dataset", action="store_true",
                         help="probe with the spec's real dataset resident, as in a run (default: synthetic data of "
-                             "the batch's size); sizes are then at most the training set's")
+                             "the dataset's shape, as many samples as a run holds); sizes are then at most the "
+                             "training set's")
     parser.add_argument("--data-parallel", type=int, metavar="N",
                         help="the largest per-device batch on N devices (on the CPU N logical devices), each probe "
                              "one data-parallel trial; reports the global batch, N x it (default: the spec's "

@@ -1,8 +1,9 @@
 """The CPU memory cap of a worker (``memory_limit_mb`` of a spec, ``Trial.memory_limit_bytes``): the memory a trial
 may take on top of what its worker holds once the framework is imported; not used on a GPU. ``apply_cpu_memory_limit``
 sets it (RLIMIT_DATA; for a framework whose declaration has a ``cpu_allocator_cap``, TensorFlow, that capped tensor
-allocator with the process limit as a backstop) and reports the peak at exit (``peak_estimate``); ``process_memory``
-and ``reset_peak_rss`` read and reset /proc's counters.
+allocator with the process limit as a backstop) and reports the peak at exit (``peak_estimate``, with the peak of
+VmData that ``DataPeak`` polls while the worker runs); ``process_memory`` and ``reset_peak_rss`` read and reset /proc's
+counters.
 
 Design: docs/design/max-batch.md#the-cpu-memory-cap (what the cap counts per framework, why not RLIMIT_AS, what is
 recorded, measured caveats).
@@ -11,10 +12,12 @@ recorded, measured caveats).
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import resource
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from harness.execution.protocol import MemoryLimit, MemoryPeak
 
@@ -23,6 +26,8 @@ GIB = 1 << 30
 #: TensorFlow's process-limit backstop: VmData + TF_BACKSTOP_FACTOR x limit + TF_BACKSTOP_EXTRA_BYTES.
 TF_BACKSTOP_FACTOR = 2
 TF_BACKSTOP_EXTRA_BYTES = GIB
+#: How often ``DataPeak`` reads VmData (seconds): the kernel keeps no peak of it, and RLIMIT_DATA caps it.
+DATA_POLL_S = 0.002
 
 _STATUS_FIELDS = {"VmData": "data_bytes", "VmRSS": "rss_bytes", "VmHWM": "rss_peak_bytes", "VmSize": "virtual_bytes",
                   "RssFile": "rss_file_bytes", "RssShmem": "rss_shmem_bytes"}
@@ -52,6 +57,50 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+class DataPeak:
+    """The peak of this process's VmData (what RLIMIT_DATA caps; the kernel keeps no peak of it), read from
+    /proc/self/statm every ``interval_s`` by a daemon thread with a small stack (its own VmData is a few hundred kB).
+    ``peak`` is the largest value seen, in bytes of statm's ``data`` (VmData plus the main thread's stack, which
+    does not grow here): a growth over a baseline read the same way is a VmData growth. A spike shorter than the
+    interval can be missed (the RSS peak, VmHWM, still sees it where the memory was written); a reservation that is
+    never written (a thread's stack, a pooled allocator's free blocks) cannot be missed as it lasts."""
+
+    def __init__(self, interval_s: float = DATA_POLL_S):
+        self.interval_s = interval_s
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+        self.start_bytes = self.read()
+        self.peak = self.start_bytes
+        self._stop = threading.Event()
+        previous = threading.stack_size()
+        threading.stack_size(256 * 1024)
+        try:
+            self._thread = threading.Thread(target=self._poll, name="harness-vmdata-peak", daemon=True)
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
+
+    def read(self) -> int:
+        """statm's ``data`` now, in bytes."""
+        return int(os.pread(self._fd, 256, 0).split()[5]) * self.page
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.peak = max(self.peak, self.read())
+            except (OSError, ValueError, IndexError):
+                return
+
+    def stop(self) -> int:
+        """Stops polling (one last read) and returns the peak in bytes."""
+        self._stop.set()
+        try:
+            self.peak = max(self.peak, self.read())
+        except (OSError, ValueError, IndexError):
+            pass
+        return self.peak
 
 
 def _set_data_limit(cap: int) -> int:
@@ -101,10 +150,37 @@ def apply_cpu_memory_limit(limit_bytes: int, declaration: Any = None, emit: Call
         info["rlimit_data_bytes"] = _set_data_limit(data + limit_bytes)
     info["peak_reset"] = reset_peak_rss()
     if emit is not None:
+        poller = None
+        try:
+            poller = DataPeak()
+        except (OSError, ValueError, IndexError, RuntimeError):  # no /proc/self/statm, or no thread to be had
+            pass
         emit(MemoryLimit(**info))
-        atexit.register(_report_peak, emit, capped, allocator_peak if capped else None, baseline,
-                        info["peak_reset"])
+        _report_at_exit(functools.partial(_report_peak, emit, capped, allocator_peak if capped else None, baseline,
+                                          info["peak_reset"], poller))
     return info
+
+
+def _report_at_exit(report: Callable[[], None]) -> None:
+    """Calls ``report`` once when this process exits: through ``atexit`` when the interpreter shuts down, and
+    through ``os._exit``, which skips ``atexit`` and ends a worker forked from a preloaded parent
+    (``harness.execution.forkserver``) or a data-parallel rank group, wrapped for this process alone."""
+    done = threading.Lock()
+
+    def once() -> None:
+        if done.acquire(blocking=False):
+            report()
+
+    atexit.register(once)
+    real_exit = os._exit
+
+    def exit_reporting(status: int) -> NoReturn:
+        try:
+            once()
+        finally:
+            real_exit(status)
+
+    os._exit = exit_reporting
 
 
 def _capped_allocator(declaration: Any) -> str:
@@ -116,12 +192,19 @@ def _capped_allocator(declaration: Any) -> str:
 
 
 def peak_estimate(capped: str, baseline: dict[str, int], now: dict[str, int], peak_reset: bool,
-                  tensor_peak: int | None) -> tuple[int | None, str]:
+                  tensor_peak: int | None, data_peak_growth: int | None = None) -> tuple[int | None, str]:
     """The best available measure of the peak of what the cap counts since it was applied, with its source.
 
     A capped tensor allocator (``capped``, its name; "" for none): the allocator's own peak (``tensor_peak``),
-    exact. Otherwise RLIMIT_DATA caps private
-    memory (VmData), whose peak the kernel does not keep; the estimate is the larger of
+    exact; None when it cannot be read (VmData and RSS count the runtime, graphs and the numpy data besides, which
+    that cap does not: for TensorFlow under 150 MB they were above the cap at batch 16, and a line through them put
+    the limit at 0). Otherwise RLIMIT_DATA caps private
+    memory (VmData), whose peak the kernel does not keep; the estimate is the largest of
+
+    - the peak VmData growth polled while the worker ran (``data_peak_growth``, ``DataPeak``): what the cap counts,
+      short spikes aside. Measured (specs/max_batch.yaml under 400 MB): a run of the spec at batch 16 held 184 MB of
+      VmData at its peak, its dataset and the framework's copy of it included, while the two figures below said 157
+      (PyTorch) and 139 (MXNet, whose dataset was freed before the exit);
 
     - the peak growth of private resident memory: VmHWM since the reset, less the baseline VmRSS, less the growth of
       file-backed and shared resident pages (RssFile, RssShmem: libraries' code paged in while training, which
@@ -130,7 +213,9 @@ def peak_estimate(capped: str, baseline: dict[str, int], now: dict[str, int], pe
     - the VmData growth at exit: what a pooled allocator such as MXNet's keeps is its peak; an allocator that gives
       memory back (glibc's mmap'd chunks, PyTorch) makes this an underestimate.
     """
-    if capped and tensor_peak is not None:
+    if capped:  # the cap counts the allocator's tensors alone: no process figure stands in for its peak
+        if tensor_peak is None:
+            return None, f"unavailable ({capped} peak not readable; process memory is not what the cap counts)"
         return tensor_peak, f"{capped} peak"
     rss_growth = None
     if now.get("rss_peak_bytes") is not None and peak_reset:
@@ -138,19 +223,22 @@ def peak_estimate(capped: str, baseline: dict[str, int], now: dict[str, int], pe
         rss_growth = now["rss_peak_bytes"] - baseline.get("rss_bytes", 0) - max(0, paged)
     data = now.get("data_bytes")
     data_growth = data - baseline["data_bytes"] if data is not None and "data_bytes" in baseline else None
-    if rss_growth is None and data_growth is None:
+    candidates = [(value, source) for value, source in (
+        (data_peak_growth, f"peak VmData growth (polled every {DATA_POLL_S * 1e3:g} ms)"),
+        (rss_growth, "peak private RSS growth (VmHWM less file pages)"),
+        (data_growth, "VmData growth at exit")) if value is not None]
+    if not candidates:
         return None, "unavailable"
-    if data_growth is None or (rss_growth is not None and rss_growth >= data_growth):
-        return rss_growth, "peak private RSS growth (VmHWM less file pages)"
-    return data_growth, "VmData growth at exit"
+    return max(candidates, key=lambda c: c[0])
 
 
 def _report_peak(emit: Callable[..., Any], capped: str, allocator_peak: Callable[[], int | None] | None,
-                 baseline: dict[str, int], peak_reset: bool) -> None:
+                 baseline: dict[str, int], peak_reset: bool, poller: DataPeak | None = None) -> None:
     try:
         now = process_memory()
         tensor_peak = allocator_peak() if allocator_peak is not None else None
-        peak, source = peak_estimate(capped, baseline, now, peak_reset, tensor_peak)
+        growth = poller.stop() - poller.start_bytes if poller is not None else None
+        peak, source = peak_estimate(capped, baseline, now, peak_reset, tensor_peak, growth)
         emit(MemoryPeak(peak_bytes=peak, source=source, at_exit=now, baseline=baseline,
                         cpu_allocator_peak_bytes=tensor_peak))
     except Exception:  # noqa: BLE001 - no memory left even for this, or the events pipe is gone: nothing to report

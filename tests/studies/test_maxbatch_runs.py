@@ -54,10 +54,10 @@ def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, wri
     assert run["settings"]["data_parallel"] == 2 and result["data_parallel"] == 2, out
     limit = result["limit"]
     assert result["status"] == "found" and result["global_limit"] == 2 * limit, out
-    # Each rank holds BYTES_PER_SAMPLE and its shard's image per per-device sample, and the probe's synthetic data:
-    # 2 x (1 + 1) images of the global batch (4 x 12,288 bytes per per-device sample): the cap, 80 MB, less the
-    # worker's own memory, allows at most 80e6 / 249 kB = 321 per device; measured 304 (258.6 kB per sample).
-    assert 150 <= limit <= 80e6 / (BYTES_PER_SAMPLE + 4 * 12_288), out
+    # Each rank holds BYTES_PER_SAMPLE per per-device sample and the probe's synthetic data, as many as a run holds
+    # (the spec's 2048 + 256 images, 28 MB, each rank all of them): the cap, 80 MB, less the data and the worker's
+    # own memory, allows at most 52e6 / 200 kB = 260 per device; measured 213.
+    assert 150 <= limit <= (80e6 - 28e6) / BYTES_PER_SAMPLE, out
     assert f"largest batch that fits: {limit} per device, global {2 * limit} (ok in both of its probes)" in out
     assert result["smallest_oom"] is not None and result["smallest_oom"] - limit <= max(1, math.floor(0.1 * limit))
     # every probe was one data-parallel trial of two ranks training the global batch, N x the per-device batch
@@ -70,17 +70,28 @@ def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, wri
     assert metrics["per_device_batch_size"] == limit and metrics["data_parallelism"]["devices"] == ["cpu:0", "cpu:1"]
     oom = next(p for p in probes if p["batch_size"] == result["smallest_oom"] and p["status"] == "oom")
     assert "MemoryError" in oom["reason"], oom
-    # the recommendation held in run checks of two devices, below the limit
+    # the recommendation held in run checks of two devices, at or below the limit, and holds in a plain
+    # data-parallel run of the spec at its global batch (the smallest size that failed is the probes' boundary,
+    # where a run of two ranks, whose peaks are rank 0's, lands either side: not asserted)
     assert result["recommended_by"] == "runs" and result["global_recommended"] == 2 * result["recommended"]
-    assert result["recommended"] < limit
+    assert result["recommended"] <= limit
     assert "data-parallel on 2 devices" in (run_dir / "max_batch.md").read_text()
+    for per_device, status in ((result["recommended"], "ok"),):
+        spec = write_spec({**memory_spec(), "data_parallel": 2, "batch_sizes": [2 * per_device]},
+                          f"dp{per_device}.yaml")
+        assert cli.main(["run", str(spec), "--out", str(tmp_path / f"dp{per_device}")]) == 0
+        record = json.loads(next(next((tmp_path / f"dp{per_device}").iterdir()).glob("trials.jsonl")).read_text()
+                            .splitlines()[0])
+        assert record["status"] == status and record["per_device_batch_size"] == per_device, record["reason"]
 
 
-def test_the_recommendation_holds_in_a_real_run_where_the_answer_does_not(memory_adapter, write_spec, tmp_path):
-    """The user's case, for real: the answer fits both of its probes (synthetic data of the batch's size), but a run
-    holds the spec's whole dataset (28 MB under an 80 MB cap) and runs out of memory at it. The run checks measure
-    what a run adds and place the recommendation below; a plain `harness run` there is ok, and one at the answer is
-    not."""
+def test_the_probes_hold_what_a_run_holds_and_the_recommendation_holds_in_a_real_run(memory_adapter, write_spec,
+                                                                                     tmp_path):
+    """The user's case, for real: a run holds the spec's whole dataset (28 MB under an 80 MB cap). The probes hold
+    as many samples of the dataset's shape (before issue 42 they held data of the batch's size only, and an answer
+    that fitted both of its probes ran out of memory in a plain run, 28 MB short). So a run adds next to nothing
+    beyond a probe, the limit is a run's limit, a plain `harness run` at the recommendation is ok and one at the
+    smallest size that failed is not."""
     from harness import cli
     from harness.plan import checked_spec
     from harness.studies import max_batch
@@ -90,18 +101,20 @@ def test_the_recommendation_holds_in_a_real_run_where_the_answer_does_not(memory
     result = find_max_batch(spec, "memory_dp", tolerance=0.1)
     text = max_batch.table(result)
     assert result.status == "found" and result.recommended_by == "runs", text
+    assert result.run_data == {"train_size": 2048, "test_size": 256, "bytes": 2304 * (12_288 + 8)}, text
     offset = result.run_offset
-    assert offset["batch_size"] == 16 and offset["offset_bytes"] > 20e6, text  # the dataset: 28 MB against 0.4 MB
-    assert result.recommended <= result.limit - offset["offset_samples"], text
+    assert offset["batch_size"] == 16 and abs(offset["offset_bytes"]) < 5e6, text  # the dataset is in both
+    # 28 MB of the cap hold the data: at most (80 - 28) MB / 0.2 MB per sample (the worker's own memory aside)
+    assert result.limit <= (80e6 - 28e6) / BYTES_PER_SAMPLE, text
     assert result.statuses(result.recommended, "run") == ["ok", "ok"], text
     assert f"recommended: {result.recommended} (ok in 2 run checks" in text
     records = {}
-    for batch in (result.limit, result.recommended):
+    for batch in (result.smallest_oom, result.recommended):
         path = write_spec({**memory_spec(), "batch_sizes": [batch]}, f"run{batch}.yaml")
         assert cli.main(["run", str(path), "--out", str(tmp_path / f"runs{batch}")]) == 0
         run_dir = next((tmp_path / f"runs{batch}").iterdir())
         records[batch] = json.loads((run_dir / "trials.jsonl").read_text().splitlines()[0])
-    assert records[result.limit]["status"] == "oom", records[result.limit]["reason"]
+    assert records[result.smallest_oom]["status"] == "oom", records[result.smallest_oom]["reason"]
     assert records[result.recommended]["status"] == "ok", records[result.recommended]["reason"]
 
 
@@ -210,19 +223,55 @@ def test_a_margin_wider_than_the_limit_leaves_the_smallest_size_that_held_in_a_r
 
 
 def test_a_run_check_that_runs_out_of_memory_moves_the_recommendation_down(monkeypatch, tmp_path):
-    """Runs run out of memory above 300 though probes fit up to 350 and the run at 16 measured no offset (memory a
-    run adds only at large sizes): the target, 350, fails its first run check; one tolerance step down at a time
-    until two run checks are ok. The recommendation is never a size that ran out of memory in a run."""
+    """Runs run out of memory above 330 though probes fit up to 350 and the run at 16 measured no offset (memory a
+    run adds only at large sizes): the target, 350, fails its first run check; the candidate moves one tolerance
+    step down (floor(0.02 x 350) = 7), the step doubling with each failure, until two run checks are ok. The
+    recommendation is never a size that ran out of memory in a run, and the note names every size tried."""
     result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
                                       run_fits=lambda b: b <= 330)
     assert result.limit == 350 and result.margin_samples == 0
-    assert runs == [16, 350, 343, 336, 329, 329] and result.recommended == 329, runs  # gap: floor(0.02 x 350) = 7
+    assert runs == [16, 350, 343, 329, 329] and result.recommended == 329, runs
     assert result.statuses(350, "run") == ["oom"] and result.statuses(329, "run") == ["ok", "ok"]
-    # none fits in a run: nothing is recommended, and the result says so
+    assert ("run checks: 16 (ok in 1); 350 (out of memory in 1 of 1); 343 (out of memory in 1 of 1); "
+            "329 (ok in 2)") in result.notes
+
+
+def test_the_downward_search_halves_toward_the_size_that_held(monkeypatch, tmp_path):
+    """The user's MXNet case: probes fit up to 350, but runs only up to 120 (a run's memory grows with its steps
+    beyond what the run at 16 showed). Steps of 7, 14, 28, 56, 112 (doubling), then never more than half the way to
+    16, the size that held in a run: 350, 343, 329, 301, 245, 133, then 74, which holds: a recommendation comes,
+    where the old search gave up after four sizes ("recommended: -")."""
+    from harness.studies import max_batch
+
     result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
-                                      run_fits=lambda b: b <= 16)
-    assert result.recommended is None and result.recommended_by == "" and len(runs) == 1 + 4
-    assert any("nothing is recommended" in note for note in result.notes)
+                                      run_fits=lambda b: b <= 120)
+    table = max_batch.table(result)
+    assert runs == [16, 350, 343, 329, 301, 245, 133, 74, 74], table
+    assert result.recommended == 74 and result.recommended_by == "runs" and sizes.count(74) == 0
+    assert all(result.statuses(b, "run") == ["oom"] for b in (350, 343, 329, 301, 245, 133))
+    note = next(n for n in result.notes if n.startswith("run checks: "))
+    assert note == ("run checks: 16 (ok in 1); 350 (out of memory in 1 of 1); 343 (out of memory in 1 of 1); "
+                    "329 (out of memory in 1 of 1); 301 (out of memory in 1 of 1); 245 (out of memory in 1 of 1); "
+                    "133 (out of memory in 1 of 1); 74 (ok in 2)")
+    assert "recommended: 74 (ok in 2 run checks" in table and note in table
+
+
+def test_below_the_smallest_size_that_fitted_and_nothing_when_not_even_1_runs(monkeypatch, tmp_path):
+    """A run at 16 (the smallest size that fitted the probes) runs out of memory: the recommendation is searched below
+    it, by halves, down to min_batch; only when not even batch size 1 holds in a run is nothing recommended, and the
+    note names every size tried."""
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
+                                      run_fits=lambda b: b <= 5)
+    assert runs == [16, 8, 4, 4] and result.recommended == 4 and result.recommended_by == "runs", runs
+    assert any(n.startswith("a run of the spec at batch size 16 ran out of memory although its probes fitted")
+               for n in result.notes)
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
+                                      run_fits=lambda b: False)
+    assert runs == [16, 8, 4, 2, 1] and result.recommended is None and result.recommended_by == ""
+    assert ("run checks: 16 (out of memory in 1 of 1); 8 (out of memory in 1 of 1); 4 (out of memory in 1 of 1); "
+            "2 (out of memory in 1 of 1); 1 (out of memory in 1 of 1): not even batch size 1 held in every run "
+            "check: nothing is recommended") in result.notes
+    assert result.limit == 350  # the probes' boundary stands
 
 
 def test_runs_noisier_than_the_probes_grow_the_margin(monkeypatch, tmp_path):
@@ -266,7 +315,9 @@ def test_data_parallel_probes_are_global_batches_of_per_device_sizes(monkeypatch
     for payload in payloads:
         trial = payload.trial
         assert trial.data_parallel == 2 and trial.devices == ("cpu:0", "cpu:1")
-        assert trial.batch_size == 2 * trial.per_device_batch_size and payload.spec.dataset.size == trial.batch_size
+        # the probe's data: as many as a run holds (the spec's 4096), more where the global batch needs more
+        assert trial.batch_size == 2 * trial.per_device_batch_size
+        assert payload.spec.dataset.size == max(4096, trial.batch_size)
     # a training and a test sample (an 8 x 8 float32 image and an int64 label) per global sample, 2 per device
     assert result.probe_data_bytes_per_sample == 2 * 2 * (64 * 4 + 8)
     assert all(p.global_batch_size == 2 * p.batch_size for p in result.probes)
@@ -290,13 +341,14 @@ def test_the_neutral_model_counts_every_replica_a_process_holds():
             dp = checks.check_data_parallel(spec, "cpu", devices, "s.yaml")
             state = search._Search(spec, framework, "cpu", 400, None, 0.05, 1, 1000, 60, "s.yaml", False, None, dp)
             lines[framework, devices] = state.result.neutral
-    data = 2 * datasets.sample_bytes(spec.dataset)  # digits: a training and a test sample (8 x 8 float32, a label)
+    # the probes hold the run's dataset (digits: 1438 training and 359 test samples of 8 x 8 float32 and a label),
+    # once per process, in the fixed part
+    data = (1438 + 359) * datasets.sample_bytes(spec.dataset)
     one = lines["pytorch", 1]
     assert lines["pytorch", 2].fixed_bytes == one.fixed_bytes
-    assert lines["pytorch", 2].per_sample_bytes == one.per_sample_bytes + data  # the global batch's images
-    assert lines["tensorflow", 2].fixed_bytes == 2 * lines["tensorflow", 1].fixed_bytes
-    activations = lines["tensorflow", 1].per_sample_bytes - data
-    assert lines["tensorflow", 2].per_sample_bytes == 2 * activations + 2 * data
+    assert lines["pytorch", 2].per_sample_bytes == one.per_sample_bytes
+    assert lines["tensorflow", 2].fixed_bytes - data == 2 * (lines["tensorflow", 1].fixed_bytes - data)
+    assert lines["tensorflow", 2].per_sample_bytes == 2 * lines["tensorflow", 1].per_sample_bytes
 
 
 def test_runcheck_numbers():
@@ -334,3 +386,94 @@ def test_a_run_check_is_the_spec_trial_as_a_run_plans_it(tmp_path):
     assert trial.epochs == runcheck.RUN_EPOCHS and trial.warmup_steps == 7 and trial.max_steps_per_epoch == 8
     assert trial.memory_limit_bytes == 250_000_000 and trial.target_accuracy is None and rspec.repeats == 1
     assert runcheck.run_train_size(spec) == 1438 and runcheck.run_shape(spec, 1438)["steps_per_epoch"] == 8
+
+
+def test_the_recommendation_is_a_batch_a_run_of_the_spec_can_time(fault_adapter, write_spec, tmp_path, capsys):
+    """Real workers (the fault adapter): a spec of 96 training samples with warmup_steps 5 over 2 epochs. Every size
+    up to 64 fits (no_oom), but a run at 64 has one step per epoch, two in all, none left after the warm-up: the
+    training loop stops it ("warmup_steps 5 leaves none of the 2 steps to measure"). A GPU run of 4096 samples at a
+    recommendation of 4096 ended so, in "recommended: -". The recommendation is at most the largest batch a run can
+    time a step at, 96 // 3 = 32, its run checks ok, and an independent `harness run` there completes."""
+    from harness import cli
+
+    spec = {**memory_spec(frameworks=[fault_adapter], memory_limit_mb=2000, warmup_steps=5, epochs=2),
+            "dataset": {"name": "synthetic", "shape": [4, 4, 1], "classes": 10, "size": 96, "test_size": 32}}
+    path = write_spec(spec)
+    assert cli.main(["max-batch", str(path), "--framework", fault_adapter, "--initial-sizes", "16", "--max-batch",
+                     "64", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(next((tmp_path / "out").iterdir()).joinpath("run.json").read_text())["result"]
+    assert result["status"] == "no_oom" and result["limit"] == 64, out
+    assert result["recommended"] == 32 and result["recommended_by"] == "runs", out
+    assert [p["status"] for p in result["probes"] if p["kind"] == "run" and p["batch_size"] == 32] == ["ok", "ok"]
+    assert ("the recommendation is at most 32: a larger batch leaves a run of the spec no step to time: with "
+            "warmup_steps 5 over 2 epochs each epoch needs 3 steps, and its 96 training samples hold 3 steps of at "
+            "most 32") in out
+    statuses = {}
+    for batch in (32, 33):
+        run_spec = write_spec({**spec, "batch_sizes": [batch]}, f"run{batch}.yaml")
+        cli.main(["run", str(run_spec), "--out", str(tmp_path / f"run{batch}"), "--no-progress"])
+        record = json.loads(next((tmp_path / f"run{batch}").iterdir()).joinpath("trials.jsonl").read_text()
+                            .splitlines()[0])
+        statuses[batch] = (record["status"], record.get("reason") or "")
+    assert statuses[32][0] == "ok", statuses
+    assert statuses[33][0] == "error" and "warmup_steps 5 leaves none of the 4 steps" in statuses[33][1], statuses
+
+
+def test_a_run_check_that_fails_otherwise_falls_back_to_probes_and_says_so(monkeypatch, tmp_path):
+    """A run check that ends neither ok nor oom says nothing about memory: the recommendation is confirmed in two
+    probes instead (never silently none), and a note gives the run check's failure."""
+    from harness.studies.max_batch import search
+    from tests.helpers import FakeOutcome, is_run_check
+
+    def fake_run_worker(payload, timeout_s, interval_s, device, threads=None, on_event=None):
+        b = payload.trial.per_device_batch_size
+        if is_run_check(payload):
+            return FakeOutcome("error", reason="ValueError: the run's input pipeline broke")
+        return FakeOutcome("ok", 50e6 + 1e6 * b) if 50e6 + 1e6 * b <= 400e6 else FakeOutcome("oom", reason="oom")
+
+    monkeypatch.setattr(search, "run_worker", fake_run_worker)
+    from harness.plan import checked_spec
+    from tests.helpers import base_spec
+
+    spec = checked_spec(base_spec(memory_limit_mb=400, dataset={"name": "synthetic", "shape": [8, 8, 1],
+                                                                "classes": 10, "size": 4096}), tmp_path / "s.yaml")
+    result = search.find_max_batch(spec, "pytorch", device="cpu", tolerance=0.02, margin=0.1)
+    assert result.limit == 350 and result.recommended == 315 and result.recommended_by == "probes"
+    assert result.statuses(315) == ["ok", "ok"] and result.statuses(16, "run") == ["error"]
+    assert ("the run check at batch size 16 ended error (not an out-of-memory error): ValueError: the run's input "
+            "pipeline broke; the recommendation is confirmed in probes instead, not in a run") in result.notes
+
+
+@pytest.mark.parametrize("framework, fixed, per_sample", [("pytorch", 80.8e6, 430e3), ("jax", 167e6, 1629e3)])
+def test_a_gpu_sized_search_closes_in_few_probes_and_recommends_a_runnable_batch(monkeypatch, tmp_path, framework,
+                                                                                 fixed, per_sample):
+    """The lines measured on an H200 (139 GiB; the small CNN, a spec of 4096 training samples, warmup_steps 5 over 2
+    epochs): the neutral model's first guess, 564,701, was 1.6 x (PyTorch) to 6 x (JAX) too high and each
+    out-of-memory probe there took 19 to 51 s; then steps of 8 x (512, 4096, 32768, ...) from 64. Now the line
+    through 16 and 64 predicts the limit, the first large probe goes 70 % of the way, and the bracket closes in 6
+    probes, the confirmation included. With --max-batch 16384 (no_oom), the recommendation is at most 4096 // 3 =
+    1365, which a run can time a step at (4096 was: "warmup_steps 5 leaves none of the 2 steps to measure")."""
+    cap = 139 * 2**30
+
+    def peak(b):  # the probe's data grow past the run's 4096 samples
+        return fixed + per_sample * b + 12_300 * max(0, b - 4096)
+
+    truth = int((cap - fixed + 12_300 * 4096) / (per_sample + 12_300))  # where peak() reaches the cap
+    dataset = {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 4096}
+    spec = {"dataset": dataset, "warmup_steps": 5, "epochs": 2}
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: peak(b) <= cap, peak=peak,
+                                      run_peak=peak, spec=spec, memory_limit_mb=cap / 1e6, initial_sizes=None,
+                                      tolerance=0.05)
+    from harness.studies import max_batch
+
+    table = max_batch.table(result)
+    assert sizes[:2] == [16, 64] and result.predicted_by == "the line through the first probes' peaks", table
+    assert abs(result.predicted_limit - truth) <= 0.05 * truth, table
+    assert result.status == "found" and truth * 0.95 <= result.limit <= truth, table
+    assert len(sizes) <= 6, table
+    assert result.recommended == 1365 and result.recommended_by == "runs" and runs[-2:] == [1365, 1365], table
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: peak(b) <= cap, peak=peak, run_peak=peak,
+                                      spec=spec, memory_limit_mb=cap / 1e6, initial_sizes=None, max_batch=16384)
+    assert result.status == "no_oom" and result.limit == 16384 and len(sizes) <= 4, max_batch.table(result)
+    assert result.recommended == 1365 and result.recommended_by == "runs", max_batch.table(result)

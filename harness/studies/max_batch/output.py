@@ -66,9 +66,12 @@ def summary_lines(result: MaxBatchResult) -> list[str]:
                    "drives every device)")
     if result.model is not None:
         m = result.model
+        first = (f"{result.predicted_limit} first ({result.predicted_by or 'the first probes'})"
+                 if result.predicted_limit is not None else
+                 f"none first ({result.predicted_by.removeprefix('none: ') or 'no prediction'})")
         out.append(f"memory model: {mb(m.fixed_bytes)} MB + {m.per_sample_bytes / 1e3:,.1f} kB x batch "
-                   f"(r^2 {m.r2:.3f}, {m.points} probes); predicted limit: {result.predicted_limit} first "
-                   f"({result.predicted_by or 'the first probes'}), {result.final_predicted_limit} from all probes")
+                   f"(r^2 {m.r2:.3f}, {m.points} probes); predicted limit: {first}, "
+                   f"{result.final_predicted_limit} from all probes")
     else:
         out.append("memory model: not enough successful probes with a peak to fit")
     out.extend(neutral_lines(result))
@@ -90,8 +93,9 @@ def recommendation_lines(result: MaxBatchResult) -> list[str]:
     out = []
     spread = result.peak_spread
     if spread is not None:
-        worth = (f" ({spread['spread_samples']:,.1f} samples at {result.model.per_sample_bytes / 1e3:,.1f} kB per "
-                 "sample)" if spread["spread_samples"] is not None and result.model is not None else "")
+        samples = spread["spread_samples"]
+        worth = (f" ({samples:,.1f} samples at {spread['spread_bytes'] / samples / 1e3:,.1f} kB per sample)"
+                 if samples else "")
         out.append(f"peak at the answer: {mb(spread['min_bytes'])}..{mb(spread['max_bytes'])} MB over "
                    f"{len(spread['peaks_bytes'])} probes, spread {mb(spread['spread_bytes'])} MB{worth}")
     elif result.limit is not None:
@@ -146,8 +150,14 @@ def probe_data(result: MaxBatchResult) -> str:
     if result.with_dataset:
         return (f"the spec's dataset resident, as in a run (--with-dataset): {result.train_size} training images, "
                 f"{mb(result.dataset_bytes)} MB in all; batch sizes up to {result.max_batch}")
-    return (f"synthetic images of the dataset's shape sized to each batch, {result.probe_data_bytes_per_sample:,} "
-            "bytes per batch sample")
+    run = result.run_data
+    if run is None:
+        return (f"synthetic images of the dataset's shape sized to each batch, "
+                f"{result.probe_data_bytes_per_sample:,} bytes per batch sample")
+    return (f"synthetic images of the dataset's shape, as many as a run of the spec holds ({run['train_size']} "
+            f"training and {run['test_size']} test, {mb(run['bytes'])} MB; more training samples where the batch "
+            "needs more), "
+            f"{result.probe_data_bytes_per_sample:,} bytes per batch sample")
 
 
 def markdown(result: MaxBatchResult, spec: Spec) -> str:
@@ -168,8 +178,8 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
                 f"{result.dataset_bytes:,} bytes, inside the cap; each epoch cut to its first step, the evaluation "
                 "over the whole test set), so no batch exceeds the training set")
     else:
-        data = (f"on synthetic images of the spec's shape and classes ({spec.accumulation_steps} x B training and B "
-                f"test images, {result.probe_data_bytes_per_sample:,} bytes per batch sample, inside the cap)")
+        data = (f"on synthetic images of the spec's shape and classes ({probe_data(result)}: at least "
+                f"{spec.accumulation_steps} x B training and B test images, inside the cap)")
     lines += ["", "## Method", "",
               f"Each probe is one worker process{_group(result)}: {PROBE_EPOCHS} optimizer steps (one per epoch, no "
               f"warm-up) and an evaluation at the batch size, {data}. "
@@ -180,8 +190,11 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
               "The limit is that measured boundary. The recommendation keeps the margin above below it (by default "
               "twice the spread of the peak across the answer's probes) and what a run holds beyond a probe (measured "
               "by a run check at the smallest size that fitted), and was ok in every run check made of it: the "
-              "spec's own trial as `harness run` runs it (kind `run`), each in a fresh worker. "
-              "The memory model is a least-squares line through the peaks of the successful probes; "
+              "spec's own trial as `harness run` runs it (kind `run`), each in a fresh worker; a size that failed "
+              "one moved the candidate down (by steps that double, at most half the way to the largest size that "
+              "held in a run). "
+              "The search draws its line through the two largest sizes that fit; the memory model reported is a "
+              "least-squares line through the peaks of the successful probes; "
               f"peak sources: {', '.join(sources) or 'none'}. "
               "On the CPU the cap and the peaks count from the worker's memory once the framework is imported "
               "(see harness/execution/limits.py).", ""]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.neutral import datasets
 from harness.plan import checked_spec, entry_for
-from harness.record.events import Error, MemoryPeak, first
+from harness.record.events import Error, MemoryLimit, MemoryPeak, first
 from harness.spec import DataParallelSpec, Spec
 from harness.studies.max_batch.memory_model import MemoryModel
 
@@ -69,8 +69,10 @@ class MaxBatchResult:
     memory line (``harness.neutral.memory``: fixed bytes and saved activations plus probe data per batch sample;
     not fitted: r2 0, 0 points), neutral_limit its limit against the cap, measured by nothing. max_batch: the largest
     size the search may probe. with_dataset: the probes held the spec's real dataset (dataset_bytes bytes, train_size
-    training images) instead of synthetic data (probe_data_bytes_per_sample bytes per batch sample). cap_bytes and
-    the peaks are bytes; for the CPU they count from the worker's baseline (see harness.execution.limits).
+    training images) instead of synthetic data (probe_data_bytes_per_sample bytes per batch sample above
+    ``run_data``: the training and test samples of a run of the spec, which every probe holds at least, and their
+    bytes). cap_bytes and the peaks are bytes; for the CPU they count from the worker's baseline (see
+    harness.execution.limits).
 
     Data parallelism: data_parallel N devices; every batch size above (limit, smallest_oom, recommended, the band,
     max_batch) is the per-device batch, and ``global_batch`` gives N x it. The recommendation (``recommend``):
@@ -106,6 +108,7 @@ class MaxBatchResult:
     dataset_bytes: int | None = None
     train_size: int | None = None
     probe_data_bytes_per_sample: int = 0
+    run_data: dict[str, Any] | None = None
     data_parallel: int = 1
     peak_spread: dict[str, Any] | None = None
     margin_samples: int | None = None
@@ -158,18 +161,21 @@ class MaxBatchResult:
 
 def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
                spec_file: str | Path = "<max-batch probe>", with_dataset: bool = False,
-               data_parallel: DataParallelSpec | None = None) -> Spec:
+               data_parallel: DataParallelSpec | None = None, run_sizes: tuple[int, int] | None = None) -> Spec:
     """The spec one probe runs (see the module docstring): 3 epochs, no warm-up, and synthetic data of the spec's image
-    shape and classes (for token sequences, the spec's own synthetic tokens), accumulation_steps x G training and G
-    test samples, G the global batch (``batch_size`` per device x the devices of ``data_parallel``, None: one
-    device), or with ``with_dataset`` the spec's own dataset (the caller then limits each epoch to one step, see
-    ``_Search._run``); ``framework`` (a label or name, see ``harness.plan.entry_for``) in its entry's interpreter.
-    Raises SpecError."""
+    shape and classes (for token sequences, the spec's own synthetic tokens): as many training and test samples as a
+    run of the spec holds (``run_sizes``: its training and test samples), and at least accumulation_steps x G
+    training samples, G the global batch (``batch_size`` per device x the devices of ``data_parallel``, None: one
+    device); without ``run_sizes``, accumulation_steps x G training and G test samples; or with ``with_dataset``
+    the spec's own dataset (the caller then limits each epoch to one step, see ``_Search._run``); ``framework`` (a
+    label or name, see ``harness.plan.entry_for``) in its entry's interpreter. Raises SpecError."""
     shape, classes = datasets.describe(spec.dataset)
     entry = entry_for(spec, framework)
     data = spec.model_dump(mode="json")
     batch_size *= 1 if data_parallel is None else data_parallel.size  # the global batch from here on
-    sizes = {"size": batch_size * spec.accumulation_steps, "test_size": batch_size}
+    train, test = run_sizes or (0, batch_size)
+    # a run evaluates its whole test set, in batches of at most the batch size: so does the probe
+    sizes = {"size": max(train, batch_size * spec.accumulation_steps), "test_size": test}
     if not with_dataset and data["dataset"]["name"] == "synthetic_tokens":  # token sequences: the same task, resized
         data["dataset"] = {**data["dataset"], **sizes}
     elif not with_dataset:
@@ -190,8 +196,20 @@ def peak(outcome: Outcome, device: str) -> tuple[float | None, str]:
         event = first(outcome.events, MemoryPeak)
         if event is not None and event.peak_bytes is not None:
             return float(event.peak_bytes), event.source or "memory_peak"
+        limit = first(outcome.events, MemoryLimit)
+        if limit is not None and limit.cpu_allocator_limit_mib is not None:
+            # the cap counts a tensor allocator's bytes (TensorFlow's): process memory is another quantity, and a
+            # line through it would be drawn against the wrong cap
+            return None, (event.source if event is not None and event.source else
+                          "none (the capped allocator reported no peak)")
         stats = outcome.sampler.get("stats", {}).get("rss_bytes", {})
-        return (float(stats["max"]), "sampler rss_bytes max (absolute)") if stats.get("max") else (None, "none")
+        if not stats.get("max"):
+            return None, "none"
+        # no peak reported at the worker's exit: the sampler's RSS, from the baseline the cap was applied at
+        base = limit.baseline.get("rss_bytes") if limit is not None else None
+        if base is not None:
+            return float(stats["max"]) - base, "sampler rss_bytes max less the capped baseline (no memory_peak)"
+        return float(stats["max"]), "sampler rss_bytes max (absolute)"
     result = outcome.result()
     allocator = None if result is None else result.metrics.memory.allocator_peak_bytes
     if allocator:

@@ -2,7 +2,9 @@
 found. The margin (``margin``, else the one the spread of the answer's peaks justifies, ``runcheck.margin_samples``)
 is kept below the limit; with run checks (``harness.studies.max_batch.runcheck``: the spec's trial as ``harness run``
 runs it, in fresh workers) less what a run holds beyond a probe, and confirmed in run checks; without them (or where
-a run cannot train the size), confirmed in two probes. Every size here is a per-device batch; bytes are bytes.
+a run cannot train the size, or a run check ended neither ok nor oom), confirmed in two probes. Never above the
+largest batch a run of the spec can time a step at (``runcheck.largest_measured_batch``). Every size here is a
+per-device batch; bytes are bytes.
 
 Design: docs/design/max-batch.md (step 6).
 """
@@ -42,7 +44,8 @@ class Recommendation:
 
     def __init__(self, search: Prober):
         self.search, self.result = search, search.result
-        self._run_bound: int | None = None  # the largest per-device batch a run of the spec trains (run_bound)
+        self._train: int | None = None  # the training samples of a run of the spec (``_bound``)
+        self._offset = 0  # what a run adds beyond a probe, in samples (``_run_offset``)
 
     def recommend(self) -> None:
         """Step 6: the recommendation below the limit (docs/design/max-batch.md): the margin (``margin``, else the
@@ -51,100 +54,151 @@ class Recommendation:
         result = self.result
         if result.limit is None:
             return
-        per_sample = result.model.per_sample_bytes if result.model is not None else None
+        per_sample = self.per_sample()
         result.peak_spread = runcheck.peak_spread(result.peaks(result.limit), result.limit, per_sample)
         spread = result.peak_spread
         headroom = result.cap_bytes - spread["max_bytes"] if spread and result.status == "no_oom" else None
         result.margin_samples, result.margin_basis = runcheck.margin_samples(result.limit, result.margin, spread,
                                                                              headroom)
         target = max(self.search.min_batch, result.limit - result.margin_samples)
+        bound = self._bound()
+        if bound is not None and bound < self.search.min_batch:
+            result.notes.append(f"nothing is recommended: {self._bound_reason(bound)}")
+            return
+        if bound is not None and target > bound:
+            result.notes.append(f"the recommendation is at most {bound}: {self._bound_reason(bound)}")
+            target = bound
         if self.search.run_checks:
             try:
-                if self._recommend_by_runs(target):
+                if self._recommend_by_runs(target, bound):
                     return
-            except Stop as stop:  # a run check that ended neither ok nor oom: no recommendation, the limit stands
+            except Stop as stop:  # neither ok nor oom: says nothing about memory; the probes confirm instead
                 result.recommended, result.recommended_by = None, ""
                 result.notes.append(f"the run check at batch size {stop.probe.batch_size} ended {stop.probe.status} "
-                                    f"(not an out-of-memory error): {stop.probe.reason}; nothing is recommended")
-                return
+                                    f"(not an out-of-memory error): {stop.probe.reason}; the recommendation is "
+                                    "confirmed in probes instead, not in a run")
         self._recommend_by_probes(target)
 
-    def run_bound(self) -> int:
-        """The largest per-device batch a run of the spec can train: its training samples // accumulation_steps //
-        devices (loaded once). Raises ValueError for a dataset that cannot be loaded."""
-        if self._run_bound is None:
-            train = runcheck.run_train_size(self.search.spec)
-            self.result.run_check = runcheck.run_shape(self.search.spec, train)
-            self._run_bound = train // self.search.spec.accumulation_steps // self.search.devices
-        return self._run_bound
+    def per_sample(self) -> float | None:
+        """The bytes per batch sample that turn bytes into samples for the margin and the offset: the fitted line's
+        where its slope is positive, else the neutral model's (peaks whose noise hides the slope, JAX's under 400 MB
+        at batch 16..22 of specs/max_batch.yaml: the neutral model's per-sample bytes are below every framework's
+        measured ones, so a margin in samples errs large); None without either."""
+        for line in (self.result.model, self.result.neutral):
+            if line is not None and line.per_sample_bytes > 0:
+                return line.per_sample_bytes
+        return None
 
-    def _recommend_by_runs(self, target: int) -> bool:
+    def _bound(self) -> int | None:
+        """The largest per-device batch a run of the spec trains with at least one timed step
+        (``runcheck.largest_measured_batch``: its training samples, accumulation, devices, warm-up and epochs; a
+        larger batch ends in "warmup_steps W leaves none of the N steps to measure", or exceeds the training set), and
+        ``result.run_check``; None, with a note, for a dataset that cannot be counted here."""
+        spec = self.search.spec
+        if self._train is None:
+            try:
+                self._train = runcheck.run_train_size(spec)
+            except ValueError as err:
+                self.result.notes.append(f"no run check, and no bound from a run's steps: the spec's dataset cannot "
+                                         f"be counted here ({err})")
+                return None
+            self.result.run_check = runcheck.run_shape(spec, self._train)
+        return runcheck.largest_measured_batch(spec, self._train, self.search.devices)
+
+    def _bound_reason(self, bound: int) -> str:
+        """Why no batch above ``bound`` (``_bound``) is recommended, in words."""
+        spec, train = self.search.spec, self._train
+        per_epoch = spec.warmup_steps // spec.epochs + 1
+        parts = [f"{spec.accumulation_steps} (accumulation_steps)"] if spec.accumulation_steps > 1 else []
+        parts += [f"{self.search.devices} (devices)"] if self.search.devices > 1 else []
+        per_step = "".join(f" x {p}" for p in parts)
+        if per_epoch == 1:
+            return (f"a run of the spec trains no larger batch per device: its {train} training samples hold no "
+                    f"step of {bound + 1}{per_step}")
+        return (f"a larger batch leaves a run of the spec no step to time: with warmup_steps {spec.warmup_steps} "
+                f"over {spec.epochs} epochs each epoch needs {per_epoch} steps, and its {train} training samples "
+                f"hold {per_epoch} steps of at most {bound}{per_step}")
+
+    def _recommend_by_runs(self, target: int, bound: int | None) -> bool:
         """The recommendation confirmed by run checks: a run at the smallest size that fitted the probes measures
-        what a run adds (``_run_offset``); then the largest of a few candidates, from ``target`` less that down,
-        that is ok in every run check. False when no run can train a size that fitted (the caller confirms in
+        what a run adds (``_run_offset``); then the search downward from ``target`` (at most ``bound``, ``_bound``)
+        less that (``_run_candidates``) for a size ok in every run check. False when no run check can be made (the
+        dataset cannot be counted, ``bound`` None) or a run cannot train any size that fitted (the caller confirms in
         probes instead; a note says why). Raises Stop."""
         result = self.result
         sizes = sorted({p.batch_size for p in result.probes if p.kind == "probe" and result.fits(p.batch_size)})
-        try:
-            bound = self.run_bound()
-        except ValueError as err:
-            result.notes.append(f"no run check: the spec's dataset cannot be loaded here ({err})")
+        if bound is None:
             return False
         if not sizes or sizes[0] > bound:
-            result.notes.append(f"no run check: a run of the spec trains at most {bound} per device (its "
-                                f"{(result.run_check or {}).get('train_size')} training samples), below every size "
-                                "that fitted; the recommendation is confirmed in probes")
+            result.notes.append(f"no run check: a run of the spec trains at most {bound} per device, below every "
+                                "size that fitted; the recommendation is confirmed in probes")
             return False
-        offset = self._run_offset(sizes[0])
+        floor = sizes[0]  # ok in its probes; held in the run that measures the offset, it is the search's floor
+        offset = self._run_offset(floor)
         if offset is None:
-            result.recommended, result.recommended_by = None, ""
-            result.notes.append(f"a run of the spec at batch size {sizes[0]} ran out of memory although its probes "
-                                "fitted: a run holds more than the probes (its dataset); nothing is recommended")
+            result.notes.append(f"a run of the spec at batch size {floor} ran out of memory although its probes "
+                                "fitted: a run holds more than the probes; the recommendation is searched below it")
+            self._run_candidates(max(self.search.min_batch, floor // 2), self.search.min_batch - 1, floor)
             return True
-        if target - offset > bound:
-            result.notes.append(f"the recommendation is at most {bound}: a run of the spec cannot train more per "
-                                f"device (its {(result.run_check or {}).get('train_size')} training samples)")
-        floor = sizes[0]  # ok in its probes and in the run that measured the offset: never recommend below it
+        self._offset = offset
         if target - offset < floor:
             result.notes.append(f"the margin ({result.margin_samples} samples) and what a run adds ({offset}) leave "
                                 f"no size above {floor}, the smallest that held in a run: the recommendation is "
                                 f"tried there")
-        self._run_candidates(max(floor, min(target - offset, bound)), offset, floor)
+        self._run_candidates(max(floor, min(target - offset, bound)), floor, None)
         return True
 
-    def _run_candidates(self, target: int, offset: int, floor: int) -> None:
-        """From ``target`` down to ``floor``, the first candidate ok in every run check and, with the default
-        margin, whose run checks' own spread of the peak (runs vary more than probes: more steps, the whole dataset)
-        keeps no more than the margin applied: else the margin grows to SPREAD_FACTOR x that spread and the candidate
-        moves below it (not below ``floor``, where it is accepted). A run check that runs out of memory moves the
-        candidate one margin (at least one tolerance step) down. At most MAX_RUN_CANDIDATES candidates; none ok:
-        nothing is recommended. Raises Stop."""
+    def _run_candidates(self, target: int, held: int, failed: int | None) -> None:
+        """The search downward for the recommendation, from ``target``: the first candidate ok in every run check
+        (each stops at its first failure) is ``recommended``, unless, with the default margin, its run checks' own
+        spread of the peak (runs vary more than probes: more steps, the whole dataset) needs more margin than the
+        one applied: the margin then grows to SPREAD_FACTOR x that spread and the candidate moves below it. A
+        failure moves the candidate down one step (the margin, at least one tolerance step), the step doubling with
+        each failure, but never more than half the way to ``held``, the largest size below it that held in a run
+        (bisection toward it; ``held`` itself is checked once the candidates reach it); below ``held`` when it fails
+        too, by halves down to min_batch. So a recommendation comes unless not even min_batch holds in a run.
+        ``failed``: a size that failed a run check before (None: none). Every size tried is named in the notes.
+        Raises Stop."""
         result = self.result
         assert result.limit is not None and result.margin_samples is not None  # recommend() set them
-        per_sample = result.model.per_sample_bytes if result.model is not None else None
+        per_sample = self.per_sample()
+        smallest = self.search.min_batch
         step = max(result.margin_samples, self.search.gap(result.limit))
-        for _ in range(runcheck.MAX_RUN_CANDIDATES):
-            checks = range(self.search.run_checks)
-            if not all(self.search.probe(target, "run check", again=True, kind="run") for _ in checks):
-                if target == floor:
-                    break
-                target = max(floor, target - step)
-                continue
-            spread = runcheck.peak_spread(result.peaks(target, "run"), target, per_sample)
-            needed, _ = runcheck.margin_samples(result.limit, None, spread)
-            if result.margin is not None or needed <= result.margin_samples or target == floor:
-                result.recommended, result.recommended_by = target, "runs"
-                return
-            result.notes.append(f"the run checks at {target} spread {(spread or {}).get('spread_bytes', 0) / 1e6:,.1f}"
-                                f" MB in their peaks, more than the probes at the answer: the margin grows to {needed} "
-                                "samples")
-            result.margin_samples = needed
-            result.margin_basis = f"{runcheck.SPREAD_FACTOR} x the spread of the peak across the run checks at {target}"
-            target = max(floor, min(target - self.search.gap(result.limit), result.limit - needed - offset))
-        tried = len({p.batch_size for p in result.probes if p.purpose == "run check"})
-        result.recommended, result.recommended_by = None, ""
-        result.notes.append(f"no size from the margin's target down to {floor} held in every run check ({tried} "
-                            "sizes tried): nothing is recommended")
+        failures = 0 if failed is None else 1
+        while True:
+            ok = all(self.search.probe(target, "run check", again=True, kind="run")
+                     for _ in range(self.search.run_checks))
+            if ok:
+                spread = runcheck.peak_spread(result.peaks(target, "run"), target, per_sample)
+                needed, _ = runcheck.margin_samples(result.limit, None, spread)
+                if result.margin is not None or needed <= result.margin_samples or target <= held:
+                    result.recommended, result.recommended_by = target, "runs"
+                    self._tried_note()
+                    return
+                result.notes.append(f"the run checks at {target} spread "
+                                    f"{(spread or {}).get('spread_bytes', 0) / 1e6:,.1f} MB in their peaks, more "
+                                    f"than the probes at the answer: the margin grows to {needed} samples")
+                result.margin_samples = needed
+                result.margin_basis = (f"{runcheck.SPREAD_FACTOR} x the spread of the peak across the run checks "
+                                       f"at {target}")
+                nxt = min(target - self.search.gap(result.limit), result.limit - needed - self._offset)
+            else:
+                failures += 1
+                if target <= held:  # the size that held in a run failed now: search below it
+                    held = smallest - 1
+                if target <= smallest:
+                    result.recommended, result.recommended_by = None, ""
+                    self._tried_note(f"not even batch size {smallest} held in every run check: nothing is "
+                                     "recommended")
+                    return
+                nxt = max(target - (step << (failures - 1)), (held + target) // 2)
+            target = max(held, smallest, min(nxt, target - 1))
+
+    def _tried_note(self, outcome: str = "") -> None:
+        """A note naming every size the run checks tried and how each ended, with ``outcome`` after it."""
+        tried = runcheck.tried(self.result)
+        if tried and (outcome or len(tried) > 1):
+            self.result.notes.append(f"run checks: {'; '.join(tried)}" + (f": {outcome}" if outcome else ""))
 
     def _run_offset(self, size: int) -> int | None:
         """A run check at ``size``, which fitted the probes: how far its peak stands above the mean of the probes'
@@ -156,7 +210,7 @@ class Recommendation:
         run, probes = result.peaks(size, "run"), result.peaks(size)
         probe_peak = sum(probes) / len(probes) if probes else None
         offset = run[-1] - probe_peak if run and probe_peak is not None else None
-        samples = runcheck.offset_samples(offset, result.model.per_sample_bytes if result.model else None)
+        samples = runcheck.offset_samples(offset, self.per_sample())
         result.run_offset = {"batch_size": size, "run_peak_bytes": run[-1] if run else None,
                              "probe_peak_bytes": probe_peak, "offset_bytes": offset, "offset_samples": samples}
         return samples

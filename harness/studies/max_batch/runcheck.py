@@ -7,8 +7,10 @@ specs/max_batch.yaml: 2048 training and 256 test images, 28 MB, against 8 MB for
 warm-up steps, trains every step of its epochs in timed windows and evaluates the whole test set. So a size that fits
 every probe can still run out of memory in a run. A **run check** is that trial: the spec's own, planned by
 ``harness.plan.plan`` as ``harness run`` plans it (its dataset, warm-up, optimizer, evaluation, the cap, the devices),
-in a fresh worker group, with its epochs cut to at most ``RUN_EPOCHS`` and each epoch to at most ``RUN_STEPS`` steps
-(at least warmup_steps + 1), so that it costs a few seconds: memory reaches its steady peak within the first steps.
+in a fresh worker group, with its epochs cut to ``RUN_EPOCHS`` (more where the warm-up needs them, ``run_epochs``)
+and each epoch to at most ``RUN_STEPS`` steps (at least warmup_steps + 1), so that it costs a few seconds: memory
+reaches its steady peak within the first steps. No batch above ``largest_measured_batch`` is checked or recommended:
+a run of the spec there has no step left to time after its warm-up.
 
 The recommendation's numbers (docs/design/max-batch.md, step 6): the spread of the peak across the answer's probes
 (``peak_spread``), the margin below the limit it justifies (``margin_samples``) and how many samples' worth a run's
@@ -30,21 +32,25 @@ RUN_CHECKS = 2  # run checks of a candidate for the recommendation, each in a fr
 RUN_STEPS = 5  # a run check's epochs are cut to this many steps (at least warmup_steps + 1)
 RUN_EPOCHS = 2  # and to at most this many epochs: training again after an evaluation, as a run does
 SPREAD_FACTOR = 2  # the default margin is this many times the spread of the peak across the answer's probes
-MAX_RUN_CANDIDATES = 4  # sizes tried for the recommendation before the search gives up on one
 
 
 def run_check_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
                    spec_file: str | Path = "<max-batch run check>",
-                   data_parallel: DataParallelSpec | None = None) -> Spec:
+                   data_parallel: DataParallelSpec | None = None, train_size: int | None = None) -> Spec:
     """The spec of a run check at ``batch_size`` per device: the spec as it is (dataset, warm-up, optimizer,
     allocator, accumulation, evaluation) for ``framework``'s entry alone, at the global batch (per-device x the
-    devices of ``data_parallel``; None: one device), with at most RUN_EPOCHS epochs, one repeat, no variants and no
-    target accuracy, under ``memory_limit_mb`` (MB = 10^6 bytes) on ``device``. Raises SpecError."""
+    devices of ``data_parallel``; None: one device), with ``run_epochs`` epochs (RUN_EPOCHS, more where the warm-up
+    needs them, at most the spec's; ``train_size``: the run's training samples, None: counted here), one repeat, no
+    variants and no target accuracy, under ``memory_limit_mb`` (MB = 10^6 bytes) on ``device``. Raises SpecError,
+    and ValueError for a dataset that cannot be counted."""
+    devices = 1 if data_parallel is None else data_parallel.size
+    train = train_size if train_size is not None else run_train_size(spec)
     data = spec.model_dump(mode="json")
     data.update({
         "frameworks": [entry_for(spec, framework).model_dump(mode="json", exclude_none=True)],
-        "batch_sizes": [batch_size * (1 if data_parallel is None else data_parallel.size)],
-        "epochs": min(spec.epochs, RUN_EPOCHS), "repeats": 1, "variants": None, "target_accuracy": None,
+        "batch_sizes": [batch_size * devices],
+        "epochs": run_epochs(spec, train // (batch_size * devices * spec.accumulation_steps)),
+        "repeats": 1, "variants": None, "target_accuracy": None,
         "memory_limit_mb": memory_limit_mb, "device": device,
         "data_parallel": None if data_parallel is None else data_parallel.model_dump(mode="json"),
     })
@@ -63,15 +69,39 @@ def run_steps(spec: Spec) -> int:
     return max(RUN_STEPS, spec.warmup_steps + 1)
 
 
+def run_epochs(spec: Spec, steps_per_epoch: int) -> int:
+    """The epochs of a run check whose epochs hold ``steps_per_epoch`` steps (the run's, training samples // the
+    samples of a step): RUN_EPOCHS, or more where the warm-up would leave none of their steps to measure (the
+    training loop's rule, ``harness.execution.loop``: warmup_steps < steps per epoch x epochs), at most the spec's
+    epochs (a size that a run of the spec cannot measure is above ``largest_measured_batch``)."""
+    steps = min(max(1, steps_per_epoch), run_steps(spec))
+    return min(spec.epochs, max(RUN_EPOCHS, spec.warmup_steps // steps + 1))
+
+
+def largest_measured_batch(spec: Spec, train_size: int, devices: int = 1) -> int:
+    """The largest per-device batch for which a run of ``spec`` trains at least one timed step: the training loop
+    (``harness.execution.loop``) takes training samples // (batch x accumulation_steps x devices) steps per epoch
+    and raises "warmup_steps W leaves none of the N steps to measure" unless W < that x epochs; so each epoch needs
+    warmup_steps // epochs + 1 steps. 0 when not even batch size 1 leaves a step."""
+    steps = spec.warmup_steps // spec.epochs + 1
+    return train_size // (steps * spec.accumulation_steps * devices)
+
+
 def run_train_size(spec: Spec) -> int:
-    """The training samples a run of ``spec`` holds (a synthetic dataset's ``size``; other datasets are loaded to
-    count them). Raises ValueError for a dataset that cannot be loaded."""
+    """The training samples a run of ``spec`` holds (``run_sizes``). Raises ValueError."""
+    return run_sizes(spec)[0]
+
+
+def run_sizes(spec: Spec) -> tuple[int, int]:
+    """The training and test samples a run of ``spec`` holds (a synthetic dataset's ``size`` and ``test_size``;
+    other datasets are loaded to count them). Raises ValueError for a dataset that cannot be loaded."""
     if isinstance(spec.dataset, (SyntheticData, SyntheticTokens)):
-        return spec.dataset.size
+        return spec.dataset.size, spec.dataset.test_size
     try:
-        return len(datasets.load(spec.dataset, seed=spec.seed, train_images=False).y_train)
+        data = datasets.load(spec.dataset, seed=spec.seed, train_images=False)
     except datasets.DatasetError as err:
         raise ValueError(str(err)) from None
+    return len(data.y_train), len(data.y_test)
 
 
 def run_shape(spec: Spec, train_size: int) -> dict[str, Any]:
@@ -119,3 +149,15 @@ def offset_samples(offset_bytes: float | None, per_sample_bytes: float | None) -
     if offset_bytes is None or offset_bytes <= 0 or not per_sample_bytes or per_sample_bytes <= 0:
         return 0
     return math.ceil(offset_bytes / per_sample_bytes - 1e-9)
+
+
+def tried(result: Any) -> list[str]:
+    """Every size the run checks of ``result`` (a ``MaxBatchResult``) tried, in order, and how its run checks
+    ended: "131 (out of memory in 1 of 1)", "124 (ok in 2)", "16 (ok in 3)"."""
+    out = []
+    for size in dict.fromkeys(p.batch_size for p in result.probes if p.kind == "run"):
+        statuses = result.statuses(size, "run")
+        oom = statuses.count("oom")
+        out.append(f"{size} (ok in {len(statuses)})" if not oom else
+                   f"{size} (out of memory in {oom} of {len(statuses)})")
+    return out

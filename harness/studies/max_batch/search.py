@@ -1,13 +1,14 @@
 """The largest batch that fits (seed 004): measured, one worker process per probe, never guessed.
 
 Each probe trains the spec's model at one batch size in a fresh worker under the memory cap (three optimizer steps
-and an evaluation; synthetic images of the dataset's shape by default, the real dataset with ``with_dataset``);
-``ok`` fits, ``oom`` does not, any other ending stops the search with its reason. The search probes small sizes,
-fits ``peak_bytes = fixed + per_sample x B`` (first from the neutral model's per-sample bytes through one measured
-peak), brackets and narrows the limit, and confirms the answer in a second fresh worker; a size seen both fitting and
-failing is the ``fits_sometimes`` band, never the answer. The limit is that measured boundary. The recommendation
-keeps a margin below it (by default twice the spread of the peak across the answer's probes) less what a run holds
-beyond a probe, and must hold in run checks: the spec's trial as ``harness run`` runs it, in fresh workers
+and an evaluation; synthetic images of the dataset's shape, as many as a run of the spec holds and at least the
+batch's, by default; the real dataset with ``with_dataset``); ``ok`` fits, ``oom`` does not, any other ending stops
+the search with its reason. The search probes two small sizes, draws ``peak_bytes = fixed + per_sample x B`` through
+the two largest sizes that fit (``harness.studies.max_batch.bracket``), brackets and narrows the limit, and confirms
+the answer in a second fresh worker; a size seen both fitting and failing is the ``fits_sometimes`` band, never the
+answer. The limit is that measured boundary. The recommendation keeps a margin below it (by default twice the spread
+of the peak across the answer's probes) less what a run holds beyond a probe, and must hold in run checks: the spec's
+trial as ``harness run`` runs it, in fresh workers, searched downward until a size holds in every run check
 (``harness.studies.max_batch.runcheck``; the recommendation is ``harness.studies.max_batch.recommend``). The result
 never names a size that was not ok in two fresh workers. Before the first probe, the trial the probes run is checked
 against the plan's rule of what the adapter can train (``harness.studies.max_batch.checks``).
@@ -34,6 +35,7 @@ from harness.neutral import datasets, memory
 from harness.plan import entry_for, model_info, plan
 from harness.spec import DataParallelSpec, Spec, SpecError
 from harness.studies.max_batch import runcheck
+from harness.studies.max_batch.bracket import BELOW_FAILURE, MAX_JUMP, curved_limit, inside, local_line, upward
 from harness.studies.max_batch.checks import check_search
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
 from harness.studies.max_batch.probe import MaxBatchResult, Probe, Stop, probe_spec, resolve_cap
@@ -41,11 +43,10 @@ from harness.studies.max_batch.probe import peak as probe_peak
 from harness.studies.max_batch.probe import reason as probe_reason
 from harness.studies.max_batch.recommend import Recommendation
 
-DEFAULT_INITIAL_SIZES = (16, 64, 256)  # without a neutral prediction to anchor
-ANCHOR_SIZE = 16  # the one small size probed first when the neutral model gives the slope
+DEFAULT_INITIAL_SIZES = (16, 64)  # two small sizes: the fixed and per-sample bytes before any large guess
 DEFAULT_TOLERANCE = 0.05
-MAX_JUMP = 8  # without an upper bound, a probe is at most this many times the largest fitting size
 DEFAULT_MAX_BATCH = 1 << 20
+__all__ = ["DEFAULT_INITIAL_SIZES", "DEFAULT_MAX_BATCH", "DEFAULT_TOLERANCE", "MAX_JUMP", "find_max_batch"]
 # A worker that ran out of memory even for its error report exits "without reporting why", with this last log line.
 MEMORY_ERROR_LINE = "without reporting why: MemoryError"
 
@@ -91,7 +92,7 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
                      margin, tolerance, min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
                      spec_file or "<max-batch probe>", with_dataset, on_probe, dp, run_checks)
     if initial_sizes is None:
-        initial_sizes = (ANCHOR_SIZE,) if search.result.neutral is not None else DEFAULT_INITIAL_SIZES
+        initial_sizes = DEFAULT_INITIAL_SIZES
     try:
         search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial_sizes}))
         if search.bracket():
@@ -126,8 +127,11 @@ class _Search:
             probe_data_bytes_per_sample=0 if with_dataset else per_sample, data_parallel=self.devices,
             run_checks=run_checks)
         self.bound = f"batch size {max_batch} (max_batch)"  # what the upper bound is, for the no_oom reason
+        self.run_sizes: tuple[int, int] | None = None
         if with_dataset:
             self._dataset_bound()
+        else:
+            self._run_data()
         self.result.max_batch = self.max_batch
         self._neutral()
 
@@ -148,10 +152,29 @@ class _Search:
                                    attention=attention(result.framework))
         record = declaration(entry_for(spec, result.framework).name)
         replicas = self.devices if record is not None and record.data_parallel == "devices" else 1
-        fixed = replicas * predicted.fixed + (result.dataset_bytes or 0)
-        per_sample = replicas * predicted.activations_per_sample + result.probe_data_bytes_per_sample
+        run_data = result.run_data["bytes"] if result.run_data is not None else None
+        fixed = replicas * predicted.fixed + (result.dataset_bytes or 0) + (run_data or 0)
+        # the probe's data: the run's dataset in the fixed part where it holds the batch (the line below it), else
+        # sized to the batch
+        per_sample = replicas * predicted.activations_per_sample + (
+            0 if run_data is not None else result.probe_data_bytes_per_sample)
         result.neutral = MemoryModel(float(fixed), float(per_sample), 0.0, 0)
         result.neutral_limit = result.neutral.predict_limit(self.cap_bytes)
+
+    def _run_data(self) -> None:
+        """The training and test samples a run of the spec holds (``runcheck.run_sizes``), which every probe's
+        synthetic data hold at least (a run holds its whole dataset, and the framework's copy of it: leaving it out
+        of a probe left 56 MB of a run at batch 16 out, specs/max_batch.yaml). A dataset that cannot be counted here
+        leaves the probes' data sized to the batch alone, with a note."""
+        try:
+            train, test = runcheck.run_sizes(self.spec)
+        except ValueError as err:
+            self.result.notes.append(f"the probes' data are sized to the batch alone: the spec's dataset cannot be "
+                                     f"counted here ({err})")
+            return
+        self.run_sizes = (train, test)
+        self.result.run_data = {"train_size": train, "test_size": test,
+                                "bytes": (train + test) * datasets.sample_bytes(self.spec.dataset)}
 
     def _dataset_bound(self) -> None:
         """With the real dataset: its bytes and training images, and the upper bound they set. Raises ValueError."""
@@ -211,11 +234,11 @@ class _Search:
         """One worker group at ``batch_size`` per device: a probe, or a run check (``kind`` "run")."""
         if kind == "run":
             pspec = runcheck.run_check_spec(self.spec, self.framework, batch_size, limit_mb, self.device,
-                                            self.spec_file, self.dp)
+                                            self.spec_file, self.dp, self.run_sizes[0] if self.run_sizes else None)
             trial = runcheck.run_check_trial(pspec, self.device)
         else:
             pspec = probe_spec(self.spec, self.framework, batch_size, limit_mb, self.device, self.spec_file,
-                               self.with_dataset, self.dp)
+                               self.with_dataset, self.dp, self.run_sizes)
             trial = plan(pspec, self.device)[0]
             if self.with_dataset:  # the whole dataset resident, but one step per epoch (see harness.execution.worker)
                 trial = replace(trial, max_steps_per_epoch=1)
@@ -235,21 +258,72 @@ class _Search:
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
 
-    def anchored(self) -> int | None:
-        """The neutral model's guess of the limit through the measured peak of the largest size that fits (see
-        the module docstring, step 2); None without a neutral model or such a peak."""
+    def fitting_peaks(self) -> dict[int, float]:
+        """{size: the mean peak of its probes} of every size that fits (every probe ok) with a peak reported."""
+        out = {}
+        for size in {p.batch_size for p in self.result.probes if p.kind == "probe"}:
+            peaks = self.result.peaks(size)
+            if peaks and self.result.fits(size):
+                out[size] = sum(peaks) / len(peaks)
+        return out
+
+    def predict(self) -> tuple[int | None, bool]:
+        """(the predicted limit, whether a line fitted to measured peaks made it): the line through the two largest
+        sizes that fit (``bracket.local_line``) where its slope is positive; else, with one such size or a slope
+        that noise left at or below zero, the neutral model's per-sample bytes drawn through the largest one's peak
+        (the module docstring, step 2); None without either."""
+        points = self.fitting_peaks()
+        line = local_line(points)
+        if line is not None and line.per_sample_bytes > 0:
+            straight = line.predict_limit(self.cap_bytes)
+            curved = curved_limit(points, self.cap_bytes)
+            return (curved if curved is not None and straight is not None and curved < straight else straight), True
+        neutral = self.neutral_through(points)
+        return (neutral.predict_limit(self.cap_bytes) if neutral is not None else None), False
+
+    def neutral_through(self, points: dict[int, float]) -> MemoryModel | None:
+        """The neutral model's per-sample bytes drawn through the peak of the largest size in ``points``; None
+        without a neutral model (a model of the entry's own) or a point."""
         neutral = self.result.neutral
-        peaks = [(p.batch_size, p.peak_bytes) for p in self.result.probes if p.kind == "probe"
-                 and p.status == "ok" and p.peak_bytes is not None and self.result.fits(p.batch_size)]
-        if neutral is None or not peaks or neutral.per_sample_bytes <= 0:
+        if neutral is None or not points or neutral.per_sample_bytes <= 0:
             return None
-        size, peak = max(peaks)
-        return MemoryModel(peak - neutral.per_sample_bytes * size, neutral.per_sample_bytes, 0.0,
-                           1).predict_limit(self.cap_bytes)
+        size = max(points)
+        return MemoryModel(points[size] - neutral.per_sample_bytes * size, neutral.per_sample_bytes, 0.0, 1)
+
+    def ceiling(self) -> int:
+        """The highest size a probe above everything that fitted may try: max_batch, and at most where the neutral
+        model's per-sample bytes drawn through the largest fitting size's peak reach the cap (every framework
+        measured holds more per sample than the neutral model counts, 1.5 to 6 x: a line through two small sizes
+        whose slope noise flattened would otherwise send the next probe orders of magnitude too far)."""
+        neutral = self.neutral_through(self.fitting_peaks())
+        limit = neutral.predict_limit(self.cap_bytes) if neutral is not None else None
+        return self.max_batch if limit is None else min(self.max_batch, limit)
+
+    def first_prediction(self, lo: int, prediction: int | None, fitted: bool) -> None:
+        """Records the search's first prediction of the limit, made once the initial sizes are probed (``lo``: the
+        largest that fits): ``predicted_limit`` and ``predicted_by``; a prediction at or below ``lo``, which fitted,
+        is none (the peaks are not what the cap counts, or too noisy to give a slope), and ``predicted_by`` says
+        why."""
+        result = self.result
+        if prediction is not None and prediction > lo:
+            result.predicted_limit = prediction
+            result.predicted_by = ("the line through the first probes' peaks" if fitted else
+                                   "the neutral model's per-sample bytes through the first probe's peak")
+            return
+        peaks = self.fitting_peaks()
+        if prediction is None:
+            result.predicted_by = ("none: no probe that fitted reported a peak" if not peaks else
+                                   "none: the peaks do not grow with the batch, and no neutral model")
+            return
+        shown = ", ".join(f"{size}: {peak / 1e6:,.1f} MB" for size, peak in sorted(peaks.items()))
+        result.predicted_by = (f"none: the line through the peaks ({shown}) reaches the cap "
+                               f"({self.cap_bytes / 1e6:,.1f} MB) at {prediction}, at or below {lo}, which fitted: "
+                               "the peaks measured are not what the cap counts")
 
     def refit(self) -> int | None:
         """Refits the memory model to every successful probe with a peak (run checks, whose conditions differ, are
-        left out); returns its predicted limit."""
+        left out): the line the result reports (``model``, least squares over every probe); returns its predicted
+        limit."""
         points = [(p.batch_size, p.peak_bytes) for p in self.result.probes
                   if p.kind == "probe" and p.status == "ok" and p.peak_bytes is not None]
         self.result.model = fit_memory_model(points)
@@ -281,17 +355,14 @@ class _Search:
         """Steps 2-5: probe the prediction, close the bracket around it, confirm its lower end. False when nothing
         fits (the result says so)."""
         result = self.result
-        result.predicted_limit = self.refit()
         climb = 0  # consecutive steps up past the prediction
+        predicted = False
         while True:
             lo, hi = self.bounds()
-            prediction, fitted = self.refit(), True
-            if prediction is None:
-                prediction, fitted = self.anchored(), False
-            if result.predicted_limit is None:
-                result.predicted_limit = prediction
-                result.predicted_by = ("the memory model fitted to the first probes" if fitted else
-                                       "the neutral model's per-sample bytes through the first probe's peak")
+            prediction, fitted = self.predict()
+            if not predicted and lo is not None:
+                predicted = True
+                self.first_prediction(lo, prediction, fitted)
             if lo is None:  # nothing fits (yet): the smallest size decides
                 if self.result.probed(self.min_batch) is None:
                     self.probe(self.min_batch, "smallest")
@@ -308,11 +379,15 @@ class _Search:
                 result.reason = (f"{lo} fitted in both of its probes and {self._failed(hi)}"
                                  if closed and hi is not None else
                                  f"{self.bound} fitted in both of its probes: the cap was not reached")
+                self.refit()  # the reported line, which the recommendation's sample counts use
                 return True
             if hi is None:
-                size, purpose, climb = self._upward(lo, prediction, climb, fitted)
+                size, purpose, climb = upward(lo, prediction, climb, self.gap(lo), fitted, self.max_batch,
+                                              self.ceiling())
             else:
-                size, purpose = self._inside(lo, hi, prediction, fitted)
+                last = result.probes[-1]
+                missed = last.purpose == BELOW_FAILURE and last.status == "oom"
+                size, purpose = inside(lo, hi, prediction, self.gap(lo), fitted, "ok" in result.statuses(hi), missed)
             self.probe(size, purpose)
 
     def _failed(self, hi: int) -> str:
@@ -333,37 +408,6 @@ class _Search:
         else:
             result.reason = (f"even batch size {self.min_batch} runs out of memory under the cap "
                              f"({self.cap_bytes / 1e6:,.0f} MB)")
-
-    def _upward(self, lo: int, prediction: int | None, climb: int, fitted: bool = True) -> tuple[int, str, int]:
-        """The next probe above everything that fitted, with no failure yet: up to the prediction (a fitted one at
-        most MAX_JUMP x; the neutral model's guess, ``fitted`` False, as it is); doubling without one; where the
-        prediction is already passed, one tolerance step up, the step doubling each time. Returns (size, purpose,
-        the new count of steps past the prediction)."""
-        g = self.gap(lo)
-        jump = lo * MAX_JUMP if fitted else self.max_batch
-        if prediction is None:
-            size, purpose = 2 * lo, "doubling"
-        elif prediction > lo:  # at least one tolerance step up, so that an OOM there closes the bracket
-            size, purpose, climb = max(prediction, lo + g), "prediction" if fitted else "neutral-model guess", 0
-        else:
-            size, purpose, climb = lo + (g << climb), "step up", climb + 1
-        return min(size, jump, self.max_batch), purpose, climb
-
-    def _inside(self, lo: int, hi: int, prediction: int | None, fitted: bool = True) -> tuple[int, str]:
-        """The next probe inside the bracket: the prediction where it falls inside, else the midpoint (geometric
-        while hi > MAX_JUMP x lo; one step above lo where a fitted model puts the limit there); kept one
-        tolerance step away from both ends, so that either outcome of a probe next to an end closes the bracket."""
-        g = self.gap(lo)
-        if hi - lo <= 2 * g:
-            return (lo + hi) // 2, "bisection"
-        inside = prediction is not None and lo < prediction < hi
-        # a bracket spanning orders of magnitude (a guess far off) is halved on a log scale, else arithmetically
-        middle = math.isqrt(lo * hi) if hi > MAX_JUMP * lo else (lo + hi) // 2
-        if fitted and prediction is not None and lo - g <= prediction <= lo:
-            prediction, inside = lo + g, True  # the model puts the limit at lo: one step above it decides
-        size = prediction if inside and prediction is not None else middle
-        size = min(max(size, lo + g), hi - g)
-        return size, "prediction" if size == prediction else "bisection"
 
     def recommend(self) -> None:
         """Step 6, the recommendation below the limit (``harness.studies.max_batch.recommend``)."""
