@@ -1,6 +1,7 @@
 # Two commands on a fresh machine with Python 3.11 and pip:  make run   and   make test
-# Both create the virtual environment in .venv (the harness, its tests, and CPU builds of PyTorch, TensorFlow and
-# MXNet for the in-process adapter tests) and the framework environments in envs/ when they are missing.
+# make run creates the virtual environment in .venv with the harness alone, and the framework environments in envs/
+# that its SPEC runs in; make test also installs the tests, and CPU builds of PyTorch, TensorFlow and MXNet for the
+# in-process adapter tests, in .venv, and every framework environment. Each is made only when missing or outdated.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,13 +11,25 @@ TEST_WORKERS ?= 2
 
 .PHONY: install envs test-envs run lint test test-gpu docs clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml requirements/cpu.txt
+# pip installs uv (its pin in requirements/cpu.txt), and uv the rest, .venv and envs/, from the sources pip is
+# configured to use (harness.execution.installers tells uv pip's find-links, indexes and constraints, and installs
+# with pip where uv cannot be told them); INSTALLER=pip installs everything with pip alone, the same pins.
+# $(VENV)/.harness: what `make run` needs, the harness and its own dependencies (NVML's client for device: auto);
+# the frameworks run in envs/. $(VENV)/.installed: the rest, for the tests, lint and docs. The pins of
+# requirements/cpu.txt are constraints throughout: the harness itself allows numpy 2, but MXNet in this environment
+# needs numpy < 2, and the newest releases of some dependencies would pull numpy 2 in.
+INSTALLER ?= auto
+INSTALL := $(PY) -m harness.execution.installers $(if $(filter pip,$(INSTALLER)),--pip)
+ENVS_CREATE := $(PY) -m harness envs create $(if $(filter pip,$(INSTALLER)),--installer pip)
+$(VENV)/.harness: setup.cfg pyproject.toml requirements/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements/cpu.txt
-	# The pins of requirements/cpu.txt as constraints: the harness itself allows numpy 2, but MXNet in this
-	# environment needs numpy < 2, and the newest releases of some dependencies would pull numpy 2 in.
-	$(PY) -m pip install --quiet -e '.[test,gpu,ray,parquet,mlflow,docs]' -c requirements/cpu.txt
+	$(PY) -m pip install --quiet --upgrade pip $(if $(filter pip,$(INSTALLER)),,"$$(grep -E '^uv==' requirements/cpu.txt)")
+	$(INSTALL) -e '.[gpu]' -c requirements/cpu.txt
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.harness
+	$(INSTALL) -r requirements/cpu.txt
+	$(INSTALL) -e '.[test,gpu,ray,parquet,mlflow,docs]' -c requirements/cpu.txt
 	touch $@
 
 install: $(VENV)/.installed
@@ -24,14 +37,16 @@ install: $(VENV)/.installed
 # One virtualenv per framework under envs/ (PyTorch and TensorFlow on numpy 2, MXNet on numpy 1.26); kept when up
 # to date. specs/quick.yaml runs each framework in its own.
 envs: $(VENV)/.installed
-	$(PY) -m harness envs create
+	$(ENVS_CREATE)
 
 # What the tests need beyond the frameworks' own environments: envs/pytorch-vision, PyTorch with torchvision (its own
 # torch release; on x86_64 a CUDA build, which also runs on the CPU), for tests/adapters/test_pytorch_vision.py.
 test-envs: $(VENV)/.installed
-	$(PY) -m harness envs create --spec specs/torchvision.yaml
+	$(ENVS_CREATE) --spec specs/torchvision.yaml
 
-run: envs
+# Only the environments $(SPEC) runs in (its entries' envs/<folder>/bin/python), made when missing.
+run: $(VENV)/.harness
+	$(ENVS_CREATE) --spec $(SPEC) >/dev/null
 	$(PY) -m harness run $(SPEC)
 
 # The import contracts (setup.cfg), ruff and mypy (pyproject.toml: the rule set and why, strict at the seams).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,17 @@ def add_parser(sub: Any) -> None:
     create.add_argument("--dry-run", action="store_true", help="say which requirements would be installed where, "
                                                                "and change nothing")
     create.add_argument("--dir", default=None, help="where the environments go (default: envs/ beside the harness)")
+    create.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
+                        help="what installs: uv (told pip's configured sources) where it is found, else pip "
+                             "(default auto); both install the same distributions")
+    create.add_argument("--jobs", type=int, default=None,
+                        help="environments made side by side (default: 2 with uv where the cores and memory "
+                             "allow, else 1: harness.execution.environments.default_jobs)")
     envs.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
-    from harness.execution import environments
+    from harness.execution import environments, installers
     from harness.spec import ROOT
 
     envs_dir = Path(args.dir) if args.dir else ROOT / "envs"
@@ -45,25 +52,68 @@ def handle(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"harness envs create: {'CUDA' if gpu else 'CPU'} builds (requirements/<framework>-"
           f"{'gpu' if gpu else 'cpu'}.txt): {why}", file=sys.stderr)
-    lines = []
-    for folder, framework, packages in wanted:
-        if args.dry_run:
-            print(environments.plan_create(framework, envs_dir, gpu, name=folder, packages=packages))
-            continue
+    missing = [w for w in wanted if not environments.up_to_date(w[1], envs_dir, gpu, w[0], w[2])]
+    installer, jobs = None, 1
+    if missing:  # only then is pip's configuration read
         try:
-            python, made = environments.create(framework, envs_dir, gpu=gpu, name=folder, packages=packages)
+            installer = installers.choose(None if args.installer == "auto" else args.installer)
         except ValueError as err:
             print(f"harness envs create: {err}", file=sys.stderr)
             return EXIT_USAGE
-        except subprocess.CalledProcessError as err:
-            print(f"harness envs create: {framework}: `{' '.join(map(str, err.cmd))}` failed with status "
-                  f"{err.returncode}", file=sys.stderr)
-            return 1
-        print(f"{folder}: {python} ({'created' if made else 'up to date'})", file=sys.stderr)
-        lines.append(environments.spec_entry(framework, python))
+        jobs = max(1, min(args.jobs if args.jobs is not None else environments.default_jobs(installer),
+                          len(missing)))
+        print(f"harness envs create: {'would install' if args.dry_run else 'installing'}"
+              f"{installer.describe().removeprefix('installing')}" +
+              (f"; {jobs} environments at a time" if jobs > 1 else ""), file=sys.stderr)
+    if args.dry_run:
+        for folder, framework, packages in wanted:
+            print(environments.plan_create(framework, envs_dir, gpu, name=folder, packages=packages))
+        return 0
+    made: dict[str, tuple[str, Path]] = {}
+    failed = 0
+    started = time.monotonic()
+    for folder, framework, outcome in environments.create_each(wanted, envs_dir, gpu, installer, jobs=jobs):
+        if isinstance(outcome, subprocess.CalledProcessError):
+            failed += 1
+            log = _keep_log(envs_dir, folder, outcome)
+            print(f"harness envs create: {folder}: `{_shown(outcome.cmd)}` failed with status {outcome.returncode}"
+                  f": {installers.last_words(outcome.output) or 'no output'} (its output: {log})", file=sys.stderr)
+        elif isinstance(outcome, ValueError):
+            print(f"harness envs create: {outcome}", file=sys.stderr)
+            return EXIT_USAGE
+        elif isinstance(outcome, Exception):
+            failed += 1
+            print(f"harness envs create: {folder}: {type(outcome).__name__}: {outcome}", file=sys.stderr)
+        else:
+            python, fresh = outcome
+            print(f"{folder}: {python} ({f'created, {time.monotonic() - started:.0f} s' if fresh else 'up to date'})",
+                  file=sys.stderr)
+            made[folder] = (framework, python)
+    if failed:
+        return 1
+    lines = [environments.spec_entry(made[folder][0], made[folder][1]) for folder, _, _ in wanted if folder in made]
     if lines:
         print("frameworks:\n" + "\n".join(lines))
     return 0
+
+
+def _shown(command: Any) -> str:
+    """A failed install command in few words: the program and what it installed (a requirements file)."""
+    words = [str(w) for w in (command if isinstance(command, (list, tuple)) else [command])]
+    program = Path(words[0]).name if words else "?"
+    tail = words[words.index("-r"):] if "-r" in words else words[-3:]
+    return " ".join([program, *words[1:3], "...", *tail]) if len(words) > 3 + len(tail) else " ".join(words)
+
+
+def _keep_log(envs_dir: Path, folder: str, err: subprocess.CalledProcessError) -> Path:
+    """Writes a failed install's whole output beside the environments (its environment is removed)."""
+    log = envs_dir / f"{folder}.failed.log"
+    try:
+        envs_dir.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"$ {' '.join(map(str, err.cmd))}\n{err.output or ''}", encoding="utf-8")
+    except OSError:
+        pass
+    return log
 
 
 def _wanted(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...]]]:

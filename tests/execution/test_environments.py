@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from harness.execution import environments
+from harness.execution import environments, installers
 from harness.plan import checked_spec
 from harness.results import report, store
 from harness.spec import ROOT, SpecError
@@ -100,6 +101,9 @@ def test_an_entry_whose_interpreter_cannot_run_a_worker_is_one_line_and_exit_2(e
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"{path}: frameworks.0: "), proc.stderr
     assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    if words == "no interpreter at":  # an environment under envs/: the command that makes the spec's
+        assert proc.stderr.strip().endswith(f"`harness envs create --spec {path}` makes the environments this spec "
+                                            "runs in"), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "results").exists()
 
 
@@ -157,3 +161,212 @@ def test_envs_create_keeps_an_up_to_date_environment_and_names_unknown_ones(envs
     proc = cli("envs", "create", "caffe", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("harness envs create: no requirements/caffe-cpu.txt")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------- installing: uv, told pip's sources, else pip
+
+PIP_CONFIG = """global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
+global.find-links='/opt/wheels'
+global.constraint='/etc/xdg/pip/constraints.txt'
+global.cert='/etc/ssl/certs/ca-certificates.crt'
+global.index-url='https://global.example/simple'
+install.index-url='https://install.example/simple'
+download.only-binary=':all:'
+:env:.find-links='/opt/wheels /srv/more'
+:env:.disable-pip-version-check='1'
+"""
+
+
+def test_pips_configuration_is_read_in_its_order_and_told_to_uv():
+    settings = installers.parse_pip_config(PIP_CONFIG)
+    assert settings["index-url"] == "https://install.example/simple"  # the install section over the global one
+    assert settings["find-links"] == "/opt/wheels /srv/more"  # PIP_FIND_LINKS over the files
+    assert "only-binary" not in settings  # another command's section
+    options, env, said = installers.uv_options(settings)
+    pairs = list(zip(options, options[1:]))
+    assert ("--index-strategy", "unsafe-best-match") in pairs  # the best match over all sources, as pip takes
+    assert ("--index-url", "https://install.example/simple") in pairs
+    assert [v for k, v in pairs if k == "--find-links"] == ["/opt/wheels", "/srv/more"]
+    assert [v for k, v in pairs if k == "--extra-index-url"] == ["file:///opt/pypi/simple",
+                                                                 "file:///opt/pypi-more/simple"]
+    assert ("--constraint", "/etc/xdg/pip/constraints.txt") in pairs
+    assert "--compile-bytecode" in options  # pip compiles what it installs
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt"}
+    assert "find-links /opt/wheels /srv/more" in said
+    assert "--compile-bytecode" not in installers.uv_options({"no-compile": "1"})[0]
+
+
+def test_uv_is_found_beside_the_interpreter_and_pip_installs_what_uv_cannot_be_told(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    uv = bin_dir / "uv"
+    uv.write_text("#!/bin/sh\necho 'uv 9.9.9 (fake)'\n")
+    uv.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))  # .venv/bin/python, not activated
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert installers.find_uv() == str(uv)
+    monkeypatch.setattr(installers, "pip_settings", lambda python=None: {"find-links": "/opt/wheels",
+                                                                         "prefer-binary": "1"})
+    chosen = installers.choose()
+    assert chosen.kind == "pip" and "prefer-binary" in chosen.why
+    with pytest.raises(ValueError, match="prefer-binary"):
+        installers.choose("uv")
+    monkeypatch.setattr(installers, "pip_settings", lambda python=None: {"find-links": "/opt/wheels"})
+    monkeypatch.setenv("UV_INDEX_URL", "https://elsewhere.example/simple")  # not pip's: left out
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "cache"))
+    chosen = installers.choose()
+    assert (chosen.kind, chosen.uv, chosen.version) == ("uv", str(uv), "uv 9.9.9")
+    env = chosen.environment()
+    assert "UV_INDEX_URL" not in env and env["UV_CACHE_DIR"] == str(tmp_path / "cache")
+    assert installers.choose("pip").kind == "pip"
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "elsewhere" / "python"))
+    assert installers.find_uv() is None and installers.choose().kind == "pip"
+
+
+def test_environments_are_made_side_by_side_with_uv_where_cores_and_memory_allow(monkeypatch):
+    uv, pip = installers.Installer("uv", "found", uv="/bin/uv"), installers.Installer("pip", "asked for")
+    assert environments._available_gib() >= 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(environments, "_available_gib", lambda: 64)
+    assert (environments.default_jobs(uv), environments.default_jobs(pip), environments.default_jobs(None)) == (2, 1, 1)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert environments.default_jobs(uv) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(environments, "_available_gib", lambda: 0)
+    assert environments.default_jobs(uv) == 1
+
+
+def _installers():
+    return ["pip", *(["uv"] if installers.find_uv() else [])]
+
+
+@pytest.mark.parametrize("kind", _installers())
+def test_a_failed_install_leaves_no_half_made_environment_and_the_others_whole(kind, tmp_path, monkeypatch, capsys):
+    """Two environments side by side, one of which cannot be installed (offline: local wheel files): the other is
+    made whole, the failed one is removed, and each message is one line. An interrupted one is removed too."""
+    from harness.cli import main
+
+    wheel = next(w for w in installers.ensurepip_wheels() if Path(w).name.startswith("setuptools-"))
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "good-cpu.txt").write_text(f"{wheel}\n")  # already there: nothing to fetch
+    (tmp_path / "requirements" / "bad-cpu.txt").write_text(f"{tmp_path / 'no_such-1.0-py3-none-any.whl'}\n")
+    monkeypatch.setattr(environments, "ROOT", tmp_path)
+    envs_dir = tmp_path / "envs"
+    status = main(["envs", "create", "good", "bad", "--cpu", "--dir", str(envs_dir), "--jobs", "2",
+                   "--installer", kind])
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert (envs_dir / "good" / ".harness-stamp").exists() and not (envs_dir / "bad").exists()
+    assert f"installed with {kind}" in (envs_dir / "good" / ".harness-stamp").read_text()
+    failed = [line for line in err.splitlines() if "bad" in line]
+    assert len(failed) == 1 and failed[0].startswith("harness envs create: bad: `") and "bad-cpu.txt" in failed[0]
+    assert (envs_dir / "bad.failed.log").exists() and str(envs_dir / "bad.failed.log") in failed[0]
+    assert f"installing with {kind}" in err and "2 environments at a time" in err
+    assert all(line.startswith(("harness envs create: ", "good: ")) for line in err.splitlines()), err
+
+    def interrupted(command, env):  # the environment's folder made (as by venv), then Ctrl-C in the next command
+        if "venv" not in command:
+            raise KeyboardInterrupt
+        (Path(command[-1]) / "bin").mkdir(parents=True)
+        return ""
+
+    monkeypatch.setattr(installers, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        environments.create("good", envs_dir, name="again", installer=installers.choose(kind))
+    assert not (envs_dir / "again").exists()
+
+
+def _distributions(python):
+    code = ("import importlib.metadata as m, re; print('\\n'.join(sorted(re.sub(r'[-_.]+', '-', "
+            "d.metadata['Name']).lower() + '==' + d.version for d in m.distributions())))")
+    return subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(python).parent).stdout.split()  # -I, not here: only the environment's own
+
+
+def _wheel(folder, name, version, requires=()):
+    """A pure-Python wheel of one module, ``name``, in ``folder`` (made here: nothing is downloaded)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": f"VERSION = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" +
+                                 "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).decode().rstrip('=')},"
+              f"{len(text.encode())}" for path, text in files.items()]
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, text in files.items():
+            zf.writestr(member, text)
+    return path
+
+
+def _simple_index(root, wheels):
+    """A PEP 503 index at ``root`` (file://) of ``wheels``, as /opt/pypi is laid out."""
+    for wheel in wheels:
+        project = root / wheel.name.split("-")[0]
+        project.mkdir(parents=True, exist_ok=True)
+        with (project / "index.html").open("a") as page:
+            page.write(f'<a href="{wheel.as_uri()}">{wheel.name}</a>\n')
+    return root.as_uri()
+
+
+def test_uv_installs_exactly_what_pip_installs_from_pips_sources(tmp_path, monkeypatch):
+    """pip configured as this project's CPU machines are (an index, an extra index, a find-links folder whose local
+    build of a pinned release pip prefers, as torch 2.13.0+cpu over PyPI's CUDA build, and a constraint file), with
+    wheels made here: uv, told pip's configuration, installs the same distributions and versions as pip (pip and
+    setuptools included), and compiles them to bytecode as pip does. Were uv not told the find-links, the
+    constraint or to take pip's best match over every source, it would take harnesstiny 1.0, harnessdep 2.0 or 1.0."""
+    if not installers.find_uv():
+        pytest.skip("uv is not installed here (make install puts it in .venv)")
+    files = tmp_path / "files"
+    main = _simple_index(tmp_path / "main", [_wheel(files / "main", "harnesstiny", v, ["harnessdep>=1"])
+                                             for v in ("1.0", "1.1", "2.0")] +
+                         [_wheel(files / "main", "harnessdep", v) for v in ("1.0", "1.5", "2.0")] +
+                         [_wheel(files / "main", "harnessother", v) for v in ("1.0", "1.9", "2.0")])
+    extra = _simple_index(tmp_path / "extra", [_wheel(files / "extra", "harnessdep", "1.0")])
+    _wheel(tmp_path / "links", "harnesstiny", "1.0+cpu", ["harnessdep>=1"])
+    (tmp_path / "constraints.txt").write_text("harnessdep<2\n")
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "tiny-cpu.txt").write_text("harnesstiny==1.0\nharnessother>=1,<2\n")
+    for variable in [v for v in os.environ if v.startswith("PIP_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configuration file: only these
+    monkeypatch.setenv("PIP_INDEX_URL", main)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", extra)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    monkeypatch.setenv("PIP_CONSTRAINT", str(tmp_path / "constraints.txt"))
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
+    monkeypatch.setattr(environments, "ROOT", tmp_path)
+    seen = {}
+    for kind in ("pip", "uv"):
+        chosen = installers.choose(kind)
+        assert chosen.kind == kind
+        python, made = environments.create("tiny", tmp_path / kind, installer=chosen, packages=("harnessother<1.5",))
+        target = python.parent.parent
+        assert made and f"installed with {chosen.version or kind}" in (target / ".harness-stamp").read_text()
+        seen[kind] = _distributions(python)
+        assert list(target.glob("lib/python3*/site-packages/__pycache__/harnesstiny.*.pyc")), kind  # compiled
+    assert seen["uv"] == seen["pip"]
+    assert {d for d in seen["pip"] if d.startswith("harness")} == {"harnesstiny==1.0+cpu", "harnessdep==1.5",
+                                                                  "harnessother==1.0"}
+    assert {d.split("==")[0] for d in seen["pip"]} == {"harnesstiny", "harnessdep", "harnessother", "pip",
+                                                        "setuptools"}
+
+
+def test_a_tiny_real_install_from_the_registry_is_the_same_with_uv_and_pip(tmp_path, monkeypatch):
+    """This machine's own pip configuration, told to uv, and a small pure-Python release from the package registry
+    under a range pin: pip and uv make environments with the same distributions and versions."""
+    if not installers.find_uv():
+        pytest.skip("uv is not installed here (make install puts it in .venv)")
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "six-cpu.txt").write_text("six>=1.16,<1.17\n")
+    monkeypatch.setattr(environments, "ROOT", tmp_path)
+    made = {kind: _distributions(environments.create("six", tmp_path / kind, installer=installers.choose(kind))[0])
+            for kind in ("pip", "uv")}
+    assert made["uv"] == made["pip"]
+    assert "six==1.16.0" in made["pip"]
