@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -391,25 +391,31 @@ def create_each(wanted: list[tuple[str, str, tuple[str, ...]]], envs_dir: Path, 
                 failed = True
                 yield folder, framework, err
         return
+    pending = list(wanted)
+    running: dict[Future[tuple[Path, bool]], tuple[str, str]] = {}
+    failed = False
     pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="envs-create")
-    futures = {pool.submit(create, framework, envs_dir, gpu, folder, packages, chosen): (folder, framework)
-               for folder, framework, packages in wanted}
     try:
-        for future in as_completed(futures):
-            folder, framework = futures[future]
-            try:
-                yield folder, framework, future.result()
-            except (subprocess.CalledProcessError, ValueError, OSError) as err:
-                for other in futures:
-                    other.cancel()  # not started yet: never started
-                yield folder, framework, err
-    except BaseException:
-        for other in futures:
-            other.cancel()
+        while True:
+            # each started here, only while nothing failed: after a failure none starts (no race with the pool)
+            while pending and not failed and len(running) < jobs:
+                folder, framework, packages = pending.pop(0)
+                running[pool.submit(create, framework, envs_dir, gpu, folder, packages, chosen)] = (folder, framework)
+            if not running:
+                return
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                folder, framework = running.pop(future)
+                try:
+                    outcome: tuple[Path, bool] | Exception = future.result()
+                except (subprocess.CalledProcessError, ValueError, OSError) as err:
+                    failed, outcome = True, err
+                yield folder, framework, outcome
+    except BaseException:  # interrupted, or the caller stopped reading: end the installs under way
         installers.stop_all()
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)
 
 
 def spec_environments(spec: Spec) -> list[tuple[str, str, tuple[str, ...]]]:

@@ -276,6 +276,46 @@ def test_a_failed_install_leaves_no_half_made_environment_and_the_others_whole(k
     assert not (envs_dir / "again").exists()
 
 
+def test_after_a_failure_side_by_side_no_further_environment_starts_and_no_traceback(tmp_path, monkeypatch, capsys):
+    """Three environments two at a time, the first failing while the second is under way: the second is made whole,
+    the third never starts, and the command says so in one line each (exit 1). The install commands are faked here
+    (a real install cannot be made to end in this order every time)."""
+    import time
+
+    from harness.cli import main
+
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "x-cpu.txt").write_text("six\n")
+    monkeypatch.setattr(environments, "ROOT", tmp_path)
+    monkeypatch.setattr(environments, "spec_environments", lambda spec: [])
+    started = []
+
+    def fake_run(command, env):
+        target = next(Path(c) for c in command if "/envs/" in str(c))
+        name = next(p.name for p in [target, *target.parents] if p.parent.name == "envs")
+        started.append(name) if "venv" in command else None
+        if name == "bad" and "venv" not in command:
+            raise subprocess.CalledProcessError(1, command, output="error: no matching distribution")
+        if "venv" in command:
+            (target / "bin").mkdir(parents=True)
+            (target / "bin" / "python").touch()
+        time.sleep(0.5 if name == "good" else 0)
+        return ""
+
+    monkeypatch.setattr(installers, "run", fake_run)
+    monkeypatch.setattr(installers, "choose", lambda preference=None, python=None: installers.Installer("pip", "x"))
+    monkeypatch.setattr(environments, "requirements_for", lambda framework, gpu: tmp_path / "requirements" /
+                        "x-cpu.txt")
+    envs_dir = tmp_path / "envs"
+    status = main(["envs", "create", "bad", "good", "later", "--cpu", "--dir", str(envs_dir), "--jobs", "2"])
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err, err
+    assert sorted(started) == ["bad", "good"]
+    assert (envs_dir / "good" / ".harness-stamp").exists() and not (envs_dir / "bad").exists()
+    assert not (envs_dir / "later").exists()
+    assert [line for line in err.splitlines() if "bad" in line][0].startswith("harness envs create: bad: `")
+
+
 def _distributions(python):
     code = ("import importlib.metadata as m, re; print('\\n'.join(sorted(re.sub(r'[-_.]+', '-', "
             "d.metadata['Name']).lower() + '==' + d.version for d in m.distributions())))")
