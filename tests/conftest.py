@@ -4,6 +4,7 @@ modules share besides fixtures is in tests/helpers.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,14 @@ if str(ROOT) not in sys.path:
 
 from tests.fakes.fault_adapter import REGISTRATION  # noqa: E402
 from tests.helpers import base_spec, made_once  # noqa: E402
+
+# The preloaded parents of forked workers serve every test of a pytest process instead of one sweep each (importing a
+# framework costs seconds, paid once per process); a server's key holds the environment and folder, so a test that
+# changes either gets its own (harness.execution.forkserver.Servers). Set here, the CLI runs the tests start inherit
+# it too, which keeps their parents to their own exit, as a sweep's end would. The name is
+# harness.execution.launcher.KEEP_SERVERS_VARIABLE (not imported: this file also loads in framework environments,
+# which lack the launcher's dependencies; tests/execution/test_forkserver.py checks the two agree).
+os.environ.setdefault("HARNESS_KEEP_FORK_SERVERS", "1")
 
 #: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they
 #: hold one-second deadlines on killed processes (interruptions) or time the loop's windows (timing): a test running

@@ -1,10 +1,7 @@
 """Framework environments: the probe that checks, once per run, that each framework entry's interpreter starts and
-has what its worker needs, and ``create`` (``harness envs create``), which makes one virtual environment per
-framework under ``envs/``.
-
-A worker needs, in its interpreter, only numpy (1.26 or 2.x), pydantic, PyYAML and its framework: the harness itself
-is imported from the folder that holds it (see ``harness.execution.bootstrap``), never installed there.
-"""
+has what its worker needs, and ``create`` (``harness envs create``), one virtual environment per framework under
+``envs/``. A worker needs, in its interpreter, only numpy (1.26 or 2.x), pydantic, PyYAML and its framework: the
+harness itself is imported from the folder that holds it (``harness.execution.bootstrap``), never installed there."""
 
 from __future__ import annotations
 

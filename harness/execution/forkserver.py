@@ -249,24 +249,40 @@ class Server:
             pass
 
 
-class Servers:
-    """The launcher's servers, one per (interpreter, framework, environment), started on first use and ended by
-    ``close`` (the sweep's end, or the interpreter's exit). Thread-safe: parallel executors launch from threads."""
+#: Variables left out of a server's key: they change while a process runs and mean nothing to a worker (pytest
+#: names the test running in PYTEST_CURRENT_TEST).
+UNKEYED_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
-    def __init__(self) -> None:
+
+class Servers:
+    """The launcher's servers, one per (interpreter, framework, environment, working folder), started on first use
+    and ended by ``close`` (the sweep's end, or the interpreter's exit). The key holds the whole environment a server
+    starts with (this process's, then the launcher's settings) and the working folder, since its children inherit
+    both: a changed variable or folder gets a new server. At most ``limit`` run at once (each holds a framework's
+    memory): starting one more ends the least recently used. Thread-safe: parallel executors launch from threads."""
+
+    def __init__(self, limit: int = 6) -> None:
         self._servers: dict[str, Server] = {}
         self._lock = threading.Lock()
+        self.limit = limit
 
     def get(self, argv: list[str], framework: str, env: dict[str, str]) -> Server:
         """The running server for this key, started now if there is none (or it died). Raises RuntimeError."""
-        key = json.dumps([argv, framework, sorted(env.items())])
+        environment = {k: v for k, v in {**os.environ, **env}.items() if k not in UNKEYED_VARIABLES}
+        key = json.dumps([argv, framework, sorted(environment.items()), os.getcwd()])
+        ended: list[Server] = []
         with self._lock:
-            server = self._servers.get(key)
+            server = self._servers.pop(key, None)
             if server is None or not server.alive():
                 if server is not None:
-                    server.close()
-                server = self._servers[key] = Server(argv, framework, env)
-            return server
+                    ended.append(server)
+                while len(self._servers) >= self.limit:
+                    ended.append(self._servers.pop(next(iter(self._servers))))
+                server = Server(argv, framework, env)
+            self._servers[key] = server  # the most recently used last
+        for old in ended:
+            old.close()
+        return server
 
     def close(self) -> None:
         with self._lock:

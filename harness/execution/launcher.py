@@ -238,9 +238,16 @@ def start_mode(payload: Payload) -> str:
     return "forked"
 
 
-def close_servers() -> None:
-    """Ends every preloaded parent (the end of a sweep or a search: each holds a framework's memory)."""
-    SERVERS.close()
+#: Set (to anything but "" or "0"), the preloaded parents outlive a sweep or a search and serve the next one in this
+#: process (the test suite, a notebook running several sweeps); they end at the process's exit.
+KEEP_SERVERS_VARIABLE = "HARNESS_KEEP_FORK_SERVERS"
+
+
+def close_servers(force: bool = False) -> None:
+    """Ends every preloaded parent (the end of a sweep or a search: each holds a framework's memory), unless
+    KEEP_SERVERS_VARIABLE asks to keep them and ``force`` is False."""
+    if force or os.environ.get(KEEP_SERVERS_VARIABLE, "") in ("", "0"):
+        SERVERS.close()
 
 
 def sampled_devices(payload: Payload, device: str) -> str | list[str]:

@@ -105,7 +105,7 @@ def test_an_oom_a_kill_and_a_hang_leave_the_next_forked_trial_untouched(tmp_path
     # against 1.886788715015758 was seen, a few ulps of a float32 sum)
     assert after.result().metrics.epochs[0].train_loss == pytest.approx(first.result().metrics.epochs[0].train_loss,
                                                                         rel=1e-6)
-    launcher.close_servers()
+    launcher.close_servers(force=True)
 
 
 def test_a_data_parallel_trial_forks_rank_0_and_starts_its_ranks(tmp_path):
@@ -152,7 +152,7 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path):
             assert not users & parents, (index, users, parents)
     finally:
         pynvml.nvmlShutdown()
-        launcher.close_servers()
+        launcher.close_servers(force=True)
 
 
 def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path):
@@ -169,3 +169,41 @@ def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path):
     plain, plain_dir = _run(tmp_path, "plain", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1)
     assert plain["jax"].settings["compilation_cache_dir"] is None
     assert "persistent cache" not in report.write(plain_dir).read_text()
+
+
+def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch):
+    """Without HARNESS_KEEP_FORK_SERVERS a sweep's end ends its parents; with it, the next sweep forks from the same
+    parent, and a changed variable (its children would inherit it) starts another."""
+    assert os.environ.get(launcher.KEEP_SERVERS_VARIABLE) == "1"  # tests/conftest.py sets it by name
+    launcher.close_servers(force=True)
+    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": ENVS["pytorch"]}], batch_sizes=[16],
+                                  epochs=1, cpu_threads=1), tmp_path / "s.yaml")
+    try:
+        monkeypatch.setenv(launcher.KEEP_SERVERS_VARIABLE, "0")
+        sweep.run_spec(spec, tmp_path / "a")
+        assert launcher.SERVERS._servers == {}
+        monkeypatch.setenv(launcher.KEEP_SERVERS_VARIABLE, "1")
+        sweep.run_spec(spec, tmp_path / "b")
+        (first,) = launcher.SERVERS._servers.values()
+        sweep.run_spec(spec, tmp_path / "c")
+        assert list(launcher.SERVERS._servers.values()) == [first] and first.alive()
+        monkeypatch.setenv("HARNESS_TEST_MARKER", "changed")
+        records = {r.start for r in store.read_trials(sweep.run_spec(spec, tmp_path / "d"))}
+        assert records == {"forked"} and len(launcher.SERVERS._servers) == 2
+    finally:
+        launcher.close_servers(force=True)
+    assert launcher.SERVERS._servers == {} and not first.alive()
+
+
+def test_at_most_limit_parents_run_the_least_recently_used_ends_first(monkeypatch):
+    from harness.execution import forkserver
+
+    servers = forkserver.Servers(limit=1)
+    argv = [ENVS["mxnet"]]
+    try:
+        a = servers.get(argv, "mxnet", {"A": "1"})
+        assert servers.get(argv, "mxnet", {"A": "1"}) is a
+        b = servers.get(argv, "mxnet", {"A": "2"})
+        assert b is not a and b.alive() and not a.alive() and list(servers._servers.values()) == [b]
+    finally:
+        servers.close()
