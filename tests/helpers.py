@@ -40,19 +40,6 @@ BASE_SPEC = {
     "timeout_s": 120,
 }
 
-BASE_SPEC = {
-    "name": "t",
-    "frameworks": ["pytorch"],
-    "model": {"layers": TINY_CNN},
-    "dataset": {"name": "digits"},
-    "batch_sizes": [32],
-    "epochs": 1,
-    "warmup_steps": 1,
-    "optimizer": {"name": "sgd", "learning_rate": 0.05, "momentum": 0.9},
-    "cpu_threads": 1,
-    "timeout_s": 120,
-}
-
 
 def base_spec(**changes):
     spec = copy.deepcopy(BASE_SPEC)
