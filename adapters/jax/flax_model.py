@@ -37,7 +37,7 @@ from typing import Any
 
 from adapters.jax.runtime import jax, jnp
 from adapters.jax.training import Functional
-from harness.neutral.native import NativeModelError, NativeSource
+from harness.neutral.native import NativeModelError, NativeSource, output_logits
 
 #: What ``adopt`` accepts, in words (the declaration's ``native_model``).
 TYPES = "flax.linen.Module or flax.nnx.Module"
@@ -75,14 +75,7 @@ def adopt(model: object, source: NativeSource, device: Any) -> Adopted:
 def logits_of(out: Any) -> Any:
     """A module's output as the logits: an array as it is, a model output's ``logits`` (transformers' Flax
     ``ModelOutput``), or the first element of a tuple or list. Raises TypeError for anything else."""
-    if isinstance(out, jax.Array):
-        return out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, jax.Array):
-        return logits
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], jax.Array):
-        return out[0]
-    raise TypeError(f"the module returned a {type(out).__name__}, not logits (an array, or an output with logits)")
+    return output_logits(out, jax.Array, "the module returned", "an array")
 
 
 def _flag(module: Any) -> tuple[str, Callable[[bool], dict[str, bool]]]:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.neutral.native import output_logits
+
 
 def activated(module: nn.Module, spec: Any) -> nn.Module:
     """``module`` followed by its spec's activation (relu, gelu in its exact erf form, or none)."""
@@ -92,12 +94,5 @@ class Logits(nn.Module):
         self.module = module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.module(x)
-        if isinstance(out, torch.Tensor):
-            return out
-        logits = getattr(out, "logits", None)
-        if isinstance(logits, torch.Tensor):
-            return logits
-        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            return out[0]
-        raise TypeError(f"the model returned a {type(out).__name__}, not logits (a tensor, or an output with logits)")
+        logits: torch.Tensor = output_logits(self.module(x), torch.Tensor, "the model returned", "a tensor")
+        return logits

@@ -131,6 +131,20 @@ def check_output(shape: tuple[int, ...], input: Input, classes: int, factory: st
                                         f"(batch, {', '.join(map(str, wanted))}): {what}")
 
 
+def output_logits(out: Any, array_type: type, returned: str, array_name: str) -> Any:
+    """A model of your own's output as the logits: an ``array_type`` as it is, an output object's ``logits``
+    attribute (transformers' ``ModelOutput``), or the first element of a tuple or list. Raises TypeError for anything
+    else: "<returned> a <type>, not logits (<array_name>, or an output with logits)"."""
+    if isinstance(out, array_type):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, array_type):
+        return logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], array_type):
+        return out[0]
+    raise TypeError(f"{returned} a {type(out).__name__}, not logits ({array_name}, or an output with logits)")
+
+
 def shared_weights_path(family: str, model: NativeModel, input: Input, classes: int, seed: int,
                         cache: Path) -> Path:
     """Where the initial weights of ``model`` for ``seed``, drawn once and loaded by every adapter of ``family``
