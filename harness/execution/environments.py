@@ -343,15 +343,10 @@ def default_jobs(installer: installers.Installer | None) -> int:
 
 
 def _available_gib() -> int:
-    """Whole GiB of memory available to new processes (Linux's MemAvailable); 2 where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) // 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return 2
+    """Whole GiB of memory available to new processes (psutil's ``available``: Linux's MemAvailable)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available // 2**30)
 
 
 def _kept(framework: str, envs_dir: Path, gpu: bool, name: str, packages: tuple[str, ...]) -> bool:
