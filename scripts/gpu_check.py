@@ -344,8 +344,7 @@ def step_sweep_keras(check: Check) -> None:
     """Keras 3 on the given backends (``--keras``), the sweep's model at batch 64 and 512, one repeat."""
     if check.keras:
         sizes = check.sizes["batch_sizes"] if check.allow_cpu else [64, 512]
-        step_sweep(check, "sweep_keras", check.keras, batch_sizes=sizes, repeats=1,
-                   worker_start="auto" if check.worker_start == "auto" else "cold")
+        step_sweep(check, "sweep_keras", check.keras, batch_sizes=sizes, repeats=1)
 
 
 def step_sampler_overhead(check: Check) -> None:
