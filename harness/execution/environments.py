@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,8 @@ def _probe_code() -> str:
 
 
 _CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
+#: ``via(code, args, timeout_s) -> (exit status, standard output, standard error)``: a probe run elsewhere.
+ProbeRunner = Callable[[str, list[str], float], "tuple[int, str, str] | None"]
 
 
 def _declared_environment() -> dict[str, str]:
@@ -81,7 +83,7 @@ def _declared_environment() -> dict[str, str]:
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
           timeout_s: float = PROBE_TIMEOUT_S, device: str = "cpu", loader: dict[str, str] | None = None,
-          model: dict[str, Any] | None = None) -> dict[str, Any]:
+          model: dict[str, Any] | None = None, via: ProbeRunner | None = None) -> dict[str, Any]:
     """Starts ``entry``'s interpreter once and returns what it reports: ``python_version``, ``executable``,
     ``numpy``, ``versions`` (the adapter's: framework, CUDA, cuDNN where built in), ``packages`` (every installed
     distribution as ``name==version``, the environment's ``pip freeze``), and ``argv`` (the prefix). Results are
@@ -90,7 +92,10 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     loader needs there for ``input: loader`` (its declaration's ``loader_modules``, e.g. JAX's grain). device: "cpu" or
     "cuda:N"; for a GPU the report's ``device_problem`` is why the framework cannot use it
     (``Adapter.device_problem``), or None. model: a model of your own to check there
-    (``harness.execution.native_probe.request``); its report is ``model_check``.
+    (``harness.execution.native_probe.request``); its report is ``model_check``. via: runs the probe instead of a
+    fresh interpreter, ``via(code, args, timeout_s) -> (exit status, stdout, stderr)`` (a forked child of the
+    preloaded parent the entry's trials will fork from: ``harness.execution.launcher.server_probes``); when it
+    fails or gives no report, the probe starts the interpreter as usual, whose error is the one raised.
 
     Raises ValueError with a one-line reason when the prefix cannot start, exits without a report, lacks numpy,
     pydantic, PyYAML or a needed or loader module, or cannot import the framework. A framework that cannot use
@@ -106,18 +111,29 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     # the adapters' declared defaults (log levels; JAX's GPU backend, started by its device query, would otherwise map
     # 75 % of the GPU's memory), a value of the caller's environment first
     env = {**_declared_environment(), **os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        proc = subprocess.run([*argv, "-c", _probe_code(), str(ROOT), entry.name, key[2], device, request,
-                               *LIGHT_DEPENDENCIES, *needed, *loader], stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=timeout_s, env=env)
-    except (FileNotFoundError, PermissionError) as err:
-        raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
-    except subprocess.TimeoutExpired:
-        raise ValueError(f"`{shown}` did not answer the probe within {timeout_s:g} s") from None
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(PROBE_PREFIX)), None)
+    args = [str(ROOT), entry.name, key[2], device, request, *LIGHT_DEPENDENCIES, *needed, *loader]
+    answer = None
+    if via is not None:  # in a child of the preloaded parent the trials fork from; as a cold start where it cannot
+        try:
+            answer = via(_probe_code(), args, timeout_s)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired):
+            answer = None
+        if answer is not None and not any(x.startswith(PROBE_PREFIX) for x in answer[1].splitlines()):
+            answer = None  # no report: the cold start below says why, in its own words
+    if answer is None:
+        try:
+            proc = subprocess.run([*argv, "-c", _probe_code(), *args], stdin=subprocess.DEVNULL, capture_output=True,
+                                  text=True, timeout=timeout_s, env=env)
+        except (FileNotFoundError, PermissionError) as err:
+            raise ValueError(f"cannot start {argv[0]!r}: {err.strerror or err}") from None
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"`{shown}` did not answer the probe within {timeout_s:g} s") from None
+        answer = (proc.returncode, proc.stdout, proc.stderr)
+    returncode, stdout, stderr = answer
+    line = next((x for x in stdout.splitlines() if x.startswith(PROBE_PREFIX)), None)
     if line is None:
-        last = next((x.strip() for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
-        raise ValueError(f"`{shown}` exited with status {proc.returncode} without reporting" +
+        last = next((x.strip() for x in reversed(stderr.splitlines()) if x.strip()), "")
+        raise ValueError(f"`{shown}` exited with status {returncode} without reporting" +
                          (f": {last[:300]}" if last else ""))
     info = json.loads(line[len(PROBE_PREFIX):])
     where = info.get("executable") or shown
@@ -150,8 +166,10 @@ def gpu_fix(entry: FrameworkEntry) -> str:
     return f"install {what} in that interpreter"
 
 
-def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu") -> list[dict[str, Any]]:
-    """Probes every framework entry of ``spec`` for ``device`` (the spec's, resolved: "cpu" or "cuda:N"); returns
+def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu",
+                  via: Callable[[FrameworkEntry], ProbeRunner | None] | None = None) -> list[dict[str, Any]]:
+    """Probes every framework entry of ``spec`` for ``device`` (the spec's, resolved: "cpu" or "cuda:N"), each where
+    ``via(entry)`` runs it (``probe``'s ``via``), else in a fresh interpreter; returns
     what run.json records per entry: label, name, python and command as given, and the probe's report
     (python_version, executable, platform, numpy, versions, packages, argv). Raises SpecError ``FILE: frameworks.N:
     reason`` for the first that fails, also when its framework cannot use ``device`` (a CPU-only build on a GPU
@@ -165,7 +183,8 @@ def probe_entries(spec: Spec, file: str | os.PathLike[str], device: str = "cpu")
             raise SpecError(file, f"frameworks.{i}", f"no interpreter at {entry.python}{hint}")
         try:
             info = probe(entry, DATASET_DEPENDENCIES.get(spec.dataset.name), device=device,
-                         loader=loader_modules(spec, entry.name), model=request(spec, entry))
+                         loader=loader_modules(spec, entry.name), model=request(spec, entry),
+                         via=via(entry) if via is not None else None)
         except ValueError as err:
             raise SpecError(file, f"frameworks.{i}", str(err)) from None
         if info.get("device_problem"):

@@ -70,10 +70,10 @@ def serve(socket_path: str, framework: str) -> int:
                     return 0
                 continue
             conn, _ = listener.accept()
-            _, fds, _, _ = socket.recv_fds(conn, 1024, 3)
+            kind, fds, _, _ = socket.recv_fds(conn, 1024, 3)
             pid = os.fork()
             if pid == 0:
-                _child(fds, [listener, conn], selector)  # never returns
+                _child(fds, [listener, conn], selector, kind == b"probe")  # never returns
             for fd in fds:
                 os.close(fd)
             conn.sendall(f"pid {pid}\n".encode())
@@ -94,10 +94,11 @@ def serve(socket_path: str, framework: str) -> int:
                 conn.close()
 
 
-def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseSelector) -> None:
+def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseSelector, probe: bool = False) -> None:
     """In the forked child: a session of its own (the launcher kills the trial's process group), the trial's
-    streams on 0, 1 and 2, default signal handling, then the bootstrap's ``main``; exits without returning to the
-    parent's loop (``os._exit``: the parent's finalizers are not the child's)."""
+    streams on 0, 1 and 2, default signal handling, then the bootstrap's ``main`` (or, for ``probe``,
+    ``_run_probe``); exits without returning to the parent's loop (``os._exit``: the parent's finalizers are not the
+    child's)."""
     code = 1
     try:
         os.setsid()
@@ -108,9 +109,12 @@ def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseS
             os.dup2(fd, target)
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        from harness.execution.bootstrap import main
+        if probe:
+            code = _run_probe()
+        else:
+            from harness.execution.bootstrap import main
 
-        code = main()
+            code = main()
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 1
     except BaseException:  # noqa: BLE001 - reported on the child's standard error, the trial's log
@@ -124,6 +128,16 @@ def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseS
             except (OSError, ValueError):
                 pass
         os._exit(code)
+
+
+def _run_probe() -> int:
+    """In a forked child: the environment probe (``harness.execution.environments.PROBE``) as ``-c CODE ARGS...``
+    would run it, from the request line on standard input (JSON: ``code``, ``argv``); its report goes to standard
+    output. What it queries (a GPU, a model of your own) touches this child only, never the parent."""
+    request = json.loads(sys.stdin.readline())
+    sys.argv = ["-c", *request["argv"]]
+    exec(compile(request["code"], "<probe>", "exec"), {"__name__": "__main__"})
+    return 0
 
 
 def _kill(pid: int) -> None:
@@ -191,20 +205,21 @@ class Server:
         assert self.proc.stdout is not None
         line = _read_line(self.proc.stdout, READY_TIMEOUT_S)
         if not line.startswith(b"ready "):
-            self.close()
-            self.log.seek(0)
+            self.log.seek(0)  # before close, which closes the log
             last = next((x for x in reversed(self.log.read().decode(errors="replace").splitlines()) if x.strip()), "")
+            self.close()
             raise RuntimeError(f"the fork server for {framework} did not start: {last[:300]}")
 
-    def spawn(self, stderr: Any) -> Forked:
+    def spawn(self, stderr: Any, kind: bytes = b"trial") -> Forked:
         """A forked worker whose standard error is ``stderr`` (a file); its standard input and output are new
-        pipes, whose other ends are returned as ``Forked.stdin`` (bytes, write) and ``Forked.stdout`` (read)."""
+        pipes, whose other ends are returned as ``Forked.stdin`` (bytes, write) and ``Forked.stdout`` (read).
+        ``kind`` b"probe": the child runs a probe request (``probe``) instead of a trial."""
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(self.socket_path)
-            socket.send_fds(conn, [b"trial"], [stdin_r, stdout_w, stderr.fileno()])
+            socket.send_fds(conn, [kind], [stdin_r, stdout_w, stderr.fileno()])
             line = b""
             while not line.endswith(b"\n"):
                 chunk = conn.recv(64)
@@ -224,6 +239,27 @@ class Server:
                     pass
         pid = int(line.split()[1])
         return Forked(conn, pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
+
+    def probe(self, code: str, argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+        """Runs ``code`` (a script that reads ``sys.argv[1:]``, the environment probe) in a forked child with
+        ``argv``, as ``python -c code *argv`` would, but without the interpreter's and the framework's start-up.
+        Returns its exit status, standard output and standard error (text). Raises subprocess.TimeoutExpired (the
+        child killed) after ``timeout_s`` seconds, RuntimeError or OSError when the server cannot fork."""
+        with tempfile.TemporaryFile() as err:
+            child = self.spawn(err, b"probe")
+            assert child.stdin is not None and child.stdout is not None
+            try:
+                child.stdin.write((json.dumps({"code": code, "argv": argv}) + "\n").encode())
+                child.stdin.close()
+                out = _read_all(child.stdout, timeout_s)
+                status = child.wait(timeout=max(1.0, timeout_s))
+            except BaseException:
+                _kill(child.pid)
+                raise
+            finally:
+                child.stdout.close()
+            err.seek(0)
+            return status, out.decode(errors="replace"), err.read().decode(errors="replace")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -294,6 +330,26 @@ class Servers:
 def forkable() -> bool:
     """Whether this platform can fork workers from a server (Linux: fork, Unix sockets, passing descriptors)."""
     return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(os, "fork")
+
+
+def _read_all(stream: Any, timeout_s: float) -> bytes:
+    """Everything ``stream`` gives until it closes; raises subprocess.TimeoutExpired after ``timeout_s``."""
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired("the probe", timeout_s)
+            if selector.select(timeout=left):
+                chunk = os.read(stream.fileno(), 65536)
+                if not chunk:
+                    return out
+                out += chunk
+    finally:
+        selector.close()
 
 
 def _read_line(stream: Any, timeout_s: float) -> bytes:

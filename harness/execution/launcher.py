@@ -238,6 +238,29 @@ def start_mode(payload: Payload) -> str:
     return "forked"
 
 
+def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:
+    """For ``harness.execution.environments.probe_entries``: per framework entry, a runner of its probe in a child
+    forked from the preloaded parent its first trial (of ``trials``, the planned ones) will fork from, the parent
+    started now (``SERVERS``, so the trial finds it: the same interpreter, framework and worker settings); None
+    where that trial starts cold (``start_mode``). The probe then costs a fork instead of a second interpreter
+    importing the framework; a trial whose executor gives it other settings (a pinned slot's threads) gets a server
+    of its own, as before."""
+
+    def via(entry: FrameworkEntry) -> Any:
+        trial = next((t for t in trials if t.label == entry.row), None)
+        if trial is None or start_mode(Payload(trial=trial, spec=spec)) != "forked":
+            return None
+        argv = FrameworkEntry(name=trial.framework, python=trial.python).argv()
+        settings = worker_settings(trial.threads, allocator=spec.allocator.model_dump(mode="json"))
+
+        def run(code: str, args: list[str], timeout_s: float) -> tuple[int, str, str]:
+            return SERVERS.get(argv, trial.framework, settings).probe(code, args, timeout_s)
+
+        return run
+
+    return via
+
+
 #: Set (to anything but "" or "0"), the preloaded parents outlive a sweep or a search and serve the next one in this
 #: process (the test suite, a notebook running several sweeps); they end at the process's exit.
 KEEP_SERVERS_VARIABLE = "HARNESS_KEEP_FORK_SERVERS"

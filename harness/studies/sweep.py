@@ -9,7 +9,7 @@ from typing import Any
 
 from harness.execution.environments import probe_entries
 from harness.execution.executors import Executor, ExecutorError, Finished, LocalExecutor, local_slots
-from harness.execution.launcher import close_servers
+from harness.execution.launcher import close_servers, server_probes
 from harness.execution.protocol import Payload
 from harness.measure import machine
 from harness.measure.machine import resolve_device
@@ -78,8 +78,13 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     """
     if executor is not None:
         check_executor(spec, executor, spec_path)  # before anything is written
-    run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path) if resume is not None else
-                               _create(spec, out_root, spec_path))
+    forked = executor is None  # the default executor's trials fork from this process's SERVERS: so do the probes
+    try:
+        run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path, forked) if resume is not None else
+                                   _create(spec, out_root, spec_path, forked))
+    except BaseException:
+        close_servers()  # a probe may have started one
+        raise
     device = run_info.device
     trials = [t for t in plan(spec, device) if t.id not in done]
     made = executor is None  # the sweep closes only the executor it makes
@@ -223,21 +228,25 @@ def check_executor(spec: Spec, executor: Executor, spec_path: str | Path | None 
                                                         "the trial fewer devices") from None
 
 
-def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None) -> tuple[Path, RunRecord, set[str]]:
+def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None,
+            forked: bool = False) -> tuple[Path, RunRecord, set[str]]:
     """A new run directory and its run.json (``harness.studies.records.new_run``: the machine, each framework entry's
-    environment as its probe reported it, the resolved device, the planned trials). Raises SpecError, with nothing
-    written, when an entry's interpreter fails its probe."""
+    environment as its probe reported it, the resolved device, the planned trials). ``forked``: each probe runs in a
+    child of the preloaded parent its entry's first trial will fork from (``server_probes``). Raises SpecError, with
+    nothing written, when an entry's interpreter fails its probe."""
     env = machine.collect()
     device = resolve_device(spec.device, env["gpu"])
     check_devices(spec, spec_path or "spec", device, len(env["gpu"]["devices"]) if "devices" in env["gpu"] else None)
-    frameworks = probe_entries(spec, spec_path or "spec", device)
-    record = new_run(spec, spec_path, device, env, frameworks, [t.id for t in plan(spec, device)])
+    trials = plan(spec, device)
+    frameworks = probe_entries(spec, spec_path or "spec", device, via=server_probes(spec, trials) if forked else None)
+    record = new_run(spec, spec_path, device, env, frameworks, [t.id for t in trials])
     run_dir = create_run_dir(out_root, spec.name)
     RunFile.create(run_dir, record)
     return run_dir, record, set()
 
 
-def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None) -> tuple[Path, RunRecord, set[str]]:
+def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None,
+            forked: bool = False) -> tuple[Path, RunRecord, set[str]]:
     """An interrupted run directory, its run.json marked resumed, and the ids of its finished trials. Raises
     SpecError when ``spec`` differs from the one the run started with."""
     run_info = read_run(run_dir)
@@ -245,7 +254,9 @@ def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None) -> tuple[Pa
     if differences:
         raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
                                                  f"started with in {', '.join(differences[:8])}")
-    frameworks = probe_entries(spec, spec_path or "spec", run_info.device or resolve_device(spec.device))
+    device = run_info.device or resolve_device(spec.device)
+    via = server_probes(spec, plan(spec, device)) if forked else None
+    frameworks = probe_entries(spec, spec_path or "spec", device, via=via)
     drop_torn_tail(run_dir / "trials.jsonl")
     probed = [FrameworkEnvironment.model_validate(entry) for entry in frameworks]
     record = RunFile(run_dir).update(lambda run: run.resume(now(), probed))

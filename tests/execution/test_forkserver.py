@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-from harness.execution import launcher
+from harness.execution import environments, forkserver, launcher
 from harness.execution.protocol import Payload
 from harness.plan import checked_spec, plan
 from harness.record.events import Ready
 from harness.results import report, store
+from harness.spec import FrameworkEntry
 from harness.studies import sweep
 from tests.helpers import ROOT, base_spec
 
@@ -32,8 +33,39 @@ def _run(tmp_path, name, **changes):
     return {r.framework: r for r in store.read_trials(run_dir)}, run_dir
 
 
-def test_a_forked_trial_trains_as_a_cold_one_in_every_framework(tmp_path):
-    (forked, forked_dir), (cold, cold_dir) = _run(tmp_path, "forked"), _run(tmp_path, "cold", worker_start="cold")
+def test_a_forked_trial_trains_as_a_cold_one_in_every_framework(tmp_path, monkeypatch):
+    """... and its environment's probe, run in a child of the parent the trial then forks from, reports what a
+    fresh interpreter's probe reports."""
+    probes: dict[str, list] = {"server": [], "cold": []}
+    trials_from = []
+    real_probe, real_spawn, real_run = forkserver.Server.probe, forkserver.Server.spawn, environments.subprocess.run
+
+    def server_probe(self, code, args, timeout_s):
+        probes["server"].append(self.proc.pid)
+        return real_probe(self, code, args, timeout_s)
+
+    def spawn(self, stderr, kind=b"trial"):
+        if kind == b"trial":
+            trials_from.append(self.proc.pid)
+        return real_spawn(self, stderr, kind)
+
+    def cold_probe(argv, *args, **kwargs):
+        if environments._probe_code() in argv:
+            probes["cold"].append(argv[0])
+        return real_run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(forkserver.Server, "probe", server_probe)
+    monkeypatch.setattr(forkserver.Server, "spawn", spawn)
+    monkeypatch.setattr(environments.subprocess, "run", cold_probe)
+    monkeypatch.setattr(environments, "_CACHE", {})  # each run probes: none answered from an earlier one
+    forked, forked_dir = _run(tmp_path, "forked")
+    assert len(probes["server"]) == len(ENVS) and probes["cold"] == [], probes
+    assert sorted(trials_from) == sorted(probes["server"])  # each trial forked from the parent its probe ran in
+    monkeypatch.setattr(environments, "_CACHE", {})
+    cold, cold_dir = _run(tmp_path, "cold", worker_start="cold")
+    assert len(probes["server"]) == len(ENVS) and sorted(probes["cold"]) == sorted(ENVS.values()), probes
+    probed = [store.read_run(d).model_dump(mode="json")["frameworks"] for d in (forked_dir, cold_dir)]
+    assert probed[0] == probed[1] and all(e["versions"] and e["packages"] for e in probed[0])
     for framework in ENVS:
         a, b = forked[framework], cold[framework]
         assert (a.status, b.status) == ("ok", "ok"), (a.reason, b.reason)
@@ -108,6 +140,21 @@ def test_an_oom_a_kill_and_a_hang_leave_the_next_forked_trial_untouched(tmp_path
     launcher.close_servers(force=True)
 
 
+def test_a_probe_the_parent_cannot_answer_runs_in_a_fresh_interpreter(monkeypatch):
+    """A runner that fails (the parent did not start: the framework does not import there) or answers without a
+    report: the probe starts the entry's interpreter as before, and that report is the one given."""
+    entry = FrameworkEntry(name="pytorch", python=ENVS["pytorch"])
+    monkeypatch.setattr(environments, "_CACHE", {})
+    cold = environments.probe(entry)
+
+    def failing(code, args, timeout_s):
+        raise RuntimeError("the fork server for pytorch did not start: ModuleNotFoundError")
+
+    for via in (failing, lambda code, args, timeout_s: (0, "no report\n", ""), lambda *_: None):
+        monkeypatch.setattr(environments, "_CACHE", {})
+        assert environments.probe(entry, via=via) == cold
+
+
 def test_a_data_parallel_trial_forks_rank_0_and_starts_its_ranks(tmp_path):
     spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": ENVS["pytorch"]}], batch_sizes=[32],
                                   epochs=1, cpu_threads=2, data_parallel=2), tmp_path / "s.yaml")
@@ -131,9 +178,9 @@ def test_what_starts_cold(tmp_path, fault_adapter):
 
 
 @pytest.mark.gpu
-def test_the_parent_never_makes_a_cuda_context(tmp_path):
-    """On a GPU: NVML lists no process of the parent's pid on any device, before and after a forked trial trained on
-    cuda:0 (the trial's child has its own context, gone with it)."""
+def test_the_parent_never_makes_a_cuda_context(tmp_path, monkeypatch):
+    """On a GPU: NVML lists no process of the parent's pid on any device after the environment's probe asked about
+    cuda:0 in a child of it and a forked trial trained on cuda:0 (each child has its own context, gone with it)."""
     import pynvml
 
     # a GPU box has no envs/: there the interpreter that runs the tests holds PyTorch (scripts/gpu-check.sh)
@@ -141,6 +188,11 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path):
     spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": python}], batch_sizes=[32],
                                   epochs=1, device="cuda:0"), tmp_path / "s.yaml")
     (trial,) = plan(spec, "cuda:0")
+    launcher.close_servers(force=True)
+    monkeypatch.setattr(environments, "_CACHE", {})
+    entry = FrameworkEntry(name="pytorch", python=python)
+    info = environments.probe(entry, device="cuda:0", via=launcher.server_probes(spec, [trial])(entry))
+    assert info.get("device_problem") is None and len(launcher.SERVERS._servers) == 1, info.get("device_problem")
     outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 300, None, "cuda:0")
     assert (outcome.status, outcome.start) == ("ok", "forked"), outcome.reason
     parents = {server.proc.pid for server in launcher.SERVERS._servers.values()}
