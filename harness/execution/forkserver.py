@@ -131,7 +131,7 @@ def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseS
 
 
 def _run_probe() -> int:
-    """In a forked child: the environment probe (``harness.execution.environments.PROBE``) as ``-c CODE ARGS...``
+    """In a forked child: the environment probe (``harness.execution.probes.PROBE``) as ``-c CODE ARGS...``
     would run it, from the request line on standard input (JSON: ``code``, ``argv``); its report goes to standard
     output. What it queries (a GPU, a model of your own) touches this child only, never the parent."""
     request = json.loads(sys.stdin.readline())

@@ -239,7 +239,7 @@ def start_mode(payload: Payload) -> str:
 
 
 def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:
-    """For ``harness.execution.environments.probe_entries``: per framework entry, a runner of its probe in a child
+    """For ``harness.execution.probes.probe_entries``: per framework entry, a runner of its probe in a child
     forked from the preloaded parent its first trial (of ``trials``, the planned ones) will fork from, the parent
     started now (``SERVERS``, so the trial finds it: the same interpreter, framework and worker settings); None
     where that trial starts cold (``start_mode``). The probe then costs a fork instead of a second interpreter

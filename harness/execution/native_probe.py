@@ -1,5 +1,5 @@
 """Every model of your own checked once, in its entry's own interpreter, before anything runs: the environment probe
-(``harness.execution.environments.probe``) carries the ``request`` and runs ``check`` there, after the adapter's
+(``harness.execution.probes.probe``) carries the ``request`` and runs ``check`` there, after the adapter's
 import; ``checked`` turns its report into run.json's record or the spec error. ``check``: the adapter made with
 default options, its framework seeded, the factory imported and called (``harness.neutral.native.make``), the object
 adopted (``Adapter.native_model``: the framework's own model type or an error), built for the task, a batch of two

@@ -15,7 +15,7 @@ from harness.record.version import SCHEMA_VERSION
 
 class FrameworkEnvironment(Open):
     """A framework entry's interpreter as its probe reported it before the first trial
-    (``harness.execution.environments.probe_entries``): the entry as given (``label``, ``name``, ``python``,
+    (``harness.execution.probes.probe_entries``): the entry as given (``label``, ``name``, ``python``,
     ``command``), then what the probe found (``argv``, ``executable``, ``python_version``, ``platform``, ``numpy``,
     ``versions`` (with the entry's ``packages``), ``packages``, and for a model of your own ``model``)."""
 

@@ -106,7 +106,7 @@ def placement_record(placement: Placement, spans: list[tuple[str, Placement]],
 def new_run(spec: Spec, spec_path: str | Path | None, device: str, environment: dict[str, Any],
             frameworks: list[dict[str, Any]], planned: list[str]) -> RunRecord:
     """A new run's run.json: the spec as run, the machine, each framework entry's environment as its probe reported
-    it (``harness.execution.environments.probe_entries``), the resolved device and the planned trials."""
+    it (``harness.execution.probes.probe_entries``), the resolved device and the planned trials."""
     return RunRecord(harness_version=__version__, spec_file=str(spec_path) if spec_path else None,
                      spec=spec.model_dump(mode="json"), device=device, environment=environment,
                      frameworks=[FrameworkEnvironment.model_validate(f) for f in frameworks], planned_trials=planned,

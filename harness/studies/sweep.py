@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.execution.environments import probe_entries
 from harness.execution.executors import Executor, ExecutorError, Finished, LocalExecutor, local_slots
 from harness.execution.launcher import close_servers, server_probes
+from harness.execution.probes import probe_entries
 from harness.execution.protocol import Payload
 from harness.measure import machine
 from harness.measure.machine import resolve_device

@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from harness.execution import environments
+from harness.execution import environments, probes
 from harness.spec import ROOT, FrameworkEntry, validate
 from tests.adapters import scenarios
 from tests.helpers import base_spec
@@ -49,16 +49,16 @@ def test_a_loader_trial_needs_the_declared_loader_modules_in_the_environment(jax
     a spec whose trials use ``input: loader`` (its own or a variant's), and nothing for a resident spec or another
     framework; a module missing there is a one-line refusal naming the loader."""
     resident = validate(base_spec(frameworks=["jax", "pytorch"]), "spec.yaml")
-    assert environments.loader_modules(resident, "jax") == {}
+    assert probes.loader_modules(resident, "jax") == {}
     for changes in ({"input": "loader"}, {"variants": {"input": ["resident", "loader"]}}):
         spec = validate(base_spec(frameworks=["jax", "pytorch"], **changes), "spec.yaml")
-        assert environments.loader_modules(spec, "jax") == {"grain": "grain"}, changes
-        assert environments.loader_modules(spec, "pytorch") == {}
+        assert probes.loader_modules(spec, "jax") == {"grain": "grain"}, changes
+        assert probes.loader_modules(spec, "pytorch") == {}
     entry = FrameworkEntry(name="jax", python=jax_python)
     with pytest.raises(ValueError, match=r"lacks xyz-dist, which the jax adapter's data loader needs for input: "
                                          r"loader in the worker \(pip install xyz-dist there\)$"):
-        environments.probe(entry, {}, loader={"no_such_module_xyz": "xyz-dist"})
-    assert environments.probe(entry, {}, loader={"grain": "grain"})["versions"]["jax"]
+        probes.probe(entry, {}, loader={"no_such_module_xyz": "xyz-dist"})
+    assert probes.probe(entry, {}, loader={"grain": "grain"})["versions"]["jax"]
 
 
 @pytest.fixture(scope="module")

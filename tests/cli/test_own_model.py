@@ -1,6 +1,6 @@
 """A model of your own with bad input is caught before anything runs, once per entry in its own interpreter: one
 line naming the spec file and the field, exit 2, no run directory (``harness.execution.native_probe``, the
-packages check of ``harness.execution.environments.probe_entries``). The entries run in the harness's own
+packages check of ``harness.execution.probes.probe_entries``). The entries run in the harness's own
 interpreter, which has PyTorch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from harness import plan
-from harness.execution.environments import probe_entries
+from harness.execution.probes import probe_entries
 from harness.spec import SpecError
 from tests.helpers import ROOT, base_spec
 

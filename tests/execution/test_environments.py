@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.execution import environments, installers
+from harness.execution import environments, installers, probes
 from harness.plan import checked_spec
 from harness.results import report, store
 from harness.spec import ROOT, SpecError
@@ -109,11 +109,11 @@ def test_an_entry_whose_interpreter_cannot_run_a_worker_is_one_line_and_exit_2(e
 
 def test_a_dataset_that_needs_more_is_checked_in_the_interpreter(envs):
     """A module the spec's dataset needs (scikit-learn for digits) is checked in the worker's interpreter."""
-    assert environments.DATASET_DEPENDENCIES["digits"] == {"sklearn": "scikit-learn"}
-    entry = environments.FrameworkEntry(name="pytorch", python=envs["pytorch"])
-    assert environments.probe(entry, environments.DATASET_DEPENDENCIES["digits"])["numpy"].startswith("2.")
+    assert probes.DATASET_DEPENDENCIES["digits"] == {"sklearn": "scikit-learn"}
+    entry = probes.FrameworkEntry(name="pytorch", python=envs["pytorch"])
+    assert probes.probe(entry, probes.DATASET_DEPENDENCIES["digits"])["numpy"].startswith("2.")
     with pytest.raises(ValueError, match="lacks xyz-dist, which the spec's dataset needs in the worker"):
-        environments.probe(entry, {"no_such_module_xyz": "xyz-dist"})
+        probes.probe(entry, {"no_such_module_xyz": "xyz-dist"})
 
 
 @pytest.mark.parametrize("frameworks, field, words", [

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness.execution import environments, forkserver, launcher
+from harness.execution import forkserver, launcher, probes
 from harness.execution.protocol import Payload
 from harness.plan import checked_spec, plan
 from harness.record.events import Ready
@@ -36,12 +36,12 @@ def _run(tmp_path, name, **changes):
 def test_a_forked_trial_trains_as_a_cold_one_in_every_framework(tmp_path, monkeypatch):
     """... and its environment's probe, run in a child of the parent the trial then forks from, reports what a
     fresh interpreter's probe reports."""
-    probes: dict[str, list] = {"server": [], "cold": []}
+    asked: dict[str, list] = {"server": [], "cold": []}
     trials_from = []
-    real_probe, real_spawn, real_run = forkserver.Server.probe, forkserver.Server.spawn, environments.subprocess.run
+    real_probe, real_spawn, real_run = forkserver.Server.probe, forkserver.Server.spawn, probes.subprocess.run
 
     def server_probe(self, code, args, timeout_s):
-        probes["server"].append(self.proc.pid)
+        asked["server"].append(self.proc.pid)
         return real_probe(self, code, args, timeout_s)
 
     def spawn(self, stderr, kind=b"trial"):
@@ -50,20 +50,20 @@ def test_a_forked_trial_trains_as_a_cold_one_in_every_framework(tmp_path, monkey
         return real_spawn(self, stderr, kind)
 
     def cold_probe(argv, *args, **kwargs):
-        if environments._probe_code() in argv:
-            probes["cold"].append(argv[0])
+        if probes._probe_code() in argv:
+            asked["cold"].append(argv[0])
         return real_run(argv, *args, **kwargs)
 
     monkeypatch.setattr(forkserver.Server, "probe", server_probe)
     monkeypatch.setattr(forkserver.Server, "spawn", spawn)
-    monkeypatch.setattr(environments.subprocess, "run", cold_probe)
-    monkeypatch.setattr(environments, "_CACHE", {})  # each run probes: none answered from an earlier one
+    monkeypatch.setattr(probes.subprocess, "run", cold_probe)
+    monkeypatch.setattr(probes, "_CACHE", {})  # each run probes: none answered from an earlier one
     forked, forked_dir = _run(tmp_path, "forked")
-    assert len(probes["server"]) == len(ENVS) and probes["cold"] == [], probes
-    assert sorted(trials_from) == sorted(probes["server"])  # each trial forked from the parent its probe ran in
-    monkeypatch.setattr(environments, "_CACHE", {})
+    assert len(asked["server"]) == len(ENVS) and asked["cold"] == [], asked
+    assert sorted(trials_from) == sorted(asked["server"])  # each trial forked from the parent its probe ran in
+    monkeypatch.setattr(probes, "_CACHE", {})
     cold, cold_dir = _run(tmp_path, "cold", worker_start="cold")
-    assert len(probes["server"]) == len(ENVS) and sorted(probes["cold"]) == sorted(ENVS.values()), probes
+    assert len(asked["server"]) == len(ENVS) and sorted(asked["cold"]) == sorted(ENVS.values()), asked
     probed = [store.read_run(d).model_dump(mode="json")["frameworks"] for d in (forked_dir, cold_dir)]
     assert probed[0] == probed[1] and all(e["versions"] and e["packages"] for e in probed[0])
     for framework in ENVS:
@@ -144,15 +144,15 @@ def test_a_probe_the_parent_cannot_answer_runs_in_a_fresh_interpreter(monkeypatc
     """A runner that fails (the parent did not start: the framework does not import there) or answers without a
     report: the probe starts the entry's interpreter as before, and that report is the one given."""
     entry = FrameworkEntry(name="pytorch", python=ENVS["pytorch"])
-    monkeypatch.setattr(environments, "_CACHE", {})
-    cold = environments.probe(entry)
+    monkeypatch.setattr(probes, "_CACHE", {})
+    cold = probes.probe(entry)
 
     def failing(code, args, timeout_s):
         raise RuntimeError("the fork server for pytorch did not start: ModuleNotFoundError")
 
     for via in (failing, lambda code, args, timeout_s: (0, "no report\n", ""), lambda *_: None):
-        monkeypatch.setattr(environments, "_CACHE", {})
-        assert environments.probe(entry, via=via) == cold
+        monkeypatch.setattr(probes, "_CACHE", {})
+        assert probes.probe(entry, via=via) == cold
 
 
 def test_a_data_parallel_trial_forks_rank_0_and_starts_its_ranks(tmp_path):
@@ -189,9 +189,9 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path, monkeypatch):
                                   epochs=1, device="cuda:0"), tmp_path / "s.yaml")
     (trial,) = plan(spec, "cuda:0")
     launcher.close_servers(force=True)
-    monkeypatch.setattr(environments, "_CACHE", {})
+    monkeypatch.setattr(probes, "_CACHE", {})
     entry = FrameworkEntry(name="pytorch", python=python)
-    info = environments.probe(entry, device="cuda:0", via=launcher.server_probes(spec, [trial])(entry))
+    info = probes.probe(entry, device="cuda:0", via=launcher.server_probes(spec, [trial])(entry))
     assert info.get("device_problem") is None and len(launcher.SERVERS._servers) == 1, info.get("device_problem")
     outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 300, None, "cuda:0")
     assert (outcome.status, outcome.start) == ("ok", "forked"), outcome.reason

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from harness import cli
-from harness.execution import environments
+from harness.execution import environments, probes
 from tests.helpers import ROOT, base_spec
 
 FAKE_SITE = ROOT / "tests" / "fakes" / "site"
@@ -87,9 +87,9 @@ def test_quick_spec_on_a_simulated_gpu_machine_with_cpu_environments_exits_2_bef
 def test_an_interpreter_outside_envs_is_told_to_install_the_cuda_build():
     from harness.spec import FrameworkEntry
 
-    assert "`harness envs create --gpu jax`" in environments.gpu_fix(
+    assert "`harness envs create --gpu jax`" in probes.gpu_fix(
         FrameworkEntry(name="jax", python=str(ROOT / "envs" / "jax" / "bin" / "python")))
-    assert environments.gpu_fix(FrameworkEntry(name="jax", python="python3")) == \
+    assert probes.gpu_fix(FrameworkEntry(name="jax", python="python3")) == \
         "install the CUDA build of requirements/jax-gpu.txt in that interpreter"
 
 

@@ -161,7 +161,7 @@ def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):
 def test_the_sweep_records_unsupported_trials_from_the_plan_and_from_the_worker(fault_adapter, monkeypatch,
                                                                                   tmp_path):
     # no framework's interpreter is started
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu": [])
+    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu", via=None: [])
     _before_blocks(monkeypatch, "mxnet")
     spec = checked_spec(base_spec(model={"layers": RESIDUAL_CNN}, frameworks=["mxnet", fault_adapter],
                                   batch_sizes=[16, 32]), tmp_path / "s.yaml")

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from harness import plan as planning
-from harness.execution import environments
+from harness.execution import probes
 from harness.measure.machine import resolve_device
 from harness.spec import Spec, SpecError
 from harness.studies.max_batch.checks import check_search
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
                     **({"device": args.device} if args.device is not None else {})}
         device = args.device or resolve_device(spec.device)
         check_search(spec, entry.name, device, args.data_parallel, args.spec, args.memory_limit_mb)
-        environments.probe_entries(planning.checked_spec(searched, args.spec), args.spec, device)
+        probes.probe_entries(planning.checked_spec(searched, args.spec), args.spec, device)
     except SpecError as err:
         print(str(err), file=sys.stderr)
         return 2
