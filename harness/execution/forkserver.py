@@ -203,7 +203,7 @@ class Server:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      env={**os.environ, **env}, start_new_session=True)
         assert self.proc.stdout is not None
-        line = _read_line(self.proc.stdout, READY_TIMEOUT_S)
+        line, _ = _read(self.proc.stdout, READY_TIMEOUT_S, line=True)
         if not line.startswith(b"ready "):
             self.log.seek(0)  # before close, which closes the log
             last = next((x for x in reversed(self.log.read().decode(errors="replace").splitlines()) if x.strip()), "")
@@ -251,7 +251,9 @@ class Server:
             try:
                 child.stdin.write((json.dumps({"code": code, "argv": argv}) + "\n").encode())
                 child.stdin.close()
-                out = _read_all(child.stdout, timeout_s)
+                out, ended = _read(child.stdout, timeout_s)
+                if not ended:
+                    raise subprocess.TimeoutExpired("the probe", timeout_s)
                 status = child.wait(timeout=max(1.0, timeout_s))
             except BaseException:
                 _kill(child.pid)
@@ -332,38 +334,24 @@ def forkable() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(os, "fork")
 
 
-def _read_all(stream: Any, timeout_s: float) -> bytes:
-    """Everything ``stream`` gives until it closes; raises subprocess.TimeoutExpired after ``timeout_s``."""
+def _read(stream: Any, timeout_s: float, line: bool = False) -> tuple[bytes, bool]:
+    """What ``stream`` gives until it closes or, for ``line``, through the first newline (read a byte at a time, so
+    nothing after it is taken), and whether that end came within ``timeout_s`` seconds (False: what came before the
+    deadline)."""
     selector = selectors.DefaultSelector()
     selector.register(stream, selectors.EVENT_READ)
     out = b""
     deadline = time.monotonic() + timeout_s
     try:
-        while True:
+        while not (line and out.endswith(b"\n")):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise subprocess.TimeoutExpired("the probe", timeout_s)
+                return out, False
             if selector.select(timeout=left):
-                chunk = os.read(stream.fileno(), 65536)
+                chunk = os.read(stream.fileno(), 1 if line else 65536)
                 if not chunk:
-                    return out
+                    break
                 out += chunk
     finally:
         selector.close()
-
-
-def _read_line(stream: Any, timeout_s: float) -> bytes:
-    selector = selectors.DefaultSelector()
-    selector.register(stream, selectors.EVENT_READ)
-    line = b""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not line.endswith(b"\n") and (left := deadline - time.monotonic()) > 0:
-            if selector.select(timeout=left):
-                chunk = os.read(stream.fileno(), 1)
-                if not chunk:
-                    break
-                line += chunk
-    finally:
-        selector.close()
-    return line
+    return out, True
