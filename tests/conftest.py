@@ -27,6 +27,26 @@ from tests.helpers import base_spec, made_once  # noqa: E402
 # which lack the launcher's dependencies; tests/execution/test_forkserver.py checks the two agree).
 os.environ.setdefault("HARNESS_KEEP_FORK_SERVERS", "1")
 
+# OpenMP threads that finish a parallel region sleep at once instead of spinning for the next one (libgomp's default,
+# OMP_WAIT_POLICY unset, spins a while: https://gcc.gnu.org/onlinedocs/libgomp/OMP_005fWAIT_005fPOLICY.html; Intel's
+# runtime: KMP_BLOCKTIME). On this 2-core machine, with two test processes side by side and each starting workers, a
+# spinning thread takes the core another process needs: tests/adapters/test_train_loss.py and
+# test_mxnet_data_parallel.py took 45 s instead of 65-71 s with it (2 interleaved repeats each, 2026-11-26). No test
+# times a step against a figure; a run records both variables (harness.measure.machine.ENVIRONMENT).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KMP_BLOCKTIME", "0")
+
+# JAX's persistent compilation cache for every process the tests start (the suites in envs/jax and envs/keras-jax,
+# trials, probes; https://docs.jax.dev/en/latest/persistent_compilation_cache.html): XLA compiling the same programs
+# again in each fresh process is most of the JAX tests' time (tests/adapters/jax_suite.py: 45-63 s with an empty
+# cache, 11 s with a filled one, 2026-11-26). Every program whatever its compile time or size. In build/ (made by
+# the first test run, removed by make clean): what is cached is XLA's executable for a program, keyed by the program,
+# the XLA version and its flags, so a test gets the executable it would compile. A trial records the directory
+# (its settings' compilation_cache_dir); tests/execution/test_forkserver.py checks the harness's own default without.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / "build" / "xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 #: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they
 #: hold one-second deadlines on killed processes (interruptions) or time the loop's windows (timing): a test running
 #: beside them would change what they measure. A single test of that kind elsewhere carries ``@pytest.mark.serial``

@@ -21,6 +21,8 @@ DECLARATION = Declaration(
     # JAX's GPU backend would otherwise map 75 % of the GPU's memory when it starts
     # (https://docs.jax.dev/en/latest/gpu_memory_allocation.html)
     environment={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    # a persistent compilation cache set outside the spec (its compilation_cache) changes the warm-up's time
+    recorded_environment=("JAX_COMPILATION_CACHE_DIR",),
     notes={"fp16": FP16_NOTE},
     data_parallel="devices",
     data_parallel_mechanism=("jax.shard_map over a jax.sharding.Mesh of the N devices (axis 'data'): parameters and "

@@ -21,7 +21,9 @@ import adapters  # the registry of declarations: imports no framework
 #: Distributions that change the numbers besides the frameworks' own.
 PACKAGES = ("numpy", "nvidia-ml-py", "scikit-learn")
 #: Variables of the launcher's environment recorded with the run besides the adapters' allocator variables.
-ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: OMP_WAIT_POLICY and KMP_BLOCKTIME: whether OpenMP's threads spin or sleep between parallel regions (libgomp,
+#: https://gcc.gnu.org/onlinedocs/libgomp/OMP_005fWAIT_005fPOLICY.html; Intel's runtime), which changes CPU step times.
+ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
 
 
 def packages() -> tuple[str, ...]:

@@ -104,6 +104,9 @@ def header_section(data: ReportData) -> Section:
     sampled = ("NVML (nvidia-ml-py)" if data.backend == "nvml" else "psutil (no GPU: the worker's CPU and memory)")
     interval = spec["sampler"]["interval_s"]
     name = data.run_dir.name if data.run_dir is not None else run.started
+    # the spec's option, or one the trials' environment set (JAX_COMPILATION_CACHE_DIR): their settings say
+    cache = spec.get("compilation_cache") or next(
+        (d for r in records if (d := (r.settings or {}).get("compilation_cache_dir"))), None)
     items = [
         f"Run: `{name}` started {run.started}, finished {run.finished or 'not finished'}",
         f"Device: {_device_line(run)}",
@@ -120,9 +123,8 @@ def header_section(data: ReportData) -> Section:
         + f"; {timing_mode(spec.get('timing', {}))}",
         f"Sampling: {sampled} every {interval} s; statistics over samples inside the timed windows only",
         "Statuses: " + (", ".join(f"{k} {v}" for k, v in statuses.items()) or "no trial finished"),
-        *([f"Compilation cache: JAX's persistent cache in `{spec['compilation_cache']}`, shared by the trials: a "
-           "first step or warm-up that found its programs there read them from disk instead of compiling"]
-          if spec.get("compilation_cache") else []),
+        *([f"Compilation cache: JAX's persistent cache in `{cache}`, shared by the trials: a first step or warm-up "
+           "that found its programs there read them from disk instead of compiling"] if cache else []),
         *([f"Interrupted by {run.interrupted.by} at {run.interrupted.at}: {len(run.interrupted.not_run)} planned "
            "trial(s) not run; `harness run SPEC --resume RUN_DIR` continues it"] if run.interrupted else []),
     ]

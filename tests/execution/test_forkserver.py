@@ -207,9 +207,12 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path, monkeypatch):
         launcher.close_servers(force=True)
 
 
-def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path):
+def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path, monkeypatch):
     """Off by default; with ``compilation_cache`` the trials share JAX's persistent cache: the first fills it, the
-    second's first step reads its programs instead of compiling them, and the record and report say so."""
+    second's first step reads its programs instead of compiling them, and the record and report say so; one the
+    environment sets (as tests/conftest.py does for the tests) is recorded and reported too."""
+    from_tests = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     cache = tmp_path / "cache"
     records, run_dir = _run(tmp_path, "cached", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1,
                             repeats=2, compilation_cache=str(cache))
@@ -221,6 +224,10 @@ def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path):
     plain, plain_dir = _run(tmp_path, "plain", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1)
     assert plain["jax"].settings["compilation_cache_dir"] is None
     assert "persistent cache" not in report.write(plain_dir).read_text()
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", from_tests)
+    shared, shared_dir = _run(tmp_path, "shared", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1)
+    assert shared["jax"].settings["compilation_cache_dir"] == from_tests
+    assert f"JAX's persistent cache in `{from_tests}`" in report.write(shared_dir).read_text()
 
 
 def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch):
