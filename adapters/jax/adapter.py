@@ -127,11 +127,28 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
                 raise DeviceUnavailable(problem)
             self.device, self._gpu = jax.devices("gpu")[device_index(device)], True
         else:
+            if self._inline_cpu():  # read once, when the CPU client is made (by the jax.devices below)
+                jax.config.update("jax_cpu_enable_async_dispatch", False)
             self.device = jax.devices("cpu")[0]
         self._mesh = None
         if self.options.data_parallel is not None:
             self._prepare_data_parallel(self.options.data_parallel)
         self._seed = seed
+
+    def _inline_cpu(self) -> bool:
+        """Whether each computation runs inline, on the calling thread (``jax_cpu_enable_async_dispatch`` False): in
+        a one-device CPU trial under a memory cap (``memory_limit_bytes``: RLIMIT_DATA on VmData,
+        harness.execution.limits), whose peak must be the same from one fresh worker to the next. With async
+        dispatch XLA's CPU client runs each step on a thread of its pool, glibc gives each such thread a malloc arena
+        of its own, and an arena keeps its high-water mark in VmData: the steps' temporaries (19 MB at batch 16 of
+        specs/max_batch.yaml) landed in one arena after another, so the peak grew over the first ~30 steps and by a
+        different amount in each run. Measured (jaxlib 0.10.2, glibc 2.36, 2 cores; peak VmData growth of
+        ``harness run specs/max_batch.yaml`` at batch 16): 348..385 MB over 12 fresh workers with it, 293..321 MB
+        over 10 inline; what remains varies with the first step's compilation (LLVM's threads' arenas). The
+        variable JAX_CPU_ENABLE_ASYNC_DISPATCH is not read by jax 0.10.2: the option is set before the CPU client
+        exists. Data-parallel steps on host devices stay asynchronous, as do uncapped trials (what JAX does by
+        default); the trial's settings say which (``cpu_async_dispatch``)."""
+        return bool(self.options.memory_limit_bytes) and self.options.data_parallel is None
 
     def _prepare_data_parallel(self, parallel: DataParallel) -> None:
         """A ``jax.sharding.Mesh`` over the trial's devices (``DataParallel.devices``: "cpu:i" is the i-th of
@@ -289,6 +306,10 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             "allocator_peak": "since the worker started (JAX cannot reset it)",
             "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
         }
+        if not self._gpu:
+            inline = not jax.config.read("jax_cpu_enable_async_dispatch")
+            extras["cpu_async_dispatch"] = ("off: each step runs on the calling thread (a memory-capped CPU trial)"
+                                            if inline else "on (JAX's default)")
         if not one_thread():
             extras["intra_op_threads_note"] = "XLA's default (every core; it has no intra-op thread count)"
         if self._compute.dtype != jnp.float32:
