@@ -61,6 +61,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         super().__init__(options)
         self.device: Any = None
         self._gpu = False
+        self._one_arena = False
         self._seed = 0
         self._compute = L.POLICIES[self.options.precision]
         self._memory: dict[str, Any] = {}  # what _apply_memory_limit applied, for settings()
@@ -129,6 +130,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         else:
             if self._inline_cpu():  # read once, when the CPU client is made (by the jax.devices below)
                 jax.config.update("jax_cpu_enable_async_dispatch", False)
+                self._one_arena = _one_malloc_arena()
             self.device = jax.devices("cpu")[0]
         self._mesh = None
         if self.options.data_parallel is not None:
@@ -144,10 +146,12 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         specs/max_batch.yaml) landed in one arena after another, so the peak grew over the first ~30 steps and by a
         different amount in each run. Measured (jaxlib 0.10.2, glibc 2.36, 2 cores; peak VmData growth of
         ``harness run specs/max_batch.yaml`` at batch 16): 348..385 MB over 12 fresh workers with it, 293..321 MB
-        over 10 inline; what remains varies with the first step's compilation (LLVM's threads' arenas). The
-        variable JAX_CPU_ENABLE_ASYNC_DISPATCH is not read by jax 0.10.2: the option is set before the CPU client
-        exists. Data-parallel steps on host devices stay asynchronous, as do uncapped trials (what JAX does by
-        default); the trial's settings say which (``cpu_async_dispatch``)."""
+        over 10 inline; what remained varied with the first step's compilation (LLVM's threads' arenas), so such a
+        trial also limits malloc to one arena (``_one_malloc_arena``): benchmarks/max_batch_probes.py, 3 searches,
+        limits 64, 56, 60 and 10, 13, 8 probes inline; 64, 64, 64 and 9, 7, 8 with one arena. The variable
+        JAX_CPU_ENABLE_ASYNC_DISPATCH is not read by jax 0.10.2: the option is set before the CPU client exists.
+        Data-parallel steps on host devices stay asynchronous, as do uncapped trials (what JAX does by default); the
+        trial's settings say which (``cpu_async_dispatch``, ``malloc_arenas``)."""
         return bool(self.options.memory_limit_bytes) and self.options.data_parallel is None
 
     def _prepare_data_parallel(self, parallel: DataParallel) -> None:
@@ -310,6 +314,8 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             inline = not jax.config.read("jax_cpu_enable_async_dispatch")
             extras["cpu_async_dispatch"] = ("off: each step runs on the calling thread (a memory-capped CPU trial)"
                                             if inline else "on (JAX's default)")
+            if self._one_arena:
+                extras["malloc_arenas"] = "1 (mallopt M_ARENA_MAX: a memory-capped CPU trial)"
         if not one_thread():
             extras["intra_op_threads_note"] = "XLA's default (every core; it has no intra-op thread count)"
         if self._compute.dtype != jnp.float32:
@@ -337,6 +343,22 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         # XLA reports an allocation failure as a runtime error with the RESOURCE_EXHAUSTED status.
         types = _oom_types()
         return bool(types) and isinstance(exc, types) and "RESOURCE_EXHAUSTED" in str(exc)
+
+
+#: glibc's <malloc.h>: the most malloc arenas the process may have (mallopt's M_ARENA_MAX).
+M_ARENA_MAX = -8
+
+
+def _one_malloc_arena() -> bool:
+    """glibc's malloc limited to one arena from now on (``mallopt(M_ARENA_MAX, 1)``): threads started later (XLA's
+    CPU client, LLVM's compile threads) allocate from the main arena instead of one each, whose high-water marks
+    VmData keeps. False where that is not glibc's malloc."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):
+        return False
 
 
 def _gpu_total_memory() -> int | None:

@@ -149,16 +149,17 @@ def test_the_residual_and_transformer_models_train_the_same(block_runs, pytorch_
 
 
 def test_a_memory_capped_cpu_trial_dispatches_inline_and_an_uncapped_one_does_not(jax_python, tmp_path):
-    """Under ``memory_limit_mb`` on a CPU the adapter turns JAX's async dispatch off before the CPU client exists (its
-    threads' malloc arenas made the capped peak differ by ~40 MB between fresh workers: adapters/jax/adapter.py
-    ``_inline_cpu``); the trial's settings read the option back from jax.config. Without the cap JAX keeps its
-    default, and both train."""
+    """Under ``memory_limit_mb`` on a CPU the adapter turns JAX's async dispatch off before the CPU client exists and
+    limits glibc's malloc to one arena (its threads' arenas made the capped peak differ by ~40 MB between fresh
+    workers: adapters/jax/adapter.py ``_inline_cpu``); the trial's settings read the option back from jax.config.
+    Without the cap JAX keeps its defaults, and both train."""
     settings = {}
     for name, cap in (("capped", {"memory_limit_mb": 400}), ("uncapped", {})):
         spec = checked_spec(base_spec(frameworks=[{"name": "jax", "python": jax_python}], batch_sizes=[16], epochs=1,
                                       cpu_threads=1, **cap), tmp_path / f"{name}.yaml")
         (record,) = store.read_trials(sweep.run_spec(spec, tmp_path / name))
         assert record.status == "ok", record.reason
-        settings[name] = record.settings["cpu_async_dispatch"]
-    assert settings["capped"].startswith("off: each step runs on the calling thread"), settings
-    assert settings["uncapped"] == "on (JAX's default)", settings
+        settings[name] = (record.settings["cpu_async_dispatch"], record.settings.get("malloc_arenas"))
+    assert settings["capped"][0].startswith("off: each step runs on the calling thread"), settings
+    assert settings["capped"][1] == "1 (mallopt M_ARENA_MAX: a memory-capped CPU trial)", settings
+    assert settings["uncapped"] == ("on (JAX's default)", None), settings
