@@ -250,15 +250,23 @@ def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], 
         trial = next((t for t in trials if t.label == entry.row), None)
         if trial is None or start_mode(Payload(trial=trial, spec=spec)) != "forked":
             return None
-        argv = FrameworkEntry(name=trial.framework, python=trial.python).argv()
         settings = worker_settings(trial.threads, allocator=spec.allocator.model_dump(mode="json"))
 
         def run(code: str, args: list[str], timeout_s: float) -> tuple[int, str, str]:
-            return SERVERS.get(argv, trial.framework, settings).probe(code, args, timeout_s)
+            return _server(trial, settings).probe(code, args, timeout_s)
 
         return run
 
     return via
+
+
+def _server(trial: Trial, settings: dict[str, str]) -> forkserver.Server:
+    """The preloaded parent ``trial``'s worker forks from, started now if there is none: keyed by the trial's
+    interpreter, framework and the worker's ``settings`` (``worker_settings``, and an executor's variables), so a
+    trial and its environment's probe (``server_probes``) share it. Raises RuntimeError or OSError when it cannot
+    start."""
+    entry = FrameworkEntry(name=trial.framework, python=trial.python)
+    return SERVERS.get(entry.argv(), trial.framework, settings)
 
 
 #: Set (to anything but "" or "0"), the preloaded parents outlive a sweep or a search and serve the next one in this
@@ -301,8 +309,7 @@ class _WorkerRun:
         self.proc: subprocess.Popen[bytes] | forkserver.Forked
         if self.start == "forked":
             try:
-                entry = FrameworkEntry(name=payload.trial.framework, python=payload.trial.python)
-                self.proc = SERVERS.get(entry.argv(), payload.trial.framework, settings).spawn(log)
+                self.proc = _server(payload.trial, settings).spawn(log)
             except (RuntimeError, OSError) as err:
                 self.notes.append(f"not forked ({err}): started cold")
                 self.start = "cold"
