@@ -2,8 +2,9 @@
 tests/adapters/kit.py trained 10 SGD steps of global batch 32 on two CPU devices (tests/adapters/data_parallel_run.py:
 PyTorch DistributedDataParallel over two gloo ranks, TensorFlow MirroredStrategy over two logical CPUs, MXNet's
 "device" kvstore over two contexts, JAX shard_map over two host devices) ends with the same parameters in every
-framework, and the same as PyTorch on one device at batch 32. Each framework's own two-device run against its
-one-device run, and accumulation against devices, are in tests/adapters/test_{framework}_data_parallel.py.
+framework, and the same as PyTorch on one device at batch 32 (in the interpreter of PyTorch's rank 0, after the
+two-device run: the driver trains a framework's runs in one interpreter). Each framework's own two-device run against
+its one-device run, and accumulation against devices, are in tests/adapters/test_{framework}_data_parallel.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from harness.execution.ranks import RANK_VARIABLES
 from harness.neutral import datasets, models
 from harness.spec import ROOT, DigitsData
 from tests.adapters import kit
+from tests.adapters.data_parallel_run import runs_argument
 from tests.adapters.kit import PARAM_ATOL, PARAM_RTOL
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
@@ -47,13 +49,17 @@ def _drive(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
-    """"<framework>-<devices>" -> the driver's saved parameters (canonical names), two runs at a time."""
+    """"<framework>-<devices>" -> the driver's saved parameters (canonical names); a driver command per framework
+    (PyTorch's two runs in one), two at a time."""
     folder: Path = tmp_path_factory.mktemp("data_parallel_across")
     jobs = {f"{name}-2": (name, 2) for name in FRAMEWORKS} | {"pytorch-1": ("pytorch", 1)}
-    argv = {key: [_python(name), "-m", "tests.adapters.data_parallel_run", name, str(devices),
-                  str(folder / f"{key}.npz")] for key, (name, devices) in jobs.items()}
+    per_framework: dict[str, list[tuple[int, Path]]] = {}
+    for key, (name, devices) in jobs.items():
+        per_framework.setdefault(name, []).append((devices, folder / f"{key}.npz"))
+    argv = [[_python(name), "-m", "tests.adapters.data_parallel_run", name, *runs_argument(runs)]
+            for name, runs in per_framework.items()]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(_drive, argv.values()))
+        list(pool.map(_drive, argv))
     result = {}
     for key in jobs:
         with np.load(folder / f"{key}.npz") as saved:

@@ -1,10 +1,13 @@
 """JAX data parallelism (``jax.shard_map`` over a Mesh of N = 2 host devices on the CPU): the driver
-``tests.adapters.data_parallel_run`` trains in envs/jax's interpreter, in fresh processes as the worker would set them
-up (the declaration's XLA_FLAGS appended to the launcher's, one thread: OMP_NUM_THREADS=1), and this file compares
-what they saved. Equivalence with one device (fp32, 10 steps): parameters, buffers and losses within 1e-5 relative
-(the comparison of tests/adapters/test_equivalence.py's accumulation test: |a - b| <= 1e-6 + 1e-5 |b|), the same
-evaluation; N = 2 equals 2 micro-batches on one device; batchnorm per device (each normalises its own shard) unless
-synchronised (``lax.pmean`` of the moments: then the one-device run, within the same 1e-5)."""
+``tests.adapters.data_parallel_run`` trains every run of its RUNS in envs/jax's interpreter, in one fresh process set
+up as the worker would set it up for two devices (the declaration's XLA_FLAGS appended to the launcher's before JAX is
+imported, one thread: OMP_NUM_THREADS=1; a one-device run trains on the first host device, bit for bit as alone in a
+process without the flag), followed in that process by a checks script (starting a process and importing JAX is most
+of a run's cost), and this file compares what they saved. Equivalence with one device (fp32, 10 steps): parameters,
+buffers and losses within 1e-5 relative (the comparison of tests/adapters/test_equivalence.py's accumulation test:
+|a - b| <= 1e-6 + 1e-5 |b|), the same evaluation; N = 2 equals 2 micro-batches on one device; batchnorm per device
+(each normalises its own shard) unless synchronised (``lax.pmean`` of the moments: then the one-device run, within the
+same 1e-5)."""
 
 from __future__ import annotations
 
@@ -18,21 +21,22 @@ import pytest
 
 from harness.execution import environments
 from harness.spec import ROOT
-from tests.adapters.data_parallel_run import RUNS
+from tests.adapters.data_parallel_run import RUNS, runs_argument
 
 #: A flag of the launcher's own that the data-parallel one must be appended to, not replace.
 LAUNCHER_FLAG = "--xla_cpu_enable_fast_math=false"
 
 
-#: In envs/jax with two host devices, set up as the driver does: one-device adapters on each shard of the first step
-#: (``shard(indices, 2, d)``) next to a two-device one, with batchnorm; the adapter's own facts (flags, mesh,
-#: compilations, refusals); bf16.
+#: In envs/jax, after the driver's runs (``sys.argv[3:]``: its ``--runs``), which set up the two host devices (the
+#: launcher's XLA_FLAGS, ``sys.argv[2]``, then the declaration's appended before JAX is imported): one-device adapters
+#: on each shard of the first step (``shard(indices, 2, d)``) next to a two-device one, with batchnorm; the adapter's
+#: own facts (flags, mesh, compilations, refusals); bf16.
 CHECKS = r'''
 import json, os, sys
 os.environ["XLA_FLAGS"] = sys.argv[2]
-import adapters
-from tests.adapters.data_parallel_run import _model, refusals, set_data_parallel_environment
-set_data_parallel_environment(adapters.declaration("jax"), 2)
+from tests.adapters import data_parallel_run
+from tests.adapters.data_parallel_run import _model, refusals
+assert data_parallel_run.main(["jax", *sys.argv[3:]]) == 0
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -135,12 +139,11 @@ def _run(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def out(jax_python, tmp_path_factory) -> dict:
-    """Every driver run of RUNS (name -> its .npz as a dict) and the two scripts' JSON ("checks", "too-few"), run
-    two at a time."""
+    """Every driver run of RUNS (name -> its .npz as a dict) and the two scripts' JSON ("checks", "too-few"): the
+    runs and then the checks in one process, the other script in another beside it."""
     folder = tmp_path_factory.mktemp("jax-dp")
-    jobs = {name: [jax_python, "-m", "tests.adapters.data_parallel_run", "jax", str(devices),
-                   str(folder / f"{name}.npz"), *extra] for name, (devices, extra) in RUNS.items()}
-    jobs["checks"] = [jax_python, "-c", CHECKS, str(folder / "checks.json"), LAUNCHER_FLAG]
+    runs = runs_argument((devices, folder / f"{name}.npz", *extra) for name, (devices, extra) in RUNS.items())
+    jobs = {"checks": [jax_python, "-c", CHECKS, str(folder / "checks.json"), LAUNCHER_FLAG, *runs]}
     jobs["too-few"] = [jax_python, "-c", TOO_FEW, str(folder / "too-few.json")]
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(_run, jobs.values()))

@@ -1,7 +1,8 @@
 """MXNet data parallelism (Gluon over N = 2 CPU contexts, ``mx.cpu(0)`` and ``mx.cpu(1)``, one process, a
-``gluon.Trainer`` on a "device" kvstore): the driver ``tests.adapters.data_parallel_run`` trains in fresh interpreters
-as the worker would set them up; the rest builds adapters in this process (MXNet needs no environment for several CPU
-contexts) and compares.
+``gluon.Trainer`` on a "device" kvstore): the driver ``tests.adapters.data_parallel_run`` trains its runs in one fresh
+interpreter as the worker would set it up (MXNet needs no environment for several CPU contexts: a one-device run there
+is bit for bit the same run alone; starting an interpreter and importing MXNet is most of a run's cost); the rest
+builds adapters in this process and compares.
 
 Equivalence with one device (fp32, 10 steps of batch 32): parameters within |a - b| <= 1e-6 + 1e-5 |b| (the comparison
 of tests/adapters/test_equivalence.py's accumulation test), losses within 1e-5 relative, the same evaluation, with SGD
@@ -18,7 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ from harness.plan.support import data_parallel_gap, unsupported
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
 from tests.adapters.data_parallel_run import RUNS as DRIVER_RUNS
-from tests.adapters.data_parallel_run import _model
+from tests.adapters.data_parallel_run import _model, runs_argument
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +44,9 @@ RUNS = {name: run for name, run in DRIVER_RUNS.items() if name not in ("bn-1", "
 RTOL, ATOL, SYNC_ATOL = 1e-5, 1e-6, 1e-5
 
 #: The synchronised-batchnorm driver run on the CPU, which the plan refuses (the adapter does not re-check: see
-#: test_the_synchronised_path_normalises_over_the_global_batch for why it runs here at all), in the eager mode (the
-#: declaration's default mode changed in that interpreter only).
+#: test_the_synchronised_path_normalises_over_the_global_batch for why it runs here at all), and the one-device run it
+#: is compared with, in one interpreter, in the eager mode (the declaration's default mode changed in that interpreter
+#: only).
 FORCED_SYNC = r'''
 import dataclasses, sys
 from adapters.mxnet.adapter import MXNetAdapter
@@ -60,27 +61,26 @@ def _environment(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1", **extra}
 
 
-def _drive(argv: list[str], out: Path, env: dict[str, str]) -> dict[str, np.ndarray]:
+def _drive(argv: list[str], outs: dict[str, Path], env: dict[str, str]) -> dict[str, dict[str, np.ndarray]]:
+    """Runs ``argv`` (the driver's runs); name -> what the run saved to ``outs[name]``."""
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(out) as saved:
-        return {key: saved[key] for key in saved.files}
+    loaded = {}
+    for name, out in outs.items():
+        with np.load(out) as saved:
+            loaded[name] = {key: saved[key] for key in saved.files}
+    return loaded
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
-    """Every driver run of ``RUNS``, two at a time (each is a fresh interpreter importing MXNet): name -> what it saved
-    ("w:<name>" parameters and buffers, "losses" per step, "test" = (loss, accuracy))."""
+    """Every driver run of ``RUNS``, in one fresh interpreter: name -> what it saved ("w:<name>" parameters and
+    buffers, "losses" per step, "test" = (loss, accuracy))."""
     folder = tmp_path_factory.mktemp("mxnet_data_parallel")
-
-    def run(name: str) -> dict[str, np.ndarray]:
-        devices, extra = RUNS[name]
-        out = folder / f"{name}.npz"
-        argv = [sys.executable, "-m", "tests.adapters.data_parallel_run", "mxnet", str(devices), str(out), *extra]
-        return _drive(argv, out, _environment())
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(RUNS, pool.map(run, RUNS)))
+    outs = {name: folder / f"{name}.npz" for name in RUNS}
+    argv = [sys.executable, "-m", "tests.adapters.data_parallel_run", "mxnet",
+            *runs_argument((devices, outs[name], *extra) for name, (devices, extra) in RUNS.items())]
+    return _drive(argv, outs, _environment())
 
 
 def _weights(saved: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -197,12 +197,11 @@ def test_the_synchronised_path_normalises_over_the_global_batch(runs, tmp_path):
     loss of the whole batch, and after 10 steps every parameter and running statistic is the one-device run's within
     1e-5 + 1e-5 |b| (test_equivalence.py's batchnorm tolerance; observed 1.5e-6 at most, the conv bias before the
     batchnorm, whose exact gradient is zero)."""
-    outs = {}
-    for devices, extra in ((1, []), (2, ["--sync-batchnorm"])):
-        out = tmp_path / f"sync-{devices}.npz"
-        argv = [sys.executable, "-c", FORCED_SYNC, "mxnet", str(devices), str(out), "--batchnorm", *extra]
-        outs[devices] = _drive(argv, out, _environment(MXNET_CPU_TEMP_COPY="1024"))
-    one, two = outs[1], outs[2]
+    outs = {"one": tmp_path / "sync-1.npz", "two": tmp_path / "sync-2.npz"}
+    argv = [sys.executable, "-c", FORCED_SYNC, "mxnet", *runs_argument(
+        [(1, outs["one"], "--batchnorm"), (2, outs["two"], "--batchnorm", "--sync-batchnorm")])]
+    saved = _drive(argv, outs, _environment(MXNET_CPU_TEMP_COPY="1024"))
+    one, two = saved["one"], saved["two"]
     assert two["losses"][0] == pytest.approx(one["losses"][0], rel=1e-6)
     assert abs(two["losses"][0] - runs["bn-2"]["losses"][0]) > 1e-4 * one["losses"][0]  # not the per-device loss
     _assert_same_training(two, one, atol=SYNC_ATOL)

@@ -1,10 +1,14 @@
 """PyTorch data-parallel training: DistributedDataParallel over 2 CPU processes (gloo), each rank training on its
 shard of the global batch (``adapters.base.shard``), checked against one process.
 
-Every multi-process run is a fresh set of interpreters: the driver of tests/adapters/data_parallel_run.py (rank 0
-starts rank 1 as the worker will), or this module run as a script (``_rank_main``) for what the driver does not cover
-(the compiled mode, a rank that leaves). The runs of the module start together, once (the ``runs`` fixture), and the
-tests read their .npz files; the tests of a rank that cannot reach the others run in this process.
+The driver's runs (tests/adapters/data_parallel_run.py) are one command, a fresh pair of interpreters: rank 0 starts
+rank 1 as the worker will, the two train the two-process runs one after the other, each in a process group of its own
+(the ranks leave a run's group and join a new one at a new rendezvous port for the next), and rank 0 then trains the
+one-process runs alone, with no group (starting an interpreter and importing torch is most of a run's cost; each run
+is bit for bit what it is alone). This module run as a script (``_rank_main``) does what the driver does not cover
+(the compiled mode, a rank that leaves), each run a fresh set of interpreters. The runs of the module start together,
+once (the ``runs`` fixture), and the tests read their .npz files; the tests of a rank that cannot reach the others run
+in this process.
 
 Tolerances: parameters |a - b| <= 1e-6 + 1e-5 * |b| (the gradient accumulation test's in test_equivalence.py), losses
 rtol 1e-5. Observed (torch 2.13 CPU, 10 steps of the digits CNN at global batch 32, kit.max_differences: absolute,
@@ -32,7 +36,7 @@ from harness.execution.ranks import RANK_VARIABLES, free_port, rank_environment
 from harness.neutral import datasets, models
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
-from tests.adapters.data_parallel_run import _model
+from tests.adapters.data_parallel_run import _model, runs_argument
 
 ROOT = Path(__file__).resolve().parents[2]
 THIS = "tests.adapters.test_pytorch_data_parallel"
@@ -40,7 +44,8 @@ RTOL, ATOL = 1e-5, 1e-6
 #: The driver's SGD (tests/adapters/data_parallel_run.py): kit.SGD.
 SGD = OptimizerSpec(name="sgd", learning_rate=0.05, momentum=0.9)
 
-#: name -> the command line of one run (its output .npz is added at the end of the driver's positional arguments).
+#: name -> one run: the driver's devices and options (every driver run in one driver command, ``--runs``, each saving
+#: to "<name>.npz"), or this module's mode as a script.
 RUNS: dict[str, tuple[str, ...]] = {
     "n1_sgd": ("driver", "1"),
     "n2_sgd": ("driver", "2"),
@@ -54,34 +59,42 @@ RUNS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _command(name: str, out: Path) -> list[str]:
-    kind, *args = RUNS[name]
-    if kind == "driver":
-        devices, *options = args
-        return [sys.executable, "-m", "tests.adapters.data_parallel_run", "pytorch", devices, str(out), *options]
-    return [sys.executable, "-m", THIS, args[0], str(out)]
+def _commands(folder: Path) -> dict[str, list[str]]:
+    """The commands of ``RUNS``, by name: "driver" for all the driver's runs, and each script run's own."""
+    driver = [(devices, folder / f"{name}.npz", *options)
+              for name, (kind, devices, *options) in RUNS.items() if kind == "driver"]
+    commands = {"driver": [sys.executable, "-m", "tests.adapters.data_parallel_run", "pytorch", *runs_argument(driver)]}
+    for name, (kind, *args) in RUNS.items():
+        if kind == "script":
+            commands[name] = [sys.executable, "-m", THIS, args[0], str(folder / f"{name}.npz")]
+    return commands
+
+
+def _command_of(name: str) -> str:
+    """The command of ``_commands`` that makes the run ``name``."""
+    return "driver" if RUNS[name][0] == "driver" else name
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Starts every run of ``RUNS`` at once (each waits on the CPU, not on the others) and returns ``result(name)``:
-    the run's .npz (rank 0's; a script run's ranks each write ``<name>.rank<r>.npz``) once it has finished, or a
-    failure with its standard error."""
+    """Starts every command of ``RUNS`` at once (each waits on the CPU, not on the others) and returns
+    ``result(name)``: the run's .npz (rank 0's; a script run's ranks each write ``<name>.rank<r>.npz``) once its
+    command has finished, or a failure with its standard error."""
     folder = tmp_path_factory.mktemp("pytorch_data_parallel")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for name in RANK_VARIABLES:  # a run must not inherit a rank's variables from pytest's environment
         env.pop(name, None)
     procs = {}
-    for name in RUNS:
-        log = open(folder / f"{name}.log", "w")  # closed when the run is collected (result) or at teardown
-        procs[name] = (subprocess.Popen(_command(name, folder / f"{name}.npz"), cwd=ROOT, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT), log)
+    for command, argv in _commands(folder).items():
+        log = open(folder / f"{command}.log", "w")  # closed when the run is collected (result) or at teardown
+        procs[command] = (subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
 
     def result(name: str, rank: int | None = None):
-        proc, log = procs[name]
+        command = _command_of(name)
+        proc, log = procs[command]
         code = proc.wait(timeout=600)
         log.close()
-        assert code == 0, f"{name} exited {code}:\n{(folder / f'{name}.log').read_text()[-4000:]}"
+        assert code == 0, f"{name} ({command}) exited {code}:\n{(folder / f'{command}.log').read_text()[-4000:]}"
         path = folder / (f"{name}.npz" if rank is None else f"{name}.rank{rank}.npz")
         return dict(np.load(path, allow_pickle=False))
 

@@ -1,7 +1,9 @@
 """TensorFlow data parallelism (``tf.distribute.MirroredStrategy`` over N = 2 logical CPU devices, one process): the
-driver ``tests.adapters.data_parallel_run`` trains in fresh interpreters as the worker would set them up, and a
-checks script (``CHECKS``, also in a fresh interpreter: TF fixes its devices when it starts) builds adapters side by
-side; this file compares what they saved.
+driver ``tests.adapters.data_parallel_run`` trains every run of its RUNS in one fresh interpreter, as the worker would
+set it up for two devices (the two-device runs first: the first prepare splits the CPU, which TF allows only before
+its runtime starts; the one-device runs then train on "/CPU:0", bit for bit as each alone in an interpreter of its
+own), and in that interpreter a checks script (``CHECKS``) then builds adapters side by side; this file compares what
+they saved. Starting an interpreter and importing TF is most of a run's cost, hence one interpreter for all of them.
 
 Equivalence with one device (fp32, 10 steps of batch 32): parameters within |a - b| <= 1e-6 + 1e-5 |b| (the
 comparison of tests/adapters/test_equivalence.py's accumulation test), losses within 1e-5 relative, the same
@@ -29,17 +31,20 @@ from harness.neutral import models
 from harness.plan.support import unsupported
 from harness.spec import ROOT
 from tests.adapters import kit
-from tests.adapters.data_parallel_run import RUNS, _model
+from tests.adapters.data_parallel_run import RUNS, _model, runs_argument
 
 #: Parameters of two runs that should train alike: |a - b| <= ATOL + RTOL |b|; with sync batchnorm the
 #: cross-framework tolerance of tests/adapters/test_equivalence.py (PARAM_ATOL = PARAM_RTOL = 1e-5).
 RTOL, ATOL, SYNC_ATOL = 1e-5, 1e-6, 1e-5
 
-#: In a fresh interpreter with two logical CPUs (the first adapter's prepare splits the CPU; one-device adapters then
-#: train on /CPU:0 beside it): one-device adapters on each shard of the first step next to two-device ones, with
-#: batchnorm; the adapter's own facts; the compiled mode; Keras's layers (the decoder); bf16.
+#: In a fresh interpreter, after the driver's runs (``sys.argv[2:]``: its ``--runs``, the two-device runs first, so the
+#: first adapter's prepare splits the CPU into two logical CPUs; one-device adapters then train on /CPU:0 beside
+#: them): one-device adapters on each shard of the first step next to two-device ones, with batchnorm; the adapter's
+#: own facts; the compiled mode; Keras's layers (the decoder); bf16.
 CHECKS = r'''
 import json, sys
+from tests.adapters import data_parallel_run
+assert data_parallel_run.main(["tensorflow", *sys.argv[2:]]) == 0
 import numpy as np
 import tensorflow as tf
 from adapters.base import DataParallel, RunOptions, shard
@@ -148,34 +153,28 @@ def _python(args: list[str], timeout: float = 600) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
-def _drive(out_dir, name: str) -> str:
-    devices, extra = RUNS[name]
-    path = str(out_dir / f"{name}.npz")
-    done = _python(["-m", "tests.adapters.data_parallel_run", "tensorflow", str(devices), path, *extra])
-    assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-    return path
-
-
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    """Every driver run, the checks and the started-first script, two at a time (a 2-core machine)."""
+    """Every driver run and then the checks in one interpreter, the started-first script in another beside it."""
     out_dir = tmp_path_factory.mktemp("tf_data_parallel")
     checks_path = out_dir / "checks.json"
+    paths = {name: out_dir / f"{name}.npz" for name in RUNS}
+    runs = runs_argument((devices, paths[name], *extra) for name, (devices, extra) in RUNS.items())
 
     def checks() -> dict:
-        done = _python(["-c", CHECKS, str(checks_path)])
+        done = _python(["-c", CHECKS, str(checks_path), *runs])
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(checks_path.read_text())
 
     with ThreadPoolExecutor(2) as pool:
         checked = pool.submit(checks)
         started = pool.submit(_python, ["-c", STARTED])
-        runs = {name: pool.submit(_drive, out_dir, name) for name in RUNS}
+        checked_result = checked.result()
         loaded = {}
-        for name, future in runs.items():
-            with np.load(future.result()) as saved:
+        for name, path in paths.items():
+            with np.load(path) as saved:
                 loaded[name] = {k: saved[k] for k in saved.files}
-        return {"runs": loaded, "checks": checked.result(), "started": started.result()}
+        return {"runs": loaded, "checks": checked_result, "started": started.result()}
 
 
 @pytest.fixture(scope="module")
