@@ -38,29 +38,55 @@ def _env(keras_name: str) -> dict[str, str]:
             "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def test_the_keras_adapter_suite_passes_in_its_own_environment(keras_python, keras_name):
-    proc = subprocess.run([keras_python, "-m", "pytest", "tests/adapters/keras_suite.py", "-q", "-p",
-                           "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=_env(keras_name))
+#: What one interpreter in the Keras environment runs (``in_env``): the suite (tests/adapters/keras_suite.py, by
+#: pytest, its report on stdout and its exit status in the file ``suite-exit``), then, in the same interpreter,
+#: ``scenarios.run`` and ``scenarios.run_blocks`` of the adapter into ``all.npz`` (any output on stderr). One
+#: interpreter instead of two: importing Keras and its backend (5 CPU-seconds on TensorFlow) and the harness once.
+#: Nothing of the tests is imported before pytest collects them; the scenarios compare with PyTorch as before.
+_IN_ENV = """
+import contextlib, os, sys
+from pathlib import Path
+import pytest
+out = Path(sys.argv[1])
+code = pytest.main(["tests/adapters/keras_suite.py", "-q", "-p", "no:cacheprovider"])
+sys.stdout.flush()
+(out / "suite-exit").write_text(str(int(code)))
+with contextlib.redirect_stdout(sys.stderr):
+    import numpy as np
+    import adapters
+    from tests.adapters import scenarios
+    cls = adapters.get(os.environ["HARNESS_KERAS_ADAPTER"])
+    np.savez(out / "all.npz", **scenarios.run(cls), **scenarios.run_blocks(cls))
+"""
+
+
+@pytest.fixture(scope="module")
+def in_env(keras_python, keras_name, tmp_path_factory):
+    """(the process, its folder): ``_IN_ENV`` run once in the Keras environment, for the suite's test and the
+    scenarios' fixture (``keras_runs``)."""
+    folder = tmp_path_factory.mktemp("keras")
+    proc = subprocess.run([keras_python, "-c", _IN_ENV, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800, env=_env(keras_name))
+    return proc, folder
+
+
+def test_the_keras_adapter_suite_passes_in_its_own_environment(in_env, keras_name):
+    proc, folder = in_env
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
+    assert (folder / "suite-exit").exists(), tail
+    assert (folder / "suite-exit").read_text() == "0", tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(rf"\b{SUITE_TESTS[keras_name]} passed\b", summary), tail
     assert not re.search(r"skipped|failed|error", summary), tail
 
 
-def _scenarios(python: str, name: str, path, which: str) -> dict[str, np.ndarray]:
-    proc = subprocess.run([python, "-m", "tests.adapters.scenarios", name, str(path), which], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=_env(name))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(path) as loaded:
-        return dict(loaded)
-
-
 @pytest.fixture(scope="module")
-def keras_runs(keras_python, keras_name, tmp_path_factory) -> dict[str, np.ndarray]:
-    """scenarios.run and scenarios.run_blocks of Keras, in its environment (one process)."""
-    return _scenarios(keras_python, keras_name, tmp_path_factory.mktemp("keras") / "all.npz", "all")
+def keras_runs(in_env) -> dict[str, np.ndarray]:
+    """scenarios.run and scenarios.run_blocks of Keras, in its environment (the interpreter of the suite)."""
+    proc, folder = in_env
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(folder / "all.npz") as loaded:
+        return dict(loaded)
 
 
 @pytest.fixture(scope="module")
