@@ -1,6 +1,11 @@
 """The report's plots: each metric against batch size, and each trial's sampled time series with its phases shaded
-(matplotlib, Agg backend). ``metric_figure`` and ``trial_figure`` draw; ``plot``/``plot_trial`` save them as the PNGs
-report.md links, and ``harness.results.html`` embeds the same figures as inline SVG."""
+(matplotlib figures on the Agg canvas, outside pyplot). ``metric_figure`` and ``trial_figure`` (or ``TrialFigures``,
+one figure redrawn from trial to trial) draw; ``plot``/``plot_trial`` save them as the PNGs report.md links, and
+``harness.results.html`` embeds the same figures as inline SVG.
+
+Each figure is laid out once (``_lay_out``: matplotlib's tight layout, no layout engine left behind, the ticks fixed
+where the layout put them) and then drawn twice, once per output; see benchmarks/report_plots.py for what that
+saves."""
 
 from __future__ import annotations
 
@@ -14,22 +19,52 @@ from harness.results.store import read_events, read_lines
 from harness.results.tables import ReportData
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def _figure(**kwargs: Any) -> Any:
+    """A matplotlib figure on the Agg canvas, outside pyplot (nothing to close: it is freed with its last
+    reference), whose renderer and its text metrics cache last as long as the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(dpi=100, **kwargs)
+    FigureCanvasAgg(fig)
+    return fig
 
-    return plt
+
+def _lay_out(fig: Any) -> None:
+    """``fig.tight_layout()``, then the ticks fixed (``_fix_ticks``) where the layout left them. ``tight_layout``
+    leaves a placeholder layout engine on the figure, which makes each ``savefig`` draw the figure twice (a dry run
+    first, for the engine): with the engine removed, it draws once."""
+    fig.tight_layout()
+    fig.set_layout_engine(None)  # (with matplotlib's default rcParams: no automatic layout)
+    _fix_ticks(fig)
+
+
+def _fix_ticks(fig: Any) -> None:
+    """Each axis's ticks and labels fixed as its locator and formatter choose them now (a ``FixedLocator`` of the
+    same ticks, a ``FixedFormatter`` of the same labels and offset), for the PNG's and the SVG's draws: each draw is
+    spared the locator's search and the formatter's choices."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            locator = axis.get_major_locator()
+            if isinstance(locator, FixedLocator):  # fixed already (and shared axes share it)
+                continue
+            ticks = locator()
+            formatter = axis.get_major_formatter()
+            labels = FixedFormatter(formatter.format_ticks(ticks))
+            labels.set_offset_string(formatter.get_offset())
+            axis.set_major_locator(FixedLocator(ticks))
+            axis.set_major_formatter(labels)
 
 
 def metric_figure(data: ReportData, metric: Metric) -> tuple[Any, dict[str, str]]:
     """The metric against batch size (log2 axis), a line per row; ok cells only. Returns the figure and, per point,
     its SVG group id (``<metric key>-<n>``) and a hover text (row, batch size, value with unit), which the HTML report
     puts into the SVG as each point's <title>."""
-    plt = _pyplot()
     table = data.tables[metric.key]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    fig = _figure(figsize=(6.4, 4.0))
+    ax = fig.subplots()
     tips: dict[str, str] = {}
     for fw in data.frameworks:
         points = [(bs, v) for bs, v in table.loc[fw].items() if isinstance(v, float)]
@@ -49,15 +84,14 @@ def metric_figure(data: ReportData, metric: Metric) -> tuple[Any, dict[str, str]
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
-    fig.tight_layout()
+    _lay_out(fig)
     return fig, tips
 
 
 def plot(data: ReportData, out_dir: Path,
          then: Callable[[str, Any, dict[str, str]], None] | None = None) -> list[Path]:
     """One PNG per metric (``metric_figure``), ``out_dir/<metric key>.png``; ``then(key, figure, tips)``, when given,
-    is called with each figure after it is saved (the HTML report saves it again), before it is closed."""
-    plt = _pyplot()
+    is called with each figure after it is saved (the HTML report saves it again)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for metric in data.metrics:
@@ -66,7 +100,6 @@ def plot(data: ReportData, out_dir: Path,
         fig.savefig(path)
         if then is not None:
             then(metric.key, fig, tips)
-        plt.close(fig)
         paths.append(path)
     return paths
 
@@ -79,45 +112,84 @@ SERIES_TITLES = {"cpu_percent": "CPU %", "rss_bytes": "RSS MB", "gpu_util_percen
                  "dram_bw_util_percent": "DRAM bandwidth %"}
 
 
-def trial_figure(run_dir: Path, trial_id: str) -> Any | None:
-    """The sampled metrics of one trial over time (seconds since the worker started), with the warm-up (grey) and
-    the timed windows (green) shaded; None when the trial has no samples."""
-    samples = read_lines(run_dir / "samples" / f"{trial_id}.jsonl")
-    try:
-        events = read_events(run_dir, trial_id)
-    except FileNotFoundError:
-        events = []
-    names = [m for m in SERIES_TITLES if any(s.get(m) is not None for s in samples)]
-    if not samples or not names:
-        return None
-    plt = _pyplot()
-    t0 = events[0].t if events else samples[0]["t"]
-    fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names) + 0.6), sharex=True, squeeze=False)
-    for ax, name in zip(axes[:, 0], names):
-        scale = 1 / MB if name.endswith("_bytes") else 1.0
-        points = [(s["t"] - t0, s[name] * scale) for s in samples if s.get(name) is not None]
-        ax.plot(*zip(*points), lw=1, marker=".", ms=2)
-        ax.set_ylabel(SERIES_TITLES[name], fontsize=8)
+class TrialFigures:
+    """Draws trials' time series (``figure``), reusing one figure for consecutive trials that sample the same
+    metrics: its axes, lines and ticks stay, the new samples are set as the lines' data, the phase shading is
+    drawn anew, the limits are autoscaled and the layout is computed again. A figure from ``figure`` holds its trial
+    until the next call."""
+
+    def __init__(self) -> None:
+        self._names: tuple[str, ...] = ()
+        self._fig: Any = None
+        self._lines: list[Any] = []
+        self._spans: list[Any] = []
+
+    def _new(self, names: tuple[str, ...]) -> Any:
+        fig = _figure(figsize=(7, 1.6 * len(names) + 0.6))
+        axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
+        self._lines = []
+        for ax, name in zip(axes, names):
+            (line,) = ax.plot([], [], lw=1, marker=".", ms=2)
+            self._lines.append(line)
+            ax.set_ylabel(SERIES_TITLES[name], fontsize=8)
+            ax.grid(True, alpha=0.3)
+        axes[-1].set_xlabel("seconds since the worker started")
+        axes[0].set_title("", fontsize=9)
+        self._names, self._fig, self._spans = names, fig, []
+        return fig
+
+    def figure(self, run_dir: Path, trial_id: str) -> Any | None:
+        """The sampled metrics of one trial over time (seconds since the worker started), with the warm-up (grey)
+        and the timed windows (green) shaded; None when the trial has no samples."""
+        from matplotlib.ticker import AutoLocator, ScalarFormatter
+
+        samples = read_lines(run_dir / "samples" / f"{trial_id}.jsonl")
+        try:
+            events = read_events(run_dir, trial_id)
+        except FileNotFoundError:
+            events = []
+        names = tuple(m for m in SERIES_TITLES if any(s.get(m) is not None for s in samples))
+        if not samples or not names:
+            return None
+        fig = self._fig if names == self._names else self._new(names)
+        for ax in fig.axes:  # the ticks the last trial's layout fixed: found anew
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(AutoLocator())
+                axis.set_major_formatter(ScalarFormatter())
+        for span in self._spans:
+            span.remove()
+        self._spans = []
+        t0 = events[0].t if events else samples[0]["t"]
         shaded: tuple[tuple[PhaseName, str], ...] = (("warmup", "0.85"), ("train", "#c8e6c9"))
-        for phase, color in shaded:
-            for a, b in phase_windows(events, phase):
-                ax.axvspan(a - t0, b - t0, color=color, lw=0)
-        ax.grid(True, alpha=0.3)
-    axes[-1, 0].set_xlabel("seconds since the worker started")
-    axes[0, 0].set_title(f"{trial_id}: warm-up grey, timed windows green", fontsize=9)
-    fig.tight_layout()
-    return fig
+        windows = [(color, a - t0, b - t0) for phase, color in shaded for a, b in phase_windows(events, phase)]
+        for ax, line, name in zip(fig.axes, self._lines, names):
+            scale = 1 / MB if name.endswith("_bytes") else 1.0
+            line.set_data(*zip(*[(s["t"] - t0, s[name] * scale) for s in samples if s.get(name) is not None]))
+            self._spans += [ax.axvspan(a, b, color=color, lw=0) for color, a, b in windows]
+        for ax in fig.axes:
+            ax.relim()
+            ax.autoscale_view()
+        fig.axes[0].set_title(f"{trial_id}: warm-up grey, timed windows green", fontsize=9)
+        _lay_out(fig)
+        return fig
 
 
-def plot_trial(run_dir: Path, trial_id: str, out: Path, then: Callable[[Any], None] | None = None) -> Path | None:
-    """``trial_figure`` saved as a PNG at ``out`` (``then(figure)``, when given, is called with it before it is
-    closed); None when the trial has no samples."""
-    fig = trial_figure(run_dir, trial_id)
+def trial_figure(run_dir: Path, trial_id: str) -> Any | None:
+    """The sampled metrics of one trial over time (``TrialFigures.figure``) in a figure of its own; None when the
+    trial has no samples."""
+    return TrialFigures().figure(run_dir, trial_id)
+
+
+def plot_trial(run_dir: Path, trial_id: str, out: Path, then: Callable[[Any], None] | None = None,
+               figures: TrialFigures | None = None) -> Path | None:
+    """The trial's figure (from ``figures``, which reuses one figure from trial to trial, or a figure of its own)
+    saved as a PNG at ``out``; ``then(figure)``, when given, is called with it after. None when the trial has no
+    samples."""
+    fig = (figures or TrialFigures()).figure(run_dir, trial_id)
     if fig is None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     if then is not None:
         then(fig)
-    _pyplot().close(fig)
     return out

@@ -33,7 +33,7 @@ from harness.results.overview import (
     plots_section,
 )
 from harness.results.placement import side_by_side_section
-from harness.results.plots import plot, plot_trial
+from harness.results.plots import TrialFigures, plot, plot_trial
 from harness.results.precision import precision_accuracy_section
 from harness.results.sections import Section, to_markdown
 from harness.results.tables import ReportData
@@ -91,10 +91,11 @@ def write(run_dir: str | Path) -> Path:
 
         return keep
 
+    figures = TrialFigures()  # one figure, redrawn from trial to trial
     for record in data.records:
         if record.status == "ok":
             plot_trial(run_dir, record.id, run_dir / "plots" / "trials" / f"{record.id}.png",
-                       then=keep_trial(record.id))
+                       then=keep_trial(record.id), figures=figures)
     computed = sections(data)
     path = run_dir / "report.md"
     path.write_text(to_markdown(computed), encoding="utf-8")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats as scipy_stats
 
 CONFIDENCE = 0.95
 
@@ -25,6 +24,8 @@ def median_ci(values: Sequence[float], confidence: float = CONFIDENCE, resamples
         return None
     if np.all(data == data[0]):
         return float(data[0]), float(data[0])
+    from scipy import stats as scipy_stats  # here, not at the top: ~1 s of CPU that a run without repeats never needs
+
     result = scipy_stats.bootstrap((data,), np.median, confidence_level=confidence, n_resamples=resamples,
                                    method="percentile", random_state=np.random.default_rng(seed))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
@@ -38,6 +39,8 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[fl
         return None
     if np.all(data == data[0]):  # no spread: a zero-width interval (scipy's would be nan)
         return float(data[0]), float(data[0])
+    from scipy import stats as scipy_stats  # see median_ci
+
     low, high = scipy_stats.t.interval(confidence, data.size - 1, loc=data.mean(), scale=scipy_stats.sem(data))
     return float(low), float(high)
 
