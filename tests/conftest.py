@@ -55,25 +55,28 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 #: searches and compare run in the parallel part.
 SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 
-#: The parallel part's longest files, longest first (their seconds in the parallel part of make test on this 2-core
-#: VM, 2026-11-24, in brackets): xdist hands whole files to its workers in collection order (``--dist loadfile
-#: --no-loadscope-reorder`` in the Makefile), so starting the long ones first keeps one of them from running alone at
-#: the end.
-LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~100: four real-cap searches, three at a time
-                 "test_gpu_check.py",  # ~70
-                 "studies/test_nightly.py",  # ~55 of it in the parallel part
-                 "test_end_to_end.py",  # ~45: the four frameworks in their environments, then augmentation
-                 "adapters/test_jax.py",  # ~40
-                 "adapters/test_tensorflow_data_parallel.py",  # ~37
-                 "adapters/test_keras_tensorflow.py",  # ~35: its suite and scenarios in envs/keras-tensorflow
-                 "adapters/test_keras_torch.py",  # ~35
-                 "adapters/test_keras_jax.py",  # ~35
-                 "adapters/test_pytorch_data_parallel.py",  # ~35
-                 "execution/test_input_pipeline.py",  # ~32: eight trials reading an image folder
-                 "results/test_results_data.py",  # ~26
-                 "execution/test_data_parallel.py",  # ~25
-                 "adapters/test_jax_data_parallel.py",  # ~24
-                 "adapters/test_keras_native.py")  # ~24: a model of your own in the three Keras environments
+#: The parallel part's longest files, longest first (their seconds in the parallel part of make test in a fresh clone
+#: on this 2-core VM, 2026-11-26, in brackets): xdist hands whole files to its workers in collection order (``--dist
+#: loadfile --no-loadscope-reorder`` in the Makefile), so starting the long ones first keeps one of them from running
+#: alone at the end.
+LONGEST_FIRST = ("execution/test_forkserver.py",  # ~94: every framework forked and cold
+                 "studies/test_maxbatch.py",  # ~86: four real-cap searches, three at a time
+                 "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
+                 "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
+                 "test_gpu_check.py",  # ~56
+                 "studies/test_nightly.py",  # ~52 of it in the parallel part
+                 "adapters/test_keras_tensorflow.py",  # ~49
+                 "adapters/test_keras_torch.py",  # ~46
+                 "execution/test_environments.py",  # ~33
+                 "execution/test_data_parallel.py",  # ~30
+                 "results/test_results_data.py",  # ~29
+                 "adapters/test_pytorch_data_parallel.py",  # ~29
+                 "test_end_to_end.py",  # ~28: the four frameworks in their environments, then augmentation
+                 "results/test_report.py",  # ~28
+                 "studies/test_maxbatch_runs.py",  # ~26
+                 "execution/test_input_pipeline.py",  # ~25: eight trials reading an image folder
+                 "adapters/test_keras_native.py",  # ~24: a model of your own in the three Keras environments
+                 "adapters/test_tensorflow_data_parallel.py")  # ~23
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -160,3 +160,19 @@ def test_the_suites_schedule_names_real_files():
         assert (ROOT / "tests" / path).is_file(), path
     for module in SERIAL_MODULES:
         assert list((ROOT / "tests").rglob(f"{module}.py")), module
+
+
+def test_the_serial_part_collects_every_file_that_holds_a_serial_test():
+    """The Makefile's SERIAL_TESTS, the only files the serial part of ``make test`` collects, are exactly the files
+    with a serial test: a module of SERIAL_MODULES or a test marked ``@pytest.mark.serial`` (a serial test elsewhere
+    would run in neither part)."""
+    import re
+
+    from tests.conftest import SERIAL_MODULES
+
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
+    listed = set(re.search(r"^SERIAL_TESTS := (.+)$", makefile, re.M).group(1).split())
+    holding = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+               if path.stem in SERIAL_MODULES
+               or re.search(r"^@pytest\.mark\.serial\b", path.read_text(encoding="utf-8"), re.M)}
+    assert listed == holding, (sorted(listed - holding), sorted(holding - listed))
