@@ -67,6 +67,7 @@ def serve(socket_path: str, framework: str) -> int:
                 if not os.read(0, 4096):  # the launcher is gone: so are the trials it started here
                     for pid in children:
                         _kill(pid)
+                    _remove_folder(socket_path)
                     return 0
                 continue
             conn, _ = listener.accept()
@@ -92,6 +93,21 @@ def serve(socket_path: str, framework: str) -> int:
                 except OSError:
                     pass  # the launcher stopped waiting for it
                 conn.close()
+
+
+def _remove_folder(socket_path: str) -> None:
+    """The server's folder (its socket and log, made by ``Server``) removed when its launcher is gone: a launcher
+    killed by SIGKILL (a cancelled job, the OOM killer) cannot remove it itself, as ``Server.close`` otherwise does."""
+    folder = Path(socket_path).parent
+    for path in (folder / "server.sock", folder / "server.log"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseSelector, probe: bool = False) -> None:

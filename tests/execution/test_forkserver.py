@@ -270,3 +270,24 @@ def test_at_most_limit_parents_run_the_least_recently_used_ends_first(monkeypatc
         assert b is not a and b.alive() and not a.alive() and list(servers._servers.values()) == [b]
     finally:
         servers.close()
+
+
+def test_a_parent_whose_launcher_is_gone_removes_its_folder():
+    """A launcher killed by SIGKILL closes no server: the parent sees its standard input end, kills its children and
+    removes its folder (socket and log) from the temporary directory itself; one ended by ``close`` leaves none."""
+    from pathlib import Path
+
+    from harness.execution import forkserver
+
+    gone = forkserver.Server([ENVS["mxnet"]], "mxnet", {})
+    closed = forkserver.Server([ENVS["mxnet"]], "mxnet", {})
+    try:
+        assert Path(gone.socket_path).exists() and Path(closed.socket_path).exists()
+        gone.proc.stdin.close()  # what the launcher's death does, without its close()
+        assert gone.proc.wait(timeout=30) == 0
+        assert not Path(gone.folder).exists()
+        closed.close()
+        assert not Path(closed.folder).exists()
+    finally:
+        gone.close()
+        closed.close()
