@@ -96,8 +96,9 @@ def serve(socket_path: str, framework: str) -> int:
 
 
 def _remove_folder(socket_path: str) -> None:
-    """The server's folder (its socket and log, made by ``Server``) removed when its launcher is gone: a launcher
-    killed by SIGKILL (a cancelled job, the OOM killer) cannot remove it itself, as ``Server.close`` otherwise does."""
+    """The server's folder (its socket and log, made by ``Server``) removed, by whichever side ends last: the server
+    when its launcher is gone (a launcher killed by SIGKILL, by a cancelled job or the OOM killer, never closes it),
+    ``Server.close`` otherwise (a server that died first cannot). Whatever is gone already is skipped."""
     folder = Path(socket_path).parent
     for path in (folder / "server.sock", folder / "server.log"):
         try:
@@ -292,15 +293,7 @@ class Server:
             _kill(self.proc.pid)
             self.proc.wait()
         self.log.close()
-        for name in ("server.sock", "server.log"):
-            try:
-                (Path(self.folder) / name).unlink()
-            except OSError:
-                pass
-        try:
-            os.rmdir(self.folder)
-        except OSError:
-            pass
+        _remove_folder(self.socket_path)  # already gone if the server removed it
 
 
 #: Variables left out of a server's key: they change while a process runs and mean nothing to a worker (pytest
