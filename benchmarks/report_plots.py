@@ -45,7 +45,6 @@ epochs: 2
 dataset: {{name: synthetic, shape: [8, 8, 1], classes: 4}}
 model: {{layers: [{{type: flatten}}, {{type: dense, units: 4}}]}}
 """
-REGISTRATION = "fault=tests.fakes.fault_adapter:FaultAdapter"
 _SVG = re.compile(r"<svg.*?</svg>", re.S)
 
 
@@ -65,6 +64,10 @@ def child(tree: str, run_dir: str) -> None:
 
 
 def make_run(folder: Path, repeats: int) -> Path:
+    # here, not at the top: a side imports ``harness`` from its own tree, which nothing may have imported before
+    sys.path.insert(0, str(ROOT))
+    from tests.fakes.fault_adapter import REGISTRATION
+
     spec = folder / "spec.yaml"
     spec.write_text(SPEC.format(repeats=repeats))
     env = {**os.environ, "HARNESS_ADAPTERS": REGISTRATION, "PYTHONPATH": str(ROOT)}

@@ -41,6 +41,7 @@ from harness.execution.ray_executor import RayExecutor  # noqa: E402
 from harness.plan import checked_spec  # noqa: E402
 from harness.results.store import read_trials  # noqa: E402
 from harness.studies import sweep  # noqa: E402
+from tests.fakes.fault_adapter import REGISTRATION  # noqa: E402
 
 TINY = [{"type": "conv2d", "filters": 8, "kernel_size": 3, "padding": "same", "activation": "relu"},
         {"type": "maxpool2d", "pool_size": 2}, {"type": "flatten"}, {"type": "dense", "units": 10}]
@@ -118,7 +119,7 @@ def main() -> int:
     executors = ["local", "parallel2", "ray"]
     with tempfile.TemporaryDirectory() as tmp:
         spec = spec_for([{"name": "pytorch", "python": str(python)}], sizes, args.epochs, Path(tmp) / "s.yaml")
-        os.environ["HARNESS_ADAPTERS"] = "fault=tests.fault_adapter:FaultAdapter"
+        os.environ["HARNESS_ADAPTERS"] = REGISTRATION
         os.environ["PYTHONPATH"] = str(ROOT)
         trivial = spec_for(["fault"], [8 * (i + 1) for i in range(args.overhead_trials)], 1, Path(tmp) / "t.yaml")
         for repeat in range(args.repeats):
