@@ -56,12 +56,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # The suite in two parts: TEST_WORKERS processes side by side (pytest-xdist, a test file per process), then the
-# serial tests alone (tests/conftest.py SERIAL_MODULES and @pytest.mark.serial: they measure time or pin cores).
-# --no-loadscope-reorder: files start in collection order, the longest first (tests/conftest.py LONGEST_FIRST).
-# The serial part collects only SERIAL_TESTS, the files that hold serial tests (tests/test_layout.py checks the list
-# against the markers): collecting every module imports every framework, 15 s of the serial part's 2.5 minutes.
+# serial tests alone (tests/conftest.py SERIAL_MODULES and @pytest.mark.serial: they judge times against bounds or
+# noise). --no-loadscope-reorder: files start in collection order, the longest first (tests/conftest.py
+# LONGEST_FIRST). The serial part collects only SERIAL_TESTS, the files that hold serial tests (tests/test_layout.py
+# checks the list against the markers): collecting every module imports every framework.
 SERIAL_TESTS := tests/execution/test_interruptions.py tests/execution/test_timing.py tests/execution/test_launcher.py \
-	tests/execution/test_scale_out.py tests/measure/test_sampler.py tests/studies/test_nightly.py
+	tests/measure/test_sampler.py tests/studies/test_nightly.py
 test: envs test-envs lint
 	$(PY) -m pytest -m "not gpu and not serial" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	$(PY) -m pytest -m "serial and not gpu" $(PYTEST_ARGS) $(SERIAL_TESTS)

@@ -55,28 +55,29 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 #: searches and compare run in the parallel part.
 SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 
-#: The parallel part's longest files, longest first (their seconds in the parallel part of make test in a fresh clone
-#: on this 2-core VM, 2026-11-26, in brackets): xdist hands whole files to its workers in collection order (``--dist
-#: loadfile --no-loadscope-reorder`` in the Makefile), so starting the long ones first keeps one of them from running
-#: alone at the end.
-LONGEST_FIRST = ("execution/test_forkserver.py",  # ~94: every framework forked and cold
-                 "studies/test_maxbatch.py",  # ~86: four real-cap searches, three at a time
+#: The parallel part's longest files, longest first (their seconds in the parallel part of make test on this 2-core
+#: VM, 2026-11-26, in brackets; the JAX files' with XLA's cache empty, as in a fresh clone): xdist hands whole files to
+#: its workers in collection order (``--dist loadfile --no-loadscope-reorder`` in the Makefile), so starting the long
+#: ones first keeps one of them from running alone at the end.
+LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~109: four real-cap searches, three at a time
+                 "execution/test_forkserver.py",  # ~95: every framework forked and cold
+                 "execution/test_scale_out.py",  # ~87: four Ray instances and pinned pairs, much of it waiting
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
-                 "test_gpu_check.py",  # ~56
-                 "studies/test_nightly.py",  # ~52 of it in the parallel part
-                 "adapters/test_keras_tensorflow.py",  # ~49
-                 "adapters/test_keras_torch.py",  # ~46
-                 "execution/test_environments.py",  # ~33
-                 "execution/test_data_parallel.py",  # ~30
-                 "results/test_results_data.py",  # ~29
-                 "adapters/test_pytorch_data_parallel.py",  # ~29
-                 "test_end_to_end.py",  # ~28: the four frameworks in their environments, then augmentation
-                 "results/test_report.py",  # ~28
-                 "studies/test_maxbatch_runs.py",  # ~26
-                 "execution/test_input_pipeline.py",  # ~25: eight trials reading an image folder
-                 "adapters/test_keras_native.py",  # ~24: a model of your own in the three Keras environments
-                 "adapters/test_tensorflow_data_parallel.py")  # ~23
+                 "studies/test_nightly.py",  # ~50 of it in the parallel part
+                 "adapters/test_keras_tensorflow.py",  # ~42
+                 "execution/test_environments.py",  # ~42
+                 "adapters/test_keras_torch.py",  # ~39
+                 "test_gpu_check.py",  # ~37
+                 "results/test_results_data.py",  # ~38
+                 "execution/test_data_parallel.py",  # ~33
+                 "adapters/test_keras_native.py",  # ~29: a model of your own in the three Keras environments
+                 "test_end_to_end.py",  # ~27: the four frameworks in their environments, then augmentation
+                 "adapters/test_pytorch_data_parallel.py",  # ~26
+                 "adapters/test_tensorflow_data_parallel.py",  # ~26
+                 "results/test_report.py",  # ~25
+                 "studies/test_maxbatch_runs.py",  # ~24
+                 "execution/test_input_pipeline.py")  # ~23: eight trials reading an image folder
 
 
 @pytest.hookimpl(tryfirst=True)

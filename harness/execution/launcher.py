@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from harness.execution import forkserver
+from harness.execution import forkserver, probes
 from harness.execution.entry import worker_command
 from harness.execution.protocol import Payload, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
@@ -225,17 +225,17 @@ atexit.register(SERVERS.close)
 
 def start_mode(payload: Payload) -> str:
     """How ``payload``'s worker starts: "forked" from a preloaded parent when the spec allows it (``worker_start:
-    auto``), the platform can, the framework's declaration says its imports are safe to fork from
-    (``Declaration.fork_safe``; an adapter of HARNESS_ADAPTERS has no declaration here) and the entry runs a plain
-    interpreter (a command prefix, a container, cannot receive the worker's streams); "cold" otherwise."""
+    auto``), the platform can, the entry runs a plain interpreter (a command prefix, a container, cannot receive the
+    worker's streams) and the adapter's declaration says its imports are safe to fork from (``Declaration.fork_safe``;
+    for an adapter of HARNESS_ADAPTERS, as its entry's probe read it: ``probes.declared_fork_safe``); else "cold"."""
     import adapters  # the registry of declarations: imports no framework
 
     trial = payload.trial
-    record = adapters.declaration(trial.framework)
-    if (payload.spec.worker_start != "auto" or trial.command or record is None or not record.fork_safe
-            or not forkserver.forkable()):
+    if payload.spec.worker_start != "auto" or trial.command or not forkserver.forkable():
         return "cold"
-    return "forked"
+    record = adapters.declaration(trial.framework)
+    entry = FrameworkEntry(name=trial.framework, python=trial.python)
+    return "forked" if (record.fork_safe if record else probes.declared_fork_safe(entry.argv(), entry.name)) else "cold"
 
 
 def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:

@@ -50,6 +50,7 @@ if not out["missing"]:
         import adapters
         adapter = adapters.get(name)()
         out["versions"] = adapter.versions()
+        out["fork_safe"] = bool(type(adapter).declaration.fork_safe)
         if device != "cpu":
             out["device_problem"] = adapter.device_problem(device)
         if model:  # a model of your own, checked in the same interpreter
@@ -68,6 +69,10 @@ def _probe_code() -> str:
 
 
 _CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
+#: (interpreter argv, adapter name, HARNESS_ADAPTERS) -> the adapter's ``Declaration.fork_safe``, as its probe read it
+#: from the class: what ``declared_fork_safe`` answers for an adapter of HARNESS_ADAPTERS, whose declaration this
+#: process never imports.
+_FORK_SAFE: dict[tuple[tuple[str, ...], str, str], bool] = {}
 #: ``via(code, args, timeout_s) -> (exit status, standard output, standard error)``: a probe run elsewhere.
 ProbeRunner = Callable[[str, list[str], float], "tuple[int, str, str] | None"]
 
@@ -131,7 +136,15 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
         raise ValueError(f"{entry.name} {what} {where} ({info['framework_error']})")
     info["argv"] = argv
     _CACHE[key] = info
+    _FORK_SAFE[(tuple(argv), entry.name, key[2])] = bool(info.get("fork_safe"))
     return info
+
+
+def declared_fork_safe(argv: list[str], name: str) -> bool | None:
+    """Whether adapter ``name`` in the interpreter ``argv`` declares its workers safe to fork
+    (``Declaration.fork_safe``), as a probe of this process read it there (``probe``); None when no probe of it has
+    run here (a Ray task's process, a worker started without a sweep)."""
+    return _FORK_SAFE.get((tuple(argv), name, os.environ.get("HARNESS_ADAPTERS", "")))
 
 
 def _answer(argv: list[str], args: list[str], env: dict[str, str], timeout_s: float,

@@ -32,10 +32,14 @@ def _ray_trial(payload: Payload, timeout_s: float, interval_s: float | None, thr
     Outcome and Placement as plain data. On a GPU, Ray has set CUDA_VISIBLE_DEVICES to the GPUs it granted
     (https://docs.ray.io/en/latest/ray-core/scheduling/accelerators.html): the worker trains on cuda:0 (a
     data-parallel trial on cuda:0..N-1), and the sampler maps those to NVML's numbers through the same variable;
-    the placement names the granted GPUs by Ray's ids (``ray.get_gpu_ids``, the node's physical indexes). A launcher
-    that raises gives the trial an ``error`` Outcome (``launcher_failed``), as on the local executor."""
+    the placement names the granted GPUs by Ray's ids (``ray.get_gpu_ids``, the node's physical indexes). The worker
+    starts cold (``worker_start: cold``): the task's process is Ray's, which kills it with the cluster, so a
+    preloaded parent started in it (``harness.execution.forkserver``) would be killed unable to remove its folder,
+    and would serve only the later tasks that happen to land in the same process. A launcher that raises gives the
+    trial an ``error`` Outcome (``launcher_failed``), as on the local executor."""
     import ray
 
+    payload = payload.model_copy(update={"spec": payload.spec.model_copy(update={"worker_start": "cold"})})
     device, devices = "cpu", None
     if gpu:
         ids = [int(i) for i in ray.get_gpu_ids()] or [0]

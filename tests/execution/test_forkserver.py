@@ -167,9 +167,9 @@ def test_a_data_parallel_trial_forks_rank_0_and_starts_its_ranks(tmp_path):
     assert record.settings["data_parallel"]["world_size"] == 2
 
 
-def test_what_starts_cold(tmp_path, fault_adapter):
-    """A spec asking for cold starts, an adapter without a declaration here (HARNESS_ADAPTERS), a command prefix:
-    cold, and the record says so."""
+def test_what_starts_cold(tmp_path, fault_adapter, monkeypatch):
+    """A spec asking for cold starts, an adapter of HARNESS_ADAPTERS no probe has read, a command prefix: cold."""
+    monkeypatch.setattr(probes, "_FORK_SAFE", {})
     assert launcher.start_mode(_payload(tmp_path, worker_start="cold")) == "cold"
     assert launcher.start_mode(_payload(tmp_path)) == "forked"
     spec = checked_spec(base_spec(frameworks=[fault_adapter]), tmp_path / "f.yaml")
@@ -179,6 +179,36 @@ def test_what_starts_cold(tmp_path, fault_adapter):
                             tmp_path / "p.yaml")
     (trial,) = plan(prefixed, "cpu")
     assert launcher.start_mode(Payload(trial=trial, spec=prefixed)) == "cold"
+
+
+def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declaration(tmp_path, monkeypatch,
+                                                                                      fault_adapter):
+    """HARNESS_ADAPTERS adapters are imported only in their workers' interpreters: cold until the entry's probe has
+    read the class's ``Declaration.fork_safe`` there; then a declared fork-safe one (the fault adapter) forks, one
+    that does not declare it (the data-parallel fault adapter) stays cold. A sweep probes first, so its trials fork
+    and train as cold ones do."""
+    from tests.fakes.fault_adapter import DATA_PARALLEL_REGISTRATION, REGISTRATION
+
+    monkeypatch.setenv("HARNESS_ADAPTERS", f"{REGISTRATION},{DATA_PARALLEL_REGISTRATION}")
+    monkeypatch.setattr(probes, "_CACHE", {})
+    monkeypatch.setattr(probes, "_FORK_SAFE", {})
+    payloads = {}
+    for name in ("fault", "fault_dp"):
+        spec = checked_spec(base_spec(frameworks=[name], batch_sizes=[16, 32], epochs=2), tmp_path / f"{name}.yaml")
+        payloads[name] = (spec, [Payload(trial=t, spec=spec) for t in plan(spec, "cpu")])
+        assert launcher.start_mode(payloads[name][1][0]) == "cold"  # nothing is known of its class yet
+        probes.probe(FrameworkEntry(name=name))
+    assert launcher.start_mode(payloads["fault"][1][0]) == "forked"
+    assert launcher.start_mode(payloads["fault_dp"][1][0]) == "cold"
+    spec = payloads["fault"][0]
+    forked = store.read_trials(sweep.run_spec(spec, tmp_path / "forked"))
+    cold = store.read_trials(sweep.run_spec(spec.model_copy(update={"worker_start": "cold"}), tmp_path / "cold"))
+    assert [(r.status, r.start) for r in forked] == [("ok", "forked")] * 2, [r.reason for r in forked]
+    assert [(r.status, r.start) for r in cold] == [("ok", "cold")] * 2, [r.reason for r in cold]
+    for a, b in zip(forked, cold):
+        assert [e.train_loss for e in a.metrics.epochs] == [e.train_loss for e in b.metrics.epochs]
+        assert a.metrics.test_accuracy == b.metrics.test_accuracy
+        assert a.phases.import_s < b.phases.import_s
 
 
 @pytest.mark.gpu
@@ -234,13 +264,15 @@ def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path, monke
     assert f"JAX's persistent cache in `{from_tests}`" in report.write(shared_dir).read_text()
 
 
-def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch):
+def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch,
+                                                                                          fault_adapter):
     """Without HARNESS_KEEP_FORK_SERVERS a sweep's end ends its parents; with it, the next sweep forks from the same
-    parent, and a changed variable (its children would inherit it) starts another."""
+    parent, and a changed variable (its children would inherit it) starts another. (The fault adapter's parents:
+    what a parent's life is does not depend on the framework it holds.)"""
     assert os.environ.get(launcher.KEEP_SERVERS_VARIABLE) == "1"  # tests/conftest.py sets it by name
     launcher.close_servers(force=True)
-    spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": ENVS["pytorch"]}], batch_sizes=[16],
-                                  epochs=1, cpu_threads=1), tmp_path / "s.yaml")
+    spec = checked_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[16], epochs=1, cpu_threads=1),
+                        tmp_path / "s.yaml")
     try:
         monkeypatch.setenv(launcher.KEEP_SERVERS_VARIABLE, "0")
         sweep.run_spec(spec, tmp_path / "a")
@@ -258,29 +290,29 @@ def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_ge
     assert launcher.SERVERS._servers == {} and not first.alive()
 
 
-def test_at_most_limit_parents_run_the_least_recently_used_ends_first(monkeypatch):
+def test_at_most_limit_parents_run_the_least_recently_used_ends_first(fault_adapter):
     from harness.execution import forkserver
 
     servers = forkserver.Servers(limit=1)
-    argv = [ENVS["mxnet"]]
+    argv = [sys.executable]
     try:
-        a = servers.get(argv, "mxnet", {"A": "1"})
-        assert servers.get(argv, "mxnet", {"A": "1"}) is a
-        b = servers.get(argv, "mxnet", {"A": "2"})
+        a = servers.get(argv, fault_adapter, {"A": "1"})
+        assert servers.get(argv, fault_adapter, {"A": "1"}) is a
+        b = servers.get(argv, fault_adapter, {"A": "2"})
         assert b is not a and b.alive() and not a.alive() and list(servers._servers.values()) == [b]
     finally:
         servers.close()
 
 
-def test_a_parent_whose_launcher_is_gone_removes_its_folder():
+def test_a_parent_whose_launcher_is_gone_removes_its_folder(fault_adapter):
     """A launcher killed by SIGKILL closes no server: the parent sees its standard input end, kills its children and
     removes its folder (socket and log) from the temporary directory itself; one ended by ``close`` leaves none."""
     from pathlib import Path
 
     from harness.execution import forkserver
 
-    gone = forkserver.Server([ENVS["mxnet"]], "mxnet", {})
-    closed = forkserver.Server([ENVS["mxnet"]], "mxnet", {})
+    gone = forkserver.Server([sys.executable], fault_adapter, {})
+    closed = forkserver.Server([sys.executable], fault_adapter, {})
     try:
         assert Path(gone.socket_path).exists() and Path(closed.socket_path).exists()
         gone.proc.stdin.close()  # what the launcher's death does, without its close()

@@ -28,9 +28,16 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 def _is_worker(process: psutil.Process) -> bool:
+    """A trial's worker: started cold (the bootstrap's command line), or forked from a preloaded parent (a child
+    of a process running harness.execution.forkserver, whose command line it keeps)."""
     try:
-        return process.status() != psutil.STATUS_ZOMBIE and "harness.execution.bootstrap" in " ".join(
-            process.cmdline())
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if "harness.execution.bootstrap" in " ".join(process.cmdline()):
+            return True
+        parent = process.parent()
+        return parent is not None and all("harness.execution.forkserver" in " ".join(p.cmdline())
+                                          for p in (process, parent))
     except psutil.Error:  # it ended meanwhile
         return False
 

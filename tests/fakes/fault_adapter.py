@@ -24,7 +24,8 @@ REGISTRATION = "fault=tests.fakes.fault_adapter:FaultAdapter"
 
 
 class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
-                                                    adapter="tests.fakes.fault_adapter:FaultAdapter")):
+                                                    adapter="tests.fakes.fault_adapter:FaultAdapter",
+                                                    fork_safe=True)):  # numpy only: forked, as a built-in would be
     def __init__(self, options=None) -> None:
         super().__init__(options)
         self.steps = 0
