@@ -62,6 +62,10 @@ lint: $(VENV)/.installed
 # checks the list against the markers): collecting every module imports every framework.
 SERIAL_TESTS := tests/execution/test_interruptions.py tests/execution/test_timing.py tests/execution/test_launcher.py \
 	tests/measure/test_sampler.py tests/studies/test_nightly.py
+# Bytecode caches on for the suite (Python's default; an image may turn them off with PYTHONDONTWRITEBYTECODE=1, as
+# this project's VM does): the suite starts hundreds of interpreters from this checkout, each of which would compile
+# the harness's sources again, and every pytest process would rewrite the asserts of every test module again.
+test: export PYTHONDONTWRITEBYTECODE :=
 test: envs test-envs lint
 	$(PY) -m pytest -m "not gpu and not serial" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	$(PY) -m pytest -m "serial and not gpu" $(PYTEST_ARGS) $(SERIAL_TESTS)
