@@ -46,13 +46,18 @@ os.environ.setdefault("KMP_BLOCKTIME", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / "build" / "xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# ... and what is compiled is compiled quickly: XLA's CPU backend at LLVM optimization level 0 (XLA's debug option
+# xla_backend_optimization_level; the programs are the same HLO with the same buffers, only their machine code is
+# less optimized): tests/adapters/jax_suite.py with an empty cache 49 -> 32 CPU-s (2026-11-26, one run each). No test
+# times a JAX step against a figure; a JAX trial records its XLA_FLAGS (its settings). XLA_FLAGS of yours win.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 #: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they
 #: hold one-second deadlines on killed processes (interruptions) or time the loop's windows (timing): a test running
 #: beside them would change what they measure. A single test of that kind elsewhere carries ``@pytest.mark.serial``
-#: itself, saying why: Ray instances and pinned cores (scale_out), trial timeouts (launcher), the nightly's planted
-#: regressions. Memory caps are per process (RLIMIT_DATA) and compare's runs are constructed, so the max-batch
-#: searches and compare run in the parallel part.
+#: itself, saying why: trial timeouts (launcher), the nightly's planted regressions. Ray instances and pinned cores
+#: (scale_out) run in the parallel part: they check statuses, cells and placements, not times. Memory caps are per
+#: process (RLIMIT_DATA) and compare's runs are constructed, so the max-batch searches and compare run there too.
 SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 
 #: The parallel part's longest files, longest first (their seconds in the parallel part of make test on this 2-core
