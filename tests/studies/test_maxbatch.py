@@ -418,8 +418,8 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=2000)
     assert not result.with_dataset and result.dataset_bytes is None and result.limit == 2000
     # without it, synthetic data of the dataset's shape: as many as a run holds (digits: 1438 training and 359
-    # test images), more training images where the batch needs more; one optimizer step per epoch all the same
-    assert payloads[0].spec.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch == 1
+    # test images), more training images where the batch needs more
+    assert payloads[0].spec.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch is None
     assert payloads[0].spec.dataset.size == 1438 and payloads[0].spec.dataset.test_size == 359
     assert payloads[-1].spec.dataset.size == 2000 and payloads[-1].spec.dataset.test_size == 359
     assert result.run_data["train_size"] == 1438 and result.run_data["test_size"] == 359

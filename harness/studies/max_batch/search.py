@@ -239,9 +239,9 @@ class _Search:
         else:
             pspec = probe_spec(self.spec, self.framework, batch_size, limit_mb, self.device, self.spec_file,
                                self.with_dataset, self.dp, self.run_sizes)
-            # one optimizer step per epoch (PROBE_EPOCHS of them): the probe holds a run's data (the whole dataset
-            # with --with-dataset, else as many synthetic samples), not a run's steps (harness.execution.loop)
-            trial = replace(plan(pspec, self.device)[0], max_steps_per_epoch=1)
+            trial = plan(pspec, self.device)[0]
+            if self.with_dataset:  # the whole dataset resident, but one step per epoch (see harness.execution.worker)
+                trial = replace(trial, max_steps_per_epoch=1)
         return run_worker(Payload(trial=trial, spec=pspec), self.timeout_s, interval_s, self.device, trial.threads)
 
     def _control(self, batch_size: int, status: str, reason: str, kind: str = "probe") -> tuple[str, str]:
