@@ -64,11 +64,11 @@ SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 #: VM, 2026-11-26, in brackets; the JAX files' with XLA's cache empty, as in a fresh clone): xdist hands whole files to
 #: its workers in collection order (``--dist loadfile --no-loadscope-reorder`` in the Makefile), so starting the long
 #: ones first keeps one of them from running alone at the end.
-LONGEST_FIRST = ("execution/test_forkserver.py",  # ~95: every framework forked and cold
+LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~94: four real-cap searches, three at a time
+                 "execution/test_forkserver.py",  # ~95: every framework forked and cold
                  "execution/test_scale_out.py",  # ~87: four Ray instances and pinned pairs, much of it waiting
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
-                 "studies/test_maxbatch.py",  # ~50: four real-cap searches, three at a time
                  "studies/test_nightly.py",  # ~50 of it in the parallel part
                  "adapters/test_keras_tensorflow.py",  # ~42
                  "execution/test_environments.py",  # ~42
