@@ -64,8 +64,8 @@ SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 #: VM, 2026-11-26, in brackets; the JAX files' with XLA's cache empty, as in a fresh clone): xdist hands whole files to
 #: its workers in collection order (``--dist loadfile --no-loadscope-reorder`` in the Makefile), so starting the long
 #: ones first keeps one of them from running alone at the end.
-LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~94: four real-cap searches, three at a time
-                 "execution/test_forkserver.py",  # ~95: every framework forked and cold
+LONGEST_FIRST = ("execution/test_forkserver.py",  # ~95: every framework forked and cold
+                 "studies/test_maxbatch.py",  # ~94: four real-cap searches, three at a time
                  "execution/test_scale_out.py",  # ~87: four Ray instances and pinned pairs, much of it waiting
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
@@ -73,8 +73,8 @@ LONGEST_FIRST = ("studies/test_maxbatch.py",  # ~94: four real-cap searches, thr
                  "adapters/test_keras_tensorflow.py",  # ~42
                  "execution/test_environments.py",  # ~42
                  "adapters/test_keras_torch.py",  # ~39
-                 "test_gpu_check.py",  # ~37
                  "results/test_results_data.py",  # ~38
+                 "test_gpu_check.py",  # ~37
                  "execution/test_data_parallel.py",  # ~33
                  "adapters/test_keras_native.py",  # ~29: a model of your own in the three Keras environments
                  "test_end_to_end.py",  # ~27: the four frameworks in their environments, then augmentation

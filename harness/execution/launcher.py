@@ -224,18 +224,18 @@ atexit.register(SERVERS.close)
 
 
 def start_mode(payload: Payload) -> str:
-    """How ``payload``'s worker starts: "forked" from a preloaded parent when the spec allows it (``worker_start:
-    auto``), the platform can, the entry runs a plain interpreter (a command prefix, a container, cannot receive the
-    worker's streams) and the adapter's declaration says its imports are safe to fork from (``Declaration.fork_safe``;
-    for an adapter of HARNESS_ADAPTERS, as its entry's probe read it: ``probes.declared_fork_safe``); else "cold"."""
+    """How ``payload``'s worker starts: "forked" from a preloaded parent when ``worker_start: auto``, the platform
+    can, the entry is a plain interpreter (a prefix, a container, cannot receive the worker's streams) and the
+    adapter declares ``fork_safe`` (of HARNESS_ADAPTERS: as its probe read it, ``probes.declared_fork_safe``);
+    else "cold"."""
     import adapters  # the registry of declarations: imports no framework
 
     trial = payload.trial
     if payload.spec.worker_start != "auto" or trial.command or not forkserver.forkable():
         return "cold"
     record = adapters.declaration(trial.framework)
-    entry = FrameworkEntry(name=trial.framework, python=trial.python)
-    return "forked" if (record.fork_safe if record else probes.declared_fork_safe(entry.argv(), entry.name)) else "cold"
+    safe = record.fork_safe if record else probes.declared_fork_safe(trial.framework, trial.python)
+    return "forked" if safe else "cold"
 
 
 def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:

@@ -105,8 +105,7 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     argv = entry.argv()
     needed, loader = needed or {}, loader or {}
     request = json.dumps(model, sort_keys=True) if model is not None else ""
-    key = (tuple(argv), entry.name, os.environ.get("HARNESS_ADAPTERS", ""), device, tuple(sorted(needed)),
-           tuple(sorted(loader)), request)
+    key = (*_entry_key(entry), device, tuple(sorted(needed)), tuple(sorted(loader)), request)
     if key in _CACHE:
         return _CACHE[key]
     shown = " ".join(argv)
@@ -136,15 +135,20 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
         raise ValueError(f"{entry.name} {what} {where} ({info['framework_error']})")
     info["argv"] = argv
     _CACHE[key] = info
-    _FORK_SAFE[(tuple(argv), entry.name, key[2])] = bool(info.get("fork_safe"))
+    _FORK_SAFE[_entry_key(entry)] = bool(info.get("fork_safe"))
     return info
 
 
-def declared_fork_safe(argv: list[str], name: str) -> bool | None:
-    """Whether adapter ``name`` in the interpreter ``argv`` declares its workers safe to fork
+def _entry_key(entry: FrameworkEntry) -> tuple[tuple[str, ...], str, str]:
+    """What identifies an entry's adapter class here: its interpreter's argv, its name, and HARNESS_ADAPTERS."""
+    return tuple(entry.argv()), entry.name, os.environ.get("HARNESS_ADAPTERS", "")
+
+
+def declared_fork_safe(name: str, python: str | None) -> bool | None:
+    """Whether adapter ``name`` in the interpreter ``python`` (None: this one) declares its workers safe to fork
     (``Declaration.fork_safe``), as a probe of this process read it there (``probe``); None when no probe of it has
     run here (a Ray task's process, a worker started without a sweep)."""
-    return _FORK_SAFE.get((tuple(argv), name, os.environ.get("HARNESS_ADAPTERS", "")))
+    return _FORK_SAFE.get(_entry_key(FrameworkEntry(name=name, python=python)))
 
 
 def _answer(argv: list[str], args: list[str], env: dict[str, str], timeout_s: float,

@@ -192,15 +192,15 @@ def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declar
     monkeypatch.setenv("HARNESS_ADAPTERS", f"{REGISTRATION},{DATA_PARALLEL_REGISTRATION}")
     monkeypatch.setattr(probes, "_CACHE", {})
     monkeypatch.setattr(probes, "_FORK_SAFE", {})
-    payloads = {}
+    specs, payloads = {}, {}
     for name in ("fault", "fault_dp"):
-        spec = checked_spec(base_spec(frameworks=[name], batch_sizes=[16, 32], epochs=2), tmp_path / f"{name}.yaml")
-        payloads[name] = (spec, [Payload(trial=t, spec=spec) for t in plan(spec, "cpu")])
-        assert launcher.start_mode(payloads[name][1][0]) == "cold"  # nothing is known of its class yet
+        specs[name] = checked_spec(base_spec(frameworks=[name], batch_sizes=[16, 32], epochs=2), tmp_path / f"{name}.y")
+        payloads[name] = Payload(trial=plan(specs[name], "cpu")[0], spec=specs[name])
+        assert launcher.start_mode(payloads[name]) == "cold"  # nothing is known of its class yet
         probes.probe(FrameworkEntry(name=name))
-    assert launcher.start_mode(payloads["fault"][1][0]) == "forked"
-    assert launcher.start_mode(payloads["fault_dp"][1][0]) == "cold"
-    spec = payloads["fault"][0]
+    assert launcher.start_mode(payloads["fault"]) == "forked"
+    assert launcher.start_mode(payloads["fault_dp"]) == "cold"
+    spec = specs["fault"]
     forked = store.read_trials(sweep.run_spec(spec, tmp_path / "forked"))
     cold = store.read_trials(sweep.run_spec(spec.model_copy(update={"worker_start": "cold"}), tmp_path / "cold"))
     assert [(r.status, r.start) for r in forked] == [("ok", "forked")] * 2, [r.reason for r in forked]
