@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 import threading
-from typing import TextIO
+from collections.abc import Callable
+from typing import NoReturn, TextIO
 
 EXIT_ORPHANED = 70  # the launcher went away (standard input closed) before the trial ended
 
@@ -72,6 +73,32 @@ def die_with_parent(parent: int) -> bool:
     if os.getppid() != parent:  # the parent died before the call took effect
         os._exit(EXIT_ORPHANED)
     return True
+
+
+def exit_with(entry: Callable[[], int]) -> NoReturn:
+    """Runs ``entry`` and ends the process with the status it returns (1 when it raised: the traceback on standard
+    error; a ``SystemExit``'s code), through ``os._exit`` once standard output and error are flushed: a worker's
+    events and a server's announcement are written by then, and what the interpreter's shutdown would add is only
+    the frameworks' own teardown (module finalizers, ``atexit`` handlers: 0.2-2.3 CPU-s for JAX, PyTorch and
+    TensorFlow on this project's CPU VM), which the launcher would otherwise wait for. ``atexit`` handlers of the
+    harness that must run wrap ``os._exit`` (``harness.execution.limits``). The cold worker, the forked one and the
+    fork server end so (``harness.execution.entry.BOOTSTRAP``, ``harness.execution.forkserver``)."""
+    code = 1
+    try:
+        code = entry()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported on standard error, the trial's log
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def main() -> int:

@@ -11,9 +11,10 @@ from harness.spec.frameworks import ROOT
 #: The mark of the environment probe's one report line (``harness.execution.environments``).
 PROBE_PREFIX = "@harness-probe "
 #: What ``-c`` runs in the worker's interpreter: ROOT (the folder holding the harness, its first argument) first on
-#: ``sys.path`` (the harness need not be installed there), then the bootstrap.
+#: ``sys.path`` (the harness need not be installed there), then the bootstrap, which ends the process through
+#: ``os._exit`` (``harness.execution.bootstrap.exit_with``).
 BOOTSTRAP = ("import sys; sys.path.insert(0, sys.argv[1]); "
-             "from harness.execution.bootstrap import main; sys.exit(main())")
+             "from harness.execution.bootstrap import exit_with, main; exit_with(main)")
 
 
 def worker_command(prefix: Sequence[str]) -> list[str]:

@@ -35,9 +35,12 @@ from typing import Any
 
 from harness.execution.entry import ROOT
 
-#: What ``-c`` runs in the entry's interpreter to start a server: ROOT first on ``sys.path``, then ``serve``.
+#: What ``-c`` runs in the entry's interpreter to start a server: ROOT first on ``sys.path``, then ``serve``, ended
+#: through ``os._exit`` as a worker is (``harness.execution.bootstrap.exit_with``: the preloaded framework's teardown
+#: skipped).
 SERVER = ("import sys; sys.path.insert(0, sys.argv[1]); "
-          "from harness.execution.forkserver import serve; sys.exit(serve(sys.argv[2], sys.argv[3]))")
+          "from harness.execution.bootstrap import exit_with; from harness.execution.forkserver import serve; "
+          "exit_with(lambda: serve(sys.argv[2], sys.argv[3]))")
 READY_TIMEOUT_S = 300.0  # importing a framework can take a while on a loaded machine
 
 
@@ -114,10 +117,11 @@ def _remove_folder(socket_path: str) -> None:
 def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseSelector, probe: bool = False) -> None:
     """In the forked child: a session of its own (the launcher kills the trial's process group), the trial's
     streams on 0, 1 and 2, default signal handling, then the bootstrap's ``main`` (or, for ``probe``,
-    ``_run_probe``); exits without returning to the parent's loop (``os._exit``: the parent's finalizers are not the
-    child's)."""
-    code = 1
-    try:
+    ``_run_probe``); exits without returning to the parent's loop (``bootstrap.exit_with``: ``os._exit``, the
+    parent's finalizers are not the child's)."""
+    from harness.execution import bootstrap
+
+    def start() -> int:
         os.setsid()
         selector.close()
         for sock in close:
@@ -126,25 +130,9 @@ def _child(fds: list[int], close: list[socket.socket], selector: selectors.BaseS
             os.dup2(fd, target)
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        if probe:
-            code = _run_probe()
-        else:
-            from harness.execution.bootstrap import main
+        return _run_probe() if probe else bootstrap.main()
 
-            code = main()
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    except BaseException:  # noqa: BLE001 - reported on the child's standard error, the trial's log
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+    bootstrap.exit_with(start)
 
 
 def _run_probe() -> int:
@@ -283,11 +271,19 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def close(self) -> None:
-        """Ends the server (its standard input closed: it kills the children still running and exits)."""
+    def end(self) -> None:
+        """Tells the server to end (its standard input closed: it kills the children still running and exits) without
+        waiting for it: ``close`` waits."""
         try:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Ends the server (``end``) and waits for it, at most 10 s before it is killed."""
+        self.end()
+        try:
             self.proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             _kill(self.proc.pid)
@@ -332,8 +328,11 @@ class Servers:
         return server
 
     def close(self) -> None:
+        """Ends every server, all told at once, then each waited for."""
         with self._lock:
             servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
+            server.end()
         for server in servers:
             server.close()
 
