@@ -181,8 +181,9 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
         data = (f"on synthetic images of the spec's shape and classes ({probe_data(result)}: at least "
                 f"{spec.accumulation_steps} x B training and B test images, inside the cap)")
     lines += ["", "## Method", "",
-              f"Each probe is one worker process{_group(result)}: {PROBE_EPOCHS} optimizer steps (one per epoch, no "
-              f"warm-up) and an evaluation at the batch size, {data}. "
+              f"Each probe is one worker process{_group(result)}: {PROBE_EPOCHS} epochs without warm-up, "
+              f"{'one optimizer step' if result.with_dataset else 'every step over its training images'} and an "
+              f"evaluation at the batch size each, {data}. "
               "OOM is the worker's status `oom` (the framework's own out-of-memory error); any other failure stops "
               "the search. The answer (and the recommendation) was ok in two probes, each in a fresh worker; a size "
               "that was ok in one probe and out of memory in another fits only sometimes: it is reported in the "
