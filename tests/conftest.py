@@ -61,28 +61,29 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
 
 #: The parallel part's longest files, longest first (their seconds in the parallel part of make test on this 2-core
-#: VM, 2026-11-26, in brackets; the JAX files' with XLA's cache empty, as in a fresh clone): xdist hands whole files to
-#: its workers in collection order (``--dist loadfile --no-loadscope-reorder`` in the Makefile), so starting the long
-#: ones first keeps one of them from running alone at the end.
-LONGEST_FIRST = ("execution/test_forkserver.py",  # ~95: every framework forked and cold
-                 "studies/test_maxbatch.py",  # ~94: four real-cap searches, three at a time
-                 "execution/test_scale_out.py",  # ~87: four Ray instances and pinned pairs, much of it waiting
+#: VM, 2026-11-27, in brackets; the JAX files' with XLA's cache empty and keras-torch's with TorchInductor's, as in a
+#: fresh clone): xdist hands whole files to its workers in collection order (``--dist loadfile
+#: --no-loadscope-reorder`` in the Makefile), so starting the long ones first keeps one of them from running alone at
+#: the end.
+LONGEST_FIRST = ("execution/test_scale_out.py",  # ~103: Ray instances and pinned pairs, much of it waiting
+                 "execution/test_forkserver.py",  # ~91: every framework forked and cold
+                 "adapters/test_keras_torch.py",  # ~83: its suite (TorchInductor compiling C++) and scenarios
+                 "studies/test_maxbatch.py",  # ~83: four real-cap searches, three at a time
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
-                 "studies/test_nightly.py",  # ~50 of it in the parallel part
-                 "adapters/test_keras_tensorflow.py",  # ~42
-                 "execution/test_environments.py",  # ~42
-                 "adapters/test_keras_torch.py",  # ~39
-                 "results/test_results_data.py",  # ~38
-                 "test_gpu_check.py",  # ~37
-                 "execution/test_data_parallel.py",  # ~33
+                 "studies/test_nightly.py",  # ~58 of it in the parallel part
+                 "adapters/test_keras_tensorflow.py",  # ~55
+                 "execution/test_environments.py",  # ~47
+                 "adapters/test_pytorch_data_parallel.py",  # ~45
+                 "test_gpu_check.py",  # ~41
+                 "results/test_results_data.py",  # ~34
+                 "adapters/test_tensorflow_data_parallel.py",  # ~34
+                 "execution/test_data_parallel.py",  # ~31
                  "adapters/test_keras_native.py",  # ~29: a model of your own in the three Keras environments
                  "test_end_to_end.py",  # ~27: the four frameworks in their environments, then augmentation
-                 "adapters/test_pytorch_data_parallel.py",  # ~26
-                 "adapters/test_tensorflow_data_parallel.py",  # ~26
-                 "results/test_report.py",  # ~25
-                 "studies/test_maxbatch_runs.py",  # ~24
-                 "execution/test_input_pipeline.py")  # ~23: eight trials reading an image folder
+                 "results/test_report.py",  # ~26
+                 "execution/test_input_pipeline.py",  # ~23: eight trials reading an image folder
+                 "studies/test_maxbatch_runs.py")  # ~22
 
 
 @pytest.hookimpl(tryfirst=True)

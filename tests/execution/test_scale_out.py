@@ -134,17 +134,17 @@ def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray,
 
 
 def test_a_node_lost_mid_trial_is_crashed_and_the_sweep_goes_on(no_ray, fault_adapter, monkeypatch, tmp_path):
-    """A simulated cluster of two 1-CPU nodes (``ray.cluster_utils.Cluster``); one node is removed while both run a
-    trial: that trial is ``crashed`` with the reason "node lost", the other and every later trial complete on the
-    node left."""
+    """A simulated cluster of two 1-CPU nodes (``ray.cluster_utils.Cluster``: the head and one more); the second
+    node is removed while both run a trial: that trial is ``crashed`` with the reason "node lost", the other and
+    every later trial complete on the head, the node left."""
     from ray.cluster_utils import Cluster
 
     # the first two trials (one per node) take about 8 s: long enough to lose a node in one; the later two are fast
     monkeypatch.setenv("HARNESS_STEP_SLEEP", "16:0.1,32:0.1")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     remover = None
     try:
-        nodes = [cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)]
+        nodes = [cluster.head_node, cluster.add_node(num_cpus=1)]
         cluster.wait_for_nodes()
         spec = checked_spec(base_spec(frameworks=["fault"], batch_sizes=[16, 32, 64, 128], warmup_steps=1),
                             tmp_path / "s.yaml")
