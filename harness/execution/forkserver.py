@@ -80,8 +80,11 @@ def serve(socket_path: str, framework: str) -> int:
                 _child(fds, [listener, conn], selector, kind == b"probe")  # never returns
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"pid {pid}\n".encode())
-            children[pid] = conn
+            try:
+                conn.sendall(f"pid {pid}\n".encode())
+            except OSError:  # that launcher hung up before the answer: its child (no payload read yet, so no
+                os.kill(pid, signal.SIGKILL)  # process of its own) goes, and the server serves on
+            children[pid] = conn  # reaped below either way
         while children:  # reap: each child's exit status goes back to its launcher
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)

@@ -323,3 +323,41 @@ def test_a_parent_whose_launcher_is_gone_removes_its_folder(fault_adapter):
     finally:
         gone.close()
         closed.close()
+
+
+def test_a_launcher_that_hangs_up_before_the_fork_is_answered_costs_one_child_not_the_parent(fault_adapter):
+    """A launcher can die between sending its request and reading the child's pid (seen: a parent ended by
+    BrokenPipeError and left its folder): the parent kills that child, answers the next request and serves on. The
+    parent is stopped (SIGSTOP) while the request is sent and the connection closed, so its answer always meets a
+    closed peer."""
+    import select
+    import socket
+    import tempfile
+
+    from harness.execution import forkserver
+
+    server = forkserver.Server([sys.executable], fault_adapter, {})
+    try:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with tempfile.TemporaryFile() as err:
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.connect(server.socket_path)  # queued by the kernel while the parent is stopped
+                socket.send_fds(conn, [b"trial"], [stdin_r, stdout_w, err.fileno()])
+                conn.close()
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        for fd in (stdin_r, stdout_w):
+            os.close(fd)
+        status, out, _ = server.probe("import sys; print('still serving', sys.argv[1])", ["yes"], 60)
+        assert (status, out) == (0, "still serving yes\n") and server.alive()
+        # the abandoned child is gone: nothing holds its standard output open any more
+        assert select.select([stdout_r], [], [], 10)[0] and os.read(stdout_r, 100) == b""
+        for fd in (stdin_w, stdout_r):
+            os.close(fd)
+        server.log.seek(0)
+        assert b"Traceback" not in server.log.read()
+    finally:
+        server.close()
