@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from harness.execution.launcher import Outcome
 
 CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
-PROBE_EPOCHS = 3  # each every step over the probe's data (with_dataset: its first step), then an evaluation
+PROBE_EPOCHS = 3  # each: every step over the probe's data (with_dataset: the first step only), an evaluation
 STATUSES = ("found", "no_oom", "nothing_fits", "stopped")
 
 
