@@ -53,12 +53,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 #: Test modules that run alone, after the parallel part of ``make test`` (pytest-xdist, ``-m "not serial"``): they
-#: hold one-second deadlines on killed processes (interruptions) or time the loop's windows (timing): a test running
-#: beside them would change what they measure. A single test of that kind elsewhere carries ``@pytest.mark.serial``
-#: itself, saying why: trial timeouts (launcher), the nightly's planted regressions. Ray instances and pinned cores
-#: (scale_out) run in the parallel part: they check statuses, cells and placements, not times. Memory caps are per
-#: process (RLIMIT_DATA) and compare's runs are constructed, so the max-batch searches and compare run there too.
-SERIAL_MODULES = frozenset({"test_interruptions", "test_timing"})
+#: time the loop's windows (timing): a test running beside them would change what they measure. A single test of
+#: that kind elsewhere carries ``@pytest.mark.serial`` itself, saying why: one-second deadlines on killed processes
+#: (interruptions), trial timeouts (launcher), planted slowdowns judged against noise (nightly). Ray instances and
+#: pinned cores (scale_out) run in the parallel part: they check statuses, cells and placements, not times. Memory
+#: caps are per process (RLIMIT_DATA) and compare's runs are constructed, so the max-batch searches and compare run
+#: there too.
+SERIAL_MODULES = frozenset({"test_timing"})
 
 #: The parallel part's longest files, longest first (their seconds in the parallel part of make test on this 2-core
 #: VM, 2026-11-27, in brackets; the JAX files' with XLA's cache empty and keras-torch's with TorchInductor's, as in a

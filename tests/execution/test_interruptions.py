@@ -77,10 +77,11 @@ def test_sigterm_and_sighup_record_the_interruption_and_resume_finishes(fault_ad
     worker = wait_for_worker(proc, out, finished=1)
     time.sleep(0.5)
     proc.send_signal(signum)
-    sent = time.monotonic()
-    _, stderr = proc.communicate(timeout=30)
+    _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == status, stderr[-2000:]
-    assert wait_gone(worker, 5) is not None and time.monotonic() - sent < 10, "the worker outlived the run"
+    # the run waited for its worker's end before exiting (the launcher's close): gone already, not within a time
+    # (how fast a worker dies with its orchestrator: test_the_worker_dies_within_a_second_of_its_orchestrator)
+    assert wait_gone(worker, 0.5) is not None, "the worker outlived the run"
     assert f"interrupted by {signal.Signals(signum).name}" in stderr and "--resume" in stderr
     run_dir = next(out.iterdir())
     run = json.loads((run_dir / "run.json").read_text())
@@ -100,6 +101,7 @@ def test_sigterm_and_sighup_record_the_interruption_and_resume_finishes(fault_ad
     assert ids == ["fault-bs16-r0", "fault-bs1-r0"]
 
 
+@pytest.mark.serial  # judges how soon the worker ends against a bound of one second
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_the_worker_dies_within_a_second_of_its_orchestrator(fault_adapter, write_spec, tmp_path, signum):
     """SIGKILL leaves the orchestrator no say: the worker sees its standard input close (and, on Linux, its parent

@@ -139,8 +139,12 @@ def test_a_node_lost_mid_trial_is_crashed_and_the_sweep_goes_on(no_ray, fault_ad
     every later trial complete on the head, the node left."""
     from ray.cluster_utils import Cluster
 
-    # the first two trials (one per node) take about 8 s: long enough to lose a node in one; the later two are fast
-    monkeypatch.setenv("HARNESS_STEP_SLEEP", "16:0.1,32:0.1")
+    # the first two trials (one per node) train for about 4.5 s each, the later two are fast; the second node is
+    # removed once both first trials have begun to train (each worker marks its first step in ``marks``)
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "16:0.05,32:0.1")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("HARNESS_STEP_MARKS", str(marks))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     remover = None
     try:
@@ -152,8 +156,10 @@ def test_a_node_lost_mid_trial_is_crashed_and_the_sweep_goes_on(no_ray, fault_ad
         assert executor.capacity == 2
 
         def remove_second_node():
-            time.sleep(3.0)  # both first trials have started on their nodes and are training
-            cluster.remove_node(nodes[1])
+            deadline = time.monotonic() + 120
+            while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            cluster.remove_node(nodes[1])  # both first trials are training on their nodes
 
         def on_start(trial, index, total):
             nonlocal remover
@@ -209,7 +215,7 @@ def test_a_killed_driver_on_ray_is_resumed(no_ray, fault_adapter, monkeypatch, w
     assert 1 <= len(first) < 4
     done = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--resume", str(run_dir),
                            "--no-progress", "--executor", "ray"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "HARNESS_STEP_SLEEP": ""})  # nothing to wait for now
     assert done.returncode == 0, done.stderr[-2000:]
     records = store.read_trials(run_dir)
     assert sorted(r.id for r in records) == sorted(f"fault-bs{b}-r0" for b in (16, 32, 64, 128))
@@ -239,7 +245,8 @@ def test_a_parallel_run_stopped_by_sigterm_kills_its_workers_and_resumes(fault_a
     assert not alive, alive
     run_dir = next(out.iterdir())
     assert json.loads((run_dir / "run.json").read_text())["interrupted"]["by"] == "SIGTERM"
-    done = subprocess.run([*argv, "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*argv, "--resume", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HARNESS_STEP_SLEEP": ""})  # nothing to wait for now
     assert done.returncode == 0, done.stderr[-2000:]
     records = store.read_trials(run_dir)
     assert sorted(r.id for r in records) == sorted(f"fault-bs{b}-r0" for b in (8, 16, 32, 64, 128))

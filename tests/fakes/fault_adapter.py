@@ -2,9 +2,12 @@
 injects faults chosen per batch size by the environment variable HARNESS_FAULT, e.g. "8:raise,16:kill,32:hang".
 
 Faults (at the third train_step): raise (ValueError), oom (MemoryError, which this adapter classifies as OOM),
-kill (SIGKILL to itself), segv (SIGSEGV to itself), hang (sleeps forever), exit (os._exit(3) without a report).
+kill (SIGKILL to itself), segv (SIGSEGV to itself), hang (sleeps forever), exit (os._exit(3) without a report); and
+frozen (every step leaves the weights as they were: the test accuracy stays that of the zero weights, a regression
+that no timing noise can hide or fake).
 HARNESS_STEP_SLEEP, e.g. "*:0.002,64:0.004", sleeps that many seconds in every train_step of that batch size ("*" for
-any): a stable step time, and a planted slowdown for the comparison tests.
+any): a stable step time, and a planted slowdown for the comparison tests. HARNESS_STEP_MARKS, a folder: the first
+train_step of each worker creates the file ``bs<batch size>-<pid>`` there (a test waits for training to start).
 Registered for a test with HARNESS_ADAPTERS="fault=tests.fakes.fault_adapter:FaultAdapter".
 """
 
@@ -68,6 +71,9 @@ class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
         return spec.get(str(batch_size), spec.get("*"))
 
     def _maybe_fault(self, batch_size):
+        if self.steps == 0 and (folder := os.environ.get("HARNESS_STEP_MARKS")):
+            with open(os.path.join(folder, f"bs{batch_size}-{os.getpid()}"), "w"):
+                pass
         if (pause := self._setting("HARNESS_STEP_SLEEP", batch_size)) is not None:
             time.sleep(float(pause))
         fault = self._setting("HARNESS_FAULT", batch_size)
@@ -106,7 +112,8 @@ class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
         self.loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
         self.loss_sum, self._loss_steps = self.loss_sum + self.loss, self._loss_steps + 1
         p[np.arange(len(y)), y] -= 1
-        self.w -= self.lr * x.T @ p / len(y)
+        if self._setting("HARNESS_FAULT", len(indices)) != "frozen":
+            self.w -= self.lr * x.T @ p / len(y)
         self.steps += 1
 
     def wait(self):
