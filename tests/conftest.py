@@ -70,9 +70,9 @@ LONGEST_FIRST = ("execution/test_scale_out.py",  # ~103: Ray instances and pinne
                  "execution/test_forkserver.py",  # ~91: every framework forked and cold
                  "adapters/test_keras_torch.py",  # ~83: its suite (TorchInductor compiling C++) and scenarios
                  "studies/test_maxbatch.py",  # ~83: four real-cap searches, three at a time
+                 "studies/test_nightly.py",  # ~70 of it in the parallel part, the nightly script's test included
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
-                 "studies/test_nightly.py",  # ~58 of it in the parallel part
                  "adapters/test_keras_tensorflow.py",  # ~55
                  "execution/test_environments.py",  # ~47
                  "adapters/test_pytorch_data_parallel.py",  # ~45
