@@ -36,7 +36,24 @@ def add_parser(sub: Any) -> None:
     compare.set_defaults(handler=handle)
 
 
+def _usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments themselves, before a run is read (and before compare's statistics are
+    imported, about a second: a wrong command line answers at once)."""
+    if not 0 < args.alpha < 1:
+        return f"--alpha must be between 0 and 1, not {args.alpha:g}"
+    if args.rows and (args.new_run or args.history or args.drift_pct is not None):
+        return "--rows compares two rows of one run: give one run and no --history or --drift-pct"
+    if not args.rows and not args.new_run:
+        return "give two runs, or one run and --rows BASE_ROW NEW_ROW"
+    if args.drift_pct is not None and args.drift_pct < 0:
+        return f"the drift must be 0 or more percent, not {args.drift_pct:g}"
+    return None
+
+
 def handle(args: argparse.Namespace) -> int:
+    if (problem := _usage_error(args)) is not None:
+        print(f"harness compare: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     from rich.table import Table
 
     from harness.studies.compare import (
@@ -47,16 +64,10 @@ def handle(args: argparse.Namespace) -> int:
     )
 
     try:
-        if not 0 < args.alpha < 1:
-            raise ValueError(f"--alpha must be between 0 and 1, not {args.alpha:g}")
         if args.rows:
-            if args.new_run or args.history or args.drift_pct is not None:
-                raise ValueError("--rows compares two rows of one run: give one run and no --history or --drift-pct")
             rows, summary = compare_rows(args.base_run, args.rows[0], args.rows[1], args.threshold, alpha=args.alpha)
             default_out = Path(args.base_run) / "compare-rows.md"
         else:
-            if not args.new_run:
-                raise ValueError("give two runs, or one run and --rows BASE_ROW NEW_ROW")
             rows, summary = compare_runs(args.base_run, args.new_run, args.threshold, alpha=args.alpha,
                                          history_file=args.history, history_runs=args.history_runs,
                                          **({} if args.drift_pct is None else {"drift_pct": args.drift_pct}))

@@ -323,3 +323,15 @@ def test_a_stored_version_1_run_compares_and_enters_the_history(tmp_path):
     assert {(r.framework, r.batch_size, r.verdict) for r in throughput} == {
         ("fault (fp16)", 15, "failed in base"), ("fault (fp32)", 15, "same"), ("fault (fp32)", 16, "same")}
     assert all(r.base == r.new for r in throughput if r.verdict == "same")
+
+
+def test_a_wrong_command_line_is_answered_before_compare_is_imported():
+    """The arguments' own errors (exit 2) come before any run is read and before compare's statistics (scipy,
+    pandas) are imported."""
+    code = ("import sys\nfrom harness.cli import main\n"
+            "codes = [main(argv) for argv in (['compare', 'a'], ['compare', 'a', 'b', '--drift-pct', '-1'],"
+            " ['compare', 'a', '--rows', 'x', 'y', '--history', 'h'], ['compare', 'a', 'b', '--alpha', '0'])]\n"
+            "print(codes, 'harness.studies.compare' in sys.modules, 'scipy' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["[2,", "2,", "2,", "2]", "False", "False"], proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 4 and "Traceback" not in proc.stderr, proc.stderr
