@@ -1,7 +1,8 @@
 """What test modules share besides fixtures (tests/conftest.py holds those): the base spec, the folder made once for
 every xdist worker, a trial for the shared loop alone, run options from flat data, trial records and run directories
-built by hand, the rendered-report comparison, fake workers for the max-batch search, and process helpers for runs
-that are started or killed. The adapter tests' kit is tests/adapters/kit.py; no test module imports another."""
+built by hand, a run's report text, the rendered-report comparison, fake workers for the max-batch search, and
+process helpers for runs that are started or killed. The adapter tests' kit is tests/adapters/kit.py; no test module
+imports another."""
 
 from __future__ import annotations
 
@@ -180,6 +181,17 @@ class _Rendered(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self._text is not None and not self._svg:
             self._text.append(data)
+
+
+def report_text(run_dir: Path) -> str:
+    """report.md's text for ``run_dir`` without drawing its figures: ``report.render_markdown``, the sections
+    ``report.write`` renders into report.md (about 2 CPU-s less a run). For tests of what the report says; the
+    figures, and a report written whole, are tested where they are the subject (tests/results/test_plots.py,
+    test_report_html.py, test_report.py, test_launcher.py, test_records.py and every CLI run)."""
+    from harness.results.data import load_run
+    from harness.results.report import render_markdown
+
+    return render_markdown(load_run(run_dir).data)
 
 
 def same_content(markdown: str, page: str) -> tuple[list[str], list[str]]:

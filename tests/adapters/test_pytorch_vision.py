@@ -10,9 +10,9 @@ import pytest
 
 from harness import plan
 from harness.execution import environments
-from harness.results import report, store
+from harness.results import store
 from harness.studies import sweep
-from tests.helpers import ROOT
+from tests.helpers import ROOT, report_text
 
 #: torchvision 0.29.1's models with num_classes=10: sum(p.numel() for p in model.parameters()).
 PARAMETERS = {"resnet18": 11_181_642, "mobilenet_v3_small": 1_528_106}
@@ -43,6 +43,6 @@ def test_the_torchvision_spec_trains_each_model_of_its_own(vision_env, tmp_path)
     assert flops["resnet18"] > flops["mobilenet_v3_small"], flops
     run = store.read_run(run_dir)
     assert all(entry.versions.get("torchvision") == "0.29.1" for entry in run.frameworks), run.frameworks
-    text = report.write(run_dir).read_text()
+    text = report_text(run_dir)
     assert "`torchvision.models:resnet18(weights=None, num_classes=10)`" in text and "11,181,642" in text
     assert "torchvision 0.29.1" in text

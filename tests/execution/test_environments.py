@@ -16,10 +16,10 @@ import pytest
 
 from harness.execution import environments, installers, probes
 from harness.plan import checked_spec
-from harness.results import report, store
+from harness.results import store
 from harness.spec import ROOT, SpecError
 from harness.studies.sweep import run_spec
-from tests.helpers import TINY_CNN, base_spec
+from tests.helpers import TINY_CNN, base_spec, report_text
 
 ENVS = ROOT / "envs"
 
@@ -38,7 +38,7 @@ def test_two_entries_of_one_framework_are_two_rows(envs, tmp_path):
     assert [r.id for r in records] == ["torch-envs-bs32-r0", "torch-harness-bs32-r0", "torch-envs-bs64-r0",
                                           "torch-harness-bs64-r0"]
     assert all(r.status == "ok" for r in records), [r.reason for r in records]
-    text = report.write(run_dir).read_text()
+    text = report_text(run_dir)
     assert "| torch (envs) CPU use % |" in text and "| torch (harness) CPU use % |" in text
     from harness.studies.compare import compare_runs
 

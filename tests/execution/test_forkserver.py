@@ -17,10 +17,10 @@ from harness.execution import forkserver, launcher, probes
 from harness.execution.protocol import Payload
 from harness.plan import checked_spec, plan
 from harness.record.events import Ready
-from harness.results import report, store
+from harness.results import store
 from harness.spec import FrameworkEntry
 from harness.studies import sweep
-from tests.helpers import ROOT, base_spec
+from tests.helpers import ROOT, base_spec, report_text
 
 ENVS = {fw: str(ROOT / "envs" / fw / "bin" / "python") for fw in ("pytorch", "tensorflow", "mxnet", "jax")}
 
@@ -89,7 +89,7 @@ def test_a_forked_trial_trains_as_a_cold_one_in_every_framework(tmp_path, monkey
         assert a.phases.total_s == pytest.approx(a.wall_s, abs=0.5)
     # the report says which path each row took
     for run_dir, path in ((forked_dir, "forked"), (cold_dir, "cold")):
-        text = report.write(run_dir).read_text()
+        text = report_text(run_dir)
         assert all(f"| {title} | {path} | 1 |" in text for title in ("PyTorch", "TensorFlow", "MXNet", "JAX")), text
 
 
@@ -254,14 +254,14 @@ def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path, monke
     assert (first.status, second.status) == ("ok", "ok")
     assert first.settings["compilation_cache_dir"] == str(cache) and any(cache.iterdir())
     assert second.metrics.first_step_s < 0.7 * first.metrics.first_step_s, (first.phases, second.phases)
-    assert f"JAX's persistent cache in `{cache}`" in report.write(run_dir).read_text()
+    assert f"JAX's persistent cache in `{cache}`" in report_text(run_dir)
     plain, plain_dir = _run(tmp_path, "plain", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1)
     assert plain["jax"].settings["compilation_cache_dir"] is None
-    assert "persistent cache" not in report.write(plain_dir).read_text()
+    assert "persistent cache" not in report_text(plain_dir)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", from_tests)
     shared, shared_dir = _run(tmp_path, "shared", frameworks=[{"name": "jax", "python": ENVS["jax"]}], epochs=1)
     assert shared["jax"].settings["compilation_cache_dir"] == from_tests
-    assert f"JAX's persistent cache in `{from_tests}`" in report.write(shared_dir).read_text()
+    assert f"JAX's persistent cache in `{from_tests}`" in report_text(shared_dir)
 
 
 def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch,

@@ -6,9 +6,9 @@ each row trained, with its parameters and FLOPs counted by the framework."""
 from __future__ import annotations
 
 from harness import plan
-from harness.results import report, store
+from harness.results import store
 from harness.studies import sweep
-from tests.helpers import ROOT, base_spec
+from tests.helpers import ROOT, base_spec, report_text
 
 
 def test_a_torch_module_of_your_own_runs_data_parallel_and_through_a_loader(tmp_path):
@@ -30,7 +30,7 @@ def test_a_torch_module_of_your_own_runs_data_parallel_and_through_a_loader(tmp_
     assert records[(2, "resident")].metrics.data_parallelism.mechanism.startswith("torch.nn.parallel")
     assert records[(1, "loader")].metrics.input_wait_s > 0
     assert all(r.metrics.test_accuracy > 0.5 for r in ok)  # one epoch of a small CNN on digits
-    text = report.write(run_dir).read_text()
+    text = report_text(run_dir)
     assert "## Models" in text and "`models.py:torch_cnn(width=8)`" in text and "no: a model of your own" in text
 
 

@@ -18,10 +18,10 @@ import ray
 from harness.execution.executors import ExecutorError, LocalExecutor, local_slots
 from harness.execution.ray_executor import RayExecutor
 from harness.plan import checked_spec
-from harness.results import report, store
+from harness.results import store
 from harness.results.placement import overlaps
 from harness.studies import sweep
-from tests.helpers import ROOT, base_spec
+from tests.helpers import ROOT, base_spec, report_text
 
 
 def _cells(run_dir):
@@ -85,9 +85,9 @@ def test_parallel_two_on_the_cpu_pins_disjoint_cores_and_gives_the_sequential_ce
     assert any(r.placement.beside for r in records)
     shared = overlaps(records)
     assert shared and all(not both["device"] for both in shared.values())
-    text = report.write(pair).read_text()
+    text = report_text(pair)
     assert "## Trials side by side" in text and "the local executor, 2 slot(s): cpu (cores 0), cpu (cores 1)" in text
-    assert "## Trials side by side" not in report.write(alone).read_text()
+    assert "## Trials side by side" not in report_text(alone)
     assert json.loads((pair / "run.json").read_text())["executors"][0]["executor"] == "local"
 
 

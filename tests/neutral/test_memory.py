@@ -138,9 +138,9 @@ def test_the_prediction_against_a_measured_peak_on_the_cpu(tmp_path):
     grown_measured = rss[128] - rss[16]
     assert grown_predicted <= grown_measured <= 4 * grown_predicted, (grown_predicted / 1e6, grown_measured / 1e6)
     # the report's section: the predicted parts, the measured peak and the growth ratio that cancels the runtime
-    from harness.results import report
+    from tests.helpers import report_text
 
-    text = report.write(run_dir).read_text()
+    text = report_text(run_dir)
     section = text[text.index("## Memory by data structure (MB)"):]
     section = section[:section.index("\n## ", 5)]
     totals = [predicted[bs].total_bytes / 1e6 for bs in (16, 128)]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import adapters
 from harness.plan import checked_spec, model_info, plan, variants
 from harness.plan.support import unsupported as plan_unsupported
-from harness.results import report, store
+from harness.results import store
 from harness.studies import sweep
-from tests.helpers import base_spec
+from tests.helpers import base_spec, report_text
 
 
 def unsupported(name, info, precision, compile, device):
@@ -60,7 +60,7 @@ def test_a_sweep_records_precision_mode_first_step_and_unsupported_rows(monkeypa
     assert ok.settings["autocast_dtype"] == "bfloat16" and ok.metrics.precision == "bf16"
     assert ok.metrics.compile == "eager" and ok.metrics.compile_meaning == "eager torch.nn modules"
     assert ok.metrics.first_step_s > 0
-    text = report.write(run_dir).read_text()
+    text = report_text(run_dir)
     assert "precision per row (variants); execution mode per row (variants)" in text
     assert "| PyTorch (bf16, eager) |" in text and "| PyTorch (fp16, eager) | unsupported |" in text
     assert "## First step (compilation included) (s)" in text

@@ -13,11 +13,11 @@ from adapters.declaration import ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, BOTH, CPU,
 from harness.neutral import models
 from harness.plan import checked_spec, unsupported_reason
 from harness.plan.support import unsupported
-from harness.results import report, store
+from harness.results import store
 from harness.spec import ModelSpec
 from harness.studies import sweep
 from tests.fakes.fault_adapter import FaultAdapter
-from tests.helpers import TINY_CNN, base_spec
+from tests.helpers import TINY_CNN, base_spec, report_text
 
 RESIDUAL_CNN = [
     {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
@@ -178,7 +178,7 @@ def test_the_sweep_records_unsupported_trials_from_the_plan_and_from_the_worker(
     assert worker.reason == "the fault adapter does not support residual blocks (model.layers.1)"
     events = [(e.event, getattr(e, "name", None)) for e in store.read_events(run_dir, "fault-bs16-r0")]
     assert events == [("start", None), ("phase", "import"), ("error", None)]  # nothing prepared, nothing trained
-    text = report.write(run_dir).read_text()
+    text = report_text(run_dir)
     assert "| unsupported | unsupported |" in text
 
 

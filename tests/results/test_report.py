@@ -12,7 +12,7 @@ from harness.record import TrialRecord
 from harness.results import derived, html, report, store, tables
 from harness.results.sections import BulletList, Images, Lines, Paragraph, Section, batch_table, to_markdown
 from harness.results.stats import median_ci, overlaps
-from tests.helpers import make_run, record, same_content
+from tests.helpers import make_run, record, report_text, same_content
 
 
 def typed(records):
@@ -287,6 +287,7 @@ def test_markdown_and_html_are_rendered_from_the_same_sections(tmp_path):
     assert data.run_dir == run_dir
     computed = report.sections(data)
     assert to_markdown(computed) == text
+    assert report_text(run_dir) == text  # what tests of the report's text read instead of writing it whole
     assert [s.title for s in computed][:3] == ["t: 4 of 4 trials", "The Ohio State layout", "Memory, layer by layer"]
     # the check can fail: a page without one section's table misses its cells
     broken = page.replace(html.block_html(computed[1].blocks[0]), "")
