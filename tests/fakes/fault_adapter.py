@@ -71,6 +71,9 @@ class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
         return spec.get(str(batch_size), spec.get("*"))
 
     def _maybe_fault(self, batch_size):
+        """Marks the first step, sleeps and injects the fault of ``batch_size`` (HARNESS_STEP_MARKS,
+        HARNESS_STEP_SLEEP, HARNESS_FAULT); returns that fault (None when there is none), which ``train_step`` also
+        reads (``frozen``)."""
         if self.steps == 0 and (folder := os.environ.get("HARNESS_STEP_MARKS")):
             with open(os.path.join(folder, f"bs{batch_size}-{os.getpid()}"), "w"):
                 pass
@@ -78,7 +81,7 @@ class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
             time.sleep(float(pause))
         fault = self._setting("HARNESS_FAULT", batch_size)
         if fault is None or self.steps != 2:
-            return
+            return fault
         if fault == "raise":
             raise ValueError("injected failure")
         if fault == "oom":
@@ -94,6 +97,7 @@ class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
                 time.sleep(1)
         if fault == "exit":
             os._exit(3)
+        return fault
 
     def _probs(self, x):
         z = x @ self.w
@@ -106,13 +110,13 @@ class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
 
     # the loop is the same with accumulation: micro_batches is ignored
     def train_step(self, indices, micro_batches=1):
-        self._maybe_fault(len(indices))
+        fault = self._maybe_fault(len(indices))
         x, y = self.x[indices], self.y[indices]
         p = self._probs(x)
         self.loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
         self.loss_sum, self._loss_steps = self.loss_sum + self.loss, self._loss_steps + 1
         p[np.arange(len(y)), y] -= 1
-        if self._setting("HARNESS_FAULT", len(indices)) != "frozen":
+        if fault != "frozen":
             self.w -= self.lr * x.T @ p / len(y)
         self.steps += 1
 
@@ -164,7 +168,8 @@ class DataParallelFaultAdapter(FaultAdapter, declaration=Declaration(
     def _maybe_fault(self, batch_size):
         wanted = os.environ.get("HARNESS_FAULT_RANK")
         if wanted is None or int(wanted) == self.rank:
-            super()._maybe_fault(batch_size * self.world)  # faults are chosen by the global batch size
+            return super()._maybe_fault(batch_size * self.world)  # faults are chosen by the global batch size
+        return None
 
     def train_step(self, indices, micro_batches=1):
         super().train_step(shard(indices, self.world, self.rank), micro_batches)
