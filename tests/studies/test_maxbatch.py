@@ -302,6 +302,29 @@ def test_a_capped_allocator_without_its_peak_reports_none():
     assert peak_estimate("", baseline, now, True, None, data_peak_growth=450e6)[0] == 450e6
 
 
+def test_on_a_gpu_the_fitted_peak_is_what_the_cap_binds():
+    """PyTorch's GPU cap (set_per_process_memory_fraction) binds the memory its caching allocator holds from the
+    device, so a probe's fitted peak is the reserved peak where the allocator reports one, the tensors' peak only
+    where it does not (JAX), then NVML's process memory. The H200 run of 2026-11-27 fitted the tensors' peak and
+    predicted 37,436 for a limit of 27,670 (15.6 GB reserved for 12.0 GB of tensors there)."""
+    from types import SimpleNamespace
+
+    from harness.record.metrics import AllocatorMemory
+    from harness.studies.max_batch.probe import peak
+
+    def outcome(memory, sampler=None):
+        return SimpleNamespace(events=[], sampler=sampler or {},
+                               result=lambda: SimpleNamespace(metrics=SimpleNamespace(memory=memory)))
+
+    pytorch = AllocatorMemory(allocator_peak_bytes=12_040_185_856, allocator_reserved_peak_bytes=15_617_490_944)
+    assert peak(outcome(pytorch), "cuda:0") == (15_617_490_944.0, "allocator_reserved_peak_bytes")
+    jax = AllocatorMemory(allocator_peak_bytes=9_379_300_000)
+    assert peak(outcome(jax), "cuda:0") == (9_379_300_000.0, "allocator_peak_bytes")
+    nvml = {"stats": {"process_memory_bytes": {"max": 1.5e9}}}
+    assert peak(outcome(AllocatorMemory(), nvml), "cuda:0") == (1.5e9, "sampler process_memory_bytes max")
+    assert peak(outcome(AllocatorMemory()), "cuda:0") == (None, "none")
+
+
 def test_search_logic_without_oom_and_with_non_monotonic_memory(monkeypatch, tmp_path):
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     simulate_workers(monkeypatch, lambda b: True)

@@ -191,7 +191,11 @@ def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: flo
 
 
 def peak(outcome: Outcome, device: str) -> tuple[float | None, str]:
-    """The fitted memory figure of a probe (see the module docstring) and where it came from."""
+    """The fitted memory figure of a probe (bytes; see the module docstring) and where it came from. On the CPU: the
+    worker's peak above its capped baseline (``MemoryPeak``), else the sampler's RSS. On a GPU, what the framework's
+    cap binds: the allocator's reserved peak where it reports one (PyTorch: ``max_memory_reserved``), else its peak
+    of live tensors (JAX's and TensorFlow's BFC ``peak_bytes_in_use``), else NVML's per-process memory, else the
+    device's memory in use; (None, "none") without any."""
     if device == "cpu":
         event = first(outcome.events, MemoryPeak)
         if event is not None and event.peak_bytes is not None:
@@ -211,7 +215,15 @@ def peak(outcome: Outcome, device: str) -> tuple[float | None, str]:
             return float(stats["max"]) - base, "sampler rss_bytes max less the capped baseline (no memory_peak)"
         return float(stats["max"]), "sampler rss_bytes max (absolute)"
     result = outcome.result()
-    allocator = None if result is None else result.metrics.memory.allocator_peak_bytes
+    memory = None if result is None else result.metrics.memory
+    # What the cap binds: PyTorch's caching allocator refuses to hold more than its fraction of the device
+    # (torch.cuda.set_per_process_memory_fraction counts reserved memory), so its reserved peak, not its peak of
+    # live tensors, is what reaches the cap: on an H200 under 16 GB at batch 27,670, 15.6 GB reserved for 12.0 GB of
+    # tensors, and a line through the tensors' peaks predicted 37,436 for a limit of 27,670 (2026-11-27)
+    reserved = None if memory is None else memory.allocator_reserved_peak_bytes
+    if reserved:
+        return float(reserved), "allocator_reserved_peak_bytes"
+    allocator = None if memory is None else memory.allocator_peak_bytes
     if allocator:
         return float(allocator), "allocator_peak_bytes"
     stats = outcome.sampler.get("stats", {})
