@@ -18,14 +18,19 @@ from typing import Any
 
 import numpy as np
 
+from harness.measure.gpm import GPM_METRICS, GPM_MIN_INTERVAL_S
+
 EDGE_LAG_S = 0.5  # an end-edge sample taken at most this long after its window's end still describes the window
 # Metrics that are not levels: a cumulative counter and a bitmask. phase_stats skips them (a mean means nothing);
 # energy_over_windows and throttle_summary read them.
 NON_STAT_METRICS = ("energy_mj", "throttle_reasons")
-# Metrics the driver itself averages over its own sample period: nvmlDeviceGetUtilizationRates's "past sample period"
-# is 1/6 s to 1 s by product (NVML API reference, nvmlUtilization_t). Over windows shorter than the shortest period a
-# reading describes mostly the time around them (an H200 read 0 % for 5 ms of training), so they get no statistic.
-PERIOD_AVERAGED_S = {"gpu_util_percent": 1 / 6, "mem_util_percent": 1 / 6}
+# Metrics averaged over a period of their own: nvmlDeviceGetUtilizationRates's "past sample period" is 1/6 s to 1 s by
+# product (NVML API reference, nvmlUtilization_t); a GPM metric covers the interval between two GPM reads, at least
+# GPM_MIN_INTERVAL_S apart (harness.measure.gpm). Over windows shorter than the shortest period a reading describes
+# mostly the time around them (an H200 read 0 % utilization for 5 ms of training, and 0.0 % SM activity for 70 ms),
+# so they get no statistic.
+PERIOD_AVERAGED_S = {"gpu_util_percent": 1 / 6, "mem_util_percent": 1 / 6,
+                     **{metric: GPM_MIN_INTERVAL_S for metric in GPM_METRICS}}
 
 
 def windows_from_events(events: Iterable[dict[str, Any]], phase: str = "train") -> list[tuple[float, float]]:

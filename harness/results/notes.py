@@ -23,6 +23,7 @@ def measurement_notes(data: ReportData) -> Section | None:
     short: list[str] = []
     no_energy: list[str] = []
     too_short: list[str] = []
+    gpm_too_short: list[str] = []
     throttled: list[str] = []
     for r in data.records:
         info = r.sampler
@@ -39,9 +40,11 @@ def measurement_notes(data: ReportData) -> Section | None:
             elif energy is not None and energy.short_windows:
                 short.append(f"{r.id} ({energy.short_windows} of {energy.windows} windows "
                              f"< {energy.short_window_s} s)")
-        util = info.stats.get("gpu_util_pct")
+        util, gpm = info.stats.get("gpu_util_pct"), info.stats.get("sm_active_pct")
         if r.status == "ok" and util is not None and util.scope == "too short":
             too_short.append(r.id)
+        if r.status == "ok" and gpm is not None and gpm.scope == "too short":
+            gpm_too_short.append(r.id)
         shares = info.throttle.share if info.throttle is not None else {}
         active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
         if active:
@@ -68,6 +71,10 @@ def measurement_notes(data: ReportData) -> Section | None:
     if too_short:
         blocks.append(Paragraph("No GPU utilization where the timed windows together were shorter than the driver's "
                                 "averaging period (1/6 s; nvmlDeviceGetUtilizationRates): " + _few(too_short) + "."))
+    if gpm_too_short:
+        blocks.append(Paragraph("No SM or tensor-pipe activity where the timed windows together were shorter than "
+                                "the interval between two GPM reads (0.1 s; nvmlGpmMetricsGet): "
+                                + _few(gpm_too_short) + "."))
     if throttled:
         blocks.append(Paragraph("Clock throttling seen in the timed windows (share of samples; see "
                                 "nvmlClocksEventReasons): " + _few(throttled) + "."))

@@ -76,7 +76,11 @@ def test_utilization_gets_no_statistic_over_windows_shorter_than_the_drivers_per
                 "edge": "end" if i == 21 else None} for i in range(40)]
     tiny = phase_stats(samples, [(1.049, 1.05)])  # 1 ms: the end-edge sample at 1.05 s would read 90 %
     assert tiny["gpu_util_percent"] == {"mean": None, "median": None, "max": None, "count": 0, "scope": "too short"}
-    assert tiny["sm_active_percent"]["mean"] == 50.0  # GPM is averaged between the sampler's own readings
+    # GPM covers the interval between two of its reads, at least 0.1 s: an H200 read 0.0 % SM activity over 70 ms
+    assert tiny["sm_active_percent"] == {"mean": None, "median": None, "max": None, "count": 0, "scope": "too short"}
+    gpm = phase_stats(samples, [(1.0, 1.0 + PERIOD_AVERAGED_S["sm_active_percent"] + 0.01)])
+    assert gpm["sm_active_percent"]["mean"] == 50.0 and gpm["sm_active_percent"]["scope"] == "windows"
+    assert PERIOD_AVERAGED_S["sm_active_percent"] == PERIOD_AVERAGED_S["tensor_active_percent"] == 0.1
     enough = phase_stats(samples, [(1.0, 1.0 + PERIOD_AVERAGED_S["gpu_util_percent"] + 0.01)])
     assert enough["gpu_util_percent"]["mean"] == pytest.approx(90.0)
     assert enough["gpu_util_percent"]["scope"] == "windows"

@@ -153,12 +153,14 @@ def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
     recs[1]["sampler"]["energy"] = {"energy_j": None, "method": "counter", "short_windows": 1, "windows": 1,
                                     "duration_s": 0.0056, "note": "less than the reading's refresh"}
     recs[1]["sampler"]["stats"]["gpu_util_pct"] = {"count": 0, "scope": "too short"}
+    recs[1]["sampler"]["stats"]["sm_active_pct"] = {"count": 0, "scope": "too short"}
     (tmp_path / "s").mkdir()
     section = report.write(make_run(tmp_path / "s", recs, batch_sizes=(8,))).read_text()
     section = section[section.index("## How the sampler fared"):]
     assert "shorter than the reading's refresh (both edges would read the same value): mxnet-bs8-r0 (0.006 s)" \
         in section
     assert "driver's averaging period (1/6 s; nvmlDeviceGetUtilizationRates): mxnet-bs8-r0." in section
+    assert "between two GPM reads (0.1 s; nvmlGpmMetricsGet): mxnet-bs8-r0." in section
     quiet = [record("pytorch", 8)]  # host backend, nothing unusual: no section at all
     (tmp_path / "q").mkdir()
     assert "How the sampler fared" not in report.write(make_run(tmp_path / "q", quiet, batch_sizes=(8,))).read_text()
