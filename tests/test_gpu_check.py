@@ -72,3 +72,17 @@ def test_a_failing_step_leaves_the_others_running_and_the_check_exits_1(tmp_path
                         "sampler_overhead": "failed"}
     assert summary["failed"] == ["fork_check", "sweep", "max_batch", "sampler_overhead"]
     assert "nosuch" in summary["steps"]["sweep"]["reason"]
+
+
+def test_steps_choose_what_runs_and_an_unknown_step_is_refused(tmp_path):
+    """--steps runs only the steps named (a second call on a warm GPU machine runs what the first had no time for);
+    an unknown name exits 2 before anything runs."""
+    done = gpu_check(tmp_path / "bad", "--steps", "sweep,nosuch", timeout=60)
+    assert done.returncode == 2 and "--steps: unknown nosuch" in done.stderr
+    assert not (tmp_path / "bad" / "summary.json").exists()
+    done = gpu_check(tmp_path / "out", "--frameworks", "nosuch", "--steps", "max_batch", timeout=200)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert done.returncode == 1 and list(summary["steps"]) == ["install", "environment", "max_batch"]
+    assert "nosuch" in summary["steps"]["max_batch"]["reason"]
+    assert json.loads((tmp_path / "out" / "gpu-check.yaml").read_text())["frameworks"][0]["name"] == "nosuch"
+
