@@ -113,9 +113,10 @@ def no_ray():
 
 def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray, tmp_path):
     """Part of specs/quick.yaml (PyTorch in its own environment, two batch sizes, one epoch) on a local Ray instance
-    of 2 CPUs, against the local executor: the same statuses, accuracies and losses (CPU training with one thread is
-    deterministic); each record names the Ray node it ran on. On Ray the workers start cold: a preloaded parent left
-    in Ray's task process would be killed with the cluster, unable to remove its folder; locally they fork."""
+    of 2 CPUs, against the local executor: the same statuses and accuracies, and losses equal to float32 rounding
+    (CPU training with one thread is deterministic but for oneDNN's choice of kernel by alignment); each record names
+    the Ray node it ran on. On Ray the workers start cold: a preloaded parent left in Ray's task process would be
+    killed with the cluster, unable to remove its folder; locally they fork."""
     python = str(ROOT / "envs" / "pytorch" / "bin" / "python")
     spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": python}],
                                   batch_sizes=[64, 128], epochs=1, warmup_steps=1), tmp_path / "s.yaml")
@@ -124,7 +125,13 @@ def test_a_local_ray_instance_gives_the_same_cells_as_the_local_executor(no_ray,
         assert executor.capacity == 2
         on_ray = sweep.run_spec(spec, tmp_path / "ray", executor=executor)
         assert ray.is_initialized()  # the sweep does not close an executor it did not make
-    assert _cells(on_ray) == _cells(local) and all(c[0] == "ok" for c in _cells(on_ray).values())
+    ray_cells, local_cells = _cells(on_ray), _cells(local)
+    assert ray_cells.keys() == local_cells.keys() and all(c[0] == "ok" for c in ray_cells.values())
+    for trial, (status, accuracy, loss) in ray_cells.items():
+        # equal to float32 rounding: a cold worker's buffers are aligned otherwise than a forked one's, and oneDNN
+        # may pick another kernel for another alignment (seen once, 2026-11-27: 2.24840036 against 2.24840028)
+        assert (status, accuracy) == local_cells[trial][:2], trial
+        assert loss == pytest.approx(local_cells[trial][2], rel=1e-6), trial
     records = store.read_trials(on_ray)
     assert all(r.placement.node_id and r.placement.device == "cpu" for r in records)
     assert [r.start for r in records] == ["cold"] * 2 and [r.start for r in store.read_trials(local)] == ["forked"] * 2
