@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -70,6 +71,7 @@ class Check:
         self.keras = [f for f in args.keras.split(",") if f]
         self.pythons = {f: self.python for f in self.frameworks + self.keras}
         self.worker_start = "auto"
+        self.harness_vs_loop_args = args.harness_vs_loop_args
         for item in args.entry_python:
             name, _, python = item.partition("=")
             self.pythons[name] = _absolute(python)
@@ -331,20 +333,23 @@ def step_max_batch(check: Check) -> None:
 
 def step_harness_vs_loop(check: Check) -> None:
     """benchmarks/harness_vs_loop.py on the GPU: harness / hand-written-loop throughput at batch 64 and 512 for the
-    frameworks (goal >= 0.97). With --allow-cpu not run: tests/test_harness_vs_loop.py covers it on the CPU."""
+    frameworks (goal >= 0.97), then ``--harness-vs-loop-args``. With --allow-cpu not run (the command it would run is
+    recorded): tests/test_harness_vs_loop.py covers it on the CPU."""
     started = time.monotonic()
-    if check.allow_cpu:
-        check.record("harness_vs_loop", "not run", started, reason="the CPU's is tests/test_harness_vs_loop.py")
-        return
     out = check.out / "harness_vs_loop.json"
     pythons = [a for f in check.frameworks for a in ("--python", f"{f}={check.pythons[f]}")]
-    code, text = check.run("harness_vs_loop", [check.python, "benchmarks/harness_vs_loop.py", "--device", check.device,
-                                               "--frameworks", ",".join(check.frameworks), "--batch-sizes", "64,512",
-                                               "--repeats", "3", "--min-steps", "300", "--out", str(out), *pythons])
-    if code != 0 or not out.exists():
-        check.record("harness_vs_loop", "failed", started, reason=f"exit {code}: {tail(text)}")
+    argv = [check.python, "benchmarks/harness_vs_loop.py", "--device", check.device, "--frameworks",
+            ",".join(check.frameworks), "--batch-sizes", "64,512", "--repeats", "3", "--min-steps", "300", "--out",
+            str(out), *pythons, *shlex.split(check.harness_vs_loop_args)]
+    if check.allow_cpu:
+        check.record("harness_vs_loop", "not run", started, argv=argv,
+                     reason="the CPU's is tests/test_harness_vs_loop.py")
         return
-    check.record("harness_vs_loop", "ok", started, result=json.loads(out.read_text(encoding="utf-8")),
+    code, text = check.run("harness_vs_loop", argv)
+    if code != 0 or not out.exists():
+        check.record("harness_vs_loop", "failed", started, argv=argv, reason=f"exit {code}: {tail(text)}")
+        return
+    check.record("harness_vs_loop", "ok", started, argv=argv, result=json.loads(out.read_text(encoding="utf-8")),
                  reason=tail(text, 6))
 
 
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interpreter", default=os.environ.get("HARNESS_CHECK_PYTHON", "python3"),
                         help="the interpreter that runs the harness and, by default, every entry (gpu-check.sh's "
                              "--python)")
+    parser.add_argument("--harness-vs-loop-args", default="",
+                        help="more arguments of benchmarks/harness_vs_loop.py, after the check's own (a later one "
+                             "wins), e.g. '--no-sampler --batch-sizes 512 --frameworks jax'")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"the steps after install and environment, comma-separated (default: {','.join(STEPS)})")
     parser.add_argument("--budget-s", type=float, default=570, help="wall-time budget for all steps (default 570)")

@@ -80,9 +80,13 @@ def test_steps_choose_what_runs_and_an_unknown_step_is_refused(tmp_path):
     done = gpu_check(tmp_path / "bad", "--steps", "sweep,nosuch", timeout=60)
     assert done.returncode == 2 and "--steps: unknown nosuch" in done.stderr
     assert not (tmp_path / "bad" / "summary.json").exists()
-    done = gpu_check(tmp_path / "out", "--frameworks", "nosuch", "--steps", "max_batch", timeout=200)
+    done = gpu_check(tmp_path / "out", "--frameworks", "nosuch", "--steps", "max_batch,harness_vs_loop",
+                     "--harness-vs-loop-args", "--no-sampler --batch-sizes 512", timeout=200)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert done.returncode == 1 and list(summary["steps"]) == ["install", "environment", "max_batch"]
+    assert done.returncode == 1
+    assert list(summary["steps"]) == ["install", "environment", "max_batch", "harness_vs_loop"]
+    # the benchmark's own arguments last, so that a later --batch-sizes wins (argparse keeps the last)
+    assert summary["steps"]["harness_vs_loop"]["argv"][-3:] == ["--no-sampler", "--batch-sizes", "512"]
     assert "nosuch" in summary["steps"]["max_batch"]["reason"]
     assert json.loads((tmp_path / "out" / "gpu-check.yaml").read_text())["frameworks"][0]["name"] == "nosuch"
 
