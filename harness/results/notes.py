@@ -8,6 +8,16 @@ from typing import Any
 from harness.results.sections import BulletList, Paragraph, Section
 from harness.results.tables import ReportData
 
+#: The record metric that stands for each group of period-averaged metrics (``harness.measure.windows.
+#: PERIOD_AVERAGED_S``: no statistic over timed windows shorter than the period) -> what the note says of them.
+TOO_SHORT = {
+    "gpu_util_pct": "No GPU utilization where the timed windows together were shorter than the driver's averaging "
+                    "period (1/6 s; nvmlDeviceGetUtilizationRates): ",
+    "sm_active_pct": "No GPM figures (SM activity and occupancy, tensor-pipe activity, DRAM bandwidth) where the timed "
+                     "windows together were shorter than the interval between two GPM reads (0.1 s; "
+                     "nvmlGpmMetricsGet): ",
+}
+
 
 def _few(items: list[str]) -> str:
     return "; ".join(items[:20]) + ("; ..." if len(items) > 20 else "")
@@ -22,8 +32,7 @@ def measurement_notes(data: ReportData) -> Section | None:
     methods: dict[str, list[str]] = {}
     short: list[str] = []
     no_energy: list[str] = []
-    too_short: list[str] = []
-    gpm_too_short: list[str] = []
+    too_short: dict[str, list[str]] = {metric: [] for metric in TOO_SHORT}
     throttled: list[str] = []
     for r in data.records:
         info = r.sampler
@@ -40,11 +49,10 @@ def measurement_notes(data: ReportData) -> Section | None:
             elif energy is not None and energy.short_windows:
                 short.append(f"{r.id} ({energy.short_windows} of {energy.windows} windows "
                              f"< {energy.short_window_s} s)")
-        util, gpm = info.stats.get("gpu_util_pct"), info.stats.get("sm_active_pct")
-        if r.status == "ok" and util is not None and util.scope == "too short":
-            too_short.append(r.id)
-        if r.status == "ok" and gpm is not None and gpm.scope == "too short":
-            gpm_too_short.append(r.id)
+        for metric, ids in too_short.items():
+            stat = info.stats.get(metric)
+            if r.status == "ok" and stat is not None and stat.scope == "too short":
+                ids.append(r.id)
         shares = info.throttle.share if info.throttle is not None else {}
         active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
         if active:
@@ -68,13 +76,7 @@ def measurement_notes(data: ReportData) -> Section | None:
     if no_energy:
         blocks.append(Paragraph("No energy figure where the timed windows together were shorter than the reading's "
                                 "refresh (both edges would read the same value): " + _few(no_energy) + "."))
-    if too_short:
-        blocks.append(Paragraph("No GPU utilization where the timed windows together were shorter than the driver's "
-                                "averaging period (1/6 s; nvmlDeviceGetUtilizationRates): " + _few(too_short) + "."))
-    if gpm_too_short:
-        blocks.append(Paragraph("No SM or tensor-pipe activity where the timed windows together were shorter than "
-                                "the interval between two GPM reads (0.1 s; nvmlGpmMetricsGet): "
-                                + _few(gpm_too_short) + "."))
+    blocks += [Paragraph(TOO_SHORT[metric] + _few(ids) + ".") for metric, ids in too_short.items() if ids]
     if throttled:
         blocks.append(Paragraph("Clock throttling seen in the timed windows (share of samples; see "
                                 "nvmlClocksEventReasons): " + _few(throttled) + "."))
