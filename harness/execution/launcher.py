@@ -37,13 +37,12 @@ from harness.execution.entry import worker_command
 from harness.execution.protocol import Payload, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.multi_gpu import device_summaries
-from harness.measure.sampler import Sampler, make_backend, phase_stats
+from harness.measure.sampler import Sampler, make_backend, phase_stats, samples_until
 from harness.plan import STATUSES, Status, Trial
 from harness.record.events import Error, Event, Phase, Result, Start, first, phase_windows
 from harness.spec import FrameworkEntry
 
-# The statuses are harness.plan.Status's (one list): the launcher decides ok, oom, error, timeout and crashed; skipped
-# is decided by the runner (after_oom), unsupported by the worker or, for built-in adapters, the runner.
+# harness.plan.Status's statuses (one list); who decides each: the module docstring; skipped: the runner's after_oom.
 __all__ = ["STATUSES", "Outcome", "classify", "run_worker", "sampled_devices", "worker_argv", "worker_env",
            "worker_settings"]
 LOG_TAIL_BYTES = 4000
@@ -137,18 +136,17 @@ def _kill_group(proc: subprocess.Popen[bytes] | forkserver.Forked) -> None:
 
 
 def sampler_info(sampler: Sampler, note: str | None, events: list[Event]) -> dict[str, Any]:
-    """What the trial record keeps of the sampling (Outcome.sampler), besides the raw samples:
-
-    the backend's describe() (``backend`` "nvml" | "host", ``unavailable`` {metric: reason}, NVML device ``name``,
-    ``uuid``, ``mig``, ``memory_info_version``, ``notes``, ``transient_errors``), ``interval_s``, ``note`` (why NVML
-    is not used, if so), ``errors`` (sampler-level), ``edge_samples_dropped`` (pokes too close to the previous
-    sample, see Sampler), ``sample_cost_s`` (the backend calls' durations: median,
-    max, total, count), ``stats`` (phase_stats over the train windows), ``energy`` (energy_over_windows; the
-    readers derive the energy per sample, ``harness.results.derived``), ``throttle`` (throttle_summary) when any
-    sample has clocks-event reasons. With several GPUs (a data-parallel trial, ``harness.measure.multi_gpu``):
-    ``stats`` and ``energy`` are the trial's over its devices (energy and power summed, memory the most loaded
-    device's, utilization the mean), ``stats`` also holds each device's ``<metric>@<i>``, and ``devices`` (one entry
-    per device: ``memory_peak_bytes``, ``gpu_util_mean_percent``, ``joules`` ...) and
+    """What the trial record keeps of the sampling (Outcome.sampler), besides the raw samples: the backend's describe()
+    (``backend`` "nvml" | "host", ``unavailable`` {metric: reason}, NVML device ``name``, ``uuid``, ``mig``,
+    ``memory_info_version``, ``notes``, ``transient_errors``), ``interval_s``, ``note`` (why NVML is not used, if so),
+    ``errors`` (sampler-level), ``edge_samples_dropped`` (pokes too close to the previous sample, see Sampler),
+    ``sample_cost_s`` (the backend calls' durations: median, max, total, count), ``stats`` (phase_stats over the train
+    windows, of the samples up to the worker's last event: ``samples_until``), ``energy`` (energy_over_windows, of every
+    sample: a board counter; the readers derive the energy per sample, ``harness.results.derived``), ``throttle``
+    (throttle_summary) when any sample has clocks-event reasons. With several GPUs (a data-parallel trial,
+    ``harness.measure.multi_gpu``): ``stats`` and ``energy`` are the trial's over its devices (energy and power summed,
+    memory the most loaded device's, utilization the mean), ``stats`` also holds each device's ``<metric>@<i>``, and
+    ``devices`` (one entry per device: ``memory_peak_bytes``, ``gpu_util_mean_percent``, ``joules`` ...) and
     ``memory_peak_over_devices_bytes`` with ``memory_peak_device`` come from ``device_summaries``.
     """
     info = sampler.backend.describe()
@@ -162,14 +160,15 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[Event]) -> dic
     info["sample_cost_s"] = ({"median": float(np.median(cost)), "max": float(cost.max()), "total": float(cost.sum()),
                               "count": int(cost.size)} if cost.size else
                              {"median": None, "max": None, "total": 0.0, "count": 0})
-    windows = phase_windows(events)
-    info["stats"] = phase_stats(sampler.samples, windows)
+    windows, last = phase_windows(events), next((e.t for e in events if isinstance(e, (Result, Error))), None)
+    alive = samples_until(sampler.samples, last)  # levels, not read from a worker that is exiting
+    info["stats"] = phase_stats(alive, windows)
     info["energy"] = energy_over_windows(sampler.samples, windows)
-    throttle = throttle_summary(sampler.samples, windows)
+    throttle = throttle_summary(alive, windows)
     if throttle is not None:
         info["throttle"] = throttle
     if info.get("devices"):
-        info.update(device_summaries(sampler.samples, windows, info["devices"]))
+        info.update(device_summaries(alive, windows, info["devices"]))
     return info
 
 

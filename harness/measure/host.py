@@ -28,6 +28,11 @@ class HostBackend:
     1..N-1 as its own children (``harness.execution.ranks.Ranks.start``) before it imports its framework, so they are
     counted from the first refresh after they start (at most ``tree_refresh_s`` later, in practice before the timed
     windows: the framework imports, model build and warm-up come first) and the figures are sums over all ranks.
+
+    A process that has exited is left out, reaped or not (a zombie's /proc entry reads 0 bytes); a sample when no
+    process of the tree is left (a timed window's deferred end sample, ``Sampler``, can come after a short trial's
+    exit) has None for every metric: no reading, not 0 % and 0 bytes, which the window statistics would take for a
+    measured value.
     """
 
     name = "host"
@@ -63,15 +68,21 @@ class HostBackend:
             return {}
         cpu = 0.0
         rss = anon = 0
+        read = False
         for proc in self._current_tree():
             try:
                 with proc.oneshot():
+                    if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: reads as 0 bytes
+                        continue
                     cpu += proc.cpu_percent(None)
                     memory = proc.memory_info()
                     rss += memory.rss
                     anon += memory.rss - getattr(memory, "shared", 0)  # Linux: RssAnon (shared = RssFile + RssShmem)
+                read = True
             except psutil.Error:
                 continue
+        if not read:  # the worker is gone (a window's deferred end sample can come after its exit): no reading, not 0
+            return {"cpu_percent": None, "rss_bytes": None, "rss_anon_bytes": None}
         return {"cpu_percent": cpu, "rss_bytes": float(rss), "rss_anon_bytes": float(anon)}
 
     def close(self) -> None:

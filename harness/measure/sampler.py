@@ -25,12 +25,21 @@ from typing import Any, Protocol
 from harness.measure.host import HostBackend
 from harness.measure.multi_gpu import MultiNvmlBackend
 from harness.measure.nvml import NvmlBackend, nvml_visible_index
-from harness.measure.windows import EDGE_LAG_S, NON_STAT_METRICS, belongs, phase_stats, scopes, windows_from_events
+from harness.measure.windows import (
+    EDGE_LAG_S,
+    NON_STAT_METRICS,
+    belongs,
+    phase_stats,
+    samples_until,
+    scopes,
+    windows_from_events,
+)
 
 # The statistics over a trial's timed windows live in harness.measure.windows; the launcher and the results import
 # them from here too.
 __all__ = ["DEFAULT_INTERVAL_S", "EDGE_LAG_S", "MIN_EDGE_GAP_S", "MIN_INTERVAL_S", "NON_STAT_METRICS", "Backend",
-           "Sampler", "belongs", "interval_warning", "make_backend", "phase_stats", "scopes", "windows_from_events"]
+           "Sampler", "belongs", "interval_warning", "make_backend", "phase_stats", "samples_until", "scopes",
+           "windows_from_events"]
 
 DEFAULT_INTERVAL_S = 0.1
 MIN_INTERVAL_S = 0.05  # below this interval_warning() warns

@@ -48,6 +48,14 @@ def windows_from_events(events: Iterable[dict[str, Any]], phase: str = "train") 
     return windows
 
 
+def samples_until(samples: list[dict[str, Any]], last_event_t: float | None) -> list[dict[str, Any]]:
+    """The samples taken at or before ``last_event_t`` (the worker's result or error event, after which it exits;
+    None: all of them). A later sample, such as a short window's end-edge sample that comes late, reads a process
+    tearing down (less memory than it held) or a zombie (0 bytes) or nothing, and a device it has left: not what
+    the window's levels were."""
+    return samples if last_event_t is None else [s for s in samples if s["t"] <= last_event_t]
+
+
 def belongs(sample: dict[str, Any], ranges: list[tuple[float, float]]) -> bool:
     """Whether ``sample`` describes a time inside ``ranges`` ((start, end) pairs, seconds): taken inside one, or the
     end-edge sample taken at most EDGE_LAG_S after one's end; a start-edge sample (a baseline) never does."""

@@ -92,3 +92,30 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
     json.dumps(info, allow_nan=False)  # the trial record is JSON
 
 
+
+
+def test_levels_leave_out_samples_taken_after_the_workers_last_event():
+    """A short window's end-edge sample can come after the worker's result (2026-11-27: 5 ms late, the worker gone
+    or tearing down, reading 0 or half its memory): the levels (``stats``) leave it out, the energy keeps every
+    sample (a board counter)."""
+    from harness.execution.launcher import sampler_info
+    from harness.measure.host import HostBackend
+    from harness.measure.sampler import Sampler
+    from harness.record.events import Phase, Result
+    from harness.record.metrics import TrialMetrics
+
+    events = [Phase(name="train", edge="start", t=1.0), Phase(name="train", edge="end", t=2.0),
+              Result(metrics=TrialMetrics(), t=2.002)]
+    sampler = Sampler(HostBackend())
+    sampler.samples = [{"t": 1.5, "cpu_percent": 90.0, "rss_bytes": 300.0, "rss_anon_bytes": 200.0},
+                       {"t": 2.005, "edge": "end", "cpu_percent": 40.0, "rss_bytes": 150.0, "rss_anon_bytes": 100.0}]
+    stats = sampler_info(sampler, None, events)["stats"]
+    assert stats["rss_anon_bytes"] == {"mean": 200.0, "median": 200.0, "max": 200.0, "count": 1, "scope": "windows"}
+    assert stats["cpu_percent"]["count"] == 1 and stats["cpu_percent"]["mean"] == 90.0
+    # the late sample alone in the window (beside the start edge's baseline): no level rather than the exiting worker's
+    sampler.samples = [{"t": 1.0, "edge": "start", "cpu_percent": 0.0, "rss_bytes": 300.0, "rss_anon_bytes": 200.0},
+                       sampler.samples[1]]
+    assert sampler_info(sampler, None, events)["stats"]["rss_anon_bytes"] == {
+        "mean": None, "median": None, "max": None, "count": 0, "scope": "none"}
+    events[-1] = Result(metrics=TrialMetrics(), t=2.01)  # taken before the worker's last event: it belongs
+    assert sampler_info(sampler, None, events)["stats"]["rss_anon_bytes"]["max"] == 100.0

@@ -42,15 +42,18 @@ def small_spec(framework, tmp_path, **changes):
 
 @pytest.mark.serial  # judges a planted slowdown against timing noise
 def test_compare_catches_a_planted_slowdown_and_not_noise(steady, monkeypatch, tmp_path):
-    spec = small_spec(steady, tmp_path)
+    # Every timed window (>= 55 ms at 6 ms a step) holds a periodic sample (50 ms apart) of the live worker, so each
+    # repeat has every metric: a shorter window's only sample can come after the worker has exited (no reading).
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.006")
+    spec = small_spec(steady, tmp_path, sampler={"interval_s": 0.05})
     base = run_spec(spec, tmp_path / "r")
     again = run_spec(spec, tmp_path / "r")
-    monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.003,64:0.006")  # batch 64 steps take twice as long
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "*:0.006,64:0.012")  # batch 64 steps take twice as long
     slow = run_spec(spec, tmp_path / "r")
 
     rows, summary = compare_runs(base, again, threshold_pct=10)
     assert summary["regressions"] == 0, [r for r in rows if r.verdict == "regression"]
-    assert all(r.score is not None for r in rows)  # repeats give a noise estimate for every cell
+    assert all(r.score is not None for r in rows), [r for r in rows if r.score is None]  # a noise estimate everywhere
 
     rows, summary = compare_runs(base, slow, threshold_pct=10)
     flagged = {(r.batch_size, r.metric) for r in rows if r.verdict == "regression"}
