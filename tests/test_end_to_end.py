@@ -42,7 +42,12 @@ def test_cli_runs_every_framework_in_its_own_environment_and_writes_the_report(e
         assert m.measured_steps == 2 * (1438 // r.batch_size) - 2
         assert m.throughput_samples_per_s > 0 and m.step_time_p90_s >= m.step_time_median_s > 0
         assert m.parameter_count == 4 * 9 + 4 + 64 * 10 + 10  # tiny CNN: conv 4x1x3x3, dense 64 -> 10
-        assert r.sampler.backend == "host" and r.sampler.stat("rss_bytes", "count") >= 1
+        assert r.sampler.backend == "host"
+        # windows of at least two sampling intervals hold samples of the live worker; a shorter trial's only
+        # samples may come after its exit, which are no reading (harness.measure.windows.samples_until)
+        if m.measured_s >= 2 * r.sampler.interval_s:
+            assert r.sampler.stat("rss_bytes", "count") >= 1, r.id
+        assert r.sampler.stat("rss_bytes", "count") == 0 or r.sampler.stat("rss_bytes", "max") > 0, r.id
         assert r.versions and r.settings["intra_op_threads"] == 1
         # the framework's own count of train step compilations: TensorFlow traced and JAX compiled its step once,
         # in warm-up, and never in the timed windows; PyTorch eager and MXNet keep no count
