@@ -45,8 +45,12 @@ def test_data_parallel_2_on_the_cpu_finds_a_per_device_batch(memory_adapter, wri
     from harness.results import store
 
     path = write_spec(memory_spec())
+    # --margin 0.02 (about 5 samples, 1 MB): with the default margin (twice the spread of the answer's two probes,
+    # 1 sample here) the recommendation's run checks peak within 0.2-0.5 MB of the 80 MB cap (6 searches on
+    # 2026-11-27), and a third run of two ranks on a loaded machine once ran out of memory at it; the default
+    # margin's promise is the single-process test's below, this test's the data-parallel search
     assert cli.main(["max-batch", str(path), "--framework", "memory_dp", "--data-parallel", "2", "--tolerance",
-                     "0.1", "--out", str(tmp_path / "out")]) == 0
+                     "0.1", "--margin", "0.02", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     run_dir = next((tmp_path / "out").iterdir())
     run = json.loads((run_dir / "run.json").read_text())
