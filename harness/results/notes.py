@@ -18,6 +18,9 @@ TOO_SHORT = {
                      "nvmlGpmMetricsGet): ",
 }
 
+#: The host backend's levels (record names): read from the live worker only (harness.measure.windows.samples_until).
+HOST_LEVELS = ("cpu_pct", "rss_bytes", "rss_anon_bytes")
+
 
 def _few(items: list[str]) -> str:
     return "; ".join(items[:20]) + ("; ..." if len(items) > 20 else "")
@@ -26,13 +29,16 @@ def _few(items: list[str]) -> str:
 def measurement_notes(data: ReportData) -> Section | None:
     """The "How the sampler fared" section: metrics the sampler could not read (and why), why NVML was not used,
     backend notes and errors, which energy method each trial's figure came from and how many windows were too short
-    for it, and clocks-event (throttle) reasons seen during the timed windows. None when there is nothing to say."""
+    for it, the metrics with no statistic over windows too short for them (period-averaged GPU metrics; on the CPU,
+    windows that held no sample of the live worker), and clocks-event (throttle) reasons seen during the timed
+    windows. None when there is nothing to say."""
     unavailable: dict[str, set[str]] = {}
     notes: dict[str, list[str]] = {}
     methods: dict[str, list[str]] = {}
     short: list[str] = []
     no_energy: list[str] = []
     too_short: dict[str, list[str]] = {metric: [] for metric in TOO_SHORT}
+    unsampled: list[str] = []
     throttled: list[str] = []
     for r in data.records:
         info = r.sampler
@@ -53,6 +59,9 @@ def measurement_notes(data: ReportData) -> Section | None:
             stat = info.stats.get(metric)
             if r.status == "ok" and stat is not None and stat.scope == "too short":
                 ids.append(r.id)
+        if r.status == "ok" and data.backend == "host" and any(
+                (stat := info.stats.get(metric)) is not None and stat.scope == "none" for metric in HOST_LEVELS):
+            unsampled.append(f"{r.id} ({r.metrics.measured_s:.3f} s)" if r.metrics.measured_s is not None else r.id)
         shares = info.throttle.share if info.throttle is not None else {}
         active = [f"{reason} {share:.0%}" for reason, share in shares.items() if share and reason != "gpu_idle"]
         if active:
@@ -77,6 +86,10 @@ def measurement_notes(data: ReportData) -> Section | None:
         blocks.append(Paragraph("No energy figure where the timed windows together were shorter than the reading's "
                                 "refresh (both edges would read the same value): " + _few(no_energy) + "."))
     blocks += [Paragraph(TOO_SHORT[metric] + _few(ids) + ".") for metric, ids in too_short.items() if ids]
+    if unsampled:
+        blocks.append(Paragraph("No CPU use or memory figure where no sample of the live worker fell in the timed "
+                                "windows (together shorter than the sampling interval, and the worker had exited "
+                                "when their end-edge sample came: docs/design/sampling.md): " + _few(unsampled) + "."))
     if throttled:
         blocks.append(Paragraph("Clock throttling seen in the timed windows (share of samples; see "
                                 "nvmlClocksEventReasons): " + _few(throttled) + "."))

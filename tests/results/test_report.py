@@ -161,6 +161,15 @@ def test_the_report_says_what_the_sampler_could_not_measure(tmp_path):
         in section
     assert "driver's averaging period (1/6 s; nvmlDeviceGetUtilizationRates): mxnet-bs8-r0." in section
     assert "between two GPM reads (0.1 s; nvmlGpmMetricsGet): mxnet-bs8-r0." in section
+    # on the CPU, a trial whose windows held no sample of the live worker (its only sample came after its exit)
+    short = [record("pytorch", 8), record("pytorch", 16)]
+    short[1]["sampler"]["stats"]["rss_anon_bytes"] = {"count": 0, "scope": "none"}
+    short[1]["metrics"]["measured_s"] = 0.031
+    (tmp_path / "h").mkdir()
+    section = report.write(make_run(tmp_path / "h", short, frameworks=("pytorch",), batch_sizes=(8, 16))).read_text()
+    section = section[section.index("## How the sampler fared"):].split("\n## ")[0]
+    assert "No CPU use or memory figure where no sample of the live worker fell in the timed windows" in section
+    assert "docs/design/sampling.md): pytorch-bs16-r0 (0.031 s)." in section and "pytorch-bs8-r0" not in section
     quiet = [record("pytorch", 8)]  # host backend, nothing unusual: no section at all
     (tmp_path / "q").mkdir()
     assert "How the sampler fared" not in report.write(make_run(tmp_path / "q", quiet, batch_sizes=(8,))).read_text()
