@@ -168,7 +168,7 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[Event]) -> dic
     if throttle is not None:
         info["throttle"] = throttle
     if info.get("devices"):
-        info.update(device_summaries(alive, windows, info["devices"]))
+        info.update(device_summaries(sampler.samples, windows, info["devices"], until=last))
     return info
 
 

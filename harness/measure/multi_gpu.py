@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.measure.energy import energy_over_windows
 from harness.measure.nvml import NvmlBackend, tree_pids
-from harness.measure.windows import phase_stats
+from harness.measure.windows import phase_stats, samples_until
 
 #: How a metric combines over the devices of a trial (module docstring); every other metric is averaged.
 AGGREGATION = {"energy_mj": "sum", "power_w": "sum", "process_memory_bytes": "max", "device_memory_used_bytes": "max",
@@ -133,8 +133,9 @@ class MultiNvmlBackend:
 
 
 def device_summaries(samples: list[dict[str, Any]], windows: list[tuple[float, float]],
-                     devices: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per device of a multi-device trial, over its timed windows (``phase_stats``'s samples and scope): the
+                     devices: list[dict[str, Any]], until: float | None = None) -> dict[str, Any]:
+    """Per device of a multi-device trial, over its timed windows (``phase_stats``'s samples and scope; the levels of
+    the samples taken up to ``until``, the worker's last event, ``samples_until``; the energy of every sample): the
     describe() entry of ``devices`` plus ``memory_peak_bytes`` (the peak of ``process_memory_bytes@i``, else of
     ``device_memory_used_bytes@i`` where NVML gives no per-process memory; ``memory_source`` says which),
     ``gpu_util_mean_percent`` and ``joules`` (``energy_over_windows`` of that device alone: counter or power
@@ -145,7 +146,7 @@ def device_summaries(samples: list[dict[str, Any]], windows: list[tuple[float, f
         index = entry["index"]
         own = [{"t": s["t"], **({"edge": s["edge"]} if "edge" in s else {}),
                 **{base_metric(k): v for k, v in s.items() if k.endswith(f"@{index}")}} for s in samples]
-        stats = phase_stats(own, windows)
+        stats = phase_stats(samples_until(own, until), windows)
         source = next((m for m in ("process_memory_bytes", "device_memory_used_bytes")
                        if stats.get(m, {}).get("max") is not None), None)
         energy = energy_over_windows(own, windows)

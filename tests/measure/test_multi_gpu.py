@@ -120,3 +120,10 @@ def test_statistics_skip_each_gpus_counter_and_summaries_give_the_peak_over_devi
         2.5e9, "process_memory_bytes", 85.0)
     assert (first["joules"], second["joules"], first["energy_method"]) == (200.0, 600.0, "counter")
     assert second["uuid"] == "GPU-x"  # what describe() said of the device is kept
+    # the worker's last event at 1.9 s: the end-edge sample after it (a worker gone from its GPUs) leaves the levels,
+    # while each device's energy still reads the counter there, and the devices' joules still add up to the trial's
+    late = device_summaries(samples, [(0.0, 2.0)], described, until=1.9)
+    first, second = late["devices"]
+    assert (first["memory_peak_bytes"], first["gpu_util_mean_percent"], second["gpu_util_mean_percent"]) == (
+        2e9, 90.0, 50.0)
+    assert (first["joules"], second["joules"]) == (200.0, 600.0)
