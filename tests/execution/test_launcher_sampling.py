@@ -92,12 +92,10 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
     json.dumps(info, allow_nan=False)  # the trial record is JSON
 
 
-
-
 def test_levels_leave_out_samples_taken_after_the_workers_last_event():
     """A short window's end-edge sample can come after the worker's result (2026-11-27: 5 ms late, the worker gone
-    or tearing down, reading 0 or half its memory): the levels (``stats``) leave it out, the energy keeps every
-    sample (a board counter)."""
+    or tearing down, reading 0 or half its memory): the levels (``stats``) leave it out. (The energy, a board
+    counter, keeps every sample: tests/measure/test_multi_gpu.py checks both sides for each device.)"""
     from harness.execution.launcher import sampler_info
     from harness.measure.host import HostBackend
     from harness.measure.sampler import Sampler
