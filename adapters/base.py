@@ -270,9 +270,10 @@ class Adapter(abc.ABC):
         indices, which an adapter may move to the device for the whole epoch here (as a hand-written loop prepares its
         batches before its clock starts), and ``train_step`` gathers them; loader mode: the loader's batches, on the
         device as the framework's tensors (their transfer started, maybe not finished). Called before the epoch's
-        first step, outside every timed window for the first epoch (inside a window that runs across an epoch's end,
-        as a training loop starts its next epoch's iterator); the loop times each ``next`` in loader mode: the time
-        a step waited for its input."""
+        first step, outside every timed window in resident mode (for an epoch a window runs into, before that
+        window's clock starts, so an epoch's batches may be made while an earlier epoch's steps are still to come);
+        in loader mode inside a window that runs across an epoch's end, as a training loop starts its next epoch's
+        iterator, and the loop times each ``next``: the time a step waited for its input."""
 
     @abc.abstractmethod
     def train_step(self, batch: Batch, micro_batches: int = 1) -> None:

@@ -91,12 +91,13 @@ class Training:
 
     # -- the step ----------------------------------------------------------------------------------------------
 
-    def step(self, x: Any, y: Any, indices: npt.NDArray[np.int32] | None, micro_batches: int) -> None:
+    def step(self, x: Any, y: Any, indices: Any, micro_batches: int) -> None:
         """Queues one optimizer step and keeps its new state and loss sum. Resident mode: ``indices`` (int32 (B,)
-        numpy) of the samples of ``x``, ``y`` (the dataset on the placement) to train on, given to the jitted step as
-        numpy at every step (jit copies them to the device of the committed data; ``jnp.asarray`` first would block
-        the host until the queued steps are nearly done: 2.2 vs 1.2 ms of host time per step at batch 64 on the CPU,
-        benchmarks/harness_vs_loop.py, losing the overlap of dispatch and compute). Loader mode (``indices`` None):
+        numpy, or on one GPU already on the device: ``Inputs.batches``) of the samples of ``x``, ``y`` (the dataset
+        on the placement) to train on. On the CPU numpy goes to the jitted step as it is (jit copies it to the device
+        of the committed data; ``jnp.asarray`` first would block the host until the queued steps are nearly done:
+        2.2 vs 1.2 ms of host time per step at batch 64, benchmarks/harness_vs_loop.py, losing the overlap of
+        dispatch and compute). Loader mode (``indices`` None):
         ``x``, ``y`` are the batch on the device. One jitted step per (B, micro-batches) and mode: every batch of a
         trial has the same shapes and dtypes, so each compiles once. Raises ValueError when ``micro_batches`` does
         not divide B, and data-parallel for gradient accumulation or a B that the devices do not divide."""

@@ -82,6 +82,7 @@ class _Loop:
         self.epoch, self.position = 0, 0  # where training is: the epoch and the step within it
         self.loader = trial.input == "loader"  # each step's batch from the adapter's data loader
         self.batches: Iterator[Any] = iter(())  # the epoch's batches (Adapter.batches)
+        self.staged: dict[int, Iterator[Any]] = {}  # later epochs' batches, made before a window (stage_ahead)
         self.fetch_seconds = 0.0  # time spent waiting for the loader's next batch, every step's
         self.input_wait_seconds = 0.0  # of that, inside the timed windows
 
@@ -115,13 +116,31 @@ class _Loop:
         return self.metrics()
 
     def begin_epoch(self, epoch: int) -> None:
-        """The epoch's batches (``Adapter.batches`` of its order's whole steps), and its augmented images when
-        augmenting in resident mode (a loader reads and augments the epoch's samples itself)."""
+        """The epoch's batches (made ahead by ``stage_ahead``, else now), and its augmented images when augmenting
+        in resident mode (a loader reads and augments the epoch's samples itself)."""
         self.epoch, self.position = epoch, 0
-        order = epoch_order(self.n, self.seed, epoch)[:self.steps_per_epoch * self.batch]
-        self.batches = iter(self.adapter.batches(order, self.batch, epoch))
+        staged = self.staged.pop(epoch, None)
+        self.batches = staged if staged is not None else self.epoch_batches(epoch)
         if self.augmentation and not self.loader:
             self.augment(epoch)
+
+    def epoch_batches(self, epoch: int) -> Iterator[Any]:
+        """``Adapter.batches`` of the epoch's order (``epoch_order``), its whole steps."""
+        order = epoch_order(self.n, self.seed, epoch)[:self.steps_per_epoch * self.batch]
+        return iter(self.adapter.batches(order, self.batch, epoch))
+
+    def stage_ahead(self, count: int) -> None:
+        """Before a window's clock starts, in resident mode without augmentation: the batches of the later epochs
+        that its ``count`` steps run into, made now (their orders shuffled, their indices staged on the device),
+        as a hand-written loop has every step's indices ready before it times anything (docs/design/timing.md:
+        on a GPU a copy to the device inside a window waits behind the steps in flight). A loader's epoch starts
+        stay inside the windows: its input pipeline is part of what it measures."""
+        if self.loader or self.augmentation:
+            return
+        last = self.epoch + (self.position + count - 1) // self.steps_per_epoch
+        for epoch in range(self.epoch + 1, last + 1):
+            if epoch not in self.staged:
+                self.staged[epoch] = self.epoch_batches(epoch)
 
     def train_segment(self, first: int, last: int, losses: list[tuple[float, int]]) -> float:
         """Epochs ``first`` to ``last``: what is left of warm-up, then timed windows; returns their seconds."""
@@ -180,8 +199,9 @@ class _Loop:
 
     def timed(self, last: int, losses: list[tuple[float, int]]) -> float:
         """The rest of the segment in timed windows, synced at both edges; returns their seconds. Without
-        augmentation a window runs on across the ends of epochs before ``last`` (the next epoch's order is made and
-        staged inside it, as a training loop shuffles between epochs); with it, a window ends with its epoch (the
+        augmentation a window runs on across the ends of epochs before ``last`` (in resident mode the batches of
+        the epochs it runs into are made before its clock starts: ``stage_ahead``; a loader's next epoch starts
+        inside it, as a training loop starts its next epoch's iterator); with it, a window ends with its epoch (the
         augmented images are loaded between). Each window's clock stops when the device has done its work
         (``Adapter.wait``); the loss is read after that (``Adapter.read_loss``: the mean of the window's steps and
         their count), outside the clock, and the next window's clock starts after the read (reading a loss is the
@@ -194,6 +214,7 @@ class _Loop:
             if not self.augmentation or self.loader:  # a loader augments as it reads: windows run on
                 left += (last - self.epoch) * self.steps_per_epoch
             count = self.window_steps(left)
+            self.stage_ahead(count)
             fetched = self.fetch_seconds
             start = time.perf_counter()
             for _ in range(count):

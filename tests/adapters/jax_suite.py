@@ -61,6 +61,29 @@ def test_resident_batches_are_made_when_asked_for():
     np.testing.assert_array_equal(np.concatenate(made), given[:96])
 
 
+def test_indices_staged_on_the_device_train_as_numpy_ones():
+    """On one GPU an epoch's step indices go to the device when the epoch starts (``Inputs.stage_indices``), not to
+    every jitted step as numpy: forced here on the CPU (where numpy stays the default), its batches are device arrays
+    holding the same indices, and 5 steps on them give the numpy steps' losses and weights exactly."""
+    plain, data, _ = kit.make(JaxAdapter)
+    staged, _, _ = kit.make(JaxAdapter)
+    assert plain.inputs.stage_indices is False
+    staged.inputs.stage_indices = True
+    steps = kit.batches(len(data.y_train), 32, 5)
+    batches = list(kit.epoch_steps(staged, steps))
+    assert all(isinstance(b, jax.Array) and b.dtype == jnp.int32 for b in batches)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b) for b in batches]), np.concatenate(steps))
+    losses = {"plain": [], "staged": []}
+    for name, adapter, made in (("plain", plain, kit.epoch_steps(plain, steps)), ("staged", staged, batches)):
+        for batch in made:
+            adapter.train_step(batch)
+            losses[name].append(adapter.read_loss()[0])
+    assert losses["staged"] == losses["plain"]
+    staged_weights, plain_weights = staged.get_weights(), plain.get_weights()
+    for name, value in plain_weights.items():
+        np.testing.assert_array_equal(staged_weights[name], value, err_msg=name)
+
+
 def test_the_epoch_loss_is_every_steps_mean_whatever_the_windows():
     """The loss sum carried through the jitted step: the loop's epoch loss is the mean over every step in fast and
     in slowed windows (``loss_runs``), with gradient accumulation too, and restarting the sum at each read compiles

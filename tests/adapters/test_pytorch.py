@@ -18,6 +18,24 @@ def adapter_cls():
     return PyTorchAdapter
 
 
+def test_resident_batches_are_rows_of_one_index_table_made_when_asked_for():
+    """Resident mode's ``batches`` copies the epoch's step indices to the device at once, when it is called (before
+    the epoch's first step; on CUDA one pinned, non-blocking copy instead of one pageable copy per step): int64 rows
+    on the adapter's device, whole steps only, unchanged by a later change of the order; and they train."""
+    adapter, data, _ = kit.make(PyTorchAdapter)
+    order = np.random.default_rng(0).permutation(len(data.y_train))[:100]
+    given = order.copy()
+    batches = adapter.batches(order, 32, 0)
+    order[:] = 0
+    made = list(batches)
+    assert [(b.dtype, b.device, tuple(b.shape)) for b in made] == [(torch.int64, adapter.device, (32,))] * 3
+    np.testing.assert_array_equal(torch.cat(made).numpy(), given[:96])
+    for batch in made:
+        adapter.train_step(batch)
+    mean, steps = adapter.read_loss()
+    assert steps == 3 and np.isfinite(mean)
+
+
 def test_oom_is_classified_by_exception_type():
     adapter = PyTorchAdapter()
     assert adapter.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))

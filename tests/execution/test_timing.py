@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from types import SimpleNamespace
 
@@ -34,21 +35,22 @@ class RecordingAdapter:
 
     def __init__(self, step_s: float = 0.0, read_s: float = 0.0):
         self.step_s, self.read_s, self.calls = step_s, read_s, []
-        self.order, self.batch, self.unstaged = None, None, 0
+        self.pending, self.unstaged = collections.deque(), 0  # the batches made, in order, not yet trained on
         self.steps, self.unread = 0, []  # steps so far; the losses since the last read
 
     def batches(self, order, batch_size, epoch):
         self.calls.append("stage")
-        self.order, self.batch = order, batch_size
-        return iter([order[p * batch_size:(p + 1) * batch_size] for p in range(len(order) // batch_size)])
+        made = [order[p * batch_size:(p + 1) * batch_size] for p in range(len(order) // batch_size)]
+        self.pending.extend(made)
+        return iter(made)
 
     def set_train_images(self, images):
         self.calls.append("images")
 
     def train_step(self, indices, micro_batches=1):
         self.calls.append("step")
-        if not np.shares_memory(indices, self.order) or len(indices) != self.batch:
-            self.unstaged += 1  # not a step of the order given to batches
+        if not self.pending or self.pending.popleft() is not indices:
+            self.unstaged += 1  # not the next batch of the epochs' orders, in the order they were made
         if self.step_s:
             time.sleep(self.step_s)
         self.unread.append(step_loss(self.steps))
@@ -83,14 +85,14 @@ class RecordingAdapter:
 
 def _train(timing: dict, samples: int = 88, batch: int = 4, epochs: int = 1, warmup: int = 0, step_s: float = 0.0,
            read_s: float = 0.0, evaluate_every: int = 1, augmentation: bool = False, events: list | None = None,
-           adapter_cls: type = RecordingAdapter):
+           adapter_cls: type = RecordingAdapter, **fields):
     adapter = adapter_cls(step_s, read_s)
     data = _data(samples, (8, 8, 1))
     trial = loop_trial(batch, timing, epochs=epochs, warmup_steps=warmup, evaluate_every=evaluate_every,
-                       augmentation=augmentation)
+                       augmentation=augmentation, **fields)
     events = [] if events is None else events
     metrics = train(adapter, data, trial, lambda event: events.append((event.event, event.fields())))
-    assert adapter.unstaged == 0  # every step's indices were a slice of the order staged for its epoch
+    assert adapter.unstaged == 0  # every step's indices were the next batch of the orders made for its epochs
     return adapter.calls, metrics.model_dump()  # the record's TrialMetrics, as its trials.jsonl line holds them
 
 
@@ -262,14 +264,21 @@ def _windows_between_syncs(calls: list[str]) -> list[list[str]]:
 
 def test_windows_run_on_across_epochs_between_evaluations():
     """evaluate_every 3 over 3 epochs of 10 steps: one evaluation, at the end; fixed windows of 4 run across the ends
-    of epochs (the next epoch staged inside the window when it begins there), so 30 steps are 7 windows of 4 and a last
-    one of 2, where one evaluation per epoch cuts them at every epoch's end (4, 4, 2 three times)."""
+    of epochs, so 30 steps are 7 windows of 4 and a last one of 2, where one evaluation per epoch cuts them at every
+    epoch's end (4, 4, 2 three times). In resident mode the batches of the epoch a window runs into are made before
+    its clock starts (no copy to the device queued behind the window's steps); a loader's next epoch starts inside
+    the window, as a training loop starts its next epoch's iterator."""
     events: list = []
     calls, metrics = _train({"window": 4}, samples=40, epochs=3, evaluate_every=3, events=events)
     windows = _windows_between_syncs(calls)
     assert [w.count("step") for w in windows] == [4] * 7 + [2] and calls.count("eval") == 1
-    # epoch 1 begins inside the window of steps 9-12; epoch 2 after the window that ends with step 20
-    assert calls.count("stage") == 3 and [i for i, w in enumerate(windows) if "stage" in w[1:]] == [2]
+    # epoch 1 begins inside the window of steps 9-12, staged before it; epoch 2 after the window ending with step 20
+    assert calls.count("stage") == 3 and not [i for i, w in enumerate(windows) if "stage" in w[1:]]
+    assert [i for i, w in enumerate(windows) if w[0] == "stage"] == [2]
+    loader_calls, _ = _train({"window": 4}, samples=40, epochs=3, evaluate_every=3, input="loader")
+    loader_windows = _windows_between_syncs(loader_calls)
+    assert [w.count("step") for w in loader_windows] == [4] * 7 + [2]
+    assert [i for i, w in enumerate(loader_windows) if "stage" in w[1:]] == [2]
     assert [e["epoch"] for e in metrics["epochs"]] == [2] and metrics["measured_steps"] == 30
     assert metrics["epochs"][0]["timed_s"] > 0 and metrics["timed_windows"] == 8
     train_phases = [(f["edge"], f["epoch"]) for name, f in events if name == "phase" and f["name"] == "train"]
