@@ -23,7 +23,9 @@ The loops (the framework's idiomatic way to train with data already on the devic
   ``step``; the resident images NCHW with default strides, so the convolution runs the same kernels as in the
   harness's adapter (channels-last strides would pick others). Threads: ``torch.set_num_threads``, inter-op 1. On a
   GPU (``--device cuda:N``): ``torch.cuda.set_device``, TF32 off in matmuls and convolutions (fp32, as the adapter
-  sets it), the model, the data and every step's indices on the device, ``torch.cuda.synchronize`` at both edges.
+  sets it), the model, the data and every step's indices on the device, ``torch.cuda.synchronize`` at both edges;
+  and a second variant, ``eager-host-indices``, copying each step's indices from pageable host memory as it is
+  queued (``non_blocking``), to show what such a copy costs.
 - ``tensorflow``: two loops, the faster counts. ``tf_function``: a Keras model and ``keras.optimizers.SGD`` in a
   ``tf.function`` train step (gather, ``tf.GradientTape``, ``apply_gradients``) called once per step from Python with
   the step's index tensor; ``keras_fit``: ``model.compile`` + ``model.fit`` on a ``tf.data`` pipeline of the resident
@@ -41,7 +43,9 @@ The loops (the framework's idiomatic way to train with data already on the devic
   harness's adapter does (``adapters/jax/runtime.py``, on any device: the flags concern XLA's CPU client only, so on
   a GPU they change nothing the step runs; nothing here sets ``JAX_PLATFORMS``). On a GPU: ``jax_default_device``
   is the GPU of ``--device cuda:N`` (JAX's default device for ``cuda:0``), where the data, indices and state are put;
-  JAX without a GPU backend is an error, never a silent CPU run.
+  JAX without a GPU backend is an error, never a silent CPU run. On a GPU two more variants, each from the initial
+  weights, change one thing: ``jit-host-indices`` gives each step its indices as numpy (copied by the jitted call),
+  ``jit-donated`` donates the parameters and optimizer state to each step (``donate_argnums``).
 
 Run from the repository root in the framework's environment (the thread variables as the harness's launcher sets
 them: ``harness.execution.launcher.worker_settings``; ``harness_vs_loop.py`` does all of this)::
@@ -177,28 +181,32 @@ def run_pytorch(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     torch.set_num_threads(job.threads)
     torch.set_num_interop_threads(1)
     torch.manual_seed(job.seed)
-    layers: list[nn.Module] = []
-    for layer in job.info.layers:
-        spec = layer.spec
-        if layer.kind in ("conv2d", "dense"):
-            module = (nn.Conv2d(layer.input_shape[0], spec.filters, spec.kernel_size,
-                                padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
-                      if layer.kind == "conv2d" else nn.Linear(layer.input_shape[0], spec.units))
-            with torch.no_grad():
-                module.weight.copy_(torch.from_numpy(job.weights[f"{layer.index}.weight"]))
-                module.bias.copy_(torch.from_numpy(job.weights[f"{layer.index}.bias"]))
-            layers.append(module)
-            if spec.activation == "relu":
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The network from the job's initial weights on the device, and its optimizer."""
+        layers: list[nn.Module] = []
+        for layer in job.info.layers:
+            spec = layer.spec
+            if layer.kind in ("conv2d", "dense"):
+                module = (nn.Conv2d(layer.input_shape[0], spec.filters, spec.kernel_size,
+                                    padding=spec.kernel_size // 2 if spec.padding == "same" else 0)
+                          if layer.kind == "conv2d" else nn.Linear(layer.input_shape[0], spec.units))
+                with torch.no_grad():
+                    module.weight.copy_(torch.from_numpy(job.weights[f"{layer.index}.weight"]))
+                    module.bias.copy_(torch.from_numpy(job.weights[f"{layer.index}.bias"]))
+                layers.append(module)
+                if spec.activation == "relu":
+                    layers.append(nn.ReLU())
+            elif layer.kind in ("maxpool2d", "avgpool2d"):
+                pool = nn.MaxPool2d if layer.kind == "maxpool2d" else nn.AvgPool2d
+                layers.append(pool(spec.pool_size, spec.stride or spec.pool_size))
+            elif layer.kind == "flatten":
+                layers.append(nn.Flatten())
+            elif layer.kind == "relu":
                 layers.append(nn.ReLU())
-        elif layer.kind in ("maxpool2d", "avgpool2d"):
-            pool = nn.MaxPool2d if layer.kind == "maxpool2d" else nn.AvgPool2d
-            layers.append(pool(spec.pool_size, spec.stride or spec.pool_size))
-        elif layer.kind == "flatten":
-            layers.append(nn.Flatten())
-        elif layer.kind == "relu":
-            layers.append(nn.ReLU())
-    net = nn.Sequential(*layers).to(device).train()
-    opt = torch.optim.SGD(net.parameters(), lr=job.lr, momentum=job.momentum)
+        net = nn.Sequential(*layers).to(device).train()
+        return net, torch.optim.SGD(net.parameters(), lr=job.lr, momentum=job.momentum)
+
     # NCHW, resident, with the default (contiguous_format) strides. torch.tensor of the transposed NHWC array would
     # keep NHWC strides (channels-last memory), and x[idx] would keep them too, sending the convolution down
     # PyTorch's channels-last kernels: another algorithm than the harness's adapter runs (its index_select returns
@@ -207,39 +215,53 @@ def run_pytorch(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     x.copy_(torch.from_numpy(job.data.x_train).permute(0, 3, 1, 2))
     x = x.to(device)  # the same tensor on the CPU; on a GPU the copy keeps the contiguous strides
     y = torch.from_numpy(job.data.y_train).to(device)
-    batches = [torch.from_numpy(idx).to(device) for idx in job.step_indices()]
+    indices = job.step_indices()
 
-    def train(steps: list[torch.Tensor]) -> torch.Tensor:
-        for idx in steps:
-            opt.zero_grad()
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-        return loss
+    def run(on_device: bool) -> dict[str, Any]:
+        """One run from the initial weights: ``on_device``, every step's indices on the device before the clock;
+        else each step's copied there as it is queued (``non_blocking`` from pageable memory: what the harness's
+        adapter did until 2026-11-27, kept as a variant on a GPU to show that copy's cost)."""
+        net, opt = build()
+        batches: list[Any] = [torch.from_numpy(idx).to(device) for idx in indices] if on_device else indices
 
-    if job.warmup:
-        train(batches[:job.warmup]).item()
+        def train(steps: list[Any]) -> torch.Tensor:
+            for idx in steps:
+                if not on_device:
+                    idx = torch.from_numpy(idx).to(device, non_blocking=True)
+                opt.zero_grad()
+                loss = F.cross_entropy(net(x[idx]), y[idx])
+                loss.backward()
+                opt.step()
+            return loss
+
+        if job.warmup:
+            train(batches[:job.warmup]).item()
+        if gpu:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = train(batches[job.warmup:])
+        if gpu:
+            torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+            final = loss.item()  # after the clock, as the harness reads its loss after the window's wait
+        else:
+            final = loss.item()  # the CPU is synchronous; the read is the edge anyway
+            seconds = time.perf_counter() - start
+        net.eval()
+        with torch.no_grad():
+            logits = net(torch.from_numpy(job.data.x_test).permute(0, 3, 1, 2).contiguous().to(device))
+        accuracy = float((logits.argmax(1).cpu() == torch.from_numpy(job.data.y_test)).float().mean())
+        return job.record(len(batches) - job.warmup, seconds, final, accuracy)
+
+    variants = {"eager": run(True)}
     if gpu:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    loss = train(batches[job.warmup:])
-    if gpu:
-        torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
-        final = loss.item()  # after the clock, as the harness reads its loss after the window's wait
-    else:
-        final = loss.item()  # the CPU is synchronous; the read is the edge anyway
-        seconds = time.perf_counter() - start
-    net.eval()
-    with torch.no_grad():
-        logits = net(torch.from_numpy(job.data.x_test).permute(0, 3, 1, 2).contiguous().to(device))
-    accuracy = float((logits.argmax(1).cpu() == torch.from_numpy(job.data.y_test)).float().mean())
+        variants["eager-host-indices"] = run(False)
     versions = {"torch": torch.__version__, "device": str(x.device), "intra_op_threads": torch.get_num_threads(),
                 "inter_op_threads": torch.get_num_interop_threads()}
     if gpu:
         versions.update({"cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(device),
                          "allow_tf32": torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32})
-    return {"eager": job.record(len(batches) - job.warmup, seconds, final, accuracy)}, versions
+    return variants, versions
 
 
 # ---------------------------------------------------------------------------------------------------- TensorFlow
@@ -427,7 +449,6 @@ def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         # every array and jitted call below without a device of its own goes there (cuda:0 is JAX's default anyway)
         jax.config.update("jax_default_device", gpus[device_index(job.device)])
     jax.config.update("jax_default_matmul_precision", "highest")  # as the adapter (fp32; no effect on the CPU)
-    params = {k: jnp.asarray(v) for k, v in job.hwc_weights().items()}
     forward_layers: list[Callable[[dict[str, jax.Array], jax.Array], jax.Array]] = []
     for layer in job.info.layers:
         spec, i = layer.spec, layer.index
@@ -449,12 +470,10 @@ def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         return x
 
     tx = optax.sgd(job.lr, momentum=job.momentum)
-    opt_state = tx.init(params)
 
     def loss_fn(p: dict[str, jax.Array], xb: jax.Array, yb: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(forward(p, xb), yb).mean()
 
-    @jax.jit
     def train_step(p: Any, state: Any, x: jax.Array, y: jax.Array, idx: jax.Array) -> tuple[Any, Any, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(p, x[idx], y[idx])
         updates, state = tx.update(grads, state, p)
@@ -462,22 +481,37 @@ def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
 
     x = jax.device_put(job.data.x_train)  # NHWC, resident
     y = jax.device_put(job.data.y_train.astype(np.int32))
-    batches = [jax.device_put(idx.astype(np.int32)) for idx in job.step_indices()]
-    jax.block_until_ready(batches)
-    loss = None
-    for idx in batches[:job.warmup]:
-        params, opt_state, loss = train_step(params, opt_state, x, y, idx)
-    jax.block_until_ready((params, opt_state, loss))
-    start = time.perf_counter()
-    for idx in batches[job.warmup:]:
-        params, opt_state, loss = train_step(params, opt_state, x, y, idx)
-    jax.block_until_ready((params, opt_state, loss))
-    seconds = time.perf_counter() - start
-    logits = jax.jit(forward)(params, jax.device_put(job.data.x_test))
-    accuracy = float(np.mean(np.asarray(logits).argmax(axis=1) == job.data.y_test))
+    host = [idx.astype(np.int32) for idx in job.step_indices()]
+    on_device = [jax.device_put(idx) for idx in host]
+    jax.block_until_ready(on_device)
+    gpu = job.device.startswith("cuda")
+
+    def run(batches: list[Any], donate: bool) -> dict[str, Any]:
+        """One run from the initial weights over ``batches`` (device arrays, or numpy that each jitted call copies
+        to the device), the parameters and optimizer state donated to each step or not."""
+        step = jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
+        params = {k: jnp.asarray(v) for k, v in job.hwc_weights().items()}
+        opt_state = tx.init(params)
+        loss = None
+        for idx in batches[:job.warmup]:
+            params, opt_state, loss = step(params, opt_state, x, y, idx)
+        jax.block_until_ready((params, opt_state, loss))
+        start = time.perf_counter()
+        for idx in batches[job.warmup:]:
+            params, opt_state, loss = step(params, opt_state, x, y, idx)
+        jax.block_until_ready((params, opt_state, loss))
+        seconds = time.perf_counter() - start
+        logits = jax.jit(forward)(params, jax.device_put(job.data.x_test))
+        accuracy = float(np.mean(np.asarray(logits).argmax(axis=1) == job.data.y_test))
+        return job.record(len(batches) - job.warmup, seconds, float(loss), accuracy)
+
+    variants = {"jit": run(on_device, donate=False)}
+    if gpu:  # what the harness's JAX step does differently, one at a time (XLA's CPU client cannot donate)
+        variants["jit-host-indices"] = run(host, donate=False)
+        variants["jit-donated"] = run(on_device, donate=True)
     versions = {"jax": jax.__version__, "optax": optax.__version__, "device": str(next(iter(x.devices()))),
                 "platform": next(iter(x.devices())).platform, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
-    return {"jit": job.record(len(batches) - job.warmup, seconds, float(loss), accuracy)}, versions
+    return variants, versions
 
 
 def _jax_conv(w: str, b: str, padding: str, relu: bool) -> Callable[..., Any]:

@@ -48,7 +48,7 @@ SIZES = {
             "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"]},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
-LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 110,
+LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 320,
           "sweep_keras": 120, "sampler_overhead": 150,
           "harness_vs_loop": 150}
 
