@@ -108,6 +108,10 @@ class Declaration:
     family, backend: an adapter that runs one API on several frameworks (Keras 3: family "keras") names the backend
     it runs on ("jax", "torch", "tensorflow"); a spec entry ``{name: <family>, backend: <backend>}`` selects it.
     native: the built-in adapter of the framework it runs on ("jax"), for the report's "over native" ratios.
+    compile_peak: the device kinds ("cuda") on which the allocator peak a worker reports includes what compiling its
+    steps borrowed (XLA's autotuner on a GPU tries algorithms in whatever memory the cap leaves free, and JAX cannot
+    reset its peak after it); the adapter reads compiled steps from ``RunOptions.compilation_cache``. max-batch then
+    has an uncounted worker compile each size's steps into that cache before the workers whose peaks it compares.
     data_parallel_environment: worker variables a data-parallel trial sets, "{devices}" standing for N (JAX's host
     device count); sync_batchnorm: the device kinds ("cpu", "cuda") on which it can normalise batchnorm over the
     global batch (where it cannot, the reason is ``sync_batchnorm_note``).
@@ -147,6 +151,7 @@ class Declaration:
     family: str = ""
     backend: str = ""
     native: str = ""
+    compile_peak: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("precisions", "compile_modes", "environment", "thread_environment", "allocator_environment",

@@ -31,6 +31,9 @@ DECLARATION = Declaration(
     # the CPU as N host devices; the worker appends it to XLA_FLAGS (never replaces them) before JAX is imported
     data_parallel_environment={"XLA_FLAGS": "--xla_force_host_platform_device_count={devices}"},
     sync_batchnorm=BOTH,
+    # on an H200 two run checks at one batch peaked at 13,097 MB (the worker that compiled and autotuned the step)
+    # and 5,340 MB (the one that read it from the persistent cache): docs/design/max-batch.md
+    compile_peak=CUDA,
     # input: loader. Grain (Google's loader for JAX; requirements/jax-*.txt): a grain.MapDataset whose element p is
     # step p's batch of the epoch's order, read ahead by grain.ReadOptions(num_threads) threads, and the batches
     # jax.device_put ahead of the step (adapters.jax.inputs: Inputs.open_loader, _device_prefetch); the environment

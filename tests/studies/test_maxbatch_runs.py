@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -485,3 +486,78 @@ def test_a_gpu_sized_search_closes_in_few_probes_and_recommends_a_runnable_batch
                                       spec=spec, memory_limit_mb=cap / 1e6, initial_sizes=None, max_batch=16384)
     assert result.status == "no_oom" and result.limit == 16384 and len(sizes) <= 4, max_batch.table(result)
     assert result.recommended == 1365 and result.recommended_by == "runs", max_batch.table(result)
+
+
+def _cold_first(kind_peaks: dict, kind: str, cold_bytes: float):
+    """A peak function whose first worker of each size reports ``cold_bytes`` more (it compiled: XLA's autotuner
+    borrowed the free memory), counted per ``kind`` in ``kind_peaks``."""
+    def peak(b):
+        kind_peaks[(kind, b)] = kind_peaks.get((kind, b), 0) + 1
+        return 50e6 + 1e6 * b + (cold_bytes if kind_peaks[(kind, b)] == 1 else 0)
+    return peak
+
+
+def test_compile_workers_keep_what_compiling_borrowed_out_of_the_compared_peaks(monkeypatch, tmp_path):
+    """On an H200 JAX's two run checks at 7,629 peaked at 13,097 MB (the worker that compiled and autotuned the step)
+    and 5,340 MB (the next, which read it from the persistent cache), and twice that spread as a margin left a
+    recommendation of 16. Here the first worker of each size and kind reports 200 MB more than the rest: without
+    compile workers the recommendation collapses the same way; with them (``compile_first``) every compared peak is a
+    warm worker's, no margin is needed, and the recommendation is the limit, held in two run checks. Each first
+    worker is recorded as an uncounted ``compile`` probe."""
+    from harness.studies import max_batch
+
+    fits = lambda b: 50e6 + 1e6 * b <= 400e6  # noqa: E731
+    seen: dict = {}
+    plain, _, _ = fake_search(monkeypatch, tmp_path, fits, peak=_cold_first(seen, "probe", 200e6),
+                              run_peak=_cold_first(seen, "run", 200e6))
+    assert 343 <= plain.limit <= 350 and plain.recommended == 16, max_batch.table(plain)  # the margin took 200 MB
+    assert not [p for p in plain.probes if p.kind == "compile"]
+    seen.clear()
+    payloads: list = []
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, fits, peak=_cold_first(seen, "probe", 200e6),
+                                      run_peak=_cold_first(seen, "run", 200e6), compile_first=True,
+                                      payloads=payloads)
+    table = max_batch.table(result)
+    assert result.limit == 350 and result.smallest_oom == 357, table
+    assert result.peak_spread["spread_bytes"] == 0 and result.margin_samples == 0, table
+    assert result.run_offset["offset_bytes"] == 0, table
+    assert result.recommended == 350 and result.recommended_by == "runs", table
+    compiled = [p for p in result.probes if p.kind == "compile"]
+    counted = [p for p in result.probes if p.kind != "compile"]
+    # one compile worker before the first counted worker of every (size, kind) that fitted; never compared
+    assert sorted((p.batch_size, "run" if "run check" in p.purpose.split(":")[0] else "probe") for p in compiled) \
+        == sorted({(p.batch_size, p.kind) for p in counted if p.status == "ok"}), table
+    assert all(p.peak_bytes == 50e6 + 1e6 * p.batch_size + 200e6 for p in compiled)
+    assert all(p.peak_bytes == 50e6 + 1e6 * p.batch_size for p in counted if p.status == "ok")
+    assert any("compiled into a persistent compilation cache (a temporary one" in n for n in result.notes)
+    assert "worker of kind `compile`" in max_batch.markdown(result, result_spec(tmp_path))
+    # every worker read and wrote one temporary cache, removed when the search ended
+    caches = {p.spec.compilation_cache for p in payloads}
+    assert len(caches) == 1 and None not in caches
+    assert not os.path.exists(caches.pop())
+
+
+def test_a_compile_worker_that_runs_out_of_memory_is_the_sizes_probe(monkeypatch, tmp_path):
+    """The compile worker's failure is the size's: at 357 (out of memory) one worker runs, recorded as the probe."""
+    seen: dict = {}
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: b <= 350,
+                                      peak=_cold_first(seen, "probe", 0), compile_first=True)
+    assert result.statuses(357) == ["oom"] and sizes.count(357) == 1
+    assert not [p for p in result.probes if p.kind == "compile" and p.batch_size == 357]
+
+
+def test_only_jax_on_a_gpu_compiles_first_by_default(tmp_path):
+    from harness.plan import checked_spec
+    from harness.studies.max_batch.search import compiles_into_peak
+    from tests.helpers import base_spec
+
+    spec = checked_spec(base_spec(frameworks=["pytorch", "jax"]), tmp_path / "s.yaml")
+    assert compiles_into_peak(spec, "jax", "cuda:0") and not compiles_into_peak(spec, "jax", "cpu")
+    assert not compiles_into_peak(spec, "pytorch", "cuda:0")
+
+
+def result_spec(tmp_path):
+    from harness.plan import checked_spec
+    from tests.helpers import base_spec
+
+    return checked_spec(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
         detail = f": {probe.reason[:120]}" if probe.reason else ""
         batch = (f"batch {probe.batch_size}" if probe.global_batch_size in (0, probe.batch_size) else
                  f"batch {probe.batch_size} per device (global {probe.global_batch_size})")
-        print(f"{'run check' if probe.kind == 'run' else 'probe'} {probe.index + 1}: {batch} {probe.status}{detail}"
+        label = {"run": "run check", "compile": "compile"}.get(probe.kind, "probe")
+        print(f"{label} {probe.index + 1}: {batch} {probe.status}{detail}"
               f"{peak} ({probe.seconds:.1f} s, {probe.purpose})", file=sys.stderr, flush=True)
 
     try:

@@ -199,6 +199,12 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
               f"peak sources: {', '.join(sources) or 'none'}. "
               "On the CPU the cap and the peaks count from the worker's memory once the framework is imported "
               "(see harness/execution/limits.py).", ""]
+    if any(p.kind == "compile" for p in result.probes):
+        lines += ["Before the first probe and the first run check of each size, a worker of kind `compile` trained it "
+                  "once to compile its steps into the persistent compilation cache; its peak (what compiling "
+                  "borrowed included: XLA's autotuning on a GPU) is shown but not compared, and the probes and run "
+                  "checks after it read their steps from the cache. One that failed would have been the size's "
+                  "probe.", ""]
     return "\n".join(lines)
 
 

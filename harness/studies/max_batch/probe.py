@@ -29,8 +29,10 @@ class Probe:
     per-device batch (the batch of one optimizer step on one device); global_batch_size: the samples of one step
     over all devices, devices x batch_size (0: not set, read as batch_size). peak_bytes: the fitted memory figure
     (see ``peak``; on the CPU bytes above the worker's baseline), None when the worker did not report it; seconds: the
-    worker's wall time. kind: ``probe`` (the search's, in its probe conditions) or ``run`` (a run check: the spec's
-    trial as ``harness run`` runs it, ``harness.studies.max_batch.runcheck``)."""
+    worker's wall time. kind: ``probe`` (the search's, in its probe conditions), ``run`` (a run check: the spec's
+    trial as ``harness run`` runs it, ``harness.studies.max_batch.runcheck``) or ``compile`` (ok, and uncounted: it
+    compiled a probe's or run check's steps into the persistent compilation cache before the one counted,
+    ``find_max_batch``'s ``compile_first``)."""
 
     index: int
     batch_size: int

@@ -23,6 +23,8 @@ Design: docs/design/max-batch.md (the steps, what the cap and the peak are on a 
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -56,7 +58,8 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
                    initial_sizes: Sequence[int] | None = None, min_batch: int = 1, max_batch: int | None = None,
                    timeout_s: float | None = None, spec_file: str | Path | None = None, with_dataset: bool = False,
                    data_parallel: int | None = None, run_checks: int = runcheck.RUN_CHECKS,
-                   on_probe: Callable[[Probe, Any], None] | None = None) -> MaxBatchResult:
+                   on_probe: Callable[[Probe, Any], None] | None = None,
+                   compile_first: bool | None = None) -> MaxBatchResult:
     """Searches the largest batch size of ``framework`` that fits ``spec``'s memory cap (see the module docstring).
 
     device: "cpu" or "cuda:N"; None resolves the spec's device ("auto": a GPU when NVML sees one).
@@ -69,7 +72,11 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
     accumulation_steps // devices). data_parallel: N devices (None: the spec's own ``data_parallel``, else one):
     every size is a per-device batch, each probe a data-parallel trial of N x it. run_checks: run checks of each
     candidate for the recommendation (0: confirmed in two probes instead). on_probe(probe, outcome): called after
-    every probe and run check (outcome: harness.execution.launcher.Outcome).
+    every probe and run check (outcome: harness.execution.launcher.Outcome). compile_first: before the first probe
+    (and the first run check) of each size, an uncounted worker (kind ``compile``) compiles its steps into the
+    persistent compilation cache (the spec's ``compilation_cache``, else a temporary one removed at the end), so that
+    the peaks compared come from workers that read their steps from it; None: where the framework's declaration
+    says its peak includes compilation on this device (``compile_peak``: JAX on a GPU).
     Raises ValueError for a margin, tolerance, range or device count out of bounds (with_dataset: a training set
     smaller than min_batch x accumulation_steps x devices), data parallelism that this machine has no devices for, a
     trial the framework's adapter cannot train (its precision, compile mode, input, data parallelism or model on this
@@ -88,21 +95,47 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         dp = check_search(spec, framework, device, data_parallel, spec_file or "spec", memory_limit_mb)
     except SpecError as err:
         raise ValueError(err.message) from None
-    search = _Search(spec, framework, device, memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb,
-                     margin, tolerance, min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
-                     spec_file or "<max-batch probe>", with_dataset, on_probe, dp, run_checks)
-    if initial_sizes is None:
-        initial_sizes = DEFAULT_INITIAL_SIZES
+    if compile_first is None:
+        compile_first = compiles_into_peak(spec, framework, device)
+    cache = None
+    if compile_first and spec.compilation_cache is None:
+        cache = tempfile.mkdtemp(prefix="harness-max-batch-cache-")
+        spec = spec.model_copy(update={"compilation_cache": cache})
     try:
-        search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial_sizes}))
-        if search.bracket():
-            search.recommend()
-    except Stop as stop:
-        search.stopped(stop.probe)
-    search.refit()
-    sometimes = search.result.sometimes()
-    search.result.fits_sometimes = [sometimes[0], sometimes[-1]] if sometimes else None
-    return search.result
+        search = _Search(spec, framework, device,
+                         memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb, margin, tolerance,
+                         min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
+                         spec_file or "<max-batch probe>", with_dataset, on_probe, dp, run_checks, compile_first)
+        if compile_first:
+            search.result.notes.append(
+                "each size's steps were compiled into a persistent compilation cache ("
+                + ("a temporary one: the spec sets no compilation_cache" if cache else spec.compilation_cache or "")
+                + ") by a worker of kind compile before the probes and run checks whose peaks are compared: a "
+                "worker that compiles counts in its peak what compiling borrowed (XLA's autotuning on a GPU)")
+        if initial_sizes is None:
+            initial_sizes = DEFAULT_INITIAL_SIZES
+        try:
+            search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial_sizes}))
+            if search.bracket():
+                search.recommend()
+        except Stop as stop:
+            search.stopped(stop.probe)
+        search.refit()
+        sometimes = search.result.sometimes()
+        search.result.fits_sometimes = [sometimes[0], sometimes[-1]] if sometimes else None
+        return search.result
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def compiles_into_peak(spec: Spec, framework: str, device: str) -> bool:
+    """True where ``framework``'s declaration says the allocator peak its workers report on ``device``'s kind
+    includes what compiling borrowed (``Declaration.compile_peak``: JAX on a GPU)."""
+    from adapters import declaration  # the registry imports no framework
+
+    record = declaration(entry_for(spec, framework).name)
+    return record is not None and ("cpu" if device == "cpu" else "cuda") in record.compile_peak
 
 
 class _Search:
@@ -111,8 +144,10 @@ class _Search:
     def __init__(self, spec: Spec, framework: str, device: str, limit_mb: float | None, margin: float | None,
                  tolerance: float, min_batch: int, max_batch: int, timeout_s: float, spec_file: str | Path,
                  with_dataset: bool, on_probe: Callable[[Probe, Any], None] | None,
-                 dp: DataParallelSpec | None = None, run_checks: int = 0):
+                 dp: DataParallelSpec | None = None, run_checks: int = 0, compile_first: bool = False):
         self.spec, self.framework, self.device = spec, framework, device
+        self.compile_first = compile_first
+        self.compiled: set[tuple[int, str]] = set()  # (size, kind) whose steps a compile worker has cached
         self.min_batch, self.max_batch, self.tolerance = min_batch, max_batch, tolerance
         self.timeout_s, self.spec_file, self.with_dataset, self.on_probe = timeout_s, spec_file, with_dataset, on_probe
         self.dp, self.devices, self.run_checks = dp, 1 if dp is None else dp.size, run_checks
@@ -205,6 +240,17 @@ class _Search:
         if not again and self.result.probed(batch_size, kind) is not None:
             return self.result.fits(batch_size)
         outcome = self._run(batch_size, self.applied_mb, self.spec.sampler.interval_s, kind)
+        if self.compile_first and (batch_size, kind) not in self.compiled:
+            self.compiled.add((batch_size, kind))
+            if outcome.status == "ok":  # it compiled the steps into the cache: its peak is not compared
+                what = "run check" if kind == "run" else "probe"
+                peak, source = probe_peak(outcome, self.device)
+                self._add(Probe(index=len(self.result.probes), batch_size=batch_size, status="ok", reason="",
+                                peak_bytes=peak, peak_source=source, seconds=outcome.wall_seconds,
+                                purpose=f"compile, for the {what}'s cache: {purpose}",
+                                global_batch_size=batch_size * self.devices, kind="compile"), outcome)
+                outcome = self._run(batch_size, self.applied_mb, self.spec.sampler.interval_s, kind)
+            # else its failure is the size's: compiling and training alike ran out of memory, or broke
         status, reason = outcome.status, probe_reason(outcome)
         if status == "error" and MEMORY_ERROR_LINE in reason:  # a raised MemoryError the worker reports as oom
             status, reason = "oom", f"{reason} (Python's MemoryError: an allocation outside the framework failed)"
@@ -218,9 +264,7 @@ class _Search:
                        log_tail="" if status in ("ok", "oom") else outcome.log_tail[-2000:],
                        global_batch_size=batch_size * self.devices, kind=kind)
         earlier = self.result.statuses(batch_size, kind)
-        self.result.probes.append(record)
-        if self.on_probe is not None:
-            self.on_probe(record, outcome)
+        self._add(record, outcome)
         if status not in ("ok", "oom"):
             raise Stop(record)
         if earlier and status not in earlier:
@@ -229,6 +273,12 @@ class _Search:
                 f"in {earlier.count('oom') + (status == 'oom')} of its "
                 + ("probes: it fits sometimes, so it is never the answer" if kind == "probe" else "run checks"))
         return status == "ok"
+
+    def _add(self, record: Probe, outcome: Any) -> None:
+        """``record`` into the result, then ``on_probe``."""
+        self.result.probes.append(record)
+        if self.on_probe is not None:
+            self.on_probe(record, outcome)
 
     def _run(self, batch_size: int, limit_mb: float | None, interval_s: float | None, kind: str = "probe") -> Any:
         """One worker group at ``batch_size`` per device: a probe, or a run check (``kind`` "run")."""
