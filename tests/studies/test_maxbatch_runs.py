@@ -548,7 +548,7 @@ def test_a_compile_worker_that_runs_out_of_memory_is_the_sizes_probe(monkeypatch
 
 def test_only_jax_on_a_gpu_compiles_first_by_default(tmp_path):
     from harness.plan import checked_spec
-    from harness.studies.max_batch.search import compiles_into_peak
+    from harness.studies.max_batch.warm import compiles_into_peak
     from tests.helpers import base_spec
 
     spec = checked_spec(base_spec(frameworks=["pytorch", "jax"]), tmp_path / "s.yaml")

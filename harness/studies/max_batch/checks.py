@@ -1,9 +1,10 @@
 """What a max-batch search checks before its first probe (``harness.studies.max_batch.search.find_max_batch`` and
-the ``max-batch`` command): the data parallelism it searches under (``check_data_parallel``), and whether the
-framework's adapter can train the trial it would probe at all (``check_supported``), asked of the plan's one rule,
-``harness.plan.support.unsupported``, with the adapter's declaration (``adapters.declaration``, which imports no
-framework). A refusal is a ``SpecError``: one line naming the spec file, the field, and the reason a ``harness run``
-of the same trial would record (as ``unsupported``, "not run: <reason>"); the command prints it and exits 2."""
+the ``max-batch`` command): its bounds (``check_bounds``, a ValueError), the data parallelism it searches under
+(``check_data_parallel``), and whether the framework's adapter can train the trial it would probe at all
+(``check_supported``), asked of the plan's one rule, ``harness.plan.support.unsupported``, with the adapter's
+declaration (``adapters.declaration``, which imports no framework). A refusal of the last two is a ``SpecError``: one
+line naming the spec file, the field, and the reason a ``harness run`` of the same trial would record (as
+``unsupported``, "not run: <reason>"); the command prints it and exits 2."""
 
 from __future__ import annotations
 
@@ -82,3 +83,15 @@ def check_supported(spec: Spec, framework: str, device: str, dp: DataParallelSpe
     alone = devices > 1 and unsupported(record, info, spec.precision, spec.compile, device, 1, False,
                                         spec.input, memory_limit) is None
     raise SpecError(spec_file, field if alone else "", why)
+
+
+def check_bounds(margin: float | None, tolerance: float, run_checks: int, min_batch: int, max_batch: int) -> int:
+    """``max_batch``, once the search's bounds are checked. Raises ValueError for a margin outside [0, 1), a
+    negative tolerance or run-check count, or a range that is not 1 <= min_batch <= max_batch."""
+    if margin is not None and not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), not {margin}")
+    if tolerance < 0 or run_checks < 0:
+        raise ValueError(f"tolerance and run_checks must be >= 0, not {tolerance} and {run_checks}")
+    if not 1 <= min_batch <= max_batch:
+        raise ValueError(f"need 1 <= min_batch <= max_batch, not {min_batch} and {max_batch}")
+    return max_batch

@@ -23,8 +23,6 @@ Design: docs/design/max-batch.md (the steps, what the cap and the peak are on a 
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -36,9 +34,9 @@ from harness.measure.machine import resolve_device
 from harness.neutral import datasets, memory
 from harness.plan import entry_for, model_info, plan
 from harness.spec import DataParallelSpec, Spec, SpecError
-from harness.studies.max_batch import runcheck
+from harness.studies.max_batch import runcheck, warm
 from harness.studies.max_batch.bracket import BELOW_FAILURE, MAX_JUMP, curved_limit, inside, local_line, upward
-from harness.studies.max_batch.checks import check_search
+from harness.studies.max_batch.checks import check_bounds, check_search
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
 from harness.studies.max_batch.probe import MaxBatchResult, Probe, Stop, probe_spec, resolve_cap
 from harness.studies.max_batch.probe import peak as probe_peak
@@ -72,70 +70,40 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
     accumulation_steps // devices). data_parallel: N devices (None: the spec's own ``data_parallel``, else one):
     every size is a per-device batch, each probe a data-parallel trial of N x it. run_checks: run checks of each
     candidate for the recommendation (0: confirmed in two probes instead). on_probe(probe, outcome): called after
-    every probe and run check (outcome: harness.execution.launcher.Outcome). compile_first: before the first probe
-    (and the first run check) of each size, an uncounted worker (kind ``compile``) compiles its steps into the
-    persistent compilation cache (the spec's ``compilation_cache``, else a temporary one removed at the end), so that
-    the peaks compared come from workers that read their steps from it; None: where the framework's declaration
-    says its peak includes compilation on this device (``compile_peak``: JAX on a GPU).
+    every probe and run check (outcome: harness.execution.launcher.Outcome). compile_first: an uncounted worker
+    compiles each size into the compilation cache first (``harness.studies.max_batch.warm``); None: where the
+    framework's declaration says its peak includes compilation on this device (``compile_peak``: JAX on a GPU).
     Raises ValueError for a margin, tolerance, range or device count out of bounds (with_dataset: a training set
     smaller than min_batch x accumulation_steps x devices), data parallelism that this machine has no devices for, a
     trial the framework's adapter cannot train (its precision, compile mode, input, data parallelism or model on this
     device: ``checks.check_supported``, the reason a run would record), a dataset that cannot be loaded, or a device
     whose memory cannot be told. All of these before the first probe.
     """
-    if margin is not None and not 0 <= margin < 1:
-        raise ValueError(f"margin must be in [0, 1), not {margin}")
-    if tolerance < 0 or run_checks < 0:
-        raise ValueError(f"tolerance and run_checks must be >= 0, not {tolerance} and {run_checks}")
-    max_batch = max_batch or DEFAULT_MAX_BATCH
-    if not 1 <= min_batch <= max_batch:
-        raise ValueError(f"need 1 <= min_batch <= max_batch, not {min_batch} and {max_batch}")
+    max_batch = check_bounds(margin, tolerance, run_checks, min_batch, max_batch or DEFAULT_MAX_BATCH)
     device = device or resolve_device(spec.device)
     try:
         dp = check_search(spec, framework, device, data_parallel, spec_file or "spec", memory_limit_mb)
     except SpecError as err:
         raise ValueError(err.message) from None
     if compile_first is None:
-        compile_first = compiles_into_peak(spec, framework, device)
-    cache = None
-    if compile_first and spec.compilation_cache is None:
-        cache = tempfile.mkdtemp(prefix="harness-max-batch-cache-")
-        spec = spec.model_copy(update={"compilation_cache": cache})
-    try:
+        compile_first = warm.compiles_into_peak(spec, framework, device)
+    with warm.cached(spec, compile_first) as (spec, note):
         search = _Search(spec, framework, device,
                          memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb, margin, tolerance,
                          min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
                          spec_file or "<max-batch probe>", with_dataset, on_probe, dp, run_checks, compile_first)
-        if compile_first:
-            search.result.notes.append(
-                "each size's steps were compiled into a persistent compilation cache ("
-                + ("a temporary one: the spec sets no compilation_cache" if cache else spec.compilation_cache or "")
-                + ") by a worker of kind compile before the probes and run checks whose peaks are compared: a "
-                "worker that compiles counts in its peak what compiling borrowed (XLA's autotuning on a GPU)")
-        if initial_sizes is None:
-            initial_sizes = DEFAULT_INITIAL_SIZES
+        search.result.notes += [note] if note else []
         try:
-            search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial_sizes}))
+            initial = DEFAULT_INITIAL_SIZES if initial_sizes is None else initial_sizes
+            search.initial(sorted({min(max(s, min_batch), search.max_batch) for s in initial}))
             if search.bracket():
                 search.recommend()
         except Stop as stop:
             search.stopped(stop.probe)
         search.refit()
-        sometimes = search.result.sometimes()
-        search.result.fits_sometimes = [sometimes[0], sometimes[-1]] if sometimes else None
-        return search.result
-    finally:
-        if cache is not None:
-            shutil.rmtree(cache, ignore_errors=True)
-
-
-def compiles_into_peak(spec: Spec, framework: str, device: str) -> bool:
-    """True where ``framework``'s declaration says the allocator peak its workers report on ``device``'s kind
-    includes what compiling borrowed (``Declaration.compile_peak``: JAX on a GPU)."""
-    from adapters import declaration  # the registry imports no framework
-
-    record = declaration(entry_for(spec, framework).name)
-    return record is not None and ("cpu" if device == "cpu" else "cuda") in record.compile_peak
+    sometimes = search.result.sometimes()
+    search.result.fits_sometimes = [sometimes[0], sometimes[-1]] if sometimes else None
+    return search.result
 
 
 class _Search:
@@ -240,17 +208,13 @@ class _Search:
         if not again and self.result.probed(batch_size, kind) is not None:
             return self.result.fits(batch_size)
         outcome = self._run(batch_size, self.applied_mb, self.spec.sampler.interval_s, kind)
-        if self.compile_first and (batch_size, kind) not in self.compiled:
+        if self.compile_first and (batch_size, kind) not in self.compiled:  # that one compiled the steps (warm.py)
             self.compiled.add((batch_size, kind))
-            if outcome.status == "ok":  # it compiled the steps into the cache: its peak is not compared
-                what = "run check" if kind == "run" else "probe"
-                peak, source = probe_peak(outcome, self.device)
-                self._add(Probe(index=len(self.result.probes), batch_size=batch_size, status="ok", reason="",
-                                peak_bytes=peak, peak_source=source, seconds=outcome.wall_seconds,
-                                purpose=f"compile, for the {what}'s cache: {purpose}",
-                                global_batch_size=batch_size * self.devices, kind="compile"), outcome)
+            compiled = warm.compile_record(outcome, len(self.result.probes), batch_size, purpose, kind,
+                                           self.devices, self.device)
+            if compiled is not None:
+                self._add(compiled, outcome)
                 outcome = self._run(batch_size, self.applied_mb, self.spec.sampler.interval_s, kind)
-            # else its failure is the size's: compiling and training alike ran out of memory, or broke
         status, reason = outcome.status, probe_reason(outcome)
         if status == "error" and MEMORY_ERROR_LINE in reason:  # a raised MemoryError the worker reports as oom
             status, reason = "oom", f"{reason} (Python's MemoryError: an allocation outside the framework failed)"
