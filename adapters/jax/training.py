@@ -103,8 +103,8 @@ class Training:
         queued steps (``jnp.asarray`` of numpy: 2.2 against 1.2 ms of host time a step at batch 64 on the CPU), so
         it is made before the window. Loader mode (``indices`` None): ``x``, ``y`` are the batch on the device.
         One jitted step per (B, micro-batches) and mode: every batch of a trial has the same shapes and dtypes, so
-        each compiles once. Raises ValueError when ``micro_batches`` does
-        not divide B, and data-parallel for gradient accumulation or a B that the devices do not divide."""
+        each compiles once. Raises ValueError when ``micro_batches`` does not divide B, and data-parallel for
+        gradient accumulation or a B that the devices do not divide."""
         size = int(x.shape[0]) if indices is None else len(indices)
         micro_batch_size(size, micro_batches)  # raises ValueError for an uneven split
         key: tuple[Any, ...] = (size, micro_batches) if indices is not None else (size, micro_batches, "loader")

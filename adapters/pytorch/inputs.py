@@ -80,8 +80,8 @@ class Inputs:
                 return iter(())
             table = torch.from_numpy(np.stack(whole))
             if self.device.type == "cuda":
-                table = table.pin_memory().to(self.device, non_blocking=True)
-            return iter(table.to(self.device).unbind(0))
+                table = table.pin_memory()
+            return iter(table.to(self.device, non_blocking=True).unbind(0))
         return self._loaded(order, samples_per_step, epoch)
 
     def _loaded(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Any]:

@@ -115,7 +115,6 @@ class _Search:
                  dp: DataParallelSpec | None = None, run_checks: int = 0, compile_first: bool = False):
         self.spec, self.framework, self.device = spec, framework, device
         self.compile_first = compile_first
-        self.compiled: set[tuple[int, str]] = set()  # (size, kind) whose steps a compile worker has cached
         self.min_batch, self.max_batch, self.tolerance = min_batch, max_batch, tolerance
         self.timeout_s, self.spec_file, self.with_dataset, self.on_probe = timeout_s, spec_file, with_dataset, on_probe
         self.dp, self.devices, self.run_checks = dp, 1 if dp is None else dp.size, run_checks
@@ -205,11 +204,11 @@ class _Search:
         """True when ``batch_size`` (per device) fits: a fresh worker group's probe (``kind`` "probe") or run check
         ("run"), or, without ``again``, what earlier probes of it say (every one ok). Raises Stop for one that
         neither fits nor runs out of memory."""
-        if not again and self.result.probed(batch_size, kind) is not None:
+        first = self.result.probed(batch_size, kind) is None
+        if not again and not first:
             return self.result.fits(batch_size)
         outcome = self._run(batch_size, self.applied_mb, self.spec.sampler.interval_s, kind)
-        if self.compile_first and (batch_size, kind) not in self.compiled:  # that one compiled the steps (warm.py)
-            self.compiled.add((batch_size, kind))
+        if self.compile_first and first:  # the first worker of the size and kind compiled its steps (warm.py)
             compiled = warm.compile_record(outcome, len(self.result.probes), batch_size, purpose, kind,
                                            self.devices, self.device)
             if compiled is not None:
