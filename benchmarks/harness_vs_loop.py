@@ -44,6 +44,12 @@ JAX adapter's single-thread XLA CPU flags); ``--cpu-threads`` sets them on eithe
 replaces the interpreter (and any command prefix) of a framework's entry in the spec for both sides: a GPU machine
 has no ``envs/``, its one ``python3`` holds PyTorch and JAX.
 
+``--harness`` runs more than one harness trial in every repeat, each changing one thing of a user's run
+(``VARIANTS``: the sampler off, the worker started cold instead of forked from a preloaded parent), all in the
+rotating order with the loop: ``--harness unsampled,sampled,unsampled-cold`` splits a gap to the loop between the
+sampler and the worker's start within the same repeats. A second table then gives each variant's paired ratio to
+the loop and to the first variant.
+
 Reading it: ``ratio`` is harness / loop throughput within one repeat (paired); the table gives its median and
 min..max over repeats, the median throughputs of both, the loop variant that was fastest, the test accuracy of both
 (equal, or nearly, when both trained the same model on the same batches: a check of the comparison, not a result) and
@@ -76,7 +82,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.idiomatic_loops import DEVICE, device_refusal  # noqa: E402
 from harness import plan as plan_module  # noqa: E402
-from harness.execution.launcher import close_servers, run_worker, worker_settings  # noqa: E402
+from harness.execution.launcher import close_servers, run_worker, start_mode, worker_settings  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
 from harness.neutral import datasets  # noqa: E402
 from harness.plan import available_cpus  # noqa: E402
@@ -85,18 +91,25 @@ from harness.spec import Spec, as_entry  # noqa: E402
 
 FRAMEWORKS = ("pytorch", "tensorflow", "mxnet", "jax")
 GOAL = 0.97
+#: The harness trials a repeat can run beside the loop (``--harness``): name -> (the spec's sampler on, the spec's
+#: ``worker_start`` replaced by this where not None). "sampled" is a user's run; the others each change one thing.
+VARIANTS: dict[str, tuple[bool, str | None]] = {"sampled": (True, None), "unsampled": (False, None),
+                                                "sampled-cold": (True, "cold"), "unsampled-cold": (False, "cold")}
 
 
 def load_spec(path: str, framework: str, batch_size: int, epochs: int, timing: dict[str, Any] | None,
               evaluate_every: int | None = None, device: str = "cpu",
-              pythons: dict[str, str] | None = None, cpu_threads: int | None = None) -> Spec:
+              pythons: dict[str, str] | None = None, cpu_threads: int | None = None,
+              worker_start: str | None = None) -> Spec:
     """The spec file with only the framework, batch size, epochs, repeats (1), device (``device``: "cpu" or
     "cuda:N") and evaluation (``evaluate_every``: None = after the last epoch only, as the loop evaluates)
-    overridden, and ``timing`` and ``cpu_threads`` where given; validated and checked as ``harness run`` does.
-    ``pythons``: framework -> interpreter, which replaces the interpreter (and any command prefix) of that
-    framework's entry."""
+    overridden, and ``timing``, ``cpu_threads`` and ``worker_start`` where given; validated and checked as
+    ``harness run`` does. ``pythons``: framework -> interpreter, which replaces the interpreter (and any command
+    prefix) of that framework's entry."""
     overrides: dict[str, Any] = {"frameworks": [framework], "batch_sizes": [batch_size], "epochs": epochs,
                                  "repeats": 1, "device": device, "evaluate_every": evaluate_every or epochs}
+    if worker_start is not None:
+        overrides["worker_start"] = worker_start
     if timing is not None:
         overrides["timing"] = timing
     if cpu_threads is not None:
@@ -116,7 +129,8 @@ def run_harness(spec: Spec, sampler: bool, device: str = "cpu") -> dict[str, Any
     watches too); its throughput and what goes with it."""
     (trial,) = plan_module.plan(spec, device)
     interval = spec.sampler.interval_s if sampler else None
-    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, device, trial.threads)
+    payload = Payload(trial=trial, spec=spec)
+    outcome = run_worker(payload, spec.timeout_s, interval, device, trial.threads)
     result = outcome.result()
     metrics = result.metrics if result is not None else TrialMetrics()
     return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.throughput_samples_per_s,
@@ -126,9 +140,9 @@ def run_harness(spec: Spec, sampler: bool, device: str = "cpu") -> dict[str, Any
             "timing_window": metrics.timing_window, "wall_s": outcome.wall_seconds,
             "threads": trial.threads, "device": trial.device, "python": plan_module.entry_for(spec, trial.label).argv(),
             "timing": spec.timing.model_dump(mode="json"),
-            "trial": {k: v for k, v in Payload(trial=trial, spec=spec).model_dump(mode="json")["trial"].items()
+            "trial": {k: v for k, v in payload.model_dump(mode="json")["trial"].items()
                       if k not in ("python", "command")},
-            "sampler_interval_s": interval}
+            "sampler_interval_s": interval, "start": start_mode(payload)}
 
 
 def run_loop(spec: Spec, spec_path: str, framework: str, batch_size: int, epochs: int,
@@ -179,6 +193,10 @@ def _median(values: list[float]) -> float:
     return float(np.median(values)) if values else math.nan
 
 
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3f}..{max(values):.3f}" if values else "n/a"
+
+
 def summarize(runs: list[dict[str, Any]], cells: list[tuple[str, int]]) -> tuple[str, list[dict[str, Any]]]:
     """The Markdown table and its rows (one per framework and batch size)."""
     lines = [("| framework | batch | epochs | timed steps | harness samples/s | loop samples/s | loop (fastest) "
@@ -215,7 +233,7 @@ def summarize(runs: list[dict[str, Any]], cells: list[tuple[str, int]]) -> tuple
         steps = ok[0]["harness"]["measured_steps"] if ok else "n/a"
         acc = (f"{_median([r['harness']['test_accuracy'] for r in ok]):.4f} / "
                f"{_median([r['loop']['test_accuracy'] for r in ok]):.4f}") if ok else "n/a"
-        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if ratios else "n/a"
+        spread = _spread(ratios)
         lines.append(f"| {framework} | {batch} | {row['epochs']} | {steps} | {row['harness_throughput_median']:,.0f} "
                      f"| {row['loop_throughput_median']:,.0f} | {fastest} | {median:.3f} | {spread} | {len(ratios)} "
                      f"| {acc} | {goal} |")
@@ -235,24 +253,66 @@ def gpu_threads(device: str, cpu_threads: int | None) -> int | None:
 
 def measure(args: argparse.Namespace, framework: str, batch: int, epochs: int, timing: dict[str, Any] | None,
             device: str, pythons: dict[str, str], repeat: int, index: int, log: Any) -> dict[str, Any]:
-    """One repeat of one cell: the harness trial and the loop back to back (which one first alternates), on
-    ``device``, with the trial's threads for both."""
+    """One repeat of one cell: each harness variant (``args.harness``, ``VARIANTS``) and the loop back to back, the
+    order rotated from one repeat and cell to the next, on ``device``, with the trial's threads for all. The record's
+    ``harness`` and ``ratio`` are the first variant's; ``variants`` and ``ratios`` hold every variant's."""
     spec = load_spec(args.spec, framework, batch, epochs, timing, args.evaluate_every, device, pythons,
                      gpu_threads(device, args.cpu_threads))
     threads = spec.cpu_threads or available_cpus()  # the trial's (harness.plan.plan), on a GPU as on the CPU
-    order = ("harness", "loop") if (repeat + index) % 2 == 0 else ("loop", "harness")
+    sides = [*args.harness, "loop"]
+    shift = (repeat + index) % len(sides)
+    order = sides[shift:] + sides[:shift]
     run: dict[str, Any] = {"repeat": repeat, "framework": framework, "batch_size": batch, "epochs": epochs,
-                           "order": list(order)}
+                           "order": order, "variants": {}}
     for side in order:
-        run[side] = (run_harness(spec, not args.no_sampler, device) if side == "harness" else
-                     run_loop(spec, args.spec, framework, batch, epochs, threads, device))
-    h, lp = run["harness"], run["loop"]
-    run["ratio"] = h["throughput"] / lp["throughput"] if h["status"] == lp["status"] == "ok" else None
+        if side == "loop":
+            run["loop"] = run_loop(spec, args.spec, framework, batch, epochs, threads, device)
+        else:
+            sampler, start = VARIANTS[side]
+            variant = spec if start is None else spec.model_copy(update={"worker_start": start})
+            run["variants"][side] = run_harness(variant, sampler, device)
+    lp = run["loop"]
+    run["ratios"] = {name: (h["throughput"] / lp["throughput"] if h["status"] == lp["status"] == "ok" else None)
+                     for name, h in run["variants"].items()}
+    first = args.harness[0]
+    run["harness"], run["ratio"] = run["variants"][first], run["ratios"][first]
+    h = run["harness"]
     detail = (f"ratio {run['ratio']:.3f} (harness {h['throughput']:,.0f}, loop {lp['throughput']:,.0f} "
               f"samples/s, {lp['best']})" if run["ratio"] is not None else
               f"harness {h['status']} {h['reason'][:100]}; loop {lp['status']} {lp['reason'][:100]}")
-    log(f"repeat {repeat + 1}/{args.repeats} {framework} bs {batch} ({order[0]} first): {detail}")
+    others = ", ".join(f"{name} {ratio:.3f}" for name, ratio in run["ratios"].items()
+                       if name != first and ratio is not None)
+    log(f"repeat {repeat + 1}/{args.repeats} {framework} bs {batch} ({order[0]} first): {detail}"
+        + (f"; {others}" if others else ""))
     return run
+
+
+def summarize_variants(runs: list[dict[str, Any]], cells: list[tuple[str, int]],
+                       variants: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """The harness variants side by side (``--harness`` with more than one): per cell and variant, the paired
+    ratio to the loop and to the first variant (within a repeat, both ok), each as median and min..max over
+    repeats. With ``unsampled,sampled`` the second's ratio to the first is what the sampler costs the trial."""
+    reference = variants[0]
+    lines = [f"| framework | batch | harness | samples/s | ratio to loop | min..max | ratio to {reference} | min..max "
+             "| repeats |", "| --- | ---: | --- | ---: | ---: | --- | ---: | --- | ---: |"]
+    rows = []
+    for framework, batch in cells:
+        cell = [r for r in runs if r["framework"] == framework and r["batch_size"] == batch and "ratios" in r]
+        for name in variants:
+            ok = [r["variants"][name]["throughput"] for r in cell if r["variants"][name]["status"] == "ok"]
+            to_loop = [r["ratios"][name] for r in cell if r["ratios"][name] is not None]
+            to_first = [r["variants"][name]["throughput"] / r["variants"][reference]["throughput"] for r in cell
+                        if r["variants"][name]["status"] == r["variants"][reference]["status"] == "ok"]
+            row = {"framework": framework, "batch_size": batch, "variant": name, "throughput_median": _median(ok),
+                   "loop_ratio_median": _median(to_loop), "loop_ratio_min": min(to_loop, default=None),
+                   "loop_ratio_max": max(to_loop, default=None), "reference": reference,
+                   "reference_ratio_median": _median(to_first), "reference_ratio_min": min(to_first, default=None),
+                   "reference_ratio_max": max(to_first, default=None), "repeats": len(to_loop)}
+            rows.append(row)
+            lines.append(f"| {framework} | {batch} | {name} | {row['throughput_median']:,.0f} | "
+                         f"{row['loop_ratio_median']:.3f} | {_spread(to_loop)} | {row['reference_ratio_median']:.3f} "
+                         f"| {_spread(to_first)} | {len(to_loop)} |")
+    return "\n".join(lines), rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +336,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the harness evaluates after every k-th epoch (default: after the last only, as the loop "
                              "does, so both do the same work; 1 shows what per-epoch evaluation costs the timing)")
     parser.add_argument("--no-sampler", action="store_true",
-                        help="run the harness trials without the sampler (default: the spec's sampler, as in a run)")
+                        help="run the harness trials without the sampler (default: the spec's sampler, as in a run); "
+                             "the same as --harness unsampled")
+    parser.add_argument("--harness", default=None,
+                        help="comma-separated harness trials to run beside the loop in every repeat, each changing "
+                             f"one thing of a user's run: {', '.join(VARIANTS)} (default: sampled); the first is the "
+                             "main table's, the others are compared with it and with the loop (e.g. "
+                             "unsampled,sampled,unsampled-cold: what the sampler and what a forked start cost)")
     parser.add_argument("--out", default=None,
                         help="raw results as JSON (default: results/harness_vs_loop-<UTC time>.json)")
     parser.add_argument("--device", default="cpu",
@@ -289,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="intra-op CPU threads of the worker and the loop (default: the spec's cpu_threads on the "
                              "CPU; on a GPU every available CPU, the harness's default for a spec without it)")
     args = parser.parse_args(argv)
+    if args.harness is not None and args.no_sampler:
+        parser.error("--no-sampler and --harness: give one (--no-sampler is --harness unsampled)")
+    args.harness = (args.harness or ("unsampled" if args.no_sampler else "sampled")).split(",")
+    unknown = [name for name in args.harness if name not in VARIANTS]
+    if unknown or len(set(args.harness)) < len(args.harness):
+        parser.error(f"--harness takes distinct names of {', '.join(VARIANTS)}, not {', '.join(args.harness)}")
 
     frameworks = args.frameworks.split(",")
     unknown = set(frameworks) - set(FRAMEWORKS)
@@ -339,12 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         close_servers()  # the preloaded parents of forked workers, if any (each holds a framework's memory)
 
     table, rows = summarize(runs, cells)
+    variant_table, variant_rows = summarize_variants(runs, cells, args.harness) if len(args.harness) > 1 else ("", [])
     load_after = os.getloadavg()
     timing_text = json.dumps(timing) if timing is not None else f"the spec's ({json.dumps(base.timing.model_dump())})"
     print(f"Harness vs idiomatic loop: spec {args.spec}, device {device}, "
           f"{base.cpu_threads or available_cpus()} intra-op thread(s), {available_cpus()} CPUs, timing {timing_text}, "
-          "sampler "
-          f"{'off' if args.no_sampler else f'{base.sampler.interval_s:g} s'}, warm-up {base.warmup_steps} step(s), "
+          f"sampler {base.sampler.interval_s:g} s, harness trials {', '.join(args.harness)}, "
+          f"warm-up {base.warmup_steps} step(s), "
           "harness evaluation "
           f"{f'every {args.evaluate_every} epoch(s)' if args.evaluate_every else 'after the last epoch'}, "
           f"{args.repeats} repeats, {time.monotonic() - started:.0f} s in all")
@@ -353,11 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     print("ratio = harness throughput / loop throughput in the same repeat (below 1: the harness is slower); "
           f"goal: median >= {GOAL}\n")
     print(table)
+    if variant_table:
+        print(f"\nThe harness trials side by side (ratio to {args.harness[0]}: paired within a repeat)\n")
+        print(variant_table)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({
         "spec": args.spec, "device": device, "pythons": pythons, "threads": base.cpu_threads or available_cpus(),
         "frameworks": frameworks, "batch_sizes": batches, "repeats": args.repeats,
-        "epochs": {str(b): e for b, e in epochs.items()}, "timing_override": timing, "sampler": not args.no_sampler,
+        "epochs": {str(b): e for b, e in epochs.items()}, "timing_override": timing,
+        "sampler": VARIANTS[args.harness[0]][0], "harness_variants": args.harness, "variant_summary": variant_rows,
         "evaluate_every": args.evaluate_every,
         "cpus": available_cpus(), "load_before": load_before, "load_after": load_after, "goal": GOAL,
         "summary": rows, "runs": runs}, indent=1, default=str))

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import harness_vs_loop, idiomatic_loops
+from harness.record import TrialMetrics
 from tests.helpers import ROOT
 
 REFUSAL = "not supported on a GPU in this benchmark: "
@@ -97,6 +98,72 @@ def test_a_cuda_device_reaches_the_trial_the_sampler_and_the_loop(threads, tmp_p
     assert "skipped" not in rows["jax"] and rows["jax"]["failures"] == ["harness error: fake worker"]
     (jax_run,) = [r for r in data["runs"] if r["framework"] == "jax"]
     assert jax_run["harness"]["device"] == "cuda:0" and jax_run["loop"]["device"] == "cuda:0"
+
+
+class _Measured:
+    """An ok Outcome whose trial ran at ``throughput`` samples/s."""
+
+    status, reason, wall_seconds = "ok", "", 1.0
+
+    def __init__(self, throughput):
+        self.metrics = TrialMetrics(throughput_samples_per_s=throughput, measured_steps=10, test_accuracy=0.5)
+
+    def result(self):
+        return self
+
+
+def test_harness_variants_run_beside_the_loop_in_rotating_order(tmp_path, monkeypatch):
+    """--harness unsampled,sampled,unsampled-cold: each repeat runs the three trials and the loop, in an order that
+    rotates; each trial gets its sampler (or none) and its worker start; the ratios are paired within a repeat."""
+    speeds = {(None, "auto"): 100.0, (0.1, "auto"): 90.0, (None, "cold"): 80.0}  # the fake trials' samples/s
+    workers, order = [], []
+
+    def fake_run_worker(payload, timeout_s, interval_s, device, threads, *rest, **options):
+        key = (interval_s, payload.spec.worker_start)
+        workers.append(key)
+        order.append(key)
+        return _Measured(speeds[key] * (1 + len(workers) / 100))  # drifts: only paired ratios stay exact
+
+    def fake_run(argv, **options):
+        order.append("loop")
+        out = {"variants": {"jit": {"test_accuracy": 0.5, "timed_steps": 3, "throughput": 50.0}}, "best": "jit",
+               "throughput": 50.0, "device": "cpu"}
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(harness_vs_loop, "run_worker", fake_run_worker)
+    monkeypatch.setattr(harness_vs_loop.subprocess, "run", fake_run)
+    out = tmp_path / "hvl.json"
+    variants = ["unsampled", "sampled", "unsampled-cold"]
+    assert harness_vs_loop.main(["--frameworks", "jax", "--batch-sizes", "64", "--repeats", "4", "--epochs", "1",
+                                 "--harness", ",".join(variants), "--out", str(out)]) == 0
+    assert set(workers) == set(speeds) and len(workers) == 12
+    assert len({str(order[i * 4]) for i in range(4)}) == 4  # each of the four sides went first once
+
+    data = json.loads(out.read_text())
+    assert data["harness_variants"] == variants and data["sampler"] is False
+    sides = [*variants, "loop"]
+    for run in data["runs"]:
+        assert run["order"] == sides[run["repeat"]:] + sides[:run["repeat"]]  # one cell: shifted by the repeat
+        assert run["harness"] == run["variants"]["unsampled"] and run["ratio"] == run["ratios"]["unsampled"]
+        assert run["variants"]["sampled"]["sampler_interval_s"] == 0.1
+        assert run["variants"]["unsampled-cold"]["start"] == "cold"
+        assert run["variants"]["unsampled"]["sampler_interval_s"] is None
+    rows = {row["variant"]: row for row in data["variant_summary"]}
+    assert set(rows) == set(variants) and all(row["repeats"] == 4 for row in rows.values())
+    for name, key in zip(variants, speeds):
+        # the drift of one trial to the next is at most 12 %: the paired ratio stays near the speeds' ratio
+        assert rows[name]["reference_ratio_median"] == pytest.approx(speeds[key] / 100.0, rel=0.05)
+        assert rows[name]["loop_ratio_median"] == pytest.approx(speeds[key] / 50.0, rel=0.12)
+    assert rows["unsampled"]["reference_ratio_min"] == rows["unsampled"]["reference_ratio_max"] == 1.0
+
+
+@pytest.mark.parametrize("argv", [["--harness", "sampled,fast"], ["--harness", "sampled,sampled"],
+                                  ["--harness", "sampled", "--no-sampler"]])
+def test_a_bad_harness_variant_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as end:
+        harness_vs_loop.main([*argv, "--frameworks", "jax"])
+    assert end.value.code == 2
+    assert "--harness" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--python", "jax"],
