@@ -52,7 +52,7 @@ def _median_us(runs: Iterable[float], steps: int) -> float:
 class Bench:
     """One adapter built from the spec on the device, and the timed runs over it."""
 
-    def __init__(self, framework: str, spec_path: str, device: str, batch: int):
+    def __init__(self, framework: str, spec_path: str, device: str, batch: int, threads: int | None = None):
         spec = load_spec(spec_path)
         self.data = datasets.load(spec.dataset, seed=spec.seed)
         info = models.analyze(spec.model, tuple(self.data.x_train.shape[1:]), self.data.num_classes)
@@ -61,7 +61,7 @@ class Bench:
         else:
             from adapters.jax.adapter import JaxAdapter as cls
         self.adapter = cls()
-        self.adapter.prepare(device, None, spec.seed)
+        self.adapter.prepare(device, threads, spec.seed)
         self.adapter.build_neutral(info, models.initial_weights(info, spec.seed), spec.optimizer)
         self.adapter.load(self.data)
         self.n, self.batch, self.seed = len(self.data.y_train), batch, spec.seed

@@ -39,18 +39,21 @@ SIZES = {
     "gpu": {"batch_sizes": [4, 16, 64, 256, 1024], "epochs": 1, "repeats": 2, "warmup_steps": 5,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 50000, "test_size": 10000},
             "timeout_s": 240, "max_batch_args": ["--memory-limit-mb", "16000"],
-            "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "8"]},
+            "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "8"],
+            "blocks_args": ["--pairs", "10", "--block-seconds", "1"]},
     "cpu": {"batch_sizes": [16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
             "timeout_s": 120,
             "max_batch_args": ["--memory-limit-mb", "400", "--initial-sizes", "16", "--max-batch", "16",
                                "--run-checks", "1"],
-            "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"]},
+            "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"],
+            "blocks_args": ["--pairs", "2", "--block-seconds", "0.2", "--min-steps", "2", "--warmup-steps", "2",
+                            "--batch-size", "64", "--threads", "1"]},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
 LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 320,
-          "sweep_keras": 120, "sampler_overhead": 150,
-          "harness_vs_loop": 150}
+          "sweep_keras": 120, "sampler_overhead": 150, "sampler_blocks": 120,
+          "harness_vs_loop": 240}
 
 
 def _absolute(python: str) -> str:
@@ -380,6 +383,27 @@ def step_sampler_overhead(check: Check) -> None:
                  reason=f"no paired ratio for {', '.join(missing)}" if missing else "")
 
 
+def step_sampler_blocks(check: Check) -> None:
+    """benchmarks/sampler_blocks.py: the sampler on and off in alternate blocks of one training process per
+    framework (the 0.5 % goal is read from its confidence interval, not a pass condition)."""
+    started = time.monotonic()
+    folder = check.out / "sampler_blocks"
+    pythons = [a for f in check.frameworks for a in ("--python", f"{f}={check.pythons[f]}")]
+    code, text = check.run("sampler_blocks", [check.python, "benchmarks/sampler_blocks.py", "--device", check.device,
+                                              "--frameworks", ",".join(check.frameworks), "--out", str(folder),
+                                              *pythons, *check.sizes["blocks_args"]])
+    out = folder / "sampler_blocks.json"
+    if not out.exists():
+        check.record("sampler_blocks", "failed", started, reason=f"exit {code}: {tail(text)}")
+        return
+    results = [{k: v for k, v in r.items() if k != "blocks"} for r in json.loads(out.read_text())["results"]]
+    failed = [f"{r['framework']}: {r['error']}" for r in results if "error" in r]
+    verdicts = [f"{r['framework']} {r['ratio_median']:.4f} ({r['ci95'][0]:.4f}..{r['ci95'][1]:.4f}): {r['verdict']}"
+                for r in results if "error" not in r]
+    check.record("sampler_blocks", "failed" if failed or code != 0 else "ok", started, results=results,
+                 reason="; ".join(failed + verdicts))
+
+
 def write_markdown(check: Check) -> None:
     lines = [f"# GPU check ({check.summary['started']}, device {check.device})", "",
              "| step | status | seconds | detail |", "| --- | --- | ---: | --- |"]
@@ -399,7 +423,8 @@ def write_markdown(check: Check) -> None:
 
 
 STEPS = {"gpu_tests": step_gpu_tests, "fork_check": step_fork_check, "sweep": step_sweep, "max_batch": step_max_batch,
-         "harness_vs_loop": step_harness_vs_loop, "sampler_overhead": step_sampler_overhead,
+         "harness_vs_loop": step_harness_vs_loop, "sampler_blocks": step_sampler_blocks,
+         "sampler_overhead": step_sampler_overhead,
          "sweep_keras": step_sweep_keras}
 
 
