@@ -404,11 +404,34 @@ def step_sampler_blocks(check: Check) -> None:
                  reason="; ".join(failed + verdicts))
 
 
+def harness_vs_loop_lines(result: dict[str, Any]) -> list[str]:
+    """The harness / loop ratios of benchmarks/harness_vs_loop.py's JSON as a table: one row per framework, batch
+    size and harness variant (median and min..max over the repeats, paired)."""
+    rows = result.get("variant_summary") or [
+        {**row, "variant": "sampled" if result.get("sampler", True) else "unsampled",
+         "loop_ratio_median": row["ratio_median"], "loop_ratio_min": row["ratio_min"],
+         "loop_ratio_max": row["ratio_max"], "reference_ratio_median": None}
+        for row in result.get("summary", []) if row.get("ratio_median") is not None]
+    if not rows:
+        return []
+    lines = ["", "| harness vs loop | batch | harness trial | ratio to loop | min..max | ratio to the first trial "
+                 "| repeats |", "| --- | ---: | --- | ---: | --- | ---: | ---: |"]
+    for row in rows:
+        first = row.get("reference_ratio_median")
+        spread = (f"{row['loop_ratio_min']:.3f}..{row['loop_ratio_max']:.3f}"
+                  if row.get("loop_ratio_min") is not None else "n/a")
+        lines.append(f"| {row['framework']} | {row['batch_size']} | {row['variant']} | {row['loop_ratio_median']:.3f} "
+                     f"| {spread} | {'' if first is None else format(first, '.3f')} | {row['repeats']} |")
+    return lines
+
+
 def write_markdown(check: Check) -> None:
     lines = [f"# GPU check ({check.summary['started']}, device {check.device})", "",
              "| step | status | seconds | detail |", "| --- | --- | ---: | --- |"]
     for name, step in check.summary["steps"].items():
-        lines.append(f"| {name} | {step['status']} | {step['seconds']} | {step.get('reason', '')} |")
+        detail = " / ".join(line.strip() for line in str(step.get("reason", "")).splitlines() if line.strip())
+        lines.append(f"| {name} | {step['status']} | {step['seconds']} | {detail.replace('|', '/')} |")
+    lines += harness_vs_loop_lines(check.summary["steps"].get("harness_vs_loop", {}).get("result") or {})
     cells = [c for name in ("sweep", "sweep_keras") for c in check.summary["steps"].get(name, {}).get("cells", [])]
     if cells:
         lines += ["", "| row | batch | repeat | status | samples/s | GPU use % | SM active % | MFU |",

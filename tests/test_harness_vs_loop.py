@@ -4,6 +4,7 @@ MXNet on a GPU are one-line refusals, recorded as skipped cells, with nothing im
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -155,6 +156,21 @@ def test_harness_variants_run_beside_the_loop_in_rotating_order(tmp_path, monkey
         assert rows[name]["reference_ratio_median"] == pytest.approx(speeds[key] / 100.0, rel=0.05)
         assert rows[name]["loop_ratio_median"] == pytest.approx(speeds[key] / 50.0, rel=0.12)
     assert rows["unsampled"]["reference_ratio_min"] == rows["unsampled"]["reference_ratio_max"] == 1.0
+    # gpu-check's summary.md shows the same rows
+    lines = _gpu_check().harness_vs_loop_lines(data)
+    assert len(lines) == 3 + len(variants) and lines[3].startswith("| jax | 64 | unsampled | ")
+    assert lines[4].split(" | ")[3] == f"{rows['sampled']['loop_ratio_median']:.3f}"
+    (main_row,) = data["summary"]  # a run with one harness trial: its main table's row
+    assert _gpu_check().harness_vs_loop_lines({**data, "variant_summary": []})[3].startswith(
+        f"| jax | 64 | unsampled | {main_row['ratio_median']:.3f} | ")
+
+
+def _gpu_check():
+    """scripts/gpu_check.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("argv", [["--harness", "sampled,fast"], ["--harness", "sampled,sampled"],
