@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--out", default=None, help="folder for costs.json and torch_profile.txt")
     args = parser.parse_args(argv)
+    if unknown := sorted(set(args.frameworks.split(",")) - {"pytorch", "jax"}):
+        parser.error(f"--frameworks: {', '.join(unknown)} not one of pytorch, jax")
     folder = Path(args.out) if args.out else Path.cwd()
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"device": args.device, "batch_size": args.batch_size, "steps": args.steps,

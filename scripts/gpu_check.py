@@ -40,7 +40,7 @@ SIZES = {
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 50000, "test_size": 10000},
             "timeout_s": 240, "max_batch_args": ["--memory-limit-mb", "16000"],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "8"],
-            "blocks_args": ["--pairs", "10", "--block-seconds", "1"]},
+            "blocks_args": ["--pairs", "10", "--block-seconds", "1"], "costs_args": []},
     "cpu": {"batch_sizes": [16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
             "timeout_s": 120,
@@ -48,11 +48,12 @@ SIZES = {
                                "--run-checks", "1"],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"],
             "blocks_args": ["--pairs", "2", "--block-seconds", "0.2", "--min-steps", "2", "--warmup-steps", "2",
-                            "--batch-size", "64", "--threads", "1"]},
+                            "--batch-size", "64", "--threads", "1"],
+            "costs_args": ["--steps", "6", "--repeats", "2", "--batch-size", "64"]},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
 LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 320,
-          "sweep_keras": 120, "sampler_overhead": 150, "sampler_blocks": 120,
+          "sweep_keras": 120, "sampler_overhead": 150, "sampler_blocks": 120, "step_host_costs": 90,
           "harness_vs_loop": 240}
 
 
@@ -404,6 +405,25 @@ def step_sampler_blocks(check: Check) -> None:
                  reason="; ".join(failed + verdicts))
 
 
+def step_step_host_costs(check: Check) -> None:
+    """benchmarks/step_host_costs.py: the adapters' steps alone, their epochs' batches made inside and before the
+    clock, and the host cost of a copy of step indices to the device (in the check's own interpreter, which holds
+    both frameworks on a GPU machine)."""
+    started = time.monotonic()
+    folder = check.out / "costs"
+    code, text = check.run("step_host_costs", [check.python, "benchmarks/step_host_costs.py", "--device",
+                                               check.device, "--frameworks", ",".join(check.frameworks), "--out",
+                                               str(folder), *check.sizes["costs_args"]])
+    out = folder / "costs.json"
+    if code != 0 or not out.exists():
+        check.record("step_host_costs", "failed", started, reason=f"exit {code}: {tail(text)}")
+        return
+    costs = json.loads(out.read_text(encoding="utf-8"))
+    figures = {f: costs.get(f, {"error": "no figures"}) for f in check.frameworks}
+    failed = [f"{f}: {entry['error']}" for f, entry in figures.items() if "error" in entry]
+    check.record("step_host_costs", "failed" if failed else "ok", started, costs=costs, reason="; ".join(failed))
+
+
 def harness_vs_loop_lines(result: dict[str, Any]) -> list[str]:
     """The harness / loop ratios of benchmarks/harness_vs_loop.py's JSON as a table: one row per framework, batch
     size and harness variant (median and min..max over the repeats, paired)."""
@@ -446,7 +466,8 @@ def write_markdown(check: Check) -> None:
 
 
 STEPS = {"gpu_tests": step_gpu_tests, "fork_check": step_fork_check, "sweep": step_sweep, "max_batch": step_max_batch,
-         "harness_vs_loop": step_harness_vs_loop, "sampler_blocks": step_sampler_blocks,
+         "harness_vs_loop": step_harness_vs_loop, "step_host_costs": step_step_host_costs,
+         "sampler_blocks": step_sampler_blocks,
          "sampler_overhead": step_sampler_overhead,
          "sweep_keras": step_sweep_keras}
 

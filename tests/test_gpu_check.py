@@ -34,7 +34,8 @@ def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_rep
     steps = summary["steps"]
     assert done.returncode == 0, (done.stderr[-3000:], summary)
     assert list(steps) == ["install", "environment", "gpu_tests", "fork_check", "sweep", "max_batch",
-                           "harness_vs_loop", "sampler_blocks", "sampler_overhead", "sweep_keras"]
+                           "harness_vs_loop", "step_host_costs", "sampler_blocks", "sampler_overhead",
+                           "sweep_keras"]
     assert steps["harness_vs_loop"]["status"] == "not run"  # tests/test_harness_vs_loop.py runs it on the CPU
     # every framework's worker forked from its preloaded parent and trained, so the sweep forks too
     assert steps["fork_check"]["status"] == "ok"
@@ -48,6 +49,8 @@ def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_rep
     assert [p.rsplit("/", 1)[1] for p in sweep["reports"]] == ["report.md", "report.html"]
     found = steps["max_batch"]["results"]["pytorch"]
     assert found["limit"] and found["limit_ok_in_probes"] >= 2
+    costs = steps["step_host_costs"]
+    assert costs["status"] == "ok" and costs["costs"]["pytorch"]["batches_before_us_per_step"] > 0
     (blocks,) = steps["sampler_blocks"]["results"]  # 2 pairs of blocks, one sampled in each
     assert steps["sampler_blocks"]["status"] == "ok" and blocks["framework"] == "pytorch" and blocks["pairs"] == 2
     assert blocks["backend"] == "host" and blocks["samples_per_block"] >= 1
@@ -72,8 +75,9 @@ def test_a_failing_step_leaves_the_others_running_and_the_check_exits_1(tmp_path
     statuses = {name: step["status"] for name, step in summary["steps"].items()}
     assert statuses == {"install": "ok", "environment": "ok", "gpu_tests": "not run", "fork_check": "failed",
                         "sweep": "failed", "max_batch": "failed", "harness_vs_loop": "not run",
-                        "sampler_blocks": "failed", "sampler_overhead": "failed"}
-    assert summary["failed"] == ["fork_check", "sweep", "max_batch", "sampler_blocks", "sampler_overhead"]
+                        "step_host_costs": "failed", "sampler_blocks": "failed", "sampler_overhead": "failed"}
+    assert summary["failed"] == ["fork_check", "sweep", "max_batch", "step_host_costs", "sampler_blocks",
+                                 "sampler_overhead"]
     assert "nosuch" in summary["steps"]["sweep"]["reason"]
 
 

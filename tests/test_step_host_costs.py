@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import step_host_costs
 
 
@@ -20,3 +22,10 @@ def test_it_times_the_adapters_steps_both_ways_and_writes_the_profile(tmp_path):
     assert costs["batch_size"] == 64 and costs["steps"] == 6
     profile = (tmp_path / "torch_profile.txt").read_text(encoding="utf-8")
     assert "aten::" in profile and "Self CPU" in profile
+
+
+def test_a_framework_it_does_not_drive_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as end:
+        step_host_costs.main(["--frameworks", "pytorch,mxnet", "--out", str(tmp_path)])
+    assert end.value.code == 2 and "mxnet not one of pytorch, jax" in capsys.readouterr().err
+    assert not (tmp_path / "costs.json").exists()
