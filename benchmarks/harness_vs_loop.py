@@ -99,17 +99,14 @@ VARIANTS: dict[str, tuple[bool, str | None]] = {"sampled": (True, None), "unsamp
 
 def load_spec(path: str, framework: str, batch_size: int, epochs: int, timing: dict[str, Any] | None,
               evaluate_every: int | None = None, device: str = "cpu",
-              pythons: dict[str, str] | None = None, cpu_threads: int | None = None,
-              worker_start: str | None = None) -> Spec:
+              pythons: dict[str, str] | None = None, cpu_threads: int | None = None) -> Spec:
     """The spec file with only the framework, batch size, epochs, repeats (1), device (``device``: "cpu" or
     "cuda:N") and evaluation (``evaluate_every``: None = after the last epoch only, as the loop evaluates)
-    overridden, and ``timing``, ``cpu_threads`` and ``worker_start`` where given; validated and checked as
-    ``harness run`` does. ``pythons``: framework -> interpreter, which replaces the interpreter (and any command
-    prefix) of that framework's entry."""
+    overridden, and ``timing`` and ``cpu_threads`` where given; validated and checked as ``harness run`` does.
+    ``pythons``: framework -> interpreter, which replaces the interpreter (and any command prefix) of that
+    framework's entry."""
     overrides: dict[str, Any] = {"frameworks": [framework], "batch_sizes": [batch_size], "epochs": epochs,
                                  "repeats": 1, "device": device, "evaluate_every": evaluate_every or epochs}
-    if worker_start is not None:
-        overrides["worker_start"] = worker_start
     if timing is not None:
         overrides["timing"] = timing
     if cpu_threads is not None:
@@ -315,6 +312,22 @@ def summarize_variants(runs: list[dict[str, Any]], cells: list[tuple[str, int]],
     return "\n".join(lines), rows
 
 
+def parse_pythons(parser: argparse.ArgumentParser, items: list[str],
+                  frameworks: tuple[str, ...] = FRAMEWORKS) -> dict[str, str]:
+    """``--python FRAMEWORK=PYTHON`` items as {framework: interpreter}, a path (not a bare name looked up in PATH)
+    made absolute: the benchmarks start their processes with the repository as the working directory. A missing
+    ``=`` or a framework not in ``frameworks`` is a usage error (``parser.error``: exit 2)."""
+    pythons: dict[str, str] = {}
+    for item in items:
+        name, _, python = item.partition("=")
+        if not python:
+            parser.error(f"--python takes FRAMEWORK=PYTHON, not {item!r}")
+        if name not in frameworks:
+            parser.error(f"--python {item}: unknown framework {name!r}; expected one of {', '.join(frameworks)}")
+        pythons[name] = str(Path(python).absolute()) if os.sep in python else python
+    return pythons
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -369,15 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda:0" if args.device == "cuda" else args.device
     if not DEVICE.fullmatch(device):
         parser.error(f"--device is cpu or cuda:N, not {args.device!r}")
-    pythons: dict[str, str] = {}
-    for item in args.python:
-        name, _, python = item.partition("=")
-        if not python:
-            parser.error(f"--python takes FRAMEWORK=PYTHON, not {item!r}")
-        if name not in FRAMEWORKS:
-            parser.error(f"--python {item}: unknown framework {name!r}; expected one of {', '.join(FRAMEWORKS)}")
-        # a path (not a bare name looked up in PATH) made absolute: the loop runs with the repository as its cwd
-        pythons[name] = str(Path(python).absolute()) if os.sep in python else python
+    pythons = parse_pythons(parser, args.python)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     timing = json.loads(args.timing) if args.timing else None
     if args.cpu_threads is not None and args.cpu_threads < 1:

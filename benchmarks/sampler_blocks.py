@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.train:
         return train(args)
 
+    from benchmarks.harness_vs_loop import parse_pythons
     from harness import plan as plan_module
 
     frameworks = args.frameworks.split(",")
@@ -207,17 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--frameworks: {', '.join(unknown)} not one of {', '.join(FRAMEWORKS)}")
     if args.pairs < 2 or args.block_seconds <= 0:
         parser.error("--pairs must be at least 2 and --block-seconds above 0")
-    pythons = dict(item.partition("=")[::2] for item in args.python)
+    pythons = parse_pythons(parser, args.python, FRAMEWORKS)
     spec = plan_module.load(args.spec)
-    interval = args.interval or spec.sampler.interval_s
+    args.interval = args.interval or spec.sampler.interval_s
     threads = args.threads or (spec.cpu_threads if args.device == "cpu" and spec.cpu_threads
                                else plan_module.available_cpus())
     results = []
     for framework in frameworks:
         python = [pythons[framework]] if framework in pythons else plan_module.entry_for(spec, framework).argv()
         try:
-            results.append(measure(framework, python, argparse.Namespace(**{**vars(args), "interval": interval}),
-                                   threads))
+            results.append(measure(framework, python, args, threads))
         except Exception as exc:  # noqa: BLE001 - one framework's failure must leave the other's figures
             results.append({"framework": framework, "error": f"{type(exc).__name__}: {exc}"})
         print(f"{framework}: " + json.dumps({k: v for k, v in results[-1].items() if k not in ("blocks", "ratios")}),
@@ -225,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Sampler on/off in alternate blocks of one training process: spec {args.spec}, device {args.device}, "
           f"batch {args.batch_size}, {threads} thread(s), {args.pairs} pairs (ABBA) of about {args.block_seconds:g} s "
           f"blocks\n")
-    print(table(results, interval))
+    print(table(results, args.interval))
     folder = Path(args.out) if args.out else Path.cwd()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sampler_blocks.json").write_text(json.dumps(
         {"spec": args.spec, "device": args.device, "batch_size": args.batch_size, "threads": threads,
-         "interval_s": interval, "pairs": args.pairs, "block_seconds": args.block_seconds, "goal": GOAL,
+         "interval_s": args.interval, "pairs": args.pairs, "block_seconds": args.block_seconds, "goal": GOAL,
          "results": results}, indent=1), encoding="utf-8")
     return 0 if all("error" not in r for r in results) else 1
 

@@ -64,3 +64,27 @@ def test_a_real_run_samples_the_training_process_in_its_sampled_blocks_only(envs
     assert all(b["samples"] >= 2 and not b["errors"] for b in blocks if b["sampled"])
     assert all("samples" not in b for b in blocks if not b["sampled"])
     assert "| pytorch | host (50 ms) |" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["--python", "jax"], ["--python", "mxnet=python3"], ["--frameworks", "mxnet"]])
+def test_a_bad_python_or_framework_is_a_usage_error_before_anything_runs(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as end:
+        sampler_blocks.main([*argv, "--out", str(tmp_path)])
+    assert end.value.code == 2 and argv[0] in capsys.readouterr().err
+    assert not (tmp_path / "sampler_blocks.json").exists()
+
+
+def test_a_relative_interpreter_path_reaches_the_training_process_absolute(tmp_path, monkeypatch):
+    """The training process starts with the repository as its working directory: a relative --python path is made
+    absolute first (harness_vs_loop.parse_pythons)."""
+    started = []
+
+    def fake_measure(framework, python, args, threads):
+        started.append(python)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(sampler_blocks, "measure", fake_measure)
+    monkeypatch.chdir(tmp_path)
+    assert sampler_blocks.main(["--frameworks", "jax", "--python", "jax=venv/bin/python", "--out", "."]) == 1
+    assert started == [[str(tmp_path / "venv" / "bin" / "python")]]
+    assert "RuntimeError: not started" in (tmp_path / "sampler_blocks.json").read_text()
