@@ -97,3 +97,24 @@ def test_steps_choose_what_runs_and_an_unknown_step_is_refused(tmp_path):
     assert "nosuch" in summary["steps"]["max_batch"]["reason"]
     assert json.loads((tmp_path / "out" / "gpu-check.yaml").read_text())["frameworks"][0]["name"] == "nosuch"
 
+
+
+JAX = ROOT / "envs" / "jax" / "bin" / "python"
+
+
+@pytest.mark.slow
+def test_step_host_costs_runs_each_framework_in_its_entry_python(tmp_path):
+    """JAX is not in this test's interpreter, only in envs/jax: the step must run JAX's benchmark there, as every
+    other step honours --entry-python (the fourth GPU run's rehearsal failed on "No module named 'jax'")."""
+    if not JAX.exists():
+        pytest.fail("envs/jax is missing: make envs")
+    done = gpu_check(tmp_path / "out", "--frameworks", "pytorch,jax", "--entry-python", f"jax={JAX}",
+                     "--steps", "step_host_costs", timeout=300)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    costs = summary["steps"]["step_host_costs"]
+    assert done.returncode == 0 and costs["status"] == "ok", (done.stderr[-3000:], costs)
+    assert costs["costs"]["pytorch"]["batches_before_us_per_step"] > 0
+    assert costs["costs"]["jax"]["batches_before_us_per_step"] > 0
+    assert costs["costs"]["device"] == "cpu" and costs["costs"]["batch_size"] == 64
+    log = (tmp_path / "out" / "logs" / "step_host_costs.log").read_text()
+    assert f"$ {JAX} benchmarks/step_host_costs.py" in log

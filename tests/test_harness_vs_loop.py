@@ -163,6 +163,10 @@ def test_harness_variants_run_beside_the_loop_in_rotating_order(tmp_path, monkey
     (main_row,) = data["summary"]  # a run with one harness trial: its main table's row
     assert _gpu_check().harness_vs_loop_lines({**data, "variant_summary": []})[3].startswith(
         f"| jax | 64 | unsampled | {main_row['ratio_median']:.3f} | ")
+    # and the step table's detail is one line without a table's bars (the fourth GPU run's cell held six table rows)
+    detail = _gpu_check().harness_vs_loop_detail(data)
+    assert detail == (f"harness / loop: jax 64 {main_row['ratio_median']:.3f} "
+                      f"({main_row['ratio_min']:.3f}..{main_row['ratio_max']:.3f})")
 
 
 def _gpu_check():
