@@ -40,6 +40,30 @@ FP16_NOTE = ("fp16 with dynamic loss scaling is declared for CUDA GPUs only, by 
 FLAG_VARIABLES = frozenset({"XLA_FLAGS"})
 
 
+def append_flags(current: str, added: str) -> str:
+    """A flag variable's value (``XLA_FLAGS``) with the flags of ``added`` after those of ``current``.
+
+    Only flags (``--name`` or ``--name=value``) are kept, whatever the order, and a flag given twice keeps its last
+    value in its last place: XLA's parser (``xla/parse_flags_from_env.cc``) reads ``XLA_FLAGS`` as such tokens, and
+    in jaxlib 0.10.2 a token without the dashes (``intra_op_parallelism_threads=1``, 2026-11-28) ended its parsing,
+    so that every flag after it, the data-parallel host device count among them, was silently ignored.
+
+    Args:
+        current: the variable's value as it is (the launcher's or the user's flags; may be empty).
+        added: the flags to append, space-separated.
+
+    Returns:
+        The flags, space-separated; empty when there are none.
+    """
+    flags: dict[str, str] = {}
+    for token in f"{current} {added}".split():
+        if token.startswith("--") and len(token) > 2:
+            name = token.split("=", 1)[0]
+            flags.pop(name, None)
+            flags[name] = token
+    return " ".join(flags.values())
+
+
 def _frozen(mapping: Mapping[str, object]) -> Mapping[str, object]:
     return MappingProxyType(dict(mapping))
 
@@ -175,12 +199,13 @@ class Declaration:
     def data_parallel_variables(self, devices: int, environ: Mapping[str, str]) -> dict[str, str]:
         """``data_parallel_environment`` for a trial on ``devices`` devices ("{devices}" = N), as the values to put in
         the environment before the framework is imported: a variable of ``FLAG_VARIABLES`` already set in
-        ``environ`` (the launcher's own flags) keeps its value, the new flags appended; any other is set."""
+        ``environ`` (the launcher's own flags) keeps its value, the new flags appended (``append_flags``); any other is
+        set."""
         out = {}
         for name, value in self.data_parallel_environment.items():
             value = value.replace("{devices}", str(devices))
-            if name in FLAG_VARIABLES and environ.get(name, "").strip():
-                value = f"{environ[name].strip()} {value}"
+            if name in FLAG_VARIABLES:
+                value = append_flags(environ.get(name, ""), value)
             out[name] = value
         return out
 

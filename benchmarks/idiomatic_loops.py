@@ -432,8 +432,8 @@ def run_jax(job: Job) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     # The same thread setting as adapters/jax/runtime.py: with one thread, XLA's Eigen pool off (before jax is
     # imported).
     if os.environ.get("OMP_NUM_THREADS") == "1" and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+        # flags only: a token without the dashes ends XLA's parsing of the rest (adapters.declaration.append_flags)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
     import jax
     import jax.numpy as jnp
     import optax

@@ -137,3 +137,38 @@ def test_the_declared_environment_appends_to_flag_variables_and_sets_the_others(
     assert record.data_parallel_variables(2, {"XLA_FLAGS": "--launcher", "OTHER": "9"}) == {
         "XLA_FLAGS": "--launcher --count=2", "OTHER": "2"}
     assert record.data_parallel_variables(4, {}) == {"XLA_FLAGS": "--count=4", "OTHER": "4"}
+
+
+def test_flags_are_composed_from_flags_only_whatever_the_order():
+    """A token that is no flag ends XLA's parsing of XLA_FLAGS (jaxlib 0.10.2): the one-thread setting's stray
+    ``intra_op_parallelism_threads=1`` hid the host device count of every one-thread data-parallel JAX trial."""
+    from adapters.declaration import Declaration, append_flags
+
+    stray = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    assert append_flags(stray, "--xla_force_host_platform_device_count=2") == (
+        "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=2")
+    assert append_flags("--a=1 --b", "--a=2") == "--b --a=2"  # the last value wins, in the last place
+    assert append_flags("", "") == "" and append_flags("  -- x ", "--c") == "--c"
+    record = Declaration(name="x", title="x", adapter="m:C", data_parallel="devices",
+                         data_parallel_environment={"XLA_FLAGS": "--count={devices}"})
+    assert record.data_parallel_variables(2, {"XLA_FLAGS": stray}) == {
+        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false --count=2"}
+
+
+@pytest.mark.slow
+def test_every_framework_trains_data_parallel_at_one_thread_per_device(envs, write_spec, tmp_path):
+    """``cpu_threads: 1`` with 2 devices, each framework in its envs/ interpreter and a real worker (forked or cold as
+    the sweep decides): every trial trains on both devices. The suite's data-parallel comparisons use 2 threads, so
+    JAX's one-thread regression (its host device count ignored) passed them all."""
+    spec = write_spec(base_spec(name="dp1", frameworks=[{"name": fw, "python": python} for fw, python in envs.items()],
+                                batch_sizes=[32], epochs=1, warmup_steps=1, cpu_threads=1, data_parallel=2))
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    records = [json.loads(line) for line in (run_dir / "trials.jsonl").read_text().splitlines()]
+    assert sorted(r["framework"] for r in records) == sorted(envs)
+    for r in records:
+        assert r["status"] == "ok", (r["id"], r["reason"])
+        assert r["data_parallel"] == 2 and r["settings"]["intra_op_threads"] == 1, r["id"]
