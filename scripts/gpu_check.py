@@ -339,8 +339,8 @@ def step_max_batch(check: Check) -> None:
 def step_harness_vs_loop(check: Check) -> None:
     """benchmarks/harness_vs_loop.py on the GPU: harness / hand-written-loop throughput at batch 64 and 512 for the
     frameworks (goal >= 0.97), at least 2,000 timed steps a trial (300 timed JAX's 150 us steps for 50 ms on an H200,
-    2026-11-28: the ratios spread 0.55..1.28), then ``--harness-vs-loop-args``. With --allow-cpu not run (the command it would run is
-    recorded): tests/test_harness_vs_loop.py covers it on the CPU."""
+    2026-11-28: the ratios spread 0.55..1.28), then ``--harness-vs-loop-args``. With --allow-cpu not run (the
+    command it would run is recorded): tests/test_harness_vs_loop.py covers it on the CPU."""
     started = time.monotonic()
     out = check.out / "harness_vs_loop.json"
     pythons = [a for f in check.frameworks for a in ("--python", f"{f}={check.pythons[f]}")]
