@@ -315,6 +315,36 @@ class Adapter(abc.ABC):
         """The device-resident sum of the step losses since the last read, copied to the host, and the sum restarted
         at zero; called by ``read_loss`` after ``wait``, only when a step ran."""
 
+    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of loss gradients at the current parameters, for the gradient noise scale.
+
+        ``batch`` (from ``batches``, resident mode, one device) of B samples is split as ``train_step`` splits it
+        for gradient accumulation into k = ``micro_batches`` consecutive micro-batches of b = B / k samples. For each
+        micro-batch i, g_i is the gradient of its mean training loss (the loss ``train_step`` minimises, in the
+        trial's precision, dropout drawing as in training) with respect to every trainable parameter; G = (g_1 + ...
+        + g_k) / k is the gradient of the mean loss over all B samples. Nothing the training depends on changes:
+        parameters, buffers (batchnorm's running statistics are restored), optimizer state and the loss sum
+        (``read_loss``) are as before; dropout may advance the framework's random state. Returns only when the
+        device is done (the norms are read back: this is never called inside a timed window).
+
+        The estimator of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", Appendix A) takes
+        E|g_i|^2 = |G_true|^2 + tr(Sigma) / b and E|G|^2 = |G_true|^2 + tr(Sigma) / B from these
+        (``harness.studies.advise.noise``).
+
+        Args:
+            batch: one step's batch as ``batches`` yields it.
+            micro_batches: k >= 2.
+
+        Returns:
+            ([|g_1|^2, ..., |g_k|^2], |G|^2), float (computed in float32, summed over parameters in float64).
+
+        Raises:
+            ValueError: k < 2, or k does not divide B.
+            NotImplementedError: the adapter cannot (the default; the plan refuses such a trial from
+                ``Declaration.gradient_noise``).
+        """
+        raise NotImplementedError(f"the {self.name} adapter does not measure gradient norms")
+
     # -- evaluation ----------------------------------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -139,6 +139,8 @@ class Declaration:
     data_parallel_environment: worker variables a data-parallel trial sets, "{devices}" standing for N (JAX's host
     device count); sync_batchnorm: the device kinds ("cpu", "cuda") on which it can normalise batchnorm over the
     global batch (where it cannot, the reason is ``sync_batchnorm_note``).
+    gradient_noise: it implements ``Adapter.gradient_norms`` (the gradient noise scale's squared norms) on one
+    device; the plan refuses a noise-scale trial of an adapter that does not, or of a data-parallel one.
     """
 
     name: str
@@ -164,6 +166,7 @@ class Declaration:
     data_parallel_environment: Mapping[str, str] = field(default_factory=dict)
     sync_batchnorm: frozenset[str] = frozenset()
     sync_batchnorm_note: str = ""
+    gradient_noise: bool = False
     loader: str = ""
     loader_modules: Mapping[str, str] = field(default_factory=dict)
     limits: tuple[Limit, ...] = ()

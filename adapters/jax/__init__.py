@@ -44,6 +44,8 @@ DECLARATION = Declaration(
     sync_batchnorm_note=("lax.pmean of the batch moments over the devices (two all-reduces per batchnorm layer); "
                          "without it each device normalises its own shard and the running statistics are the mean "
                          "of the devices'"),
+    # Adapter.gradient_norms: one jitted lax.scan over the micro-batches (adapters.jax.training), on one device
+    gradient_noise=True,
     # a model of your own: a Flax module (adapters.jax.flax_model), trained by the same mechanics
     native_model="flax.linen.Module or flax.nnx.Module",
     limits=tuple(

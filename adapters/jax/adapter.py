@@ -254,6 +254,16 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self.training.step(*self.inputs.arrays(batch), micro_batches)
         self._loss_steps += 1
 
+    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
+        """``Training.gradient_norms`` on a resident batch's samples, on one device. Raises ValueError for a
+        data-parallel trial or a loader's batch, and as ``Training.gradient_norms``."""
+        if self.options.data_parallel is not None:
+            raise ValueError("gradient norms are measured on one device")
+        x, y, indices = self.inputs.arrays(batch)
+        if indices is None:
+            raise ValueError("gradient norms are measured on a resident batch, not a loader's")
+        return self.training.gradient_norms(x, y, indices, micro_batches)
+
     def wait(self) -> None:
         self.training.wait()
 

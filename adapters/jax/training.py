@@ -87,6 +87,8 @@ class Training:
         self.steps: dict[tuple[Any, ...], Any] = {}
         #: each step's inputs after the state and loss sum, as shapes, dtypes and shardings (``step_flops``)
         self.signatures: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._norms: dict[tuple[int, int], Any] = {}  # gradient_norms' jits per (B, k), apart from the train steps'
+        self._norm_calls = 0  # gradient_norms calls so far: each draws dropout masks of its own (_squared_norms)
         self._eval = jax.jit(self._eval_batch)
         self._logits = jax.jit(self._infer)
 
@@ -231,6 +233,69 @@ class Training:
                                in_specs=(P(), P(), P(), P(), P(DATA)), out_specs=(P(), P()))
         return jax.jit(mapped, donate_argnums=(0, 1) if self.gpu else ())
 
+    def gradient_norms(self, x_all: Any, y_all: Any, indices: Any, micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of the ``micro_batches`` k micro-batch gradients of the samples ``indices`` (int32 (B,)
+        on the device, resident mode) of ``x_all``, ``y_all``, and of their mean (``Adapter.gradient_norms``), at the
+        current parameters: one jitted call per (B, k) (``_squared_norms``), read back when done. The training state
+        is an input only (neither donated nor replaced), so the parameters, optimizer state, batch statistics, key,
+        loss scale and loss sum stay as they are. fp16: the loss is scaled by the training's current loss scale; where
+        the scaled gradients overflow (a step would be skipped), the call is repeated at half the scale
+        (``LOSS_SCALE_BACKOFF``), down to 1, as the dynamic scaling would back off, without changing the training's.
+
+        Returns:
+            ([|g_1|^2, ..., |g_k|^2], |G|^2): per-parameter sums of squares in float32, added up in float64 here.
+
+        Raises:
+            ValueError: k < 2, or k does not divide B.
+        """
+        if micro_batches < 2:
+            raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
+        size = len(indices)
+        micro_batch_size(size, micro_batches)  # raises ValueError for an uneven split
+        key = (size, micro_batches)
+        if key not in self._norms:
+            self._norms[key] = jax.jit(functools.partial(self._squared_norms, micro_batches))
+        scale = None if self.scaler is None else float(self.scaler[0])
+        while True:
+            squares = np.asarray(self._norms[key](
+                self.params, self.stats, self.key, None if scale is None else jnp.asarray(scale, jnp.float32),
+                self._norm_calls, x_all, y_all, indices), dtype=np.float64)
+            if scale is None or scale <= 1.0 or np.isfinite(squares).all():
+                break
+            scale *= LOSS_SCALE_BACKOFF
+        self._norm_calls += 1
+        totals = squares.sum(axis=1)
+        return [float(v) for v in totals[:-1]], float(totals[-1])
+
+    def _squared_norms(self, micro_batches: int, params: Any, stats: Any, key: Any, scale: Any, call: Any, x_all: Any,
+                       y_all: Any, indices: Any) -> Any:
+        """float32 (k + 1, parameters): row i < k each parameter's squared L2 norm of the gradient of micro-batch
+        i's mean loss, row k of their mean's. The micro-batches are ``_train_on``'s (consecutive parts of
+        ``indices``, gathered), in training mode (``_loss``: fp16's times ``scale``, float32 (), unscaled here), all
+        from the same batch statistics (batchnorm normalises with the batch's moments: the running ones a
+        micro-batch leaves do not change the next one's gradient; they are dropped). Dropout's keys are split as the
+        next step's, folded with ``call`` (the calls so far: each probe its own masks) and the training key is not
+        advanced (the training after the norms is the one without them). A ``lax.scan`` over the parts carrying the
+        gradients' running sum: one micro-batch's gradients exist at a time besides it."""
+        if self.random:
+            _, step_key = jax.random.split(key)
+            part_keys = jax.random.split(jax.random.fold_in(step_key, call), micro_batches)
+        else:  # nothing draws from the key (Functional.random)
+            part_keys = jnp.broadcast_to(key, (micro_batches, *key.shape))
+        grad_fn = jax.grad(self._loss, has_aux=True)
+
+        def micro(total: Any, part: tuple[Any, Any]) -> tuple[Any, Any]:
+            part_indices, part_key = part
+            grads, _ = grad_fn(params, stats, x_all[part_indices], y_all[part_indices], part_key, scale)
+            if scale is not None:
+                grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
+            return jax.tree_util.tree_map(jnp.add, total, grads), _squares(grads)
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        total, squares = lax.scan(micro, zeros, (indices.reshape(micro_batches, -1), part_keys))
+        mean = jax.tree_util.tree_map(lambda g: g / micro_batches, total)
+        return jnp.concatenate([squares, _squares(mean)[None]])
+
     def wait(self) -> None:
         """Blocks until the last step's outputs are ready (one jitted executable: its outputs complete together;
         https://docs.jax.dev/en/latest/async_dispatch.html; the loss sum is one of them), without copying anything to
@@ -327,6 +392,11 @@ class Training:
             out.update(loss_scale=float(self.scaler[0]), loss_scale_init=LOSS_SCALE_INIT,
                        loss_scale_growth_steps=LOSS_SCALE_GROWTH_STEPS)
         return out
+
+
+def _squares(tree: Any) -> Any:
+    """float32 (leaves,): each leaf's sum of squares, in float32."""
+    return jnp.stack([jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
 def _scaled_update(tx: Any, grads: Any, params: Any, opt_state: Any,

@@ -40,6 +40,8 @@ DECLARATION = Declaration(
                         "default, in turn), and when two contexts' SyncBatchNorm operators (or one and an operator "
                         "that the other waits for) draw the same one, the engine runs them one after the other while "
                         "the first waits in the operator's barrier for the second (it hangs in the first step)",
+    # Adapter.gradient_norms: a backward pass per micro-batch, the running statistics restored (adapters.mxnet.training)
+    gradient_noise=True,
     native_model="mxnet.gluon.HybridBlock",
     limits=(
         # PyTorch has nn.SyncBatchNorm.convert_sync_batchnorm; Gluon 1.9.1 has no counterpart, and the adapter does

@@ -271,6 +271,14 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self.training.step(takes, samples, micro_batches)
         self._loss_steps += 1
 
+    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
+        """``Training.gradient_norms`` on the batch's part (``Inputs.parts``), on one context. Raises ValueError for
+        a data-parallel trial, and as ``Training.gradient_norms``."""
+        if len(self.contexts) > 1 or self.options.data_parallel is not None:
+            raise ValueError("gradient norms are measured on one device")
+        takes, samples = self.inputs.parts(batch)
+        return self.training.gradient_norms(takes[0], samples, micro_batches)
+
     def wait(self) -> None:
         """``nd.waitall``: every operator queued on the engine is done
         (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/ndarray/ndarray.html#mxnet.ndarray.waitall).

@@ -51,6 +51,12 @@ def init_trainer(trainer: Any) -> None:
     amp.init_trainer(trainer)
 
 
+def loss_scale(trainer: Any) -> float:
+    """The current loss scale of ``trainer`` (``init_trainer``'s ``LossScaler``), by which ``scaled`` multiplies the
+    loss."""
+    return float(trainer._amp_loss_scaler.loss_scale)
+
+
 def scaled(loss: Any, trainer: Any) -> Any:
     """``loss`` (float32 (B,), or data-parallel a list of each context's) as backward should see it under AMP, inside
     ``autograd.record``: ``amp.scale_loss``'s loss times the current loss scale, which also sets the Trainer's

@@ -19,6 +19,7 @@ from adapters.mxnet import precision
 from adapters.mxnet.batchnorm import BatchNormLayer, RunningVariance
 from adapters.mxnet.optimizers import optimizer_for
 from adapters.mxnet.runtime import autograd, gluon, nd
+from harness.neutral.precision import LOSS_SCALE_BACKOFF
 from harness.spec import OptimizerSpec
 
 #: ``HybridBlock.hybridize``'s flags in the compiled mode (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/
@@ -179,6 +180,73 @@ class Training:
         for device, loss in enumerate(losses):  # one sum per device
             self._add_loss((batch, 1, device), loss)
 
+    def gradient_norms(self, take: Take, batch: int, micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of the ``micro_batches`` k micro-batch gradients of a batch of ``batch`` samples on the
+        first context (``take``, one context's part), and of their mean (``Adapter.gradient_norms``), at the current
+        parameters (``_squared_norms``). Those forward passes move batchnorm's running statistics (the parameters
+        without a gradient), so they are copied before and written back after, once the engine is idle: the CPU
+        kernel writes them undeclared (``RunningVariance.correct``). The Trainer (its optimizer state, AMP's loss
+        scale) and the loss sums are not touched. fp16: the loss is scaled by AMP's current loss scale; where the
+        scaled gradients overflow (a step would be skipped), the norms are taken again at half the scale
+        (``LOSS_SCALE_BACKOFF``), down to 1, as the dynamic scaling would back off, without changing the Trainer's.
+
+        Returns:
+            ([|g_1|^2, ..., |g_k|^2], |G|^2): each parameter's sum of squares in float32 on the device, summed over
+            the parameters in float64 here; returns once the engine is idle.
+
+        Raises:
+            ValueError: k < 2, or k does not divide B.
+        """
+        if micro_batches < 2:
+            raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
+        micro = micro_batch_size(batch, micro_batches)
+        held = [p for p in self.params.values() if p.grad_req == "null"]
+        nd.waitall()  # the last step's undeclared writes of the running statistics are done before they are copied
+        saved = [p.data(self.ctx).copy() for p in held]
+        scale = None if self.amp_dtype is None else precision.loss_scale(self.trainer)
+        try:
+            while True:
+                squares = self._squared_norms(take, batch, micro, scale)
+                if scale is None or scale <= 1.0 or np.isfinite(squares).all():
+                    break
+                scale *= LOSS_SCALE_BACKOFF
+        finally:
+            nd.waitall()  # every backward kernel is done: nothing writes the running statistics any more
+            for param, old in zip(held, saved):
+                old.copyto(param.data(self.ctx))
+            nd.waitall()
+        totals = squares.sum(axis=1)
+        return [float(v) for v in totals[:-1]], float(totals[-1])
+
+    def _squared_norms(self, take: Take, batch: int, micro: int, scale: float | None) -> npt.NDArray[np.float64]:
+        """(k + 1, parameters) read back: row i < k each trained parameter's squared L2 norm of the gradient of
+        micro-batch i's mean loss, row k of the mean of those gradients. Each micro-batch of ``micro`` samples runs
+        forward and backward as in ``_accumulate`` (the same slices under ``autograd.record``: training mode, dropout
+        drawing from MXNet's generator), from its loss times ``scale`` (fp16; None: unscaled); its gradient is the
+        parameters' gradient arrays / (``micro`` x ``scale``) (backward of the per-sample loss gives the summed
+        loss's), taken before the next backward overwrites them. The parameters' ``grad_req`` stays as training set
+        it (with "add" the gradients are zeroed before each backward); what the gradient arrays hold afterwards is
+        never read by a step, which overwrites (``write``) or zeroes (``_accumulate``) them before its backward."""
+        trained = [p for p in self.params.values() if p.grad_req != "null"]
+        unscale = 1.0 / (micro if scale is None else micro * scale)
+        total = [nd.zeros_like(p.grad(self.ctx)) for p in trained]
+        rows = []
+        for start in range(0, batch, micro):
+            if self._grad_req == "add":
+                self.params.zero_grad()
+            with autograd.record():
+                x, y = take(slice(start, start + micro))
+                loss = self.loss_fn(self.net(x), y)
+                scaled = loss if scale is None else loss * scale
+            scaled.backward()
+            grads = [p.grad(self.ctx) * unscale for p in trained]
+            rows.append(_squares(grads))
+            for summed, grad in zip(total, grads):
+                summed += grad
+        rows.append(_squares([summed / (batch // micro) for summed in total]))
+        squares: npt.NDArray[np.float64] = nd.stack(*rows).asnumpy().astype(np.float64)
+        return squares
+
     def _scaled(self, loss: Any) -> Any:
         """``loss`` as backward should see it: itself, or under AMP (fp16) scaled (``precision.scaled``)."""
         return loss if self.amp_dtype is None else precision.scaled(loss, self.trainer)
@@ -240,3 +308,8 @@ class Training:
         if kvstore is not None:
             out["kvstore"] = kvstore.type
         return out
+
+
+def _squares(arrays: Sequence[Any]) -> Any:
+    """float32 (len(arrays),): each array's sum of squares, queued on its context."""
+    return nd.concat(*[nd.sum(nd.square(a.astype(np.float32, copy=False))) for a in arrays], dim=0)

@@ -31,6 +31,7 @@ DECLARATION = Declaration(
     # torch.optim.Optimizer's constructor imports TorchDynamo (about 1.5 s on the project's CPU VM)
     preload=("torch._dynamo",),
     native_model="torch.nn.Module",
+    gradient_noise=True,
     sync_batchnorm_note=("torch.nn.SyncBatchNorm runs on GPUs only: on the CPU its forward raises \"SyncBatchNorm "
                          "expected input tensor to be on GPU\" (torch 2.13)"),
 )

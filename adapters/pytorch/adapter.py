@@ -248,6 +248,22 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         self.training.step(self.inputs.parts(batch, micro_batches), micro_batches)
         self._loss_steps += 1
 
+    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
+        """``Training.gradient_norms`` on the batch's micro-batches, split as ``train_step`` splits them
+        (``Inputs.parts``).
+
+        Raises:
+            ValueError: fewer than 2 micro-batches, or ones that do not divide the batch; a data-parallel trial or
+                a loader's batch (one device, resident input only).
+        """
+        if self.options.data_parallel is not None:
+            raise ValueError("gradient norms are measured on one device")
+        if isinstance(batch, tuple):  # a loader's (x, y); a resident batch is the step's index tensor
+            raise ValueError("gradient norms are measured on resident batches (input: resident), not a loader's")
+        if micro_batches < 2:
+            raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
+        return self.training.gradient_norms(self.inputs.parts(batch, micro_batches), micro_batches)
+
     def wait(self) -> None:
         """``torch.cuda.synchronize`` on a GPU; nothing on the CPU, where eager and compiled steps run their kernels
         before returning (https://pytorch.org/docs/stable/notes/cuda.html#asynchronous-execution: only CUDA

@@ -93,6 +93,52 @@ class Training:
             self.scaler.step(self.opt)
             self.scaler.update()
 
+    def gradient_norms(self, parts: Parts, micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of the gradients of the ``micro_batches`` k parts' mean losses, and of their mean
+        (``Adapter.gradient_norms``), at the current parameters; nothing the training depends on is changed.
+
+        Each part runs forward as in ``_step`` (training mode, autocast, fp16's loss scale, which is divided out
+        again), but its gradients are taken with ``torch.autograd.grad``, so the parameters' ``.grad``, the optimizer
+        and the loss sum are not touched. The uncompiled module runs it (the same function as the trained one: no
+        TorchDynamo graphs for a micro-batch size training may not use, none of them counted in ``compilations``).
+        The buffers (batchnorm's running statistics and step count) are copied before and copied back after, bit
+        for bit; dropout draws from the global generator, which advances. Each part's per-parameter squared sums
+        are float32 on the device; the host reads them once, at the end (which waits for the device), and adds them
+        up in float64.
+
+        Args:
+            parts: the k micro-batches (x, y) of one step on the device, as ``Inputs.parts`` gives them.
+            micro_batches: k, the number of parts.
+
+        Returns:
+            ([|g_1|^2, ..., |g_k|^2], |G|^2), G the mean of the k gradients.
+        """
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        saved = [b.detach().clone() for b in self.net.buffers()]
+        # fp16: the loss scaled as _step scales it (GradScaler.scale), so that small gradients do not flush to zero;
+        # a power of two, so dividing it out again is exact
+        scale = None if self.scaler is None else self.scaler.get_scale()
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        rows: list[torch.Tensor] = []
+        try:
+            for x, y in parts:
+                with self.autocast():
+                    loss = self.loss(self.net(x), y)
+                grads = torch.autograd.grad(loss if scale is None else loss * scale, params, allow_unused=True,
+                                            materialize_grads=True)  # an unused parameter's gradient is zero
+                with torch.no_grad():
+                    grads_f32 = [g.float() if scale is None else g.float() / scale for g in grads]
+                    rows.append(torch.stack([g.square().sum() for g in grads_f32]))
+                    torch._foreach_add_(total, grads_f32)
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(self.net.buffers(), saved):
+                    buffer.copy_(value)
+        with torch.no_grad():
+            rows.append(torch.stack([(t / micro_batches).square().sum() for t in total]))
+            sums = torch.stack(rows).cpu().numpy().astype(np.float64).sum(axis=1)  # the one read back
+        return [float(s) for s in sums[:-1]], float(sums[-1])
+
     def _counted(self, step: Callable[[], None]) -> None:
         """Runs ``step()``; in the compiled mode counts the graphs TorchDynamo captures in it
         (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read around the step so that the graphs of

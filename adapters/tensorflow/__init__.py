@@ -32,6 +32,7 @@ DECLARATION = Declaration(
     sync_batchnorm=BOTH,
     loader="tf.data.Dataset",
     fork_safe=True,
+    gradient_noise=True,
     native_note=("a TensorFlow model of your own is a Keras model: give it to a keras-tensorflow entry ({name: keras, "
                  "backend: tensorflow, model: ...})"),
     sync_batchnorm_note=("the moments all-reduced in the replica context (ReplicaContext.all_reduce), as Keras's "

@@ -125,6 +125,12 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         self.training.step(batch, micro_batches)
         self._loss_steps += 1
 
+    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
+        """``Training.gradient_norms``: eager, on the resident batch's micro-batches as the accumulating step gathers
+        them. Raises ValueError for a data-parallel trial, a loader's batch, or fewer than 2 micro-batches or ones
+        that do not divide the batch."""
+        return self.training.gradient_norms(batch, micro_batches)
+
     def wait(self) -> None:
         """Blocks until queued work is done: ``sync_devices`` on a GPU
         (https://www.tensorflow.org/api_docs/python/tf/test/experimental/sync_devices), then the last step's loss

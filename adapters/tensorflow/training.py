@@ -149,16 +149,22 @@ class Training:
 
     def _train_accumulated(self, indices: tf.Tensor, micro_batches: int) -> tf.Tensor:
         """Gradient accumulation on the resident samples ``indices`` (int64 (B,)): ``_accumulate`` with micro-batch i
-        gathered on the device from row i of ``indices`` reshaped to (k, B / k), inside the loop (one micro-batch's
-        samples at a time)."""
+        gathered on the device inside the loop (one micro-batch's samples at a time, ``_resident_parts``)."""
         with tf.device(self.devices.device):
-            parts = tf.reshape(indices, (micro_batches, -1))
+            return self._accumulate(self._resident_parts(indices, micro_batches), micro_batches)
 
-            def micro_batch(i: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-                part = tf.gather(parts, i)
-                return tf.gather(self.x_train, part), tf.gather(self.y_train, part)
+    def _resident_parts(self, indices: tf.Tensor,
+                        micro_batches: int) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+        """The k = ``micro_batches`` consecutive micro-batches of the resident samples ``indices`` (int64 (B,)) as a
+        function of i: micro-batch i's (x, y), gathered from the resident inputs by row i of ``indices`` reshaped to
+        (k, B / k). Called under the device's ``tf.device``."""
+        parts = tf.reshape(indices, (micro_batches, -1))
 
-            return self._accumulate(micro_batch, micro_batches)
+        def micro_batch(i: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            part = tf.gather(parts, i)
+            return tf.gather(self.x_train, part), tf.gather(self.y_train, part)
+
+        return micro_batch
 
     def _train_on_accumulated(self, x: tf.Tensor, y: tf.Tensor, micro_batches: int) -> tf.Tensor:
         """Gradient accumulation on a loader's batch ``x``, ``y`` (``_train_on``'s shapes): ``_accumulate`` with
@@ -194,6 +200,60 @@ class Training:
             self._apply(grads)  # in fp16 a non-finite gradient of any micro-batch makes its sum non-finite
             self.loss_sum.assign_add(loss)  # the mean of the k micro-batches' means
             return loss
+
+    def gradient_norms(self, batch: Any, micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of the gradients of the mean losses of the ``micro_batches`` k consecutive micro-batches
+        of the resident ``batch``, and of their mean (``Adapter.gradient_norms``), at the current variables; nothing
+        the training depends on is changed.
+
+        Eager (it runs rarely, outside the timed windows; a ``tf.function`` would be traced per batch size): micro-batch
+        i gathered as the accumulating step gathers it (``_resident_parts``), its loss and gradients as in
+        ``_accumulate`` (the model in training mode, fp16's loss scale divided out again, ``_gradients``), without
+        ``_apply`` or the loss sum. The model's buffers (batchnorm's running statistics, which the training forward
+        assigns) are copied before and assigned back after, bit for bit; dropout's eager draws do not touch the
+        step functions' random state. Each micro-batch's per-variable squared sums are float32 on the device; the
+        host reads them once, at the end (``.numpy()``, which waits for the device), and adds them up in float64.
+
+        Args:
+            batch: the step's int64 (B,) index tensor (``Inputs.batches``, resident).
+            micro_batches: k >= 2, a divisor of B.
+
+        Returns:
+            ([|g_1|^2, ..., |g_k|^2], |G|^2), G the mean of the k gradients.
+
+        Raises:
+            ValueError: a data-parallel trial, a loader's batch, fewer than 2 micro-batches or ones that do not divide
+                the batch.
+        """
+        k = micro_batches
+        if self.strategy is not None:
+            raise ValueError("gradient norms are measured on one device")
+        if isinstance(batch, tuple):  # a loader's (x, y)
+            raise ValueError("gradient norms are measured on resident batches (input: resident), not a loader's")
+        if k < 2:
+            raise ValueError(f"gradient norms need at least 2 micro-batches, not {k}")
+        micro_batch_size(int(batch.shape[0]), k)  # raises ValueError for an uneven split
+        buffers = list(getattr(self.model, "non_trainable_variables", []))
+        with tf.device(self.devices.device):
+            saved = [tf.identity(v) for v in buffers]
+            micro_batch = self._resident_parts(batch, k)
+            total = [tf.zeros_like(v, dtype=tf.float32) for v in self.variables]
+            rows = []
+            try:
+                for i in range(k):
+                    x, y = micro_batch(tf.constant(i))
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_mean(self._loss(x, y))
+                        scaled = loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)
+                    grads = [tf.cast(g, tf.float32) for g in self._gradients(tape, scaled)]
+                    rows.append(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads]))
+                    total = [t + g for t, g in zip(total, grads)]
+            finally:
+                for variable, value in zip(buffers, saved):
+                    variable.assign(value)
+            rows.append(tf.stack([tf.reduce_sum(tf.square(t / k)) for t in total]))
+            sums = tf.stack(rows).numpy().astype(np.float64).sum(axis=1)  # the one read back
+        return [float(s) for s in sums[:-1]], float(sums[-1])
 
     def _train_replicated(self, indices: tf.Tensor) -> tf.Tensor:
         """One data-parallel step, the body of the step's ``tf.function`` (the cross-replica context): replica d
