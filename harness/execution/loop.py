@@ -16,7 +16,7 @@ import numpy as np
 from harness.execution.protocol import Epoch, Phase
 from harness.neutral.datasets import augment, epoch_order
 from harness.plan import Trial
-from harness.record.metrics import AllocatorMemory, EpochMetrics, TimeToTarget, TrialMetrics
+from harness.record.metrics import AllocatorMemory, EpochMetrics, GradientNoise, TimeToTarget, TrialMetrics
 
 if TYPE_CHECKING:
     from adapters.base import Adapter
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from harness.neutral.datasets import Data
 
 SPIKE = 3.0  # a timed window whose per-step time exceeds this multiple of the median is counted slow
+#: The stream of the gradient-norm probes' draws (``numpy.random.default_rng([seed, epoch, PROBES])``): apart from the
+#: training order (``harness.neutral.datasets.epoch_order``), so measuring changes no batch training sees.
+PROBES = 0x6E6F6973
 
 
 class TrialError(Exception):
@@ -58,6 +61,7 @@ class _Loop:
         self.augmentation = trial.augmentation
         self.evaluate_every = trial.evaluate_every
         self.target = trial.target_accuracy
+        self.noise = trial.gradient_noise
         self.n = len(data.y_train)
         self.steps_per_epoch = self.n // self.batch
         if trial.max_steps_per_epoch:  # a max-batch probe holding the whole dataset: its first steps only
@@ -66,6 +70,9 @@ class _Loop:
             what = (f"batch size {self.micro}" if self.accumulation == 1 else
                     f"effective batch size {self.batch} ({self.accumulation} x {self.micro})")
             raise TrialError(f"{what} exceeds the {self.n} training samples")
+        if self.noise is not None and self.batch % self.noise.micro_batches:
+            raise TrialError(f"gradient_noise: {self.batch} samples per step cannot be split into "
+                             f"{self.noise.micro_batches} equal micro-batches")
         if self.warmup >= self.steps_per_epoch * self.epochs:
             raise TrialError(f"warmup_steps {self.warmup} leaves none of the {self.steps_per_epoch * self.epochs} "
                              "steps to measure")
@@ -248,6 +255,7 @@ class _Loop:
         evaluation before, (mean, steps) each; the record's ``train_loss`` is their mean weighted by steps, the mean
         over every step (``train_loss_steps`` of them; nan when none), and ``timed_s`` the timed seconds since
         the evaluation before."""
+        noise = self.gradient_norms(epoch)
         self.emit(Phase(name="eval", epoch=epoch, edge="start"))
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
         self.emit(Phase(name="eval", epoch=epoch, edge="end"))
@@ -259,9 +267,29 @@ class _Loop:
         steps = sum(count for _, count in losses)
         train_loss = sum(mean * count for mean, count in losses if count) / steps if steps else math.nan
         record: dict[str, Any] = {"epoch": epoch, "train_loss": train_loss, "train_loss_steps": steps,
-                                  "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_s": epoch_seconds}
+                                  "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_s": epoch_seconds,
+                                  "gradient_noise": noise}
         self.epoch_records.append(record)
         self.emit(Epoch(**record))
+
+    def gradient_norms(self, epoch: int) -> GradientNoise | None:
+        """The squared gradient norms of ``gradient_noise.probes`` batches of the trial's samples per step (B), each
+        split into ``micro_batches`` (``Adapter.gradient_norms``), at the parameters reached after epoch ``epoch``;
+        None when the trial measures none. The probe batches are drawn without replacement from the training set by
+        (seed, epoch, ``PROBES``), the same in every framework; fewer when the set holds fewer. Outside the timed
+        windows; the adapter changes no training state."""
+        if self.noise is None:
+            return None
+        start = time.perf_counter()
+        probes = min(self.noise.probes, self.n // self.batch)
+        order = np.random.default_rng([self.seed, epoch, PROBES]).permutation(self.n)[:probes * self.batch]
+        small, big = [], []
+        for batch in self.adapter.batches(order.astype(np.int64), self.batch, epoch):
+            norms, whole = self.adapter.gradient_norms(batch, self.noise.micro_batches)
+            small.append(float(np.mean(norms)))
+            big.append(float(whole))
+        return GradientNoise(micro_batch=self.batch // self.noise.micro_batches, batch=self.batch, small=small,
+                             big=big, seconds=time.perf_counter() - start)
 
     def metrics(self) -> TrialMetrics:
         """What the loop measured, typed (``harness.record.TrialMetrics``; the worker adds what it knows besides,

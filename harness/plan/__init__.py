@@ -28,6 +28,7 @@ from harness.spec import (
     CompileMode,
     DataParallelSpec,
     FrameworkEntry,
+    GradientNoiseSpec,
     ImageFolderData,
     InputMode,
     LoaderSpec,
@@ -203,7 +204,8 @@ def unsupported_reason(spec: Spec, framework: str, precision: str | None = None,
     if record is None:
         return None
     return unsupported(record, trained_model(spec, entry), precision or spec.precision, compile or spec.compile,
-                       device, data_parallel, sync_batchnorm, input, spec.memory_limit_mb is not None)
+                       device, data_parallel, sync_batchnorm, input, spec.memory_limit_mb is not None,
+                       spec.gradient_noise is not None)
 
 
 def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
@@ -263,7 +265,8 @@ class Trial:
     step (``adapters.base.shard``); devices: those N devices ("cpu:0".."cpu:N-1" or "cuda:i"), empty for one
     device; sync_batchnorm: batchnorm over the global batch (``harness.spec.DataParallelSpec``). input: where each
     step's batch comes from (``harness.spec.InputMode``); loader: the data loader's workers and prefetch
-    (``harness.spec.LoaderSpec``), for ``input == "loader"``.
+    (``harness.spec.LoaderSpec``), for ``input == "loader"``. gradient_noise: the squared gradient norms measured at
+    every evaluation (``harness.spec.GradientNoiseSpec``), or None.
     """
 
     id: str
@@ -296,6 +299,7 @@ class Trial:
     sync_batchnorm: bool = False
     input: InputMode = "resident"
     loader: LoaderSpec = dataclasses.field(default_factory=LoaderSpec)
+    gradient_noise: GradientNoiseSpec | None = None
 
     def __post_init__(self) -> None:
         if self.samples_per_step != self.micro_batch_size * self.accumulation_steps:
@@ -422,7 +426,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               accumulation_steps=spec.accumulation_steps, samples_per_step=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every, input=variant.input,
-              loader=spec.loader)
+              loader=spec.loader, gradient_noise=spec.gradient_noise)
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])
         for index, variant in enumerate(variants(spec))

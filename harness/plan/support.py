@@ -18,22 +18,25 @@ from harness.spec.devices import device_kind
 if TYPE_CHECKING:
     from adapters.declaration import Declaration
 
-__all__ = ["NativeTask", "data_parallel_gap", "execution_gap", "input_gap", "limit_gap", "native_gap", "support_gap",
+__all__ = ["NativeTask", "data_parallel_gap", "execution_gap", "input_gap", "limit_gap", "native_gap", "noise_gap",
+           "support_gap",
            "unsupported"]
 
 
 def unsupported(record: Declaration, info: ModelInfo | NativeTask, precision: str = "fp32",
                 compile: str = "default", device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
-                input: str = "resident", memory_limit: bool = False) -> str | None:
+                input: str = "resident", memory_limit: bool = False, gradient_noise: bool = False) -> str | None:
     """Why the adapter of ``record`` cannot train ``info`` (the neutral model's analysis, or a model of your own:
     ``NativeTask``) in ``precision`` with ``compile`` ("default": its own mode) on ``device`` ("cpu", "cuda:N"), on
     ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input`` (``harness.spec.InputMode``), under a
-    memory cap or not (``memory_limit``): the first reason of ``support_gap`` (``native_gap`` for a model of your
-    own), ``execution_gap``, ``data_parallel_gap``, ``input_gap`` and ``limit_gap``, one line; None when it can."""
+    memory cap or not (``memory_limit``), measuring gradient norms or not (``gradient_noise``): the first reason of
+    ``support_gap`` (``native_gap`` for a model of your own), ``execution_gap``, ``data_parallel_gap``,
+    ``input_gap``, ``noise_gap`` and ``limit_gap``, one line; None when it can."""
     return ((native_gap(record, info) if isinstance(info, NativeTask) else support_gap(record, info))
             or execution_gap(record, precision, compile, device)
             or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device)
             or input_gap(record, input, data_parallel)
+            or noise_gap(record, gradient_noise, data_parallel, input)
             or limit_gap(record, info, precision, compile, device, data_parallel, sync_batchnorm, input,
                          memory_limit))
 
@@ -109,6 +112,18 @@ def input_gap(record: Declaration, source: str, devices: int = 1) -> str | None:
         return f"the {record.name} adapter has no data loader mode (input: loader)"
     if devices > 1:
         return "input: loader is not combined with data parallelism yet (each device would need its own shard)"
+    return None
+
+
+def noise_gap(record: Declaration, gradient_noise: bool, devices: int = 1, source: str = "resident") -> str | None:
+    """None unless the trial measures gradient norms (``harness.spec.GradientNoiseSpec``) and the adapter cannot:
+    it must declare ``gradient_noise``, and the norms are measured on one device from resident batches."""
+    if not gradient_noise:
+        return None
+    if not record.gradient_noise:
+        return f"the {record.name} adapter does not measure gradient norms (gradient_noise)"
+    if devices > 1 or source == "loader":
+        return "gradient_noise is measured on one device with resident input"
     return None
 
 

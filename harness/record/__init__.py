@@ -28,6 +28,7 @@ from harness.record.metrics import (
     AllocatorMemory,
     DataParallelism,
     EpochMetrics,
+    GradientNoise,
     PredictedMemory,
     TimeToTarget,
     TrialMetrics,
@@ -39,7 +40,7 @@ from harness.record.trial import Placement, TrialRecord
 from harness.record.version import SCHEMA_VERSION, SchemaError, check_version
 
 __all__ = ["SCHEMA_VERSION", "AllocatorMemory", "DataParallelism", "DeviceSummary", "EnergyInfo", "Epoch",
-           "EpochMetrics", "Error", "ErrorKind", "Event", "FrameworkEnvironment", "Interruption", "MemoryLimit",
-           "MemoryPeak", "MetricStats", "Phase", "Placement", "PredictedMemory", "Ready", "Result", "RunRecord",
-           "SamplerInfo", "SchemaError", "Start", "ThrottleInfo", "TimeToTarget", "TrialMetrics", "TrialPhases",
-           "TrialRecord", "check_version", "event_data", "first", "parse_events", "phase_windows"]
+           "EpochMetrics", "Error", "ErrorKind", "Event", "FrameworkEnvironment", "GradientNoise", "Interruption",
+           "MemoryLimit", "MemoryPeak", "MetricStats", "Phase", "Placement", "PredictedMemory", "Ready", "Result",
+           "RunRecord", "SamplerInfo", "SchemaError", "Start", "ThrottleInfo", "TimeToTarget", "TrialMetrics",
+           "TrialPhases", "TrialRecord", "check_version", "event_data", "first", "parse_events", "phase_windows"]

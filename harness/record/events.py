@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from harness.record.metrics import TrialMetrics
+from harness.record.metrics import GradientNoise, TrialMetrics
 
 
 class _Event(BaseModel):
@@ -75,6 +75,7 @@ class Epoch(_Event):
     test_loss: float
     test_accuracy: float
     timed_s: float
+    gradient_noise: GradientNoise | None = None
 
 
 class Result(_Event):

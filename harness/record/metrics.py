@@ -13,6 +13,18 @@ from pydantic import Field
 from harness.record.base import Strict
 
 
+class GradientNoise(Strict):
+    """The squared gradient norms of one evaluation (``harness.spec.GradientNoiseSpec``): ``probes`` batches of
+    ``batch`` samples, each split into micro-batches of ``micro_batch`` samples (``Adapter.gradient_norms``), at the
+    parameters training had reached. ``harness.studies.advise.noise`` estimates the gradient noise scale from them."""
+
+    micro_batch: int = Field(description="b: samples per micro-batch")
+    batch: int = Field(description="B: samples per probe batch (k b)")
+    small: list[float] = Field(description="per probe: the mean over its k micro-batches of |g_i|^2")
+    big: list[float] = Field(description="per probe: |G|^2, the squared norm of the mean of its k gradients")
+    seconds: float = Field(description="seconds the measurement took (outside the timed windows)")
+
+
 class EpochMetrics(Strict):
     """One evaluation of a trial (``metrics.epochs``): after epoch ``epoch`` (0-based), which is every epoch unless
     the spec's ``evaluate_every`` k > 1 (then every k-th and the last)."""
@@ -26,6 +38,8 @@ class EpochMetrics(Strict):
     test_accuracy: float | None = Field(default=None, description="fraction, 0..1")
     timed_s: float | None = Field(default=None, description="seconds inside the timed windows since the evaluation "
                                                             "before (the epoch's, with an evaluation every epoch)")
+    gradient_noise: GradientNoise | None = Field(
+        default=None, description="the squared gradient norms measured before this evaluation (spec gradient_noise)")
 
 
 class TimeToTarget(Strict):

@@ -71,6 +71,7 @@ from harness.spec.options import (
     AllocatorSpec,
     CompileMode,
     DataParallelSpec,
+    GradientNoiseSpec,
     InputMode,
     LoaderSpec,
     OptimizerSpec,
@@ -83,10 +84,10 @@ from harness.spec.options import (
 __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm", "Cifar10Data", "CompileMode",
            "Conv2D", "DataParallelSpec", "Dataset", "Dense", "DenseActivation", "DigitsData", "Dropout", "Embedding",
            "Flatten", "FrameworkEntry", "FrameworkItem", "GELU", "GeneratedImages", "GlobalAvgPool2D",
-           "ImageFolderData", "Initializer", "InputMode", "Layer", "LayerNorm", "LoaderSpec", "MaxPool2D",
-           "ModelSpec", "NativeModel", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU", "Residual",
-           "SamplerSpec", "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData", "SyntheticTokens",
-           "TimingSpec", "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
+           "GradientNoiseSpec", "ImageFolderData", "Initializer", "InputMode", "Layer", "LayerNorm", "LoaderSpec",
+           "MaxPool2D", "ModelSpec", "NativeModel", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU",
+           "Residual", "SamplerSpec", "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData",
+           "SyntheticTokens", "TimingSpec", "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
 
 
 class Spec(_Strict):
@@ -128,6 +129,8 @@ class Spec(_Strict):
     trial's first step and warm-up include compiling. A warm cache changes what first-step time means (a read from
     disk, not a compile); the report says when one was used. The other frameworks' caches are not set by the harness
     (``docs/design/framework-caveats.md``).
+    gradient_noise: ``GradientNoiseSpec``: every evaluation also measures the squared gradient norms that the
+    gradient noise scale is estimated from (``harness advise`` sets it; None, the default: not measured).
     model: the framework-neutral model, built by every framework alike; optional when every framework entry brings
     a model of its own (``FrameworkEntry.model``; ``harness.plan.check`` says which entries lack one).
     """
@@ -168,6 +171,7 @@ class Spec(_Strict):
     loader: LoaderSpec = LoaderSpec()
     worker_start: Literal["auto", "cold"] = "auto"
     compilation_cache: str | None = Field(default=None, min_length=1)
+    gradient_noise: GradientNoiseSpec | None = None
 
     @field_validator("base_batch_size")
     @classmethod
