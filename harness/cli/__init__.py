@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.cli import compare, env, envs, export, history, max_batch, report, run, schema
+from harness.cli import advise, compare, env, envs, export, history, max_batch, report, run, schema
 from harness.cli.common import EXIT_NOTHING_RAN, EXIT_USAGE
 
 __all__ = ["EXIT_NOTHING_RAN", "EXIT_USAGE", "build_parser", "main"]
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "MXNet and JAX: throughput, utilization, memory, "
                                                                  "accuracy.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (run, report, compare, export, schema, history, env, max_batch, envs):
+    for command in (run, report, compare, export, schema, history, env, max_batch, advise, envs):
         command.add_parser(sub)
     return parser
 

@@ -50,7 +50,8 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
              on_start: Callable[[Trial, int, int], None] | None = None,
              on_end: Callable[[Trial, TrialRecord], None] | None = None,
              on_event: Callable[[Event], None] | None = None,
-             resume: str | Path | None = None, executor: Executor | None = None) -> Path:
+             resume: str | Path | None = None, executor: Executor | None = None,
+             adjust: Callable[[Trial], Trial] | None = None) -> Path:
     """Runs every trial of ``spec`` and returns the run directory (see harness.results.store for its layout).
 
     Each trial's record is on disk (fsynced) before the next trial starts; a failing trial is recorded with its
@@ -75,6 +76,9 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     a resume adds one). A data-parallel trial takes as many of its slots or GPUs as it has devices, trials start
     strictly in plan order (``_run_trials``), and a spec whose trials need more devices than ``executor`` has raises
     SpecError before anything is written (``check_executor``).
+
+    ``adjust``: a study's change to each planned trial, made once before any runs (``harness advise`` gives each
+    batch size the epochs its timed steps need); its id must stay the same.
     """
     if executor is not None:
         check_executor(spec, executor, spec_path)  # before anything is written
@@ -86,7 +90,7 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
         close_servers()  # a probe may have started one
         raise
     device = run_info.device
-    trials = [t for t in plan(spec, device) if t.id not in done]
+    trials = [adjust(t) if adjust else t for t in plan(spec, device) if t.id not in done]
     made = executor is None  # the sweep closes only the executor it makes
     executor = executor or LocalExecutor(local_slots(device), exclusive=spec.exclusive)
     session = executor.describe()

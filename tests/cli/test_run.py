@@ -62,7 +62,8 @@ def test_the_parser_has_every_command_and_a_handler_for_each():
     (exit 2)."""
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert sorted(commands) == ["compare", "env", "envs", "export", "history", "max-batch", "report", "run", "schema"]
+    assert sorted(commands) == ["advise", "compare", "env", "envs", "export", "history", "max-batch", "report", "run",
+                                "schema"]
     for name, sub in commands.items():
         assert callable(sub.get_default("handler")), name
     with pytest.raises(SystemExit) as exited:

@@ -1,0 +1,119 @@
+"""The decision's arithmetic (``harness.studies.advise``): the gradient noise scale's estimator on norms whose
+expectations are known, its interval, the candidates, the knee and the prediction of time to target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness.record import EpochMetrics, GradientNoise
+from harness.studies.advise.noise import estimates, noise_scale
+from harness.studies.advise.predict import Speed, candidates, fastest_and_knee, predict, steps_to_target
+
+
+def _epoch(epoch, g2, trace, b=4, big=32, probes=4, accuracy=0.5, noise=0.0, rng=None):
+    """An evaluation whose norms are their expectations E|G_b|^2 = |G|^2 + tr(Sigma) / b (plus relative noise)."""
+    rng = rng or np.random.default_rng(epoch)
+    small = [(g2 + trace / b) * (1 + noise * rng.standard_normal()) for _ in range(probes)]
+    whole = [(g2 + trace / big) * (1 + noise * rng.standard_normal()) for _ in range(probes)]
+    return EpochMetrics(epoch=epoch, train_loss=1.0 / (epoch + 1), test_accuracy=accuracy,
+                        gradient_noise=GradientNoise(micro_batch=b, batch=big, small=small, big=whole, seconds=0.1))
+
+
+def test_the_estimates_invert_the_expected_norms_exactly():
+    e = _epoch(0, g2=2.0, trace=300.0)
+    g2, trace = estimates(e.gradient_noise)
+    assert np.allclose(g2, 2.0) and np.allclose(trace, 300.0)
+    scale = noise_scale([e, _epoch(1, 2.0, 300.0), _epoch(2, 2.0, 300.0)])
+    assert scale.b_simple == pytest.approx(150.0)
+    assert [row["b_simple"] for row in scale.trajectory] == pytest.approx([150.0] * 3)
+
+
+def test_the_value_is_taken_where_the_target_is_first_reached_and_the_trajectory_grows_as_the_loss_falls():
+    epochs = [_epoch(i, g2=4.0 / (i + 1), trace=100.0, accuracy=0.8 + 0.05 * i) for i in range(5)]
+    scale = noise_scale(epochs, target=0.9)
+    assert scale.at_epoch == 2
+    # pooled over epochs 0..2 (WINDOW): mean tr(Sigma) / mean |G|^2, a ratio of means, never a mean of ratios
+    assert scale.b_simple == pytest.approx(100.0 / np.mean([4.0, 2.0, 4.0 / 3]))
+    values = [row["b_simple"] for row in scale.trajectory]
+    assert values == sorted(values) and values[0] == pytest.approx(25.0)
+    assert noise_scale(epochs).at_epoch == 4  # no target: the last evaluation
+
+
+def test_the_interval_holds_the_true_value_in_most_draws():
+    """Norms with 20 % relative noise around their expectations: the 95 % bootstrap interval holds B_simple = 150
+    in at least 85 of 100 draws, and is never a point."""
+    held = 0
+    for draw in range(100):
+        rng = np.random.default_rng(draw)
+        scale = noise_scale([_epoch(i, 2.0, 300.0, probes=8, noise=0.2, rng=rng) for i in range(3)], seed=draw)
+        low, high = scale.interval
+        assert low < high
+        held += low <= 150.0 <= high
+    assert held >= 85, held
+
+
+def test_what_cannot_be_estimated_says_why():
+    assert noise_scale([EpochMetrics(epoch=0)]).reason == "no gradient norms were recorded"
+    drowned = _epoch(0, g2=-1.0, trace=300.0)  # |G|^2 estimated below zero: all noise
+    scale = noise_scale([drowned])
+    assert scale.b_simple is None and "not positive" in scale.reason
+    one = EpochMetrics(epoch=0, gradient_noise=GradientNoise(micro_batch=8, batch=8, small=[1.0], big=[1.0],
+                                                             seconds=0.0))
+    assert "two sizes" in noise_scale([one]).reason
+
+
+def test_candidates_are_powers_of_two_with_the_ends_the_recommendation_and_neighbours_of_one():
+    assert candidates(8, 256) == [8, 16, 32, 63, 64, 65, 128, 256]
+    assert candidates(6, 200, recommended=180) == [6, 8, 16, 31, 32, 33, 64, 128, 180, 200]
+    assert candidates(4, 4) == [4]
+    with pytest.raises(ValueError):
+        candidates(0, 4)
+
+
+def test_the_fastest_and_the_knee():
+    speeds = [Speed(8, [0.01] * 3, [800.0, 810.0, 790.0]), Speed(16, [0.01] * 3, [1500.0, 1520.0, 1480.0]),
+              Speed(32, [0.02] * 3, [1590.0, 1600.0, 1610.0]), Speed(64, [0.04] * 3, [1620.0, 1660.0, 1580.0])]
+    best, knee = fastest_and_knee(speeds)
+    assert best.batch_size == 64
+    assert knee.batch_size == 16  # its interval, 1500 +- 50, reaches 0.95 x 1620 = 1539
+    speeds[1] = Speed(16, [0.01] * 3, [1450.0, 1460.0, 1440.0])  # 1450 +- 25 does not
+    assert fastest_and_knee(speeds)[1].batch_size == 32
+
+
+def test_time_to_target_is_steps_times_step_time_and_the_best_size_minimises_it():
+    assert steps_to_target(100, 100, 50) == 100
+    speeds = [Speed(b, [t], [b / t]) for b, t in ((8, 0.001), (32, 0.0012), (128, 0.003), (512, 0.011))]
+    p = predict(speeds, b_noise=110.0, interval=(80.0, 150.0), s_min=48.0)
+    seconds = {r["batch_size"]: r["seconds"] for r in p.rows}
+    assert seconds[32] == pytest.approx(48 * (1 + 110 / 32) * 0.0012)
+    assert p.time_best == min(seconds, key=seconds.get)
+    brute = {b: min(((1 + n / s.batch_size) * s.step_s[0], s.batch_size) for s in speeds)[1] for b, n in
+             ((0, 80.0), (1, 110.0), (2, 150.0))}
+    assert p.time_range == (min(brute.values()), max(brute.values()))
+    assert p.energy_best is None and p.energy_range is None  # no energy per step measured
+    relative = predict(speeds, 110.0, None, None)  # without S_min: ranked, no seconds
+    assert relative.time_best == p.time_best and all(r["seconds"] is None for r in relative.rows)
+
+
+def test_the_energy_answer_says_whether_the_counter_is_missing_or_the_windows_were_too_short():
+    """On the H200 (2026-11-28) every JAX trial's windows were shorter than the counter's refresh: that is no
+    missing counter, and the answer must say which; sizes without a figure are named, not silently dropped."""
+    from harness.studies.advise.command import entry_answer
+    from harness.studies.advise.noise import NoiseScale
+
+    noise = NoiseScale(8, 64, b_simple=100.0, interval=(80.0, 130.0))
+    short = "the timed windows total 0.022 s, less than the reading's refresh (0.1 s): no energy figure"
+
+    def energy(speeds):
+        return entry_answer("x", ("energy",), None, speeds, noise, 100, 64, 0.9, "cuda:0")["objectives"]["energy"]
+
+    cpu = energy([Speed(64, [0.01], [6400.0]), Speed(128, [0.015], [8533.0])])
+    assert cpu["batch_size"] is None and cpu["reason"].startswith("no energy counter on cuda:0")
+    windows = energy([Speed(64, [0.01], [6400.0], energy_notes=[short])])
+    assert windows["batch_size"] is None and windows["reason"] == f"no size has an energy figure ({short})"
+    partial = energy([Speed(64, [0.01], [6400.0], [2.0]), Speed(128, [0.015], [8533.0], energy_notes=[short]),
+                      Speed(256, [0.02], [12800.0], [3.0])])
+    assert partial["batch_size"] == 256 and partial["unranked"] == [128]  # (1 + 100/256) 3.0 < (1 + 100/64) 2.0
+    assert "sizes without an energy figure, not ranked: 128" in partial["note"]
+    assert partial["predicted"] == pytest.approx(100 / (1 + 100 / 64) * (1 + 100 / 256) * 3.0)
