@@ -40,7 +40,10 @@ SIZES = {
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 50000, "test_size": 10000},
             "timeout_s": 240, "max_batch_args": ["--memory-limit-mb", "16000"],
             "overhead_args": ["--batch-sizes", "64", "--repeats", "3", "--target-seconds", "8"],
-            "blocks_args": ["--pairs", "10", "--block-seconds", "1"], "costs_args": []},
+            "blocks_args": ["--pairs", "10", "--block-seconds", "1"], "costs_args": [],
+            # advise: candidates 128..719 (6 sizes: digits holds 1,438 training samples), 2 repeats, the noise trial
+            # at 64 in 8 micro-batches of 8 over the spec's 5 epochs
+            "advise": {"batch_sizes": [128, 1024], "epochs": 5, "repeats": 2, "noise_batch": 64}},
     "cpu": {"batch_sizes": [16], "epochs": 1, "repeats": 1, "warmup_steps": 1, "cpu_threads": 1,
             "dataset": {"name": "synthetic", "shape": [32, 32, 3], "classes": 10, "size": 256, "test_size": 64},
             "timeout_s": 120,
@@ -49,12 +52,13 @@ SIZES = {
             "overhead_args": ["--batch-sizes", "64", "--repeats", "1", "--epochs", "2", "--threads", "1"],
             "blocks_args": ["--pairs", "2", "--block-seconds", "0.2", "--min-steps", "2", "--warmup-steps", "2",
                             "--batch-size", "64", "--threads", "1"],
-            "costs_args": ["--steps", "6", "--repeats", "2", "--batch-size", "64"]},
+            "costs_args": ["--steps", "6", "--repeats", "2", "--batch-size", "64"],
+            "advise": {"batch_sizes": [64, 128], "epochs": 2, "repeats": 1, "noise_batch": 64}},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
 LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 320,
           "sweep_keras": 120, "sampler_overhead": 150, "sampler_blocks": 120, "step_host_costs": 90,
-          "harness_vs_loop": 300}
+          "harness_vs_loop": 300, "advise": 300}
 
 
 def _absolute(python: str) -> str:
@@ -418,6 +422,35 @@ def step_sampler_blocks(check: Check) -> None:
                  reason="; ".join(failed + verdicts))
 
 
+def step_advise(check: Check) -> None:
+    """``harness advise`` of the sweep's model on digits (real data, offline; a target test accuracy of 0.95): the
+    throughput of the candidates and the gradient noise scale per framework, the time and, on a GPU, the energy to
+    target predicted per size (the memory objective is the max_batch step's)."""
+    started = time.monotonic()
+    sizes = check.sizes["advise"]
+    spec = sweep_spec(check, "advise", dataset={"name": "digits"}, batch_sizes=sizes["batch_sizes"],
+                      epochs=sizes["epochs"], repeats=1, warmup_steps=1, target_accuracy=0.95)
+    code, text = check.harness("advise", "advise", str(spec), "--objective", "throughput,time,energy", "--out",
+                               str(check.out / "runs"), "--repeats", str(sizes["repeats"]), "--noise-batch",
+                               str(sizes["noise_batch"]))
+    found = re.search(r"^written to (.+) \(advice", text, re.M)
+    if code != 0 or not found:
+        check.record("advise", "failed", started, reason=f"exit {code}: {tail(text)}")
+        return
+    advice = json.loads((Path(found.group(1).strip()) / "advice.json").read_text(encoding="utf-8"))
+    answers = {label: {name: {k: v for k, v in answer.items() if k != "rows"}
+                       for name, answer in entry["objectives"].items()}
+               for label, entry in advice["entries"].items()}
+    noise = {label: {k: v for k, v in (entry["noise_scale"] or {}).items() if k != "trajectory"}
+             for label, entry in advice["entries"].items()}
+    missing = [f"{label} {name}: {a['reason']}" for label, entry in answers.items() for name, a in entry.items()
+               if a.get("batch_size") is None and not (name == "energy" and check.allow_cpu)]
+    lines = [f"{label} {name} {a.get('batch_size')}" for label, entry in answers.items() for name, a in entry.items()]
+    check.record("advise", "failed" if missing else "ok", started, run_dir=found.group(1).strip(), answers=answers,
+                 noise=noise, speeds={label: entry["speeds"] for label, entry in advice["entries"].items()},
+                 spent=advice["spent"], reason="; ".join(missing or lines))
+
+
 def step_step_host_costs(check: Check) -> None:
     """benchmarks/step_host_costs.py: the adapters' steps alone, their epochs' batches made inside and before the
     clock, and the host cost of a copy of step indices to the device. Each framework runs in its entry's interpreter
@@ -461,6 +494,28 @@ def harness_vs_loop_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def advise_lines(step: dict[str, Any]) -> list[str]:
+    """The advise step's answers as a table: per framework, the noise scale with its interval and the batch size
+    per objective (with the predicted seconds or joules to target where the noise trial reached it)."""
+    if not step.get("answers"):
+        return []
+    lines = ["", "| advise | B_simple (95 % interval) | fastest (knee) | least time to target "
+                 "| least energy to target |", "| --- | --- | --- | --- | --- |"]
+    for label, answers in step["answers"].items():
+        noise = step.get("noise", {}).get(label) or {}
+        interval = noise.get("interval")
+        scale = (f"{noise['b_simple']:.1f}" + (f" ({interval[0]:.1f}..{interval[1]:.1f})" if interval else "")
+                 if noise.get("b_simple") is not None else "n/a")
+        fastest = answers.get("throughput", {})
+        cells = [f"{fastest.get('batch_size')} ({fastest.get('knee')})"]
+        for name, unit in (("time", "s"), ("energy", "J")):
+            answer = answers.get(name, {})
+            value = answer.get("predicted")
+            cells.append(f"{answer.get('batch_size')}" + (f", {value:.3g} {unit}" if value is not None else ""))
+        lines.append(f"| {label} | {scale} | {' | '.join(cells)} |")
+    return lines
+
+
 def write_markdown(check: Check) -> None:
     lines = [f"# GPU check ({check.summary['started']}, device {check.device})", "",
              "| step | status | seconds | detail |", "| --- | --- | ---: | --- |"]
@@ -468,6 +523,7 @@ def write_markdown(check: Check) -> None:
         detail = " / ".join(line.strip() for line in str(step.get("reason", "")).splitlines() if line.strip())
         lines.append(f"| {name} | {step['status']} | {step['seconds']} | {detail.replace('|', '/')} |")
     lines += harness_vs_loop_lines(check.summary["steps"].get("harness_vs_loop", {}).get("result") or {})
+    lines += advise_lines(check.summary["steps"].get("advise", {}))
     cells = [c for name in ("sweep", "sweep_keras") for c in check.summary["steps"].get(name, {}).get("cells", [])]
     if cells:
         lines += ["", "| row | batch | repeat | status | samples/s | GPU use % | SM active % | MFU |",
@@ -483,7 +539,7 @@ def write_markdown(check: Check) -> None:
 
 STEPS = {"gpu_tests": step_gpu_tests, "fork_check": step_fork_check, "sweep": step_sweep, "max_batch": step_max_batch,
          "harness_vs_loop": step_harness_vs_loop, "step_host_costs": step_step_host_costs,
-         "sampler_blocks": step_sampler_blocks,
+         "sampler_blocks": step_sampler_blocks, "advise": step_advise,
          "sampler_overhead": step_sampler_overhead,
          "sweep_keras": step_sweep_keras}
 

@@ -34,7 +34,7 @@ def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_rep
     steps = summary["steps"]
     assert done.returncode == 0, (done.stderr[-3000:], summary)
     assert list(steps) == ["install", "environment", "gpu_tests", "fork_check", "sweep", "max_batch",
-                           "harness_vs_loop", "step_host_costs", "sampler_blocks", "sampler_overhead",
+                           "harness_vs_loop", "step_host_costs", "sampler_blocks", "advise", "sampler_overhead",
                            "sweep_keras"]
     assert steps["harness_vs_loop"]["status"] == "not run"  # tests/test_harness_vs_loop.py runs it on the CPU
     # every framework's worker forked from its preloaded parent and trained, so the sweep forks too
@@ -54,6 +54,11 @@ def test_gpu_check_with_allow_cpu_runs_every_step_and_leaves_a_summary_and_a_rep
     (blocks,) = steps["sampler_blocks"]["results"]  # 2 pairs of blocks, one sampled in each
     assert steps["sampler_blocks"]["status"] == "ok" and blocks["framework"] == "pytorch" and blocks["pairs"] == 2
     assert blocks["backend"] == "host" and blocks["samples_per_block"] >= 1
+    advise = steps["advise"]  # throughput and the noise scale answered; energy has no counter on the CPU
+    assert advise["status"] == "ok" and advise["answers"]["pytorch"]["throughput"]["batch_size"] in (64, 128)
+    assert advise["noise"]["pytorch"]["b_simple"] > 0 and advise["noise"]["pytorch"]["batch"] == 64
+    assert "energy counter" in advise["answers"]["pytorch"]["energy"]["reason"]
+    assert "| advise | B_simple" in (tmp_path / "out" / "summary.md").read_text()
     cells = steps["sampler_overhead"]["cells"]
     assert {c["framework"] for c in cells} == {"pytorch"} and all(c["ratios"] for c in cells)
     assert json.loads((tmp_path / "out" / "env.json").read_text())["python"]
@@ -75,8 +80,9 @@ def test_a_failing_step_leaves_the_others_running_and_the_check_exits_1(tmp_path
     statuses = {name: step["status"] for name, step in summary["steps"].items()}
     assert statuses == {"install": "ok", "environment": "ok", "gpu_tests": "not run", "fork_check": "failed",
                         "sweep": "failed", "max_batch": "failed", "harness_vs_loop": "not run",
-                        "step_host_costs": "failed", "sampler_blocks": "failed", "sampler_overhead": "failed"}
-    assert summary["failed"] == ["fork_check", "sweep", "max_batch", "step_host_costs", "sampler_blocks",
+                        "step_host_costs": "failed", "sampler_blocks": "failed", "advise": "failed",
+                        "sampler_overhead": "failed"}
+    assert summary["failed"] == ["fork_check", "sweep", "max_batch", "step_host_costs", "sampler_blocks", "advise",
                                  "sampler_overhead"]
     assert "nosuch" in summary["steps"]["sweep"]["reason"]
 
