@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.results import html
+from harness.results.answer import answer_section
 from harness.results.batch_studies import powers_of_two_section, scaling_section, time_to_target_section
 from harness.results.data import build, load_run
 from harness.results.data_parallel import data_parallel_section
@@ -51,11 +52,12 @@ def study_sections(data: ReportData) -> list[Section | None]:
 
 
 def sections(data: ReportData) -> list[Section]:
-    """The whole report as sections: the header, the environments, the models (where an entry brings its own), the
-    Ohio State layout, the memory layers, one section per metric, Keras over native (where a Keras row's native
-    framework is in the run), the study sections, how the sampler fared, where the trials' time went, the failed
-    trials and the plots. Sections with nothing to say are left out."""
-    found = [header_section(data), environment_section(data), models_section(data), ohio_state_section(data),
+    """The whole report as sections: the header, the answer the data supports, the environments, the models (where an
+    entry brings its own), the Ohio State layout, the memory layers, one section per metric, Keras over native
+    (where a Keras row's native framework is in the run), the study sections, how the sampler fared, where the
+    trials' time went, the failed trials and the plots. Sections with nothing to say are left out."""
+    found = [header_section(data), answer_section(data), environment_section(data), models_section(data),
+             ohio_state_section(data),
              memory_layers_section(data), memory_breakdown_section(data),
              *(metric_section(data, metric) for metric in data.metrics),
              keras_native_section(data), *study_sections(data), measurement_notes(data), slow_window_notes(data),

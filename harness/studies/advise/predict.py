@@ -17,8 +17,8 @@ from typing import Any
 
 from scipy import stats
 
-#: The knee: the smallest size whose throughput interval reaches this share of the best median throughput.
-KNEE_SHARE = 0.95
+from harness.results import answer
+from harness.results.answer import Point
 
 
 def candidates(smallest: int, largest: int, recommended: int | None = None) -> list[int]:
@@ -90,19 +90,16 @@ def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, fl
 
 
 def fastest_and_knee(speeds: list[Speed]) -> tuple[Speed, Speed]:
-    """The size of the highest median throughput, and the knee: the smallest size whose throughput interval (its
-    median with one repeat) reaches ``KNEE_SHARE`` of that median.
+    """The size of the highest median throughput, and the knee (``harness.results.answer.fastest_and_knee``: the
+    rule every run's report also uses).
 
     Raises:
         ValueError: no speeds.
     """
-    if not speeds:
-        raise ValueError("no size was measured")
-    best = max(speeds, key=lambda s: s.throughput_median)
-    goal = KNEE_SHARE * best.throughput_median
-    knee = next(s for s in sorted(speeds, key=lambda s: s.batch_size)
-                if (s.throughput_interval or (s.throughput_median,) * 2)[1] >= goal)
-    return best, knee
+    by_size = {s.batch_size: s for s in speeds}
+    best, knee = answer.fastest_and_knee([Point(s.batch_size, s.throughput_median, s.throughput_interval)
+                                          for s in speeds])
+    return by_size[best.batch_size], by_size[knee.batch_size]
 
 
 def steps_to_target(batch_size: float, b_noise: float, s_min: float) -> float:
