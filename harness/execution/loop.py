@@ -36,13 +36,12 @@ class TrialError(Exception):
 def train(adapter: Adapter, data: Data, trial: Trial, emit: Callable[[_Event], Any]) -> TrialMetrics:
     """The shared training loop (docs/design/timing.md). Returns the trial's training metrics.
 
-    adapter: a prepared, built and loaded Adapter. data: the trial's dataset. trial: the payload's trial
-    (its micro_batch_size, samples_per_step and accumulation_steps as the plan computed them; epochs, warmup_steps,
-    seed, timing, augmentation, evaluate_every, target_accuracy; max_steps_per_epoch cuts every epoch to its first
-    steps: ``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole epoch). emit:
-    Events.emit. Times are in seconds
-    (perf_counter); throughput is in samples per second. Raises TrialError when the batch size exceeds the training
-    set or warm-up leaves no step to measure.
+    adapter: a prepared, built and loaded Adapter. data: the trial's dataset. trial: the payload's trial (its
+    micro_batch_size, samples_per_step and accumulation_steps as the plan computed them; epochs, warmup_steps, seed,
+    timing, augmentation, evaluate_every, target_accuracy and stop_at_target; max_steps_per_epoch cuts every epoch
+    to its first steps: ``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole
+    epoch). emit: Events.emit. Times are in seconds (perf_counter); throughput is in samples per second. Raises
+    TrialError when the batch size exceeds the training set or warm-up leaves no step to measure.
     """
     return _Loop(adapter, data, trial, emit).run()
 
@@ -62,6 +61,7 @@ class _Loop:
         self.evaluate_every = trial.evaluate_every
         self.target = trial.target_accuracy
         self.noise = trial.gradient_noise
+        self.stop_at_target = trial.stop_at_target
         self.n = len(data.y_train)
         self.steps_per_epoch = self.n // self.batch
         if trial.max_steps_per_epoch:  # a max-batch probe holding the whole dataset: its first steps only
@@ -120,6 +120,9 @@ class _Loop:
             self.nonfinite = self.nonfinite or not all(math.isfinite(mean) for mean, steps in losses if steps)
             self.evaluate(last, losses, seconds, train_started)
             first = last + 1
+            if self.reached is not None and self.stop_at_target:
+                self.epochs = first  # MLPerf's rule: stop at the target; the metrics are of the epochs trained
+                break
         return self.metrics()
 
     def begin_epoch(self, epoch: int) -> None:

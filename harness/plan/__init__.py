@@ -266,7 +266,8 @@ class Trial:
     device; sync_batchnorm: batchnorm over the global batch (``harness.spec.DataParallelSpec``). input: where each
     step's batch comes from (``harness.spec.InputMode``); loader: the data loader's workers and prefetch
     (``harness.spec.LoaderSpec``), for ``input == "loader"``. gradient_noise: the squared gradient norms measured at
-    every evaluation (``harness.spec.GradientNoiseSpec``), or None.
+    every evaluation (``harness.spec.GradientNoiseSpec``), or None. stop_at_target: the trial ends at the first
+    evaluation that reaches ``target_accuracy``.
     """
 
     id: str
@@ -300,6 +301,7 @@ class Trial:
     input: InputMode = "resident"
     loader: LoaderSpec = dataclasses.field(default_factory=LoaderSpec)
     gradient_noise: GradientNoiseSpec | None = None
+    stop_at_target: bool = False
 
     def __post_init__(self) -> None:
         if self.samples_per_step != self.micro_batch_size * self.accumulation_steps:
@@ -426,7 +428,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               accumulation_steps=spec.accumulation_steps, samples_per_step=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every, input=variant.input,
-              loader=spec.loader, gradient_noise=spec.gradient_noise)
+              loader=spec.loader, gradient_noise=spec.gradient_noise, stop_at_target=spec.stop_at_target)
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])
         for index, variant in enumerate(variants(spec))

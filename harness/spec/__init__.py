@@ -100,6 +100,9 @@ class Spec(_Strict):
     learning_rate_scaling: the learning rate used at batch size B is the optimizer's learning rate x B /
     base_batch_size (linear) or x sqrt(B / base_batch_size) (sqrt), with B the effective batch size.
     target_accuracy: time and epochs to reach this test accuracy (fraction) are reported per trial.
+    stop_at_target: a trial ends at the first evaluation that reaches ``target_accuracy`` (MLPerf Training's rule:
+    train to a fixed quality and stop), its remaining epochs not trained; its metrics are those of the epochs it
+    trained.
     augmentation: random crop and flip of the training images, drawn by the harness from (seed, epoch) and loaded
     to the device before each epoch (outside the timed windows), identical for every framework.
     evaluate_every: the test set is evaluated after every k-th epoch and after the last (default 1: every epoch, as
@@ -158,6 +161,7 @@ class Spec(_Strict):
     learning_rate_scaling: Literal["none", "linear", "sqrt"] = "none"
     base_batch_size: int | None = Field(default=None, gt=0, validate_default=True)
     target_accuracy: float | None = Field(default=None, gt=0, le=1)
+    stop_at_target: bool = False
     after_oom: Literal["skip", "try"] = "skip"
     augmentation: bool = False
     evaluate_every: int = Field(default=1, ge=1)
@@ -180,6 +184,13 @@ class Spec(_Strict):
             raise ValueError(f"learning_rate_scaling {info.data['learning_rate_scaling']} needs base_batch_size "
                              "(the batch size the optimizer's learning rate is for)")
         return base
+
+    @field_validator("stop_at_target")
+    @classmethod
+    def _stop_needs_a_target(cls, stop: bool, info: ValidationInfo) -> bool:
+        if stop and info.data.get("target_accuracy") is None:
+            raise ValueError("stop_at_target needs target_accuracy (the test accuracy to stop at)")
+        return stop
 
     @field_validator("frameworks", mode="before")
     @classmethod

@@ -168,6 +168,22 @@ def test_time_to_target_accuracy(fault_adapter, tmp_path):
     assert store.read_trials(run_spec(unreachable, tmp_path / "u"))[0].metrics.time_to_target is None
 
 
+def test_a_trial_stops_at_its_target_when_asked(fault_adapter, tmp_path):
+    """stop_at_target (MLPerf's rule): the trial ends at the first evaluation at or above the target, its metrics
+    those of the epochs it trained; without a target the spec is refused."""
+    spec = validate(base_spec(frameworks=[fault_adapter], batch_sizes=[16], epochs=6, target_accuracy=0.5,
+                              stop_at_target=True), tmp_path / "s.yaml")
+    record = store.read_trials(run_spec(spec, tmp_path / "r"))[0]
+    reached = record.metrics.time_to_target
+    assert reached is not None and reached.epochs < 6
+    assert [e.epoch for e in record.metrics.epochs] == list(range(reached.epochs))
+    assert record.metrics.epochs[-1].test_accuracy >= 0.5 > max(
+        [e.test_accuracy for e in record.metrics.epochs[:-1]], default=0.0)
+    assert record.metrics.total_steps == reached.epochs * record.metrics.steps_per_epoch
+    with pytest.raises(SpecError, match="stop_at_target needs target_accuracy"):
+        validate(base_spec(stop_at_target=True), tmp_path / "s.yaml")
+
+
 def test_each_seed_trains_from_its_own_weights_and_batches(fault_adapter, tmp_path):
     """seeds: [1, 2]: one trial per seed, each recording its seed; the batch order (the fault adapter's weights
     start at zero) and so the final loss follow the seed, while the same seed gives the same loss again."""

@@ -249,12 +249,12 @@ def _throughput(spec: Spec, spec_path: str | Path, labels: list[str], sizes: lis
 def _noise(spec: Spec, spec_path: str | Path, labels: list[str], batch: int, k: int, probes: int,
            target: float | None, folder: Path) -> Path:
     """The noise stage: one trial per entry at ``batch``, its gradient norms measured at every evaluation
-    (``harness.spec.GradientNoiseSpec``), trained for the spec's epochs toward ``target``. Returns its run
-    directory."""
+    (``harness.spec.GradientNoiseSpec``), trained for the spec's epochs toward ``target`` and stopped there
+    (``stop_at_target``). Returns its run directory."""
     from harness.studies import sweep
 
     noise_spec = derived(spec, spec_path, batch_sizes=[batch], repeats=1, seeds=None, accumulation_steps=1,
-                         target_accuracy=target, evaluate_every=1,
+                         target_accuracy=target, stop_at_target=target is not None, evaluate_every=1,
                          gradient_noise={"micro_batches": k, "probes": probes}, frameworks=_entries(spec, labels))
     log(f"noise scale: batch {batch} in {k} micro-batches of {batch // k}, {spec.epochs} epoch(s)")
     return sweep.run_spec(noise_spec, folder, spec_path)
