@@ -56,17 +56,22 @@ def _interrupted(exc: BaseException) -> int:
     """Ctrl-C, SIGTERM or SIGHUP during a run: the worker is already gone and run.json says what finished; write the
     report of what finished and exit 128 + the signal's number (130, 143, 129)."""
     import signal
+    from pathlib import Path
 
     from harness.results import report as reports
 
     signum = getattr(exc, "signum", signal.SIGINT)
     run_dir = getattr(exc, "run_dir", None)
-    where = ""
-    if run_dir is not None:
+    trials = Path(run_dir) / "trials.jsonl" if run_dir is not None else None
+    if run_dir is None or trials is None:
+        what = "before the run directory was made: nothing was run"
+    elif not trials.exists() or not trials.stat().st_size:
+        what = f"before any trial finished: nothing is in {trials} yet; continue with --resume {run_dir}"
+    else:
         try:
-            where = f"; report of the finished trials: {reports.write(run_dir)}"
+            what = f"finished trials are in {trials}; report of them: {reports.write(run_dir)}"
         except Exception as err:  # noqa: BLE001 - the interruption is the news, a report failure only a detail
-            where = f"; the report of the finished trials failed ({type(err).__name__}: {err})"
-        where += f"; continue with --resume {run_dir}"
-    print(f"interrupted by {signal.Signals(signum).name}: finished trials are in trials.jsonl{where}", file=sys.stderr)
+            what = f"finished trials are in {trials}; their report failed ({type(err).__name__}: {err})"
+        what += f"; continue with --resume {run_dir}"
+    print(f"interrupted by {signal.Signals(signum).name}: {what}", file=sys.stderr)
     return 128 + int(signum)

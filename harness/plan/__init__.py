@@ -216,6 +216,26 @@ def entry_for(spec: Spec, framework: str) -> FrameworkEntry:
             or next((e for e in entries if e.name == framework), None) or FrameworkEntry(name=framework))
 
 
+def entry_named(spec: Spec, name: str, file: str | os.PathLike[str], field: str = "--framework") -> FrameworkEntry:
+    """The entry a command's ``--framework NAME`` means: the one labelled ``name``, else the only one of that
+    framework; a framework the spec does not list is trained as a plain entry of that name only when the spec has a
+    neutral model for it to build. Raises SpecError (one line naming ``field``): several entries of that framework
+    and none labelled so (which one?), or a framework the spec does not list and cannot build."""
+    if (labelled := next((e for e in spec.entries if e.row == name), None)) is not None:
+        return labelled
+    named = [e for e in spec.entries if e.name == name]
+    if len(named) > 1:
+        raise SpecError(file, field, f"{name} names {len(named)} entries (labels "
+                                     f"{', '.join(e.row for e in named)}): give one of their labels")
+    if named:
+        return named[0]
+    if spec.model is None:
+        raise SpecError(file, field, f"{name} is not an entry of the spec (its entries: "
+                                     f"{', '.join(e.row for e in spec.entries)}), and the spec has no neutral model "
+                                     "for it to build")
+    return FrameworkEntry(name=name)
+
+
 def check_framework_name(name: str, file: str | os.PathLike[str], field: str = "frameworks",
                          backend: str | None = None) -> None:
     """Raises SpecError unless an adapter is registered under ``name`` (``adapters.available_names``). ``backend``:

@@ -281,15 +281,18 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
     """Reads, overrides and validates a spec file.
 
     path: a YAML file. overrides: top-level fields that replace the file's (the CLI's ``--frameworks`` etc.).
-    Raises SpecError (one line, naming the file and the field) for a missing or unreadable file, invalid YAML, or
-    any field against its rules; a relative ``dataset.path`` is resolved against the spec file's folder. The checks
-    that need the model, the data or the adapters are ``harness.plan.load``'s.
+    Raises SpecError (one line, naming the file and the field) for a missing or unreadable file, text that is not
+    UTF-8, invalid YAML, or any field against its rules; a relative ``dataset.path`` is resolved against the spec
+    file's folder. The checks that need the model, the data or the adapters are ``harness.plan.load``'s.
     """
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as err:
         raise SpecError(file, "", f"cannot read the spec: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        line = err.object[:err.start].count(b"\n") + 1
+        raise SpecError(file, "", f"not UTF-8 text: byte 0x{err.object[err.start]:02x} at line {line}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

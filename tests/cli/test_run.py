@@ -91,3 +91,51 @@ def test_report_of_a_folder_that_is_no_run_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("harness report: ") and str(tmp_path) in proc.stderr, proc.stderr
+
+
+def test_a_spec_that_is_not_utf8_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\u00e9\nframeworks: [pytorch]\n".encode("latin-1"))
+    proc = run_cli("run", str(path), "--out", str(tmp_path / "results"), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"{path}: not UTF-8 text: byte 0xe9 at line 1"
+
+
+@pytest.mark.parametrize(("changes", "framework", "words"), [
+    ({"frameworks": [{"name": "pytorch", "label": "a"}, {"name": "pytorch", "label": "b"}]}, "pytorch",
+     "--framework: pytorch names 2 entries (labels a, b): give one of their labels"),
+    ({"frameworks": [{"name": "pytorch", "model": {"factory": "models.py:torch_cnn"}}], "model": None}, "tensorflow",
+     "--framework: tensorflow is not an entry of the spec (its entries: pytorch), and the spec has no neutral model"),
+])
+def test_max_batch_says_which_entry_it_cannot_choose(write_spec, tmp_path, changes, framework, words):
+    """Two entries of one framework and no label (it took the first silently), or a framework the spec does not list
+    and has no neutral model for (a ValueError's traceback)."""
+    (tmp_path / "models.py").write_text((ROOT / "specs" / "models.py").read_text())
+    data = {**base_spec(), **changes}
+    path = write_spec({k: v for k, v in data.items() if v is not None})
+    proc = run_cli("max-batch", str(path), "--framework", framework, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith(f"{path}: {words}") and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("made", "trial", "words"), [
+    (False, False, "interrupted by SIGINT: before the run directory was made: nothing was run"),
+    (True, False, "interrupted by SIGTERM: before any trial finished: nothing is in "),
+    (True, True, "interrupted by SIGTERM: finished trials are in "),
+])
+def test_the_interruption_message_says_what_exists(tmp_path, capsys, made, trial, words):
+    import signal
+
+    from harness.cli import _interrupted
+    from harness.studies.sweep import Interrupted
+
+    exc = Interrupted(signal.SIGTERM) if made else KeyboardInterrupt()
+    if made:
+        exc.run_dir = tmp_path
+        if trial:
+            (tmp_path / "trials.jsonl").write_text('{"id": "x"}\n')
+    code = _interrupted(exc)
+    err = capsys.readouterr().err
+    assert code == (143 if made else 130) and err.startswith(words), err
+    assert ("--resume" in err) == made

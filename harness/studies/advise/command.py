@@ -92,12 +92,11 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
     split. Returns (the entries' labels, the noise trial's batch size, its micro-batches). Raises SpecError (one
     line naming the file and the field or argument)."""
     labels = [entry.row for entry in spec.entries]
-    chosen = options.frameworks or labels
-    for name in chosen:
+    for name in options.frameworks:
         if name not in labels and name not in {entry.name for entry in spec.entries}:
             raise SpecError(spec_path, "--framework", f"{name!r} is not an entry of the spec (its entries: "
                                                       f"{', '.join(labels)})")
-    chosen = [planning.entry_for(spec, name).row for name in chosen]
+    chosen = [planning.entry_named(spec, name, spec_path).row for name in options.frameworks] or labels
     unknown = [o for o in options.objectives if o not in OBJECTIVES]
     if unknown or not options.objectives:
         raise SpecError(spec_path, "--objective", f"{', '.join(unknown) or 'none given'}: each is one of "
