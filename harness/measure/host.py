@@ -17,6 +17,10 @@ def process_tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+#: The shortest time a CPU figure is measured over (``HostBackend``): 5 of Linux's 10 ms clock ticks.
+MIN_RATE_S = 0.05
+
+
 class HostBackend:
     """CPU % and RSS of a process and its children (psutil).
 
@@ -33,13 +37,23 @@ class HostBackend:
     process of the tree is left (a timed window's deferred end sample, ``Sampler``, can come after a short trial's
     exit) has None for every metric: no reading, not 0 % and 0 bytes, which the window statistics would take for a
     measured value.
+
+    CPU use is the tree's CPU time (user + system, ``psutil.Process.cpu_times``) gained since the sample it is
+    measured from, over the time between: a rate, and Linux counts CPU time in clock ticks of 10 ms (USER_HZ 100),
+    so over 1.2 ms one tick read as 875.8 % on a 2-core machine (2026-11-28). A sample less than ``min_rate_s``
+    after that base has no CPU figure (None) and leaves the base where it is, so the next sample's figure covers the
+    whole time since; at 50 ms a tick is at most 20 % of one core. A process that exits keeps the CPU time it was last
+    read with, so the tree's total does not fall back.
     """
 
     name = "host"
 
-    def __init__(self, tree_refresh_s: float = 1.0) -> None:
+    def __init__(self, tree_refresh_s: float = 1.0, min_rate_s: float = MIN_RATE_S) -> None:
         self.unavailable: dict[str, str] = {}
         self.tree_refresh_s = tree_refresh_s
+        self.min_rate_s = min_rate_s
+        self._cpu_seen: dict[int, float] = {}  # pid -> its CPU seconds when last read (exited ones kept)
+        self._base: tuple[float, float] | None = None  # (time, tree CPU seconds) the next rate is measured from
         self._procs: dict[int, psutil.Process] = {}
         self._tree: list[psutil.Process] = []
         self._tree_at: float | None = None
@@ -48,8 +62,10 @@ class HostBackend:
     def attach(self, pid: int) -> None:
         self._pid = pid
         self._procs = {}
+        self._cpu_seen = {}
+        self._base = None
         self._tree_at = None
-        self._read()  # primes cpu_percent, whose first call per process returns 0
+        self._read()  # the base of the first CPU figure
 
     def sample(self) -> dict[str, float | None]:
         return self._read()
@@ -66,7 +82,7 @@ class HostBackend:
     def _read(self) -> dict[str, float | None]:
         if self._pid is None:
             return {}
-        cpu = 0.0
+        now = time.monotonic()
         rss = anon = 0
         read = False
         for proc in self._current_tree():
@@ -74,7 +90,8 @@ class HostBackend:
                 with proc.oneshot():
                     if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped: reads as 0 bytes
                         continue
-                    cpu += proc.cpu_percent(None)
+                    times = proc.cpu_times()
+                    self._cpu_seen[proc.pid] = times.user + times.system
                     memory = proc.memory_info()
                     rss += memory.rss
                     anon += memory.rss - getattr(memory, "shared", 0)  # Linux: RssAnon (shared = RssFile + RssShmem)
@@ -83,14 +100,25 @@ class HostBackend:
                 continue
         if not read:  # the worker is gone (a window's deferred end sample can come after its exit): no reading, not 0
             return {"cpu_percent": None, "rss_bytes": None, "rss_anon_bytes": None}
-        return {"cpu_percent": cpu, "rss_bytes": float(rss), "rss_anon_bytes": float(anon)}
+        return {"cpu_percent": self._rate(now), "rss_bytes": float(rss), "rss_anon_bytes": float(anon)}
+
+    def _rate(self, now: float) -> float | None:
+        """The tree's CPU use in % since the base (100 = one core busy), or None less than ``min_rate_s`` after it
+        (the base then stays); the first call only sets the base."""
+        total = sum(self._cpu_seen.values())
+        if self._base is not None and now - self._base[0] < self.min_rate_s:
+            return None
+        rate = None if self._base is None else 100.0 * (total - self._base[1]) / (now - self._base[0])
+        self._base = (now, total)
+        return rate
 
     def close(self) -> None:
         self._procs = {}
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "host", "cpu_count": psutil.cpu_count(), "unavailable": dict(self.unavailable), "metrics": {
-            "cpu_percent": "CPU use of the worker process tree, % (100 = one core busy)",
+            "cpu_percent": "CPU use of the worker process tree, % (100 = one core busy): its CPU time over at least "
+                           f"{MIN_RATE_S * 1e3:.0f} ms since the sample before that",
             "rss_bytes": "resident memory of the worker process tree, bytes",
             "rss_anon_bytes": "of that, the anonymous memory (heap, the framework's allocations, tensors, the "
                               "dataset; not the libraries' file-backed pages), bytes"}}

@@ -1,5 +1,5 @@
 """The report's notes on how a run was measured: "How the sampler fared" (metrics not measured and why, sampler
-notes, the energy method, short windows, throttling) and "Slow windows and recompilations"."""
+notes, the energy method, short windows, throttling) and "Short and slow windows, recompilations"."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ TOO_SHORT = {
                      "windows together were shorter than the interval between two GPM reads (0.1 s; "
                      "nvmlGpmMetricsGet): ",
 }
+
+#: A trial whose mean timed window is under this share of the timing goal (``timing.window_seconds``) is named.
+SHORT_SHARE = 0.1
 
 #: The host backend's levels (record names): read from the live worker only (harness.measure.windows.samples_until).
 HOST_LEVELS = ("cpu_pct", "rss_bytes", "rss_anon_bytes")
@@ -97,17 +100,26 @@ def measurement_notes(data: ReportData) -> Section | None:
 
 
 def slow_window_notes(data: ReportData) -> Section | None:
-    """The trials whose framework counted recompilations after warm-up, and those with timed windows whose steps
-    took more than 3 x their median step (the worker's ``slow_windows``): a recompilation of a compiled step, a
-    garbage collection or the machine's noise, named so that a throughput is not read without it. None when there
-    are none."""
+    """The trials whose mean timed window was under ``SHORT_SHARE`` of the timing goal, those whose framework counted
+    recompilations after warm-up, and those with timed windows whose steps took more than 3 x their median step (the
+    worker's ``slow_windows``): a recompilation of a compiled step, a garbage collection or the machine's noise,
+    named so that a throughput is not read without it. None when there are none."""
     ok = [r for r in data.records if r.status == "ok"]
     slow = [f"{r.id} ({m.slow_windows} of {m.timed_windows} windows, the slowest "
             f"{(m.step_time_max_s or 0.0) / (m.step_time_median_s or 1.0):.1f} x the median step)"
             for r in ok if (m := r.metrics).slow_windows]
     recompiled = [f"{r.id} ({m.recompilations} after warm-up, {m.compilations_warmup} during it)"
                   for r in ok if (m := r.metrics).recompilations]
+    goal = (data.spec.get("timing") or {}).get("window_seconds", 1.0)
+    short = [f"{r.id} ({1e3 * m.measured_s / m.timed_windows:.0f} ms)" for r in ok
+             if (m := r.metrics).timing_window == "auto" and m.timed_windows and m.measured_s is not None
+             and m.measured_s / m.timed_windows < SHORT_SHARE * goal]
     blocks = []
+    if short:
+        blocks.append(Paragraph(f"Timed windows far shorter than the goal of about {goal:g} s (the mean window; "
+                                "an evaluation or the trial's end came first: each window's edges are synced, so its "
+                                "throughput holds a sync per few steps, and its CPU and energy figures are coarse): "
+                                + _few(short) + "."))
     if slow:
         blocks.append(Paragraph("Timed windows whose steps took more than 3 x the trial's median step (a "
                                 "recompilation, a garbage collection or other load on the machine; they are inside "
@@ -116,4 +128,4 @@ def slow_window_notes(data: ReportData) -> Section | None:
         blocks.append(Paragraph("Recompilations inside the timed windows, by the framework's own count of traced or "
                                 "compiled train step graphs (their time is inside the throughput): "
                                 + _few(recompiled) + "."))
-    return Section("slow_windows", "Slow windows and recompilations", tuple(blocks)) if blocks else None
+    return Section("slow_windows", "Short and slow windows, recompilations", tuple(blocks)) if blocks else None

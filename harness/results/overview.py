@@ -142,8 +142,10 @@ def header_section(data: ReportData) -> Section:
                          "FLOP/s over the datasheet peak. n/a: that trial's GPU, driver or permissions did not provide "
                          "it (see How the sampler fared).")
     else:
-        notes.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy) "
-                     "and the memory rows its anonymous resident memory, in the layout of the GPU tables.")
+        notes.append("No GPU was used: the 'use %' rows are the worker process tree's CPU use (100 = one core busy, "
+                     "its CPU time over at least 50 ms) and the memory rows its anonymous resident memory, in the "
+                     "layout of the GPU tables. No MFU: the harness knows the peak FLOP/s of GPUs only "
+                     "(harness.measure.peaks); achieved GFLOP/s is given.")
     title_text = f"{spec['name']}: {len(records)} of {len(run.planned_trials)} trials"
     return Section("header", title_text, (BulletList(tuple(items)), Lines(tuple(notes))), level=1)
 

@@ -100,7 +100,7 @@ def _report_data(metrics: TrialMetrics) -> SimpleNamespace:
     """What the report's notes read of a run: one ok trial with these metrics."""
     record = TrialRecord(id="x-bs4-r0", framework="x", label="x", batch_size=4, repeat=0, device="cpu", status="ok",
                          wall_s=1.0, metrics=metrics)
-    return SimpleNamespace(records=[record], backend="host")
+    return SimpleNamespace(records=[record], backend="host", spec={"timing": {"window": "auto", "window_seconds": 1.0}})
 
 
 def _timed_windows(calls: list[str]) -> list[int]:
@@ -172,9 +172,21 @@ def test_a_window_with_a_stall_is_counted_slow_and_named_in_the_report():
     from harness.results.notes import slow_window_notes
 
     section = slow_window_notes(_report_data(metrics))
-    assert section.title == "Slow windows and recompilations"
+    assert section.title == "Short and slow windows, recompilations"
     assert "x-bs4-r0 (1 of 10 windows, the slowest" in section.blocks[0].text
     assert slow_window_notes(_report_data(metrics.model_copy(update={"slow_windows": 0}))) is None
+
+
+def test_windows_far_shorter_than_the_goal_are_named_in_the_report():
+    """An MLP on digits timed windows of 7 to 25 ms under a header saying "about 1 s", with no word (issue 59): the
+    report names each trial whose mean window is under a tenth of the goal, and no other."""
+    from harness.results.notes import slow_window_notes
+
+    metrics = TrialMetrics(timing_window="auto", timed_windows=4, measured_s=0.04, slow_windows=0)
+    (block,) = slow_window_notes(_report_data(metrics)).blocks
+    assert "far shorter than the goal of about 1 s" in block.text and "x-bs4-r0 (10 ms)" in block.text
+    assert slow_window_notes(_report_data(metrics.model_copy(update={"measured_s": 0.4}))) is None
+    assert slow_window_notes(_report_data(metrics.model_copy(update={"timing_window": "5"}))) is None
 
 
 def test_a_recompilation_after_warm_up_is_counted_by_the_adapter_and_named_in_the_report():
