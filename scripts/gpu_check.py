@@ -53,7 +53,7 @@ SIZES = {
             "blocks_args": ["--pairs", "2", "--block-seconds", "0.2", "--min-steps", "2", "--warmup-steps", "2",
                             "--batch-size", "64", "--threads", "1"],
             "costs_args": ["--steps", "6", "--repeats", "2", "--batch-size", "64"],
-            "advise": {"batch_sizes": [64, 128], "epochs": 2, "repeats": 1, "noise_batch": 64}},
+            "advise": {"batch_sizes": [64], "epochs": 2, "repeats": 1, "noise_batch": 64}},
 }
 # Per-step time limits in seconds (the GPU budget: about 8 minutes on an H100 for everything).
 LIMITS = {"install": 120, "environment": 60, "gpu_tests": 150, "fork_check": 60, "sweep": 300, "max_batch": 320,
