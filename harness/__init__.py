@@ -3,8 +3,9 @@ across batch sizes, and measure it honestly.
 
 The core package never imports a framework; adapters (the top-level ``adapters`` package) do, in worker processes.
 
-This module is the public front door for code outside the harness (``harness.load_run``, ``harness.load_history``,
-``harness.Run``: ``harness.results.data``, imported only when asked for, and ``harness.__version__``). No module of
+This module is the public front door for code outside the harness: ``harness.run``, ``harness.max_batch`` and
+``harness.advise`` (``harness.api``: the commands from Python), ``harness.load_run``, ``harness.load_history`` and
+``harness.Run`` (``harness.results.data``), each imported only when asked for, and ``harness.__version__``. No module of
 the harness or of the adapters imports it: they import the module that defines what they need
 (``harness.version`` for the version), so this hook, which reaches up to ``harness.results``, closes no import circle
 (tests/test_layout.py checks both).
@@ -12,14 +13,19 @@ the harness or of the adapters imports it: they import the module that defines w
 
 from harness.version import __version__
 
-__all__ = ["__version__", "Run", "load_run", "load_history"]
+__all__ = ["__version__", "Run", "advise", "load_history", "load_run", "max_batch", "run"]
 
 
 def __getattr__(name: str):
-    """``harness.load_run`` and ``harness.load_history`` (``harness.results.data``), imported only when asked for:
-    workers import this package in framework interpreters that need not have pandas."""
+    """``harness.run``, ``harness.max_batch``, ``harness.advise`` (``harness.api``), ``harness.load_run`` and
+    ``harness.load_history`` (``harness.results.data``), imported only when asked for: workers import this package in
+    framework interpreters that need not have pandas."""
     if name in ("load_run", "load_history", "Run"):
         from harness.results import data
 
         return getattr(data, name)
+    if name in ("run", "max_batch", "advise"):
+        from harness import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

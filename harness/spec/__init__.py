@@ -87,7 +87,8 @@ __all__ = ["Activation", "AllocatorSpec", "Attention", "AvgPool2D", "BatchNorm",
            "GradientNoiseSpec", "ImageFolderData", "Initializer", "InputMode", "Layer", "LayerNorm", "LoaderSpec",
            "MaxPool2D", "ModelSpec", "NativeModel", "OptimizerSpec", "PlainLayer", "Precision", "ROOT", "ReLU",
            "Residual", "SamplerSpec", "SequencePool", "Softmax", "Spec", "SpecError", "SyntheticData",
-           "SyntheticTokens", "TimingSpec", "VariantsSpec", "as_entry", "load", "select_frameworks", "validate"]
+           "SyntheticTokens", "TimingSpec", "VariantsSpec", "as_entry", "from_data", "load", "select_frameworks",
+           "validate"]
 
 
 class Spec(_Strict):
@@ -299,18 +300,39 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise SpecError(file, "", f"invalid YAML{where}: {getattr(err, 'problem', None) or err}") from None
+    return from_data(data, file, file.parent, overrides)
+
+
+def from_data(data: Any, file: str | os.PathLike[str], folder: str | os.PathLike[str],
+              overrides: dict[str, Any] | None = None) -> Spec:
+    """A spec from parsed data (a spec file's, or a dict of Python code's), as ``load`` makes it of a file.
+
+    Args:
+        data: the spec's fields (a mapping).
+        file: what errors name (the spec file, or a name such as ``<dict>``).
+        folder: what relative paths are resolved against: a framework entry's ``python`` and ``model`` factory
+            (``{root}`` is the checkout), ``dataset.path`` and ``dataset.cache_dir``; a spec file's folder.
+        overrides: top-level fields that replace the data's.
+
+    Returns:
+        The validated ``Spec``, its paths absolute.
+
+    Raises:
+        SpecError: any field against its rules (one line naming ``file`` and the field).
+    """
+    folder = Path(folder)
     if isinstance(data, dict) and overrides:
         overrides = dict(overrides)
         if overrides.get("frameworks") and isinstance(data.get("frameworks"), list):
             overrides["frameworks"] = select_frameworks(data["frameworks"], overrides["frameworks"])
         data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
     spec = validate(data, file)
-    spec = spec.model_copy(update={"frameworks": resolve_entries(spec.frameworks, file.parent)})
+    spec = spec.model_copy(update={"frameworks": resolve_entries(spec.frameworks, folder)})
     if isinstance(spec.dataset, Cifar10Data) and spec.dataset.path and not spec.dataset.path.is_absolute():
-        dataset = spec.dataset.model_copy(update={"path": (file.parent / spec.dataset.path).resolve()})
+        dataset = spec.dataset.model_copy(update={"path": (folder / spec.dataset.path).resolve()})
         spec = spec.model_copy(update={"dataset": dataset})
     if isinstance(spec.dataset, ImageFolderData):  # absolute, so that a worker started elsewhere finds the folder
-        folders = {key: (file.parent / value).resolve() for key in ("path", "cache_dir")
+        folders = {key: (folder / value).resolve() for key in ("path", "cache_dir")
                    if (value := getattr(spec.dataset, key)) is not None and not value.is_absolute()}
         spec = spec.model_copy(update={"dataset": spec.dataset.model_copy(update=folders)})
     return spec

@@ -1,6 +1,7 @@
 """``harness advise`` end to end on the CPU, real training (an MLP on digits in envs/ interpreters): the answer per
-objective first, the evidence after; the gradient noise scale recorded by a trial alike in every framework; bad input
-one line and exit 2 before anything runs; a budget that cuts stages says what the answer rests on."""
+objective first, the evidence after; bad input one line and exit 2 before anything runs; a budget that cuts stages
+says what the answer rests on. That every framework's trial records the same gradient norms is
+tests/test_end_to_end.py's (its four-framework run measures them)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def test_advise_answers_each_objective_first_with_its_evidence(envs, write_spec,
     noise = advice["entries"]["pytorch"]["noise_scale"]
     low, high = noise["interval"]
     assert 0 < low <= noise["b_simple"] <= high and noise["micro_batch"] == 4 and noise["batch"] == 32
-    assert len(noise["trajectory"]) == 4 and noise["probes"] >= 3
+    # the noise trial stopped at its first evaluation at the target (stop_at_target), where the value is taken
+    assert len(noise["trajectory"]) == noise["at_epoch"] + 1 <= 4 and noise["probes"] >= 3
+    assert noise["trajectory"][-1]["test_accuracy"] >= 0.9
     assert time_answer["batch_size"] in advice["candidates"] and time_answer["b_noise"] == noise["b_simple"]
     lo, hi = time_answer["range"]
     assert lo <= time_answer["batch_size"] <= hi
@@ -66,27 +69,6 @@ def test_advise_answers_each_objective_first_with_its_evidence(envs, write_spec,
     md = (folder / "advice.md").read_text()
     assert md.index("least time to target") < md.index("# Evidence") < md.index("| batch size |")
     assert advice["spent"]["seconds"]["throughput"] > 0 and advice["spent"]["seconds"]["noise"] > 0
-
-
-@pytest.mark.slow
-def test_the_noise_scales_measurements_agree_across_frameworks(envs, write_spec, tmp_path):
-    """The same model, weights and batches: every framework's trial records the same squared norms at every
-    evaluation, within 1e-3 relative (the issue's bound; the adapters agree to 1e-5 at the same weights)."""
-    spec = _spec(write_spec, envs, names=tuple(envs), batch_sizes=[32], epochs=2, warmup_steps=1,
-                 gradient_noise={"micro_batches": 8, "probes": 2})
-    out = tmp_path / "results"
-    done = subprocess.run([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = out.iterdir()
-    records = {r["framework"]: r for r in map(json.loads, (run_dir / "trials.jsonl").read_text().splitlines())}
-    assert set(records) == set(envs) and all(r["status"] == "ok" for r in records.values())
-    reference = records["pytorch"]["metrics"]["epochs"]
-    for framework, record in records.items():
-        for mine, theirs in zip(record["metrics"]["epochs"], reference):
-            for key in ("small", "big"):
-                assert mine["gradient_noise"][key] == pytest.approx(theirs["gradient_noise"][key], rel=1e-3), (
-                    framework, mine["epoch"], key)
 
 
 @pytest.mark.parametrize(("args", "changes", "words"), [

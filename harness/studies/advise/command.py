@@ -24,6 +24,7 @@ from typing import Any
 
 from harness import plan as planning
 from harness.plan import Trial
+from harness.plan.entries import entry_named
 from harness.record import TrialRecord
 from harness.results import store
 from harness.spec import GradientNoiseSpec, Spec, SpecError
@@ -96,7 +97,7 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
         if name not in labels and name not in {entry.name for entry in spec.entries}:
             raise SpecError(spec_path, "--framework", f"{name!r} is not an entry of the spec (its entries: "
                                                       f"{', '.join(labels)})")
-    chosen = [planning.entry_named(spec, name, spec_path).row for name in options.frameworks] or labels
+    chosen = [entry_named(spec, name, spec_path).row for name in options.frameworks] or labels
     unknown = [o for o in options.objectives if o not in OBJECTIVES]
     if unknown or not options.objectives:
         raise SpecError(spec_path, "--objective", f"{', '.join(unknown) or 'none given'}: each is one of "

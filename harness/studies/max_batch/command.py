@@ -10,6 +10,7 @@ from typing import Any
 from harness import plan as planning
 from harness.execution import probes
 from harness.measure.machine import resolve_device
+from harness.plan.entries import entry_named
 from harness.spec import Spec, SpecError
 from harness.studies.max_batch.checks import check_search
 from harness.studies.max_batch.output import RunWriter, mb, table
@@ -25,7 +26,7 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
     try:
         if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
             raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
-        entry = planning.entry_named(spec, args.framework, args.spec)
+        entry = entry_named(spec, args.framework, args.spec)
         planning.check_framework_name(entry.name, args.spec, backend=entry.backend)
         # One check of what the search runs: this entry alone, on the device asked for; then its interpreter's probe.
         searched = {**spec.model_dump(mode="json"), "frameworks": [entry.model_dump(exclude_none=True)],
