@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -52,6 +53,11 @@ def handle(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"harness envs create: {'CUDA' if gpu else 'CPU'} builds (requirements/<framework>-"
           f"{'gpu' if gpu else 'cpu'}.txt): {why}", file=sys.stderr)
+    if args.spec:  # what it will not make, said before anything is made (a dry run too)
+        from harness import spec as spec_module
+
+        for line in environments.spec_elsewhere(spec_module.load(args.spec)):
+            print(f"harness envs create: {line}", file=sys.stderr)
     missing = [w for w in wanted if not environments.up_to_date(w[1], envs_dir, gpu, w[0], w[2])]
     installer, jobs = None, 1
     if missing:  # only then is pip's configuration read
@@ -86,6 +92,12 @@ def handle(args: argparse.Namespace) -> int:
             print(f"harness envs create: {folder}: {type(outcome).__name__}: {outcome}", file=sys.stderr)
         else:
             python, fresh = outcome
+            packages = next(p for f, _, p in wanted if f == folder)
+            if fresh and (problem := _import_problem(framework, python, packages)) is not None:
+                failed += 1
+                shutil.rmtree(python.parent.parent, ignore_errors=True)  # not kept as if it were made
+                print(f"harness envs create: {folder}: {problem}; removed", file=sys.stderr)
+                continue
             print(f"{folder}: {python} ({f'created, {time.monotonic() - started:.0f} s' if fresh else 'up to date'})",
                   file=sys.stderr)
             made[folder] = (framework, python)
@@ -95,6 +107,22 @@ def handle(args: argparse.Namespace) -> int:
     if lines:
         print("frameworks:\n" + "\n".join(lines))
     return 0
+
+
+def _import_problem(framework: str, python: Path, packages: tuple[str, ...]) -> str | None:
+    """Why a new environment is not what it says, in one line, or None: its framework, through its adapter as a
+    trial imports it (``harness.execution.probes.probe``; an adapter the registry does not know is not probed), then
+    each of its packages (``probes.package_problem``)."""
+    import adapters  # the registry imports no framework
+    from harness.execution import probes
+    from harness.spec import FrameworkEntry
+
+    if adapters.declaration(framework) is not None:
+        try:
+            probes.probe(FrameworkEntry(name=framework, python=str(python)))
+        except ValueError as err:
+            return str(err)
+    return probes.package_problem(python, packages)
 
 
 def _shown(command: Any) -> str:

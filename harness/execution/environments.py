@@ -228,6 +228,21 @@ def spec_environments(spec: Spec) -> list[tuple[str, str, tuple[str, ...]]]:
     return [(folder, framework, packages) for folder, (framework, packages) in out.items()]
 
 
+def spec_elsewhere(spec: Spec) -> list[str]:
+    """The entries of ``spec`` whose interpreter ``create`` does not make (not ``envs/<folder>/bin/python``: a path
+    elsewhere, a command prefix, or the harness's own interpreter), one line each saying so."""
+    out = []
+    for entry in spec.entries:
+        python = Path(entry.python) if entry.python and not entry.command else None
+        if python is not None and python.parent.parent.parent == ROOT / "envs" and python.name == "python":
+            continue
+        where = (f"its command `{' '.join(entry.command)}`" if entry.command else
+                 f"its interpreter {entry.python}" if entry.python else "the harness's own interpreter")
+        out.append(f"{entry.row}: {where} is not made here (envs create makes envs/<folder>/bin/python only; "
+                   "install the framework there yourself)")
+    return out
+
+
 def spec_entry(framework: str, python: Path) -> str:
     """The spec line that runs ``framework`` in the environment at ``python``."""
     try:

@@ -67,6 +67,65 @@ os._exit(0)  # the report is out: the framework's own teardown skipped, as a wor
 """
 
 
+# Runs in a new environment's interpreter: ``-c IMPORTS REQUIREMENT...``. Each requirement's distribution (its name
+# before any version or extra; a wheel file's, from its file name) and its top-level modules (top_level.txt, else its
+# files' top-level packages and modules), imported one by one. One JSON line: the first that failed, or {}.
+IMPORTS = r"""
+import importlib, importlib.metadata as md, json, os, re, sys
+def name_of(requirement):
+    base = os.path.basename(requirement)
+    if base.endswith(".whl"):
+        return base.split("-")[0]
+    return re.split(r"[<>=!~\[;@ ]", requirement.strip(), maxsplit=1)[0]
+for requirement in sys.argv[1:]:
+    name = name_of(requirement)
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        print(json.dumps({"package": name, "error": "not installed"})); sys.exit(0)
+    tops = (dist.read_text("top_level.txt") or "").split() or sorted({
+        f.parts[0].removesuffix(".py") for f in dist.files or []
+        if (len(f.parts) == 2 and f.name == "__init__.py") or (len(f.parts) == 1 and f.suffix == ".py")})
+    for top in (t for t in tops if not t.startswith("_")):
+        try:
+            importlib.import_module(top)
+        except BaseException as exc:
+            text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+            print(json.dumps({"package": name, "module": top, "error": text})); sys.exit(0)
+print("{}")
+"""
+
+
+def package_problem(python: str | os.PathLike[str], packages: list[str] | tuple[str, ...],
+                    timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why a package of ``packages`` cannot be imported in the interpreter ``python``, in one line, or None.
+
+    Args:
+        python: a new environment's interpreter.
+        packages: pip requirements as a spec entry's ``packages`` gives them (``timm``, ``torchvision==0.29.1``, a
+            wheel file).
+
+    Returns:
+        ``"<package> cannot be imported (<module>: <error>)"`` for the first that fails (with a note where the error
+        names CUDA: a CUDA build beside CPU ones), ``"<package> is not installed"``, or None when each imports.
+    """
+    if not packages:
+        return None
+    done = subprocess.run([str(python), "-c", IMPORTS, *packages], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "PYTHONNOUSERSITE": "1"})
+    line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("{")), None)
+    if line is None:
+        last = next((x.strip() for x in reversed(done.stderr.splitlines()) if x.strip()), "no output")
+        return f"the import check exited with status {done.returncode}: {last[:300]}"
+    found = json.loads(line)
+    if not found:
+        return None
+    if found["error"] == "not installed":
+        return f"{found['package']} is not installed"
+    cuda = " (a CUDA build beside CPU ones? pin the package's CPU build)" if "cuda" in found["error"].lower() else ""
+    return f"{found['package']} cannot be imported ({found['module']}: {found['error']}){cuda}"
+
+
 def _probe_code() -> str:
     return PROBE.replace("PREFIX", repr(PROBE_PREFIX))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -410,3 +411,61 @@ def test_a_tiny_real_install_from_the_registry_is_the_same_with_uv_and_pip(tmp_p
             for kind in ("pip", "uv")}
     assert made["uv"] == made["pip"]
     assert "six==1.16.0" in made["pip"]
+
+
+def _module_wheel(folder: Path, name: str, init: str) -> Path:
+    """A wheel of one module ``name`` whose ``__init__`` is ``init`` (pip installs a wheel without building it)."""
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    files = {f"{name}/__init__.py": init, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+             f"{info}/top_level.txt": f"{name}\n"}
+    with zipfile.ZipFile(path, "w") as wheel:
+        for member, text in files.items():
+            wheel.writestr(member, text)
+        wheel.writestr(f"{info}/RECORD", "".join(f"{m},,\n" for m in [*files, f"{info}/RECORD"]))
+    return path
+
+
+def test_a_package_that_cannot_be_imported_is_named_with_its_error(tmp_path):
+    """timm beside the CPU torch resolved to a CUDA build of torchvision and was reported "created"; it failed only at
+    the run (issue 59). The import check names the package, the module and the error, and says where CUDA is named."""
+    from harness.execution.probes import package_problem
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True)
+    python = tmp_path / "env" / "bin" / "python"
+    site = next((tmp_path / "env" / "lib").glob("python3*/site-packages"))
+    good = _module_wheel(tmp_path, "goodpkg", "VALUE = 1\n")
+    broken = _module_wheel(tmp_path, "brokenpkg", "raise OSError('libtorch_cuda.so: cannot open shared object file')\n")
+    for wheel in (good, broken):
+        zipfile.ZipFile(wheel).extractall(site)  # what pip does with a pure-Python wheel
+    assert package_problem(python, ["goodpkg==1.0"]) is None
+    assert package_problem(python, ["goodpkg", str(broken)]) == (
+        "brokenpkg cannot be imported (brokenpkg: OSError: libtorch_cuda.so: cannot open shared object file) "
+        "(a CUDA build beside CPU ones? pin the package's CPU build)")
+    assert package_problem(python, ["nosuchpkg>=1"]) == "nosuchpkg is not installed"
+
+
+def test_an_environment_whose_framework_cannot_be_imported_is_not_reported_created(tmp_path, monkeypatch, capsys):
+    """envs create pytorch from requirements without torch (offline: a wheel already there): the probe a trial would
+    make fails, so the environment is removed and named in one line, exit 1, never "created"."""
+    from harness.cli import main
+
+    wheel = next(w for w in installers.ensurepip_wheels() if Path(w).name.startswith("setuptools-"))
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "pytorch-cpu.txt").write_text(f"{wheel}\n")
+    monkeypatch.setattr(environments, "ROOT", tmp_path)
+    status = main(["envs", "create", "pytorch", "--cpu", "--dir", str(tmp_path / "envs"), "--installer", "pip"])
+    err = capsys.readouterr().err
+    assert status == 1 and not (tmp_path / "envs" / "pytorch").exists()
+    (line,) = [x for x in err.splitlines() if x.startswith("harness envs create: pytorch:")]
+    assert "lacks numpy, pydantic, PyYAML" in line and line.endswith("; removed") and "created" not in err
+
+
+def test_envs_create_says_which_entries_it_does_not_make(write_spec, tmp_path, capsys):
+    from harness.cli import main
+
+    spec = write_spec(base_spec(frameworks=[{"name": "pytorch", "python": sys.executable}]))
+    assert main(["envs", "create", "--spec", str(spec), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert f"harness envs create: pytorch: its interpreter {sys.executable} is not made here" in err
