@@ -68,7 +68,8 @@ def _accurate_line(data: ReportData, row: str) -> str | None:
     if not medians:
         return None
     best, size = max(medians)
-    return f"most accurate after {data.spec.get('epochs')} epoch(s): batch size {-size} ({best:.2f} %)"
+    epochs = data.spec.get("epochs") or 1
+    return f"most accurate after {epochs} epoch{'' if epochs == 1 else 's'}: batch size {-size} ({best:.2f} %)"
 
 
 def _target_line(data: ReportData, row: str) -> str | None:

@@ -108,11 +108,12 @@ def header_section(data: ReportData) -> Section:
     cache = spec.get("compilation_cache") or next(
         (d for r in records if (d := (r.settings or {}).get("compilation_cache_dir"))), None)
     items = [
-        f"Run: `{name}` started {run.started}, finished {run.finished or 'not finished'}",
+        f"Run: `{name}` started {run.started}, " + (f"finished {run.finished}" if run.finished else "not finished"),
         f"Device: {_device_line(run)}",
         f"Frameworks: {_versions(records)}; harness {run.harness_version} "
         f"(git {run.environment.get('git', {}).get('commit', 'unknown')[:12]})",
-        f"Dataset: {spec['dataset']['name']}; {spec['epochs']} epochs of floor(N / batch size) full batches; "
+        f"Dataset: {spec['dataset']['name']}; {plural(spec['epochs'], 'epoch')} of floor(N / batch size) full "
+        "batches; "
         f"the first {spec['warmup_steps']} steps are warm-up (trained, not timed); {_evaluation(spec)}",
         f"Optimizer: {opt['name']} (learning rate {opt['learning_rate']}"
         + (f", momentum {opt['momentum']}" if opt['name'] == 'sgd' else '')
@@ -165,17 +166,32 @@ def environment_section(data: ReportData) -> Section | None:
     return Section("frameworks", "Frameworks and their environments", (table,))
 
 
+#: What the Ohio State layout is: a reference layout, with this run's figures.
+OHIO_STATE_NOTE = ("The layout of the Ohio State thesis tables that seed 002 quotes (use %, memory and accuracy per "
+                   "framework and batch size), with this run's figures, to be read beside the reference's own.")
+
+
+def plural(count: int, word: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def ohio_state_section(data: ReportData) -> Section:
     """The combined table of the thesis (``harness.results.tables.ohio_state_rows``)."""
     span = data.marks["util"] or data.marks["memory"]
-    return Section("ohio_state", "The Ohio State layout", (batch_table(ohio_state_rows(data), data.batch_sizes),
-                                                           *((Paragraph(SPAN_NOTE),) if span else ())))
+    return Section("ohio_state", "The Ohio State layout", (
+        Paragraph(OHIO_STATE_NOTE), batch_table(ohio_state_rows(data), data.batch_sizes),
+        *((Paragraph(SPAN_NOTE),) if span else ())))
 
 
-def memory_layers_section(data: ReportData) -> Section:
-    """The memory layers the run measured, per framework (``harness.results.tables.memory_rows``)."""
+def memory_layers_section(data: ReportData) -> Section | None:
+    """The memory layers the run measured (allocator, process, device), per framework
+    (``harness.results.tables.memory_rows``); None where no row has a figure."""
+    rows = memory_rows(data)
+    if not rows:
+        return None
     return Section("memory_layers", "Memory, layer by layer", (
-        Paragraph(MEMORY_NOTE[data.backend]), batch_table(memory_rows(data), data.batch_sizes)))
+        Paragraph(MEMORY_NOTE[data.backend]), batch_table(rows, data.batch_sizes)))
 
 
 def empty_notes(data: ReportData, metric: Metric) -> list[str]:
@@ -200,7 +216,9 @@ def metric_section(data: ReportData, metric: Metric) -> Section:
                   "median over its repeats: the spread between trainings from other seeds (initial weights, batch "
                   "order, dropout). " if metric.over_seeds and len(data.seeds) > 1 else
                   "Cells show the median [95% bootstrap interval of the median] over the repeats (no interval where "
-                  "every repeat gave the same value): timing noise of the same training. ")
+                  "every repeat gave the same value): " + (
+                      "timing noise of the same training. " if not metric.over_seeds else
+                      "the same seed, weights and batches each time, so only nondeterministic kernels differ. "))
         blocks.append(Paragraph(spread + (f"Within the noise (intervals overlap): {'; '.join(pairs)}." if pairs
                                           else "No compared pair's intervals overlap.")))
     return Section(f"metric:{metric.key}", f"{metric.title}{unit}", tuple(blocks))

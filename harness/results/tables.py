@@ -209,7 +209,8 @@ def ohio_state_rows(data: ReportData) -> list[tuple[str, list[str]]]:
         for metric, label in ((util, util_label), *extra, (memory, memory_label)):
             rows.append((f"{title(fw)} {label}", metric_row(data, metric, fw, 2)))
     for fw in data.frameworks:
-        rows.append((f"{title(fw)} accuracy after {epochs} epochs %", metric_row(data, metrics["accuracy"], fw, 2)))
+        rows.append((f"{title(fw)} accuracy after {epochs} epoch{'' if epochs == 1 else 's'} %",
+                     metric_row(data, metrics["accuracy"], fw, 2)))
     return rows
 
 

@@ -95,6 +95,15 @@ def test_the_report_of_a_stored_version_1_run_is_the_one_its_own_harness_wrote(t
     the training loss's and MFU's meaning, and CPU memory reported as anonymous resident memory (an old run has only
     RSS, which stands in for it, with the same figures)."""
     text = report.write(_copy(tmp_path)).read_text().splitlines()
+    # added on purpose since: the answer section after the header, the short windows named (this run's were 5 ms),
+    # and what the Ohio State layout is
+    for title in ("## The answer", "## Short and slow windows, recompilations"):
+        start = text.index(title)
+        end = next(i for i in range(start + 1, len(text)) if text[i].startswith("## "))
+        text = text[:start] + text[end:]
+    assert text[text.index("## The Ohio State layout") + 2].startswith("The layout of the Ohio State thesis tables")
+    at = text.index("## The Ohio State layout") + 2
+    text = text[:at] + text[at + 2:]
     before = (DATA / "v1-run.report.md").read_text().splitlines()
     changed, added = [], []
     for op, a0, a1, b0, b1 in difflib.SequenceMatcher(None, before, text, autojunk=False).get_opcodes():
@@ -103,6 +112,10 @@ def test_the_report_of_a_stored_version_1_run_is_the_one_its_own_harness_wrote(t
         if op in ("replace", "insert"):
             changed += list(zip(before[a0:a1], text[b0:b1]))
             added += range(b0 + (a1 - a0), b1)
+    # on purpose: the footnote of a metric over seeds (accuracy, loss) no longer calls its spread timing noise
+    seeds = [(a, b) for a, b in changed if a.replace("timing noise of the same training", "the same seed, weights and "
+                                                     "batches each time, so only nondeterministic kernels differ") == b]
+    changed = [pair for pair in changed if pair not in seeds]
     meaning = [(a, b) for a, b in changed if "memory" not in (a + b).lower() and "RSS" not in a]
     assert meaning == [("mean of the losses read at each sync during the last epoch.",
                         "mean training loss over every optimizer step since the evaluation before the last one (the "

@@ -42,7 +42,7 @@ def test_the_answer_comes_first_and_is_computed_from_the_records(tmp_path):
     assert line.startswith("PyTorch: fastest at batch size 32 (2,100 samples/s, 95 % interval ")
     # the knee: 16's interval (1,900..2,100) reaches 0.95 x 2,100 = 1,995; 15's does not
     assert "the knee, the smallest within 95 % of it: 16" in line
-    assert "most accurate after 10 epoch(s): batch size 8 (95.00 %)" in line
+    assert "most accurate after 10 epochs: batch size 8 (95.00 %)" in line
     assert "first to 90 % test accuracy: batch size 16 (1.50 s of training)" in line
     assert "15 vs 16: -25.0 %;" in line and "17 vs 16: +2.5 % (within the noise)" in line
     md = report.render_markdown(data, sections)

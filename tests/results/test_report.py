@@ -299,9 +299,10 @@ def test_markdown_and_html_are_rendered_from_the_same_sections(tmp_path):
     computed = report.sections(data)
     assert to_markdown(computed) == text
     assert report_text(run_dir) == text  # what tests of the report's text read instead of writing it whole
-    assert [s.title for s in computed][:3] == ["t: 4 of 4 trials", "The Ohio State layout", "Memory, layer by layer"]
+    assert [s.title for s in computed][:4] == ["t: 4 of 4 trials", "The answer", "The Ohio State layout",
+                                               "Memory, layer by layer"]
     # the check can fail: a page without one section's table misses its cells
-    broken = page.replace(html.block_html(computed[1].blocks[0]), "")
+    broken = page.replace(html.block_html(computed[2].blocks[1]), "")
     assert same_content(text, broken)[1]
 
 
