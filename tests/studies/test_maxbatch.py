@@ -578,3 +578,14 @@ def test_cli_with_dataset_probes_hold_the_real_dataset(fault_adapter, write_spec
         metrics = next(e for e in store.read_lines(events) if e["event"] == "result")["metrics"]
         assert metrics["data_bytes"] == digits.nbytes and metrics["steps_per_epoch"] == 1, events.name
     assert "--with-dataset" in (run_dir / "max_batch.md").read_text()
+
+
+def test_a_probes_reason_is_shown_whole_or_cut_at_a_word():
+    """The progress line cut a reason mid-sentence ("so the cap caused it: , peak 599.8 MB", issue 59)."""
+    from harness.studies.max_batch.command import _short
+
+    reason = ("RuntimeError: not enough memory (under the cap; the same probe without the cap ran ok, so the cap "
+              "caused it: counted as out of memory)\nTraceback ...")
+    assert _short(reason) == reason.splitlines()[0]
+    assert _short(reason, 60) == "RuntimeError: not enough memory (under the cap; the same ..."
+    assert _short("") == ""

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
     def on_probe(probe: Probe, outcome: Any) -> None:
         writer.probe(probe, outcome)
         peak = f", peak {mb(probe.peak_bytes)} MB" if probe.peak_bytes is not None else ""
-        detail = f": {probe.reason[:120]}" if probe.reason else ""
+        detail = f": {_short(probe.reason)}" if probe.reason else ""
         batch = (f"batch {probe.batch_size}" if probe.global_batch_size in (0, probe.batch_size) else
                  f"batch {probe.batch_size} per device (global {probe.global_batch_size})")
         label = {"run": "run check", "compile": "compile"}.get(probe.kind, "probe")
@@ -66,3 +66,10 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
     print(table(result))
     print(f"\nwritten to {run_dir}")
     return 1 if result.status == "stopped" else 0
+
+
+def _short(reason: str, limit: int = 240) -> str:
+    """A probe's reason on its progress line: its first line, cut at a word with "..." where longer than ``limit``
+    (a cut in the middle read "so the cap caused it: , peak 599.8 MB"); the run directory keeps it whole."""
+    line = reason.strip().splitlines()[0] if reason.strip() else ""
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
