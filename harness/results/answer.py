@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harness.results.batch_studies import power_neighbours
 from harness.results.metrics import title
 from harness.results.sections import BulletList, Paragraph, Section
 from harness.results.tables import ReportData, cell_values
@@ -89,21 +90,9 @@ def _target_line(data: ReportData, row: str) -> str | None:
 
 
 def _powers_line(data: ReportData, row: str) -> str | None:
-    sizes, metric = data.batch_sizes, data.metric("throughput")
-    powers = [n for n in sizes if n & (n - 1) == 0 and (n - 1 in sizes or n + 1 in sizes)]
-    if not powers or metric is None:
-        return None
-    cis = data.cis.get("throughput", {})
-    found = []
-    for n in powers:
-        base = cell_values(data.records, metric, row, n)
-        for other in (n - 1, n + 1):
-            values = cell_values(data.records, metric, row, other)
-            if other in sizes and base and values:
-                change = (np.median(values) - np.median(base)) / np.median(base) * 100
-                a, b = cis.get((row, n)), cis.get((row, other))
-                within = a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
-                found.append(f"{other} vs {n}: {change:+.1f} %" + (" (within the noise)" if within else ""))
+    found = [f"{other} vs {n}: {change:+.1f} %" + (" (within the noise)" if verdict == "no measurable difference"
+                                                  else "")
+             for n, other, change, verdict in power_neighbours(data, row)]
     return "powers of two: " + "; ".join(found) if found else None
 
 

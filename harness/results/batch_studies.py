@@ -64,25 +64,33 @@ def time_to_target_section(data: ReportData) -> Section | None:
         Paragraph("First to reach it: " + "; ".join(firsts) + ".")))
 
 
+def power_neighbours(data: ReportData, row: str) -> list[tuple[int, int, float, str]]:
+    """Per power of two n of the run and each neighbour n - 1 or n + 1 it has, for ``row``: (n, the neighbour, the
+    change of its median throughput against n's in %, ``noise_verdict``'s verdict), where both have an ok trial."""
+    sizes, metric = data.batch_sizes, data.metric("throughput")
+    if metric is None:
+        return []
+    cis = data.cis.get("throughput", {})
+    out = []
+    for n in (n for n in sizes if n & (n - 1) == 0):
+        base = cell_values(data.records, metric, row, n)
+        for other in (n - 1, n + 1):
+            values = cell_values(data.records, metric, row, other)
+            if other not in sizes or not base or not values:
+                continue
+            change = float((np.median(values) - np.median(base)) / np.median(base) * 100)
+            out.append((n, other, change, noise_verdict(cis.get((row, n)), cis.get((row, other)), change)))
+    return out
+
+
 def powers_of_two_section(data: ReportData) -> Section | None:
     """Throughput of n - 1 and n + 1 against each power of two n the run has a neighbour of (seed 000)."""
-    records, sizes = data.records, data.batch_sizes
-    powers = [n for n in sizes if n & (n - 1) == 0 and (n - 1 in sizes or n + 1 in sizes)]
-    metric = data.metric("throughput")
-    if not powers or metric is None:
+    sizes = data.batch_sizes
+    if data.metric("throughput") is None or not any(n & (n - 1) == 0 and (n - 1 in sizes or n + 1 in sizes)
+                                                     for n in sizes):
         return None
-    cis = data.cis.get("throughput", {})
-    rows = []
-    for fw in data.frameworks:
-        for n in powers:
-            base = cell_values(records, metric, fw, n)
-            for other in (n - 1, n + 1):
-                values = cell_values(records, metric, fw, other)
-                if other not in sizes or not base or not values:
-                    continue
-                change = (np.median(values) - np.median(base)) / np.median(base) * 100
-                verdict = noise_verdict(cis.get((fw, n)), cis.get((fw, other)), float(change))
-                rows.append([title(fw), str(n), str(other), f"{change:+.1f}", verdict])
+    rows = [[title(fw), str(n), str(other), f"{change:+.1f}", verdict] for fw in data.frameworks
+            for n, other, change, verdict in power_neighbours(data, fw)]
     return Section("powers_of_two", "Powers of two against their neighbours", (
         Paragraph("Throughput of n - 1 and n + 1 relative to the power of two n. With repeats, 'no measurable "
                   "difference' means the 95% intervals of the medians overlap."),

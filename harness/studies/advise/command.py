@@ -129,11 +129,9 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
     return chosen, batch, k
 
 
-def derived(spec: Spec, spec_path: str | Path, label: str | None = None, **changes: Any) -> Spec:
-    """``spec`` with ``changes`` (and only the entry ``label`` when given), checked as a spec file is."""
+def derived(spec: Spec, spec_path: str | Path, **changes: Any) -> Spec:
+    """``spec`` with ``changes`` (its variants dropped), checked as a spec file is."""
     data = spec.model_dump(mode="json", exclude_none=True)
-    if label is not None:
-        data["frameworks"] = [planning.entry_for(spec, label).model_dump(mode="json", exclude_none=True)]
     data.update(changes)
     data.pop("variants", None)
     return planning.checked_spec(data, spec_path)
@@ -339,6 +337,11 @@ def entry_answer(label: str, objectives: tuple[str, ...], memory: dict[str, Any]
             answers["throughput"] = {"batch_size": fastest.batch_size, "knee": knee.batch_size,
                                      "throughput": fastest.throughput_median,
                                      "interval": fastest.throughput_interval}
+    prediction, s_min = None, None  # one for both objectives, where the noise scale and step times are there
+    if noise is not None and noise.b_simple is not None and speeds:
+        s_min = (None if steps_at_noise_batch is None else
+                 steps_at_noise_batch / (1 + noise.b_simple / noise_batch))
+        prediction = predict(speeds, noise.b_simple, noise.interval, s_min)
     for objective in ("time", "energy"):
         if objective not in objectives:
             continue
@@ -357,10 +360,7 @@ def entry_answer(label: str, objectives: tuple[str, ...], memory: dict[str, Any]
         if why is not None:
             answers[objective] = {"batch_size": None, "reason": why}
             continue
-        assert noise is not None and noise.b_simple is not None
-        s_min = (None if steps_at_noise_batch is None else
-                 steps_at_noise_batch / (1 + noise.b_simple / noise_batch))
-        prediction = predict(speeds, noise.b_simple, noise.interval, s_min)
+        assert noise is not None and prediction is not None
         unranked = [s.batch_size for s in speeds if objective == "energy" and s.energy_median is None]
         best = prediction.time_best if objective == "time" else prediction.energy_best
         spread = prediction.time_range if objective == "time" else prediction.energy_range

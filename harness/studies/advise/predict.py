@@ -15,10 +15,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from scipy import stats
-
 from harness.results import answer
 from harness.results.answer import Point
+from harness.results.stats import mean_ci
 
 
 def candidates(smallest: int, largest: int, recommended: int | None = None) -> list[int]:
@@ -78,15 +77,12 @@ class Speed:
                 "energy_per_step_j": self.energy_median, "repeats": len(self.step_s)}
 
 
-def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
-    """The ``confidence`` t-interval of the mean of ``values`` (``scipy.stats.t``), its lower end at least 0 (a
+def t_interval(values: list[float]) -> tuple[float, float] | None:
+    """The 95 % t-interval of the mean of ``values`` (``harness.results.stats.mean_ci``), its lower end at least 0 (a
     throughput or a time is not negative; with 2 repeats the interval is 12.7 standard errors wide); None for fewer
     than 2."""
-    if len(values) < 2:
-        return None
-    mean = statistics.fmean(values)
-    half = stats.t.ppf((1 + confidence) / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return max(0.0, mean - half), mean + half
+    interval = mean_ci(values)
+    return None if interval is None else (max(0.0, interval[0]), interval[1])
 
 
 def fastest_and_knee(speeds: list[Speed]) -> tuple[Speed, Speed]:
