@@ -38,6 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--target-accuracy", type=float, help="the test accuracy to reach (default: the spec's)")
     parser.add_argument("--budget", type=float, metavar="MINUTES",
                         help="wall-time bound: a stage that would start after it is cut, and the answer says so")
+    parser.add_argument("--validate", action="store_true",
+                        help="also train the candidates to the target with several seeds (successive halving: the "
+                             "slower half dropped each round) and say whether the predicted size held")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each throughput candidate (default 3)")
     parser.add_argument("--noise-batch", type=int, help="the noise trial's batch size (default: the spec's "
                                                         "base_batch_size, else its smallest batch size of at least "
@@ -61,7 +64,7 @@ def handle(args: argparse.Namespace) -> int:
     options = Options(frameworks=args.framework, objectives=args.objective, target=args.target_accuracy,
                       budget_s=None if args.budget is None else args.budget * 60, repeats=args.repeats,
                       noise_batch=args.noise_batch, micro_batches=args.micro_batches, probes=args.probes,
-                      device=args.device, out=args.out)
+                      device=args.device, out=args.out, validate=args.validate)
     try:
         folder = advise(spec, args.spec, options)
     except SpecError as err:

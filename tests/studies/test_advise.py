@@ -6,11 +6,13 @@ tests/test_end_to_end.py's (its four-framework run measures them)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
+from harness.studies.advise.trials import MIN_BOUNDED_STEPS
 from tests.helpers import base_spec
 
 MLP = [{"type": "flatten"}, {"type": "dense", "units": 32, "activation": "relu"}, {"type": "dense", "units": 10}]
@@ -32,7 +34,8 @@ def _advise(spec, tmp_path, *args, timeout=600):
 @pytest.mark.slow
 def test_advise_answers_each_objective_first_with_its_evidence(envs, write_spec, tmp_path):
     spec = _spec(write_spec, envs)
-    done = _advise(spec, tmp_path, "--objective", "throughput,time,energy", "--repeats", "2", "--probes", "3")
+    done = _advise(spec, tmp_path, "--objective", "throughput,time,energy", "--repeats", "2", "--probes", "3",
+                   "--validate")
     assert done.returncode == 0, done.stderr[-3000:]
     (folder,) = (tmp_path / "out").iterdir()
     advice = json.loads((folder / "advice.json").read_text())
@@ -69,6 +72,34 @@ def test_advise_answers_each_objective_first_with_its_evidence(envs, write_spec,
     md = (folder / "advice.md").read_text()
     assert md.index("least time to target") < md.index("# Evidence") < md.index("| batch size |")
     assert advice["spent"]["seconds"]["throughput"] > 0 and advice["spent"]["seconds"]["noise"] > 0
+    # each throughput trial timed no more than the training to the target predicted at its size (the compute goal)
+    bound = advice["throughput_bound"]["pytorch"]
+    assert bound == {"b_noise": noise["b_simple"], "s_min": pytest.approx(time_answer["s_min"])}
+    speed_run = [json.loads(line) for line in (folder / advice["throughput_run"].rsplit("/", 1)[1] / "trials.jsonl")
+                 .read_text().splitlines()]
+    assert {t["batch_size"] for t in speed_run} == set(advice["candidates"])
+    for t in speed_run:
+        predicted = math.ceil(bound["s_min"] * (1 + bound["b_noise"] / t["batch_size"]))
+        timed, per_epoch = t["metrics"]["measured_steps"], t["metrics"]["steps_per_epoch"]
+        assert timed < max(MIN_BOUNDED_STEPS, predicted) + per_epoch, (t["batch_size"], timed, predicted)
+    # --validate: successive halving over the candidates, its seconds those the trials recorded to the target
+    validation = time_answer["validation"]
+    rounds = validation["rounds"]
+    assert rounds[0] == advice["candidates"] and len(rounds[-1]) <= 2
+    assert all(set(later) < set(earlier) for earlier, later in zip(rounds, rounds[1:]))
+    recorded = {}
+    for trials in (folder / "validate-pytorch").glob("*/trials.jsonl"):
+        for line in trials.read_text().splitlines():
+            t = json.loads(line)
+            at = t["metrics"]["time_to_target"] if t["status"] == "ok" else None
+            recorded.setdefault(str(t["batch_size"]), []).append(None if at is None else at["training_s"])
+    assert {b: sorted(v, key=str) for b, v in recorded.items()} == \
+        {b: sorted(row["seconds"], key=str) for b, row in validation["sizes"].items()}
+    best = validation["measured_best"]
+    assert best in rounds[-1] and validation["held"] is (validation["ratio"] is not None and
+                                                        validation["ratio"] <= validation["hold_ratio"])
+    assert "validated:" in next(line for line in first if "least time to target" in line)
+    assert "validation (successive halving" in md
 
 
 @pytest.mark.parametrize(("args", "changes", "words"), [

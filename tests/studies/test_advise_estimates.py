@@ -3,6 +3,8 @@ expectations are known, its interval, the candidates, the knee and the predictio
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -117,3 +119,56 @@ def test_the_energy_answer_says_whether_the_counter_is_missing_or_the_windows_we
     assert partial["batch_size"] == 256 and partial["unranked"] == [128]  # (1 + 100/256) 3.0 < (1 + 100/64) 2.0
     assert "sizes without an energy figure, not ranked: 128" in partial["note"]
     assert partial["predicted"] == pytest.approx(100 / (1 + 100 / 64) * (1 + 100 / 256) * 3.0)
+
+
+def test_a_throughput_trial_times_no_more_than_the_training_to_the_target_it_predicts():
+    """The compute goal (issue 56): on digits training to the target takes hundredths of a second, less than a
+    second of timing a trial; the bound turns each throughput trial into about the training it predicts."""
+    from harness.studies.advise.noise import NoiseScale
+    from harness.studies.advise.trials import MIN_BOUNDED_STEPS, MIN_TIMED_S, MIN_TIMED_STEPS, steps_model, timed_steps
+
+    assert timed_steps(64, None, None) == MIN_TIMED_STEPS  # nothing calibrated
+    assert timed_steps(64, 0.001, None) == round(MIN_TIMED_S / 0.001)  # about a second
+    assert timed_steps(64, 0.1, None) == MIN_TIMED_STEPS  # slow steps: the least count
+    model = steps_model(NoiseScale(8, 64, b_simple=100.0, interval=(80.0, 130.0)), 120, 64)
+    assert model == pytest.approx((100.0, 120 / (1 + 100 / 64)))
+    b_noise, s_min = model
+    at_512 = s_min * (1 + b_noise / 512)
+    assert timed_steps(512, 0.001, model) == math.ceil(at_512) < round(MIN_TIMED_S / 0.001)
+    assert timed_steps(8, 0.01, model) == round(MIN_TIMED_S / 0.01)  # the goal caps a long prediction
+    tiny = (1.0, 2.0)  # 2 steps predicted: the floor
+    assert timed_steps(512, 0.001, tiny) == MIN_BOUNDED_STEPS
+    assert timed_steps(512, 0.001, tiny, floor_s=0.5) == 500  # an energy counter's refresh
+    assert steps_model(NoiseScale(8, 64, b_simple=100.0), None, 64) is None  # the target was not reached
+    assert steps_model(NoiseScale(8, 64, reason="one micro-batch"), 120, 64) is None
+
+
+def test_successive_halving_keeps_the_faster_half_and_judges_the_prediction():
+    """Each round trains the survivors with new seeds; the slower half goes (an unreached seed counts as
+    infinitely slow); at most two get the last round; the prediction held when within HOLD_RATIO of the best."""
+    from harness.studies.advise.validate import HOLD_RATIO, SEEDS_PER_ROUND, successive_halving
+
+    true_s = {8: 0.20, 16: 0.12, 32: 0.08, 64: 0.05, 128: 0.04, 256: 0.045, 512: None}  # 512 never reaches it
+    calls = []
+
+    def train(sizes, seeds):
+        calls.append((list(sizes), list(seeds)))
+        return {b: [None if true_s[b] is None else true_s[b] * (1 + 0.01 * s) for s in seeds] for b in sizes}
+
+    result = successive_halving(sorted(true_s), train, first_seed=3)
+    assert [c[0] for c in calls] == [[8, 16, 32, 64, 128, 256, 512], [32, 64, 128, 256], [128, 256]]
+    assert [c[1] for c in calls] == [[3, 4], [5, 6], [7, 8]] and SEEDS_PER_ROUND == 2
+    assert result.best == 128 and len(result.seconds[128]) == 6 and len(result.seconds[8]) == 2
+    held = result.judge(256)  # the runner-up, the same 6 seeds
+    assert held["held"] is True and held["ratio"] == pytest.approx(0.045 / 0.04)
+    assert held["measured_best_s"] == pytest.approx(0.04 * 1.055) and held["rounds"][-1] == [128, 256]
+    slow = result.judge(16)  # dropped after round 1, its 2 seeds
+    assert slow["predicted_measured_s"] == pytest.approx(0.12 * 1.035) and slow["held"] is False and slow["ratio"] > HOLD_RATIO and slow["measured_best"] == 128
+    never = result.judge(512)
+    assert never["held"] is False and never["ratio"] is None and never["sizes"]["512"]["reached"] == 0
+    assert result.judge(1024)["held"] is None  # not a candidate: cannot be told
+    budget = iter([True, False])
+    cut = successive_halving(sorted(true_s), train, first_seed=0, allows=lambda: next(budget))
+    assert cut.cut and len(cut.rounds) == 1 and cut.best == 128
+    with pytest.raises(ValueError):
+        successive_halving([], train, first_seed=0)

@@ -1,10 +1,12 @@
 """``harness advise``: which batch size, per objective, for each framework entry of a spec.
 
 The stages, each by the studies that exist (docs/guide/which-batch-size.md): memory (``harness.studies.max_batch``:
-the limit and the recommendation that holds, which bound the candidates), throughput (a sweep of the candidates
-with repeats: step time, throughput, energy per step), the gradient noise scale (one trial of the spec's model
-measuring squared gradient norms at every evaluation, trained toward the target), then the prediction of steps,
-time and energy to the target per candidate (``harness.studies.advise.predict``). Writes ``advice.json`` (the
+the limit and the recommendation that holds, which bound the candidates), a calibration of step times at the ends of
+the candidates, the gradient noise scale (one trial of the spec's model measuring squared gradient norms at every
+evaluation, trained toward the target), throughput (a sweep of the candidates with repeats: step time, throughput,
+energy per step; each trial timing no more steps than the training to the target it predicts), then the prediction
+of steps, time and energy to the target per candidate (``harness.studies.advise.predict``); the trials are
+``harness.studies.advise.trials``. Writes ``advice.json`` (the
 machine-readable answer) and ``advice.md`` (the answer first, then the evidence) in a run directory of its own that
 also holds each stage's run directory.
 """
@@ -12,34 +14,27 @@ also holds each stage's run directory.
 from __future__ import annotations
 
 import json
-import math
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from harness import plan as planning
-from harness.plan import Trial
 from harness.plan.entries import entry_named
-from harness.record import TrialRecord
 from harness.results import store
 from harness.spec import GradientNoiseSpec, Spec, SpecError
-from harness.studies.advise.noise import NoiseScale, noise_scale
+from harness.studies.advise import trials
+from harness.studies.advise.noise import NoiseScale
 from harness.studies.advise.predict import Speed, candidates, fastest_and_knee, predict
+from harness.studies.advise.trials import log, steps_model
+from harness.studies.advise.validate import successive_halving
 
 OBJECTIVES = ("memory", "throughput", "time", "energy")
 #: The smallest batch the noise trial uses by default, where the spec has one (``check``).
 NOISE_BATCH = 64
-#: Timed steps a throughput trial has at least (its epochs are raised to give them): with 10, an MLP on digits timed
-#: 10 ms at batch 256 on this project's CPU and its repeats spread 5-fold.
-MIN_TIMED_STEPS = 50
-#: Timed seconds a throughput trial aims at: on an H200 (2026-11-28) 50 steps were 10 to 30 ms of JAX and about
-#: 0.1 s of PyTorch, shorter than NVML's energy counter refresh (0.1 s): no energy figure, and intervals to 0.
-MIN_TIMED_S = 1.0
 
 
 @dataclass
@@ -48,7 +43,8 @@ class Options:
     the test accuracy to reach (None: the spec's). budget_s: the command's wall-time bound, or None. repeats: of
     each throughput candidate. noise_batch: the noise trial's batch size (None: the spec's base_batch_size, else its
     smallest batch size that ``micro_batches`` divides). micro_batches, probes: ``GradientNoiseSpec``'s. device:
-    None for the spec's. out: the folder that receives the run directory."""
+    None for the spec's. out: the folder that receives the run directory. validate: train the candidates to the
+    target by successive halving (``harness.studies.advise.validate``) and judge the time answer."""
 
     frameworks: list[str] = field(default_factory=list)
     objectives: tuple[str, ...] = OBJECTIVES
@@ -60,6 +56,7 @@ class Options:
     probes: int = 8
     device: str | None = None
     out: str | Path = "results"
+    validate: bool = False
 
 
 class Budget:
@@ -84,10 +81,6 @@ class Budget:
             self.spent[stage] = round(self.spent.get(stage, 0.0) + time.monotonic() - begun, 1)
 
 
-def log(line: str) -> None:
-    print(f"advise: {line}", file=sys.stderr, flush=True)
-
-
 def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str], int, int]:
     """Everything checked before anything runs: the entries, the objectives, the noise trial's batch size and its
     split. Returns (the entries' labels, the noise trial's batch size, its micro-batches). Raises SpecError (one
@@ -104,6 +97,11 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
                                                   f"{', '.join(OBJECTIVES)}")
     if options.target is not None and not 0 < options.target <= 1:
         raise SpecError(spec_path, "--target-accuracy", f"{options.target} is not a fraction in (0, 1]")
+    if options.validate and (options.target if options.target is not None else spec.target_accuracy) is None:
+        raise SpecError(spec_path, "--validate", "needs a target accuracy (--target-accuracy or the spec's "
+                                                 "target_accuracy)")
+    if options.validate and "time" not in options.objectives:
+        raise SpecError(spec_path, "--validate", "judges the time objective: add time to --objective")
     if options.repeats < 1:
         raise SpecError(spec_path, "--repeats", "at least 1")
     k = options.micro_batches
@@ -127,14 +125,6 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
         if why is not None:
             raise SpecError(spec_path, "frameworks", f"{label}: {why}")
     return chosen, batch, k
-
-
-def derived(spec: Spec, spec_path: str | Path, **changes: Any) -> Spec:
-    """``spec`` with ``changes`` (its variants dropped), checked as a spec file is."""
-    data = spec.model_dump(mode="json", exclude_none=True)
-    data.update(changes)
-    data.pop("variants", None)
-    return planning.checked_spec(data, spec_path)
 
 
 def run_directory(out: str | Path, spec: Spec) -> Path:
@@ -166,30 +156,47 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
         for label in labels:
             if budget.allows(f"memory {label}"):
                 memory[label] = budget.timed("memory", partial(max_batch, spec, spec_path, label, device, folder))
-    train_size = _train_size(spec)
+    train_size = trials.train_size_of(spec)
     bounds = [m["recommended"] for m in memory.values() if m.get("recommended")]
     largest = min(min(bounds) if bounds else max(spec.batch_sizes), train_size // 2)
     sizes = candidates(min(min(spec.batch_sizes), largest), largest, min(bounds) if bounds else None)
     answer["candidates"] = sizes
 
+    # the order: step times at the ends (calibration), the noise trial, then the throughput trials, each timing no
+    # more steps than the training to the target it predicts (the compute goal: where training to the target takes
+    # less than a second, timing a second a trial spends more than training each size to the target would)
     speeds: dict[str, list[Speed]] = {label: [] for label in labels}
-    if {"throughput", "time", "energy"} & set(options.objectives) and budget.allows("throughput"):
-        run_dir = budget.timed("throughput", partial(_throughput, spec, spec_path, labels, sizes, train_size,
-                                                     options.repeats, folder))
-        answer["throughput_run"] = str(run_dir)
-        speeds = _speeds(store.read_trials(run_dir), labels)
+    measure_speed = bool({"throughput", "time", "energy"} & set(options.objectives))
+    step_s: dict[tuple[str, int], float] = {}
+    if measure_speed and budget.allows("throughput"):
+        step_s = budget.timed("throughput", partial(trials.calibrate, spec, spec_path, labels, sizes, train_size,
+                                                    folder / "calibration"))
 
     noise: dict[str, NoiseScale] = {}
     reached: dict[str, int | None] = {}
     if {"time", "energy"} & set(options.objectives) and budget.allows("noise"):
-        run_dir = budget.timed("noise", partial(_noise, spec, spec_path, labels, noise_batch, k, options.probes,
-                                                target, folder))
+        run_dir = budget.timed("noise", partial(trials.noise_trial, spec, spec_path, labels, noise_batch, k,
+                                                options.probes, target, folder))
         answer["noise_run"] = str(run_dir)
-        noise, reached = _noise_scales(store.read_trials(run_dir), labels, noise_batch, k, target, spec.seed)
+        noise, reached = trials.noise_scales(store.read_trials(run_dir), labels, noise_batch, k, target, spec.seed)
+
+    if step_s and budget.allows("throughput"):
+        bound = {label: model for label in labels
+                 if (model := steps_model(noise.get(label), reached.get(label), noise_batch)) is not None}
+        floor_s = trials.MIN_ENERGY_S if "energy" in options.objectives and device != "cpu" else 0.0
+        run_dir = budget.timed("throughput", partial(trials.throughput, spec, spec_path, labels, sizes, train_size,
+                                                     options.repeats, folder, step_s, bound, floor_s))
+        answer["throughput_run"] = str(run_dir)
+        answer["throughput_bound"] = {label: {"b_noise": b, "s_min": s} for label, (b, s) in bound.items()}
+        speeds = trials.speeds_of(store.read_trials(run_dir), labels)
 
     for label in labels:
         answer["entries"][label] = entry_answer(label, options.objectives, memory.get(label), speeds[label],
                                                 noise.get(label), reached.get(label), noise_batch, target, device)
+    if options.validate and target is not None:
+        for label in labels:
+            validate(spec, spec_path, label, answer["entries"][label]["objectives"]["time"],
+                     [s.batch_size for s in speeds[label]] or sizes, target, budget, folder)
     answer["spent"] = {"seconds": budget.spent, "wall_s": round(time.monotonic() - budget.start, 1),
                        "cut": budget.cut}
     answer["notes"] = [f"the budget of {options.budget_s:.0f} s cut: {', '.join(budget.cut)}; the answer rests on "
@@ -201,80 +208,16 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
     return folder
 
 
-def _entries(spec: Spec, labels: list[str]) -> list[dict[str, Any]]:
-    return [planning.entry_for(spec, label).model_dump(mode="json", exclude_none=True) for label in labels]
+def validate(spec: Spec, spec_path: str | Path, label: str, time_answer: dict[str, Any], sizes: list[int],
+             target: float, budget: Budget, folder: Path) -> None:
+    """``--validate`` for one entry: ``sizes`` trained to ``target`` by successive halving, the budget asked before
+    each round; the judgement of the time answer's size goes in ``time_answer["validation"]``."""
+    def train(alive: list[int], seeds: list[int]) -> dict[int, list[float | None]]:
+        return trials.validation_round(spec, spec_path, label, alive, seeds, target, folder / f"validate-{label}")
 
-
-def _throughput(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list[int], train_size: int,
-                repeats: int, folder: Path) -> Path:
-    """The throughput stage: every candidate size ``repeats`` times (a sweep as ``harness run`` runs one), each
-    trial timing at least ``MIN_TIMED_STEPS`` steps and about ``MIN_TIMED_S`` seconds. A calibration sweep first
-    times the smallest and the largest size (one trial each, ``MIN_TIMED_STEPS`` steps) and each size's epochs
-    follow from the step time interpolated between them. Returns the stage's run directory."""
-    from harness.studies import sweep
-
-    def steps_epochs(batch: int, steps: int) -> int:  # epochs for ``steps`` timed steps after warm-up
-        return max(1, math.ceil((spec.warmup_steps + steps) / max(1, train_size // batch)))
-
-    def sweep_of(batch_sizes: list[int], count: int) -> Spec:
-        return derived(spec, spec_path, batch_sizes=batch_sizes, repeats=count, epochs=1, target_accuracy=None,
-                       seeds=None, accumulation_steps=1, evaluate_every=1, frameworks=_entries(spec, labels))
-
-    def adjust(epochs: Callable[[Trial], int]) -> Callable[[Trial], Trial]:
-        return lambda trial: replace(trial, epochs=epochs(trial), evaluate_every=epochs(trial))
-
-    ends = sorted({min(sizes), max(sizes)})
-    log(f"throughput: calibrating at {' and '.join(map(str, ends))}")
-    calibration = sweep.run_spec(sweep_of(ends, 1), folder / "calibration", spec_path,
-                                 adjust=adjust(lambda t: steps_epochs(t.samples_per_step, MIN_TIMED_STEPS)))
-    step_s = {(label, s.batch_size): s.step_s_median
-              for label, speeds in _speeds(store.read_trials(calibration), labels).items() for s in speeds}
-
-    def epochs(trial: Trial) -> int:
-        batch, least = trial.samples_per_step, steps_epochs(trial.samples_per_step, MIN_TIMED_STEPS)
-        known = [(b, step_s[(trial.row, b)]) for b in ends if (trial.row, b) in step_s]
-        if not known:
-            return least
-        (b0, t0), (b1, t1) = known[0], known[-1]
-        per_step = t0 if b1 == b0 else t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
-        return max(least, steps_epochs(batch, math.ceil(MIN_TIMED_S / max(per_step, 1e-6))))
-
-    log(f"throughput: {len(sizes)} sizes x {repeats} repeats x {len(labels)} entries, about {MIN_TIMED_S:g} s "
-        "timed a trial")
-    return sweep.run_spec(sweep_of(sizes, repeats), folder, spec_path, adjust=adjust(epochs))
-
-
-def _noise(spec: Spec, spec_path: str | Path, labels: list[str], batch: int, k: int, probes: int,
-           target: float | None, folder: Path) -> Path:
-    """The noise stage: one trial per entry at ``batch``, its gradient norms measured at every evaluation
-    (``harness.spec.GradientNoiseSpec``), trained for the spec's epochs toward ``target`` and stopped there
-    (``stop_at_target``). Returns its run directory."""
-    from harness.studies import sweep
-
-    noise_spec = derived(spec, spec_path, batch_sizes=[batch], repeats=1, seeds=None, accumulation_steps=1,
-                         target_accuracy=target, stop_at_target=target is not None, evaluate_every=1,
-                         gradient_noise={"micro_batches": k, "probes": probes}, frameworks=_entries(spec, labels))
-    log(f"noise scale: batch {batch} in {k} micro-batches of {batch // k}, {spec.epochs} epoch(s)")
-    return sweep.run_spec(noise_spec, folder, spec_path)
-
-
-def _noise_scales(records: list[TrialRecord], labels: list[str], batch: int, k: int, target: float | None,
-                  seed: int) -> tuple[dict[str, NoiseScale], dict[str, int | None]]:
-    """Per entry: the noise scale of its noise trial, and the steps it took to the target (None: not reached)."""
-    noise: dict[str, NoiseScale] = {}
-    reached: dict[str, int | None] = {}
-    for record in records:
-        if record.label not in labels:
-            continue
-        if not record.ok:
-            noise[record.label] = NoiseScale(batch // k, batch,
-                                             reason=f"the noise trial ended {record.status}: {record.reason}")
-            continue
-        noise[record.label] = noise_scale(record.metrics.epochs, target, seed=seed)
-        at = record.metrics.time_to_target
-        reached[record.label] = (None if at is None or record.metrics.steps_per_epoch is None
-                                 else at.epochs * record.metrics.steps_per_epoch)
-    return noise, reached
+    result = budget.timed("validate", partial(successive_halving, sizes, train, spec.seed,
+                                              lambda: budget.allows(f"validate {label}")))
+    time_answer["validation"] = result.judge(time_answer.get("batch_size"))
 
 
 def max_batch(spec: Spec, spec_path: str | Path, label: str, device: str, folder: Path) -> dict[str, Any]:
@@ -286,32 +229,6 @@ def max_batch(spec: Spec, spec_path: str | Path, label: str, device: str, folder
     run_dir = write_run(result, spec, folder, spec_path)
     return {"limit": result.limit, "recommended": result.recommended, "status": result.status,
             "reason": result.reason, "cap_bytes": result.cap_bytes, "run": str(run_dir)}
-
-
-def _train_size(spec: Spec) -> int:
-    from harness.neutral import datasets
-
-    return len(datasets.load(spec.dataset, seed=spec.seed).y_train)
-
-
-def _speeds(records: list[TrialRecord], labels: list[str]) -> dict[str, list[Speed]]:
-    """Per entry, per batch size, the ok trials' seconds per step (B / throughput), throughput and joules per timed
-    step (where the device has an energy counter)."""
-    out: dict[str, dict[int, Speed]] = {label: {} for label in labels}
-    for r in records:
-        m = r.metrics
-        if r.label not in out or not r.ok or not m.throughput_samples_per_s:
-            continue
-        speed = out[r.label].setdefault(r.batch_size, Speed(r.batch_size, [], []))
-        per_step = (m.effective_batch_size or r.batch_size) / m.throughput_samples_per_s
-        speed.step_s.append(per_step)
-        speed.throughput.append(m.throughput_samples_per_s)
-        energy = r.sampler.energy.energy_j if r.sampler.energy is not None else None
-        if energy is not None and m.measured_steps:
-            speed.energy_per_step_j.append(energy / m.measured_steps)
-        elif r.sampler.energy is not None and r.sampler.energy.note:
-            speed.energy_notes.append(r.sampler.energy.note)
-    return {label: sorted(by_size.values(), key=lambda s: s.batch_size) for label, by_size in out.items()}
 
 
 def entry_answer(label: str, objectives: tuple[str, ...], memory: dict[str, Any] | None, speeds: list[Speed],
@@ -339,8 +256,8 @@ def entry_answer(label: str, objectives: tuple[str, ...], memory: dict[str, Any]
                                      "interval": fastest.throughput_interval}
     prediction, s_min = None, None  # one for both objectives, where the noise scale and step times are there
     if noise is not None and noise.b_simple is not None and speeds:
-        s_min = (None if steps_at_noise_batch is None else
-                 steps_at_noise_batch / (1 + noise.b_simple / noise_batch))
+        model = steps_model(noise, steps_at_noise_batch, noise_batch)
+        s_min = None if model is None else model[1]
         prediction = predict(speeds, noise.b_simple, noise.interval, s_min)
     for objective in ("time", "energy"):
         if objective not in objectives:

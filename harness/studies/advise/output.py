@@ -35,7 +35,39 @@ def answer_line(objective: str, answer: dict[str, Any]) -> str:
                  if value is not None else answer.get("note") or "")
     note = f"; {answer['note']}" if value is not None and answer.get("note") else ""
     return (f"- **{WHAT[objective]}**: **{size}** ({sure}; {predicted}; B_noise {_num(answer.get('b_noise'), '.1f')})"
-            f"{note}")
+            f"{note}{verdict(answer.get('validation'))}")
+
+
+def verdict(validation: dict[str, Any] | None) -> str:
+    """The validation's verdict on the time answer in words ("" without ``--validate``)."""
+    if not validation:
+        return ""
+    best, held = validation.get("measured_best"), validation.get("held")
+    seeds = max((row["seeds"] for row in validation["sizes"].values()), default=0)
+    if best is None:
+        return "; validated: no size reached the target in the spec's epochs" + (
+            " (the budget cut the validation)" if validation.get("cut") else "")
+    measured = f"measured best **{best}** ({_num(validation['measured_best_s'], '.3f')} s, median of {seeds} seeds)"
+    if held is None:
+        return f"; validated: {measured}; the predicted size was not trained"
+    ratio = validation.get("ratio")
+    mine = ("never reached the target" if ratio is None else
+            f"{_num(validation['predicted_measured_s'], '.3f')} s, {ratio:.2f}x")
+    rule = f"within {validation['hold_ratio']:.2f}x"
+    return (f"; validated: **held** ({rule}): {measured}, this size {mine}" if held else
+            f"; validated: **did not hold** (not {rule}): {measured}, this size {mine}")
+
+
+def validation_table(label: str, validation: dict[str, Any]) -> list[str]:
+    """The validation's evidence: per size the seeds trained, how many reached the target, the median seconds."""
+    rounds = " / ".join(str(len(r)) for r in validation["rounds"])
+    lines = [f"## {label}: validation (successive halving; sizes per round {rounds})", "",
+             "| batch size | seeds | reached | median s to target | per seed (s) |",
+             "| ---: | ---: | ---: | ---: | --- |"]
+    for size, row in validation["sizes"].items():
+        per_seed = ", ".join("-" if v is None else f"{v:.3f}" for v in row["seconds"])
+        lines.append(f"| {size} | {row['seeds']} | {row['reached']} | {_num(row['median_s'], '.3f')} | {per_seed} |")
+    return lines + [""]
 
 
 def markdown(advice: dict[str, Any]) -> str:
@@ -86,6 +118,9 @@ def markdown(advice: dict[str, Any]) -> str:
                              f"{_num(s['step_s_median'], '.5f')} | {_num(s.get('energy_per_step_j'), '.3f')} | "
                              f"{_num(row.get('steps'))} | {_num(row.get('seconds'), '.2f')} |")
             lines.append("")
+        validation = (entry["objectives"].get("time") or {}).get("validation")
+        if validation:
+            lines += validation_table(label, validation)
     spent = advice.get("spent", {})
     stages = ", ".join(f"{k} {v} s" for k, v in spent.get("seconds", {}).items())
     lines.append(f"Spent: {spent.get('wall_s')} s in all ({stages}).")
