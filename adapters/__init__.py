@@ -54,7 +54,7 @@ def declaration(name: str) -> Declaration | None:
 
 
 def attention(name: str) -> str:
-    """What the adapter ``name``'s attention keeps (``Adapter.ATTENTION``), without importing its framework: its
+    """What the adapter ``name``'s attention keeps (``Declaration.attention``), without importing its framework: its
     declaration's for a built-in adapter, the contract's default ("unfused") for an adapter of ``HARNESS_ADAPTERS``
     (its worker reads the class itself)."""
     record = declaration(name)

@@ -39,7 +39,7 @@ class Inputs:
         self.x_train: Any = None
         self.y_train: Any = None
         #: resident mode on one device: each epoch's step indices put on the device when ``batches`` is called
-        #: (before the window that runs into the epoch: ``harness.execution.loop.Loop.stage_ahead``, the device
+        #: (before the window that runs into the epoch: ``harness.execution.loop._Loop.stage_ahead``, the device
         #: idle), as a hand-written loop keeps them there, rather than given to every jitted step as numpy (a copy
         #: to the device at each dispatch, waiting behind the queued steps: 511 against 287 us a step at batch 512
         #: on digits on an H200). Not over a mesh, whose steps take them as numpy, sharded by jit.

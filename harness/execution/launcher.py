@@ -10,9 +10,10 @@ output, and everything the framework prints goes to standard error, a log whose 
 Statuses: ``ok`` (a result was reported and the worker exited 0); ``oom`` (the framework raised its out-of-memory
 error); ``error`` (any other exception, or an exit without a result); ``timeout`` (no exit within the trial's
 timeout: the process group is killed); ``crashed`` (killed by a signal without reporting, e.g. a segfault or the
-kernel's OOM killer, which sends SIGKILL); ``unsupported`` (the adapter cannot build the model: a layer kind, layer
-option or task it lacks, ``adapters.base.Adapter.unsupported``; decided in the worker before ``build``, or by the
-sweep before any worker starts, from ``harness.plan.unsupported_reason``).
+kernel's OOM killer, which sends SIGKILL); ``unsupported`` (the adapter's declaration lacks what the trial needs:
+a layer kind, layer option, task, precision or mode, ``harness.plan.support.unsupported``; decided by the sweep
+before any worker starts, from ``harness.plan.unsupported_reason``, or in the worker before ``build`` for an adapter
+of ``HARNESS_ADAPTERS``).
 """
 
 from __future__ import annotations

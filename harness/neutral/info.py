@@ -2,7 +2,7 @@
 
 ``Input`` says what a model is fed; ``LayerInfo`` is one layer or block with its shapes, parameters and FLOPs;
 ``ModelInfo`` the whole model; ``requirements`` the layer kinds, layer options and task an adapter needs to build it
-(``adapters.base.Adapter.unsupported`` compares them with what the adapter declares). Imports nothing of the harness.
+(``harness.plan.support.unsupported`` compares them with what the adapter declares). Imports nothing of the harness.
 """
 
 from __future__ import annotations
