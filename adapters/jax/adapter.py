@@ -138,20 +138,12 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self._seed = seed
 
     def _inline_cpu(self) -> bool:
-        """Whether each computation runs inline, on the calling thread (``jax_cpu_enable_async_dispatch`` False): in
-        a one-device CPU trial under a memory cap (``memory_limit_bytes``: RLIMIT_DATA on VmData,
-        harness.execution.limits), whose peak must be the same from one fresh worker to the next. With async
-        dispatch XLA's CPU client runs each step on a thread of its pool, glibc gives each such thread a malloc arena
-        of its own, and an arena keeps its high-water mark in VmData: the steps' temporaries (19 MB at batch 16 of
-        specs/max_batch.yaml) landed in one arena after another, so the peak grew over the first ~30 steps and by a
-        different amount in each run. Measured (jaxlib 0.10.2, glibc 2.36, 2 cores; peak VmData growth of
-        ``harness run specs/max_batch.yaml`` at batch 16): 348..385 MB over 12 fresh workers with it, 293..321 MB
-        over 10 inline; what remained varied with the first step's compilation (LLVM's threads' arenas), so such a
-        trial also limits malloc to one arena (``_one_malloc_arena``): benchmarks/max_batch_probes.py, 3 searches,
-        limits 64, 56, 60 and 10, 13, 8 probes inline; 64, 64, 64 and 9, 7, 8 with one arena. The variable
-        JAX_CPU_ENABLE_ASYNC_DISPATCH is not read by jax 0.10.2: the option is set before the CPU client exists.
-        Data-parallel steps on host devices stay asynchronous, as do uncapped trials (what JAX does by default); the
-        trial's settings say which (``cpu_async_dispatch``, ``malloc_arenas``)."""
+        """Whether each computation runs inline (``jax_cpu_enable_async_dispatch`` off): a one-device CPU trial
+        under a memory cap (``RunOptions.memory_limit_bytes``), whose peak VmData must not depend on which of XLA's
+        threads' malloc arenas a step's temporaries land in; such a trial also limits malloc to one arena
+        (``_one_malloc_arena``). Data-parallel and uncapped trials keep JAX's asynchronous default; the settings
+        record which (``cpu_async_dispatch``, ``malloc_arenas``).
+        Why, measured: docs/design/max-batch.md#jax-under-the-cpu-cap."""
         return bool(self.options.memory_limit_bytes) and self.options.data_parallel is None
 
     def _prepare_data_parallel(self, parallel: DataParallel) -> None:
@@ -181,7 +173,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
     def _apply_memory_limit(self) -> None:
         """``options.memory_limit_bytes`` on a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION = limit / the device's memory
         (NVML's, else nvidia-smi's), set before JAX's GPU backend starts; XLA's allocator then fails past it with
-        RESOURCE_EXHAUSTED. Written from the documentation; no GPU was available to run it."""
+        RESOURCE_EXHAUSTED (on an H200 under a 16 GB cap: docs/findings/2026-11-27-gpu-steps.md)."""
         limit = self.options.memory_limit_bytes
         if not limit:
             return

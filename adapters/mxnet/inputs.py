@@ -103,10 +103,8 @@ class Inputs:
         steps on every context as one int64 NDArray, ``nd.from_numpy`` of a private copy, then ``as_in_context`` (on
         a GPU or another CPU context one asynchronous copy an epoch; on cpu(0) the array itself); each batch is, per
         context, its step's slice (a view, no copy), data-parallel that context's shard of the step
-        (``adapters.base.shard``: ValueError unless the contexts divide the step). Measured on 1.9.1 on this
-        project's CPU: wrapping a step's indices with ``from_numpy`` costs 60 us and the gather that reads them then
-        157 us, against 8 us for a slice and 33 us for its gather; one call an epoch instead of one a step (at batch 64
-        on digits 0.3 ms of a 4 ms step went to indices before this).
+        (``adapters.base.shard``: ValueError unless the contexts divide the step). One ``from_numpy`` an epoch rather
+        than one a step (why, measured: docs/findings/2026-11-23-harness-vs-loop.md).
 
         Loader: lazily (nothing read before the first ``next``), the sampler set to the epoch's order, then the
         DataLoader's (x, y), NCHW float32 images or int64 (B, L) tokens and int64 labels ((B,) or (B, L)), wrapped by

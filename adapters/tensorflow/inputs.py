@@ -85,10 +85,9 @@ class Inputs:
     def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Any]:
         """Resident: the epoch's steps (``harness.neutral.steps.steps``) moved to the device now, when called, one
         int64 (B,) tensor per step, and an iterator over them. The step's concrete function takes a tensor: called
-        with a numpy array it converts it at every call, which measured about 80 us more per call than a tensor
-        argument on the CPU (benchmarks/harness_vs_loop.py; 10 % of a step of the digits CNN at batch 64), so the
-        epoch's conversions are done here, outside the timed windows of the first epoch. Loader: ``_loaded``, lazily
-        (nothing is read before the first ``next``)."""
+        with a numpy array it converts it at every call (what it cost: docs/findings/2026-11-23-harness-vs-loop.md),
+        so the epoch's conversions are done here, outside the timed windows of the first epoch. Loader:
+        ``_loaded``, lazily (nothing is read before the first ``next``)."""
         if self._source is None:
             order = np.ascontiguousarray(order, dtype=np.int64)
             with tf.device(self.devices.device):

@@ -86,9 +86,8 @@ class Training:
         """The step's ``tf.function`` for ``batch``'s shapes and ``key`` = (B, micro_batches) (XLA-compiled in the
         compiled mode, one device), traced now and counted in ``compilations``; kept in ``functions``, and its
         concrete function in ``calls``, which is returned: what a step calls. The concrete function is called
-        directly because a tf.function's own call matches its arguments against its signature every time (measured
-        on the CPU: 400 us a call against 225 us for the concrete function, about 5 % of a step at batch 64;
-        benchmarks/harness_vs_loop.py)."""
+        directly because a tf.function's own call matches its arguments against its signature every time (what it
+        cost: docs/findings/2026-11-23-harness-vs-loop.md)."""
         size, k = key
         python_fn: Callable[..., tf.Tensor]
         if isinstance(batch, tuple):

@@ -197,21 +197,20 @@ def peak_estimate(capped: str, baseline: dict[str, int], now: dict[str, int], pe
 
     A capped tensor allocator (``capped``, its name; "" for none): the allocator's own peak (``tensor_peak``),
     exact; None when it cannot be read (VmData and RSS count the runtime, graphs and the numpy data besides, which
-    that cap does not: for TensorFlow under 150 MB they were above the cap at batch 16, and a line through them put
-    the limit at 0). Otherwise RLIMIT_DATA caps private
-    memory (VmData), whose peak the kernel does not keep; the estimate is the largest of
+    that cap does not). Otherwise RLIMIT_DATA caps private memory (VmData), whose peak the kernel does not keep; the
+    estimate is the largest of
 
     - the peak VmData growth polled while the worker ran (``data_peak_growth``, ``DataPeak``): what the cap counts,
-      short spikes aside. Measured (specs/max_batch.yaml under 400 MB): a run of the spec at batch 16 held 184 MB of
-      VmData at its peak, its dataset and the framework's copy of it included, while the two figures below said 157
-      (PyTorch) and 139 (MXNet, whose dataset was freed before the exit);
-
+      short spikes aside;
     - the peak growth of private resident memory: VmHWM since the reset, less the baseline VmRSS, less the growth of
       file-backed and shared resident pages (RssFile, RssShmem: libraries' code paged in while training, which
       RLIMIT_DATA does not count; assumed not to shrink, as they are not evicted without memory pressure). Exact for
       memory that is written, blind to memory reserved but never touched (thread stacks, pools);
     - the VmData growth at exit: what a pooled allocator such as MXNet's keeps is its peak; an allocator that gives
       memory back (glibc's mmap'd chunks, PyTorch) makes this an underestimate.
+
+    What each measure missed, measured: docs/design/max-batch.md#what-a-run-holds-that-a-probe-did-not and
+    docs/design/max-batch.md#the-cpu-memory-cap.
     """
     if capped:  # the cap counts the allocator's tensors alone: no process figure stands in for its peak
         if tensor_peak is None:
