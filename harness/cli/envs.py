@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.cli.common import EXIT_USAGE
+
+if TYPE_CHECKING:
+    from harness.execution.installers import Installer
 
 
 def add_parser(sub: Any) -> None:
@@ -32,6 +36,11 @@ def add_parser(sub: Any) -> None:
     create.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
                         help="what installs: uv (told pip's configured sources) where it is found, else pip "
                              "(default auto); both install the same distributions")
+    create.add_argument("--torch-index", default=None, metavar="URL|none",
+                        help="an index (PEP 503) that environments installing torch, torchvision or torchaudio take "
+                             "them from too, the best match with pip's sources (default: $HARNESS_TORCH_INDEX, else "
+                             "for CPU builds PyTorch's CPU index https://download.pytorch.org/whl/cpu where it "
+                             "answers); none: pip's sources alone, the pins as they are")
     create.add_argument("--jobs", type=int, default=None,
                         help="environments made side by side (default: 2 with uv where the cores and memory "
                              "allow, else 1: harness.execution.environments.default_jobs)")
@@ -51,26 +60,20 @@ def handle(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"harness envs create: {err}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"harness envs create: {'CUDA' if gpu else 'CPU'} builds (requirements/<framework>-"
-          f"{'gpu' if gpu else 'cpu'}.txt): {why}", file=sys.stderr)
+    # what the requirements are written for; which build each environment got is on its own line
+    print(f"harness envs create: requirements/<framework>-{'gpu' if gpu else 'cpu'}.txt, written for "
+          f"{'CUDA' if gpu else 'CPU'} builds: {why}", file=sys.stderr)
     if args.spec:  # what it will not make, said before anything is made (a dry run too)
         from harness import spec as spec_module
 
         for line in environments.spec_elsewhere(spec_module.load(args.spec)):
             print(f"harness envs create: {line}", file=sys.stderr)
     missing = [w for w in wanted if not environments.up_to_date(w[1], envs_dir, gpu, w[0], w[2])]
-    installer, jobs = None, 1
-    if missing:  # only then is pip's configuration read
-        try:
-            installer = installers.choose(None if args.installer == "auto" else args.installer)
-        except ValueError as err:
-            print(f"harness envs create: {err}", file=sys.stderr)
-            return EXIT_USAGE
-        jobs = max(1, min(args.jobs if args.jobs is not None else environments.default_jobs(installer),
-                          len(missing)))
-        print(f"harness envs create: {'would install' if args.dry_run else 'installing'}"
-              f"{installer.describe().removeprefix('installing')}" +
-              (f"; {jobs} environments at a time" if jobs > 1 else ""), file=sys.stderr)
+    try:
+        installer, jobs, torch_index = _sources(args, missing, gpu)
+    except ValueError as err:
+        print(f"harness envs create: {err}", file=sys.stderr)
+        return EXIT_USAGE
     if args.dry_run:
         for folder, framework, packages in wanted:
             print(environments.plan_create(framework, envs_dir, gpu, name=folder, packages=packages))
@@ -78,7 +81,8 @@ def handle(args: argparse.Namespace) -> int:
     made: dict[str, tuple[str, Path]] = {}
     failed = 0
     started = time.monotonic()
-    for folder, framework, outcome in environments.create_each(wanted, envs_dir, gpu, installer, jobs=jobs):
+    for folder, framework, outcome in environments.create_each(wanted, envs_dir, gpu, installer, jobs=jobs,
+                                                               torch_index=torch_index):
         if isinstance(outcome, subprocess.CalledProcessError):
             failed += 1
             log = _keep_log(envs_dir, folder, outcome)
@@ -98,8 +102,7 @@ def handle(args: argparse.Namespace) -> int:
                 shutil.rmtree(python.parent.parent, ignore_errors=True)  # not kept as if it were made
                 print(f"harness envs create: {folder}: {problem}; removed", file=sys.stderr)
                 continue
-            print(f"{folder}: {python} ({f'created, {time.monotonic() - started:.0f} s' if fresh else 'up to date'})",
-                  file=sys.stderr)
+            print(_made_line(folder, python, time.monotonic() - started if fresh else None, gpu), file=sys.stderr)
             made[folder] = (framework, python)
     if failed:
         return 1
@@ -107,6 +110,42 @@ def handle(args: argparse.Namespace) -> int:
     if lines:
         print("frameworks:\n" + "\n".join(lines))
     return 0
+
+
+def _sources(args: argparse.Namespace, missing: list[tuple[str, str, tuple[str, ...]]],
+             gpu: bool) -> tuple[Installer | None, int, str | None]:
+    """For the environments to make (``missing``): the installer (``installers.choose``: only then is pip's
+    configuration read), how many at a time, and the index for torch (``installers.torch_index``: only where one of
+    them installs torch, torchvision or torchaudio), each said in a line. Raises ValueError when the installer asked
+    for cannot be used."""
+    from harness.execution import environments, installers
+
+    if not missing:
+        return None, 1, None
+    installer = installers.choose(None if args.installer == "auto" else args.installer)
+    jobs = max(1, min(args.jobs if args.jobs is not None else environments.default_jobs(installer), len(missing)))
+    print(f"harness envs create: {'would install' if args.dry_run else 'installing'}"
+          f"{installer.describe().removeprefix('installing')}" +
+          (f"; {jobs} environments at a time" if jobs > 1 else ""), file=sys.stderr)
+    torch_index = None
+    if any(installers.uses_torch(environments.requirements_for(f, gpu), p) for _, f, p in missing):
+        torch_index, said = installers.torch_index(args.torch_index, gpu)
+        print(f"harness envs create: {said}", file=sys.stderr)
+    return installer, jobs, torch_index
+
+
+def _made_line(folder: str, python: Path, took_s: float | None, gpu: bool) -> str:
+    """An environment made now (``took_s`` seconds since the first started) or kept (None): its interpreter, which
+    builds it holds and its size (``environments.what_it_got``); a CUDA build of torch kept where CPU builds are
+    wanted says how to replace it."""
+    from harness.execution import environments
+
+    got = environments.what_it_got(python)
+    line = f"{folder}: {python} ({'up to date' if took_s is None else f'created, {took_s:.0f} s'}; {got})"
+    if not gpu and took_s is None and re.search(r"torch \S+ CUDA", got):
+        line += (f"; a CUDA build of torch: remove {python.parent.parent} and create it again for the CPU build "
+                 "from PyTorch's CPU index")
+    return line
 
 
 def _import_problem(framework: str, python: Path, packages: tuple[str, ...]) -> str | None:

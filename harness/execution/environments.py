@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,16 +98,19 @@ def _stamp(requirements: Path, packages: tuple[str, ...] = ()) -> str:
 
 
 def create(framework: str, envs_dir: Path, gpu: bool = False, name: str | None = None,
-           packages: tuple[str, ...] = (), installer: installers.Installer | None = None) -> tuple[Path, bool]:
+           packages: tuple[str, ...] = (), installer: installers.Installer | None = None,
+           torch_index: str | None = None) -> tuple[Path, bool]:
     """Makes (or keeps, when it was made from the same requirements, packages and Python) ``envs_dir/<name>`` (default
     name: the framework's): a virtual environment with the framework's requirements, ``-gpu.txt`` (CUDA builds) when
     ``gpu`` else ``-cpu.txt``, then ``packages`` (pip requirements a spec entry needs beside its framework, installed
     after them, so that they may replace a pinned version: torchvision needs its own torch), installed by
     ``installer`` (default ``installers.choose()``: uv told pip's sources where it is found, else pip); its
     ``.harness-stamp`` says what it was made from, so a switch of requirements remakes it (a switch of installer does
-    not: both install the same). Returns (its python, whether it was made now). Raises ValueError for a framework
-    without a requirements file and subprocess.CalledProcessError (its ``output`` the command's) when an install
-    fails; a failed or interrupted one leaves no half-made environment behind."""
+    not: both install the same). ``torch_index`` (``installers.torch_index``: PyTorch's CPU index) is added to the
+    sources where the requirements or packages name torch, torchvision or torchaudio (``installers.uses_torch``); its
+    stamp names it, and a switch of index does not remake it. Returns (its python, whether it was made now). Raises
+    ValueError for a framework without a requirements file and subprocess.CalledProcessError (its ``output`` the
+    command's) when an install fails; a failed or interrupted one leaves no half-made environment behind."""
     requirements = requirements_for(framework, gpu)
     target = envs_dir / (name or framework)
     python = target / "bin" / "python"
@@ -117,13 +121,15 @@ def create(framework: str, envs_dir: Path, gpu: bool = False, name: str | None =
         shutil.rmtree(target)
     chosen = installer or installers.choose()
     env = chosen.environment()
+    index = torch_index if torch_index and installers.uses_torch(requirements, packages) else None
     try:
-        for command in chosen.commands(python, requirements, packages):
+        for command in chosen.commands(python, requirements, packages, extra_index=index):
             installers.run(command, env)
-        # First line: the digest that decides; second: which build, for people (a switch of --gpu/--cpu remakes it).
+        # First line: the digest that decides; second: what from, for people (a switch of --gpu/--cpu remakes it).
         added = f" + {' '.join(packages)}" if packages else ""
         stamp.write_text(f"{_stamp(requirements, packages)}\n{requirements.relative_to(ROOT)}{added} "
-                         f"({'CUDA' if gpu else 'CPU'} builds, installed with {chosen.version or chosen.kind})\n")
+                         f"({'CUDA' if gpu else 'CPU'} builds, installed with {chosen.version or chosen.kind}"
+                         f"{f', torch from {index} too' if index else ''})\n")
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
@@ -157,17 +163,115 @@ def _kept(framework: str, envs_dir: Path, gpu: bool, name: str, packages: tuple[
         return False
 
 
+# ---------------------------------------------------------------------------------- what an environment got
+
+
+def site_packages(python: Path) -> Path | None:
+    """The site-packages folder of the virtual environment whose interpreter is ``python`` (``ENV/bin/python``), or
+    None where it has none."""
+    found = sorted((python.parent.parent / "lib").glob("python3*/site-packages"))
+    return found[-1] if found else None
+
+
+def _installed(site: Path) -> dict[str, str]:
+    """The distributions in ``site`` (normalized name: version), from their ``NAME-VERSION.dist-info`` folders."""
+    out = {}
+    for info in site.glob("*.dist-info"):
+        name, _, version = info.name.removesuffix(".dist-info").partition("-")
+        out[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return out
+
+
+def _torch_build(version: str, site: Path) -> str:
+    """CPU or CUDA, for torch ``version`` in ``site``: its local version (+cpu, +cu128, +rocm6.4), else what its
+    torch/version.py says (``cuda = None`` for a CPU build: PyPI's releases carry no local version)."""
+    local = version.partition("+")[2]
+    if local == "cpu":
+        return "CPU"
+    if re.fullmatch(r"cu\d{3,}", local):
+        return f"CUDA {local[2:-1]}.{local[-1]}"
+    if local.startswith("rocm"):
+        return f"ROCm {local[4:]}"
+    try:
+        text = (site / "torch" / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return "build unknown"
+    found = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(.+)$", text, re.MULTILINE)
+    value = found.group(1).strip().strip("'\"") if found else ""
+    return "CPU" if value == "None" else f"CUDA {value}" if value else "build unknown"
+
+
+def builds(python: Path) -> list[str]:
+    """The frameworks an environment holds and which build of each, read from its files (nothing is imported):
+    ``["torch 2.13.0+cpu CPU build"]``. torch: its version and torch/version.py; JAX: a CUDA plugin beside jaxlib;
+    TensorFlow: tensorflow-cpu, or the NVIDIA libraries beside tensorflow; MXNet: mxnet-cuNNN. Other packages from
+    NVIDIA's CUDA libraries, with none of those: "CUDA libraries"."""
+    site = site_packages(python)
+    if site is None:
+        return []
+    dists = _installed(site)
+    nvidia = any(name.startswith("nvidia-") for name in dists)
+    out = []
+    if "torch" in dists:
+        out.append(f"torch {dists['torch']} {_torch_build(dists['torch'], site)} build")
+    if "jaxlib" in dists:
+        plugins = sorted(filter(None, (re.fullmatch(r"jax-(cuda|rocm)(\d+)-plugin", n) for n in dists)),
+                         key=lambda m: m[0])
+        kind = f"{'CUDA' if plugins[0][1] == 'cuda' else 'ROCm'} {plugins[0][2]}" if plugins else "CPU"
+        out.append(f"jax {dists.get('jax', dists['jaxlib'])} {kind} build")
+    for name in ("tensorflow", "tensorflow-cpu", "tf-nightly"):
+        if name in dists:
+            kind = "CPU build" if name == "tensorflow-cpu" else "CUDA build" if nvidia else "build, no CUDA libraries"
+            out.append(f"{name} {dists[name]} {kind}")
+    for name in sorted(n for n in dists if n == "mxnet" or n.startswith("mxnet-")):
+        digits = name.removeprefix("mxnet-cu")
+        out.append(f"{name} {dists[name]} {f'CUDA {digits[:-1]}.{digits[-1]}' if digits.isdigit() else 'CPU'} build")
+    if not out and nvidia:
+        out.append("CUDA libraries")
+    return out
+
+
+def disk_size(folder: Path) -> int:
+    """Bytes on disk under ``folder``, each file once (hard links shared with uv's cache or another environment count
+    here in full, as ``du -s FOLDER`` counts them), links not followed."""
+    seen, total = set(), 0
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(parent, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def shown_size(size: int) -> str:
+    """Bytes in words: "850 MB", "5.7 GB" (powers of ten)."""
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+
+
+def what_it_got(python: Path) -> str:
+    """One phrase: the builds an environment holds (``builds``) and its size on disk (``disk_size``):
+    "torch 2.13.0+cpu CPU build; 1.2 GB"."""
+    return "; ".join([", ".join(builds(python)) or "no framework build found",
+                      shown_size(disk_size(python.parent.parent))])
+
+
 #: What ``create_each`` yields per environment: (folder, framework, (python, made now) or the exception that stopped
 #: it: subprocess.CalledProcessError, ValueError or OSError).
 Outcome = tuple[str, str, tuple[Path, bool] | Exception]
 
 
 def create_each(wanted: list[tuple[str, str, tuple[str, ...]]], envs_dir: Path, gpu: bool = False,
-                installer: installers.Installer | None = None, jobs: int = 1) -> Iterator[Outcome]:
-    """``create`` for each (folder, framework, packages) of ``wanted``, ``jobs`` at a time (threads, each waiting
-    on its installer's processes), yielding each outcome as it ends. After a failure no further one starts; those
-    under way finish (each made whole, or removed). Interrupted (KeyboardInterrupt, SystemExit), it ends the
-    install commands under way, waits until their half-made environments are removed, and raises again."""
+                installer: installers.Installer | None = None, jobs: int = 1,
+                torch_index: str | None = None) -> Iterator[Outcome]:
+    """``create`` (with ``torch_index``) for each (folder, framework, packages) of ``wanted``, ``jobs`` at a time
+    (threads, each waiting on its installer's processes), yielding each outcome as it ends. After a failure no
+    further one starts; those under way finish (each made whole, or removed). Interrupted (KeyboardInterrupt,
+    SystemExit), it ends the install commands under way, waits until their half-made environments are removed, and
+    raises again."""
     chosen = installer
     if chosen is None and not all(_kept(framework, envs_dir, gpu, folder, packages)
                                   for folder, framework, packages in wanted):
@@ -179,7 +283,7 @@ def create_each(wanted: list[tuple[str, str, tuple[str, ...]]], envs_dir: Path, 
                 break
             try:
                 yield folder, framework, create(framework, envs_dir, gpu, name=folder, packages=packages,
-                                                installer=chosen)
+                                                installer=chosen, torch_index=torch_index)
             except (subprocess.CalledProcessError, ValueError, OSError) as err:
                 failed = True
                 yield folder, framework, err
@@ -193,7 +297,8 @@ def create_each(wanted: list[tuple[str, str, tuple[str, ...]]], envs_dir: Path, 
             # each started here, only while nothing failed: after a failure none starts (no race with the pool)
             while pending and not failed and len(running) < jobs:
                 folder, framework, packages = pending.pop(0)
-                running[pool.submit(create, framework, envs_dir, gpu, folder, packages, chosen)] = (folder, framework)
+                running[pool.submit(create, framework, envs_dir, gpu, folder, packages, chosen,
+                                    torch_index)] = (folder, framework)
             if not running:
                 return
             done, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -10,6 +10,11 @@ also takes the best match over all of those sources, as pip does (``--index-stra
 compiles the installed modules to bytecode, as pip does (a worker's imports would otherwise compile them at every
 trial where PYTHONDONTWRITEBYTECODE is set).
 
+An environment that installs torch, torchvision or torchaudio for CPU builds takes them from PyTorch's CPU index too
+(``torch_index``: ``--extra-index-url``, the best match with pip's sources, so ``torch==2.13.0`` resolves to
+2.13.0+cpu rather than PyPI's CUDA build), where that index answers; offline, or with ``--torch-index none``, the
+pins resolve as they always did (here, to the CPU wheel in the find-links folder).
+
 Only the standard library: nothing here needs the harness's dependencies.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +57,15 @@ _UV_KEPT = frozenset({"UV_CACHE_DIR", "UV_NO_CACHE", "UV_LINK_MODE", "UV_CONCURR
                       "UV_NO_PROGRESS", "UV_OFFLINE"})
 
 
+#: PyTorch's own index (PEP 503) of the CPU builds of torch, torchvision and torchaudio, what CPU machines install
+#: them from: PyPI's Linux x86_64 torch is a CUDA build of several GB (with torchvision, 5.7 GB), whatever the machine.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: The distributions PyTorch's indexes hold builds of: an environment whose requirements name one gets the index.
+TORCH_PACKAGES = frozenset({"torch", "torchvision", "torchaudio"})
+#: The variable that names another index for them (``harness envs create --torch-index`` over it), or "none".
+TORCH_INDEX_VARIABLE = "HARNESS_TORCH_INDEX"
+
+
 class Untranslatable(ValueError):
     """A pip setting that uv cannot be told: pip installs instead."""
 
@@ -73,22 +88,26 @@ class Installer:
             return f"installing with {self.version or 'uv'} ({self.uv}): {self.why}"
         return f"installing with pip: {self.why}"
 
-    def commands(self, python: Path, requirements: Path, packages: Sequence[str] = ()) -> list[list[str]]:
+    def commands(self, python: Path, requirements: Path, packages: Sequence[str] = (),
+                 extra_index: str | None = None) -> list[list[str]]:
         """The commands that make the virtual environment whose interpreter is ``python`` (``ENV/bin/python``)
-        with the base interpreter of this process and install ``requirements`` (a file) then ``packages`` there.
-        pip's environment starts with what ``python -m venv`` puts there (pip and setuptools from the interpreter's
-        ensurepip); uv's with the same wheels, installed by uv (seconds faster)."""
+        with the base interpreter of this process and install ``requirements`` (a file) then ``packages`` there,
+        from the configured sources and ``extra_index`` (a PEP 503 index: ``--extra-index-url``, which pip and uv
+        both take beside the configured ones, the best match over all of them). pip's environment starts with what
+        ``python -m venv`` puts there (pip and setuptools from the interpreter's ensurepip); uv's with the same
+        wheels, installed by uv (seconds faster)."""
         target = python.parent.parent
+        extra = ["--extra-index-url", extra_index] if extra_index else []
         if self.kind != "uv" or self.uv is None:
-            pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+            pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *extra]
             return [[sys.executable, "-m", "venv", str(target)], [*pip, "-r", str(requirements)],
                     *([[*pip, *packages]] if packages else [])]
         uv = [self.uv, "pip", "install", "--quiet", "--no-config", "--python", str(python)]
         seed = ensurepip_wheels()
         out = ([[sys.executable, "-m", "venv", "--without-pip", str(target)], [*uv, "--no-deps", "--offline", *seed]]
                if seed else [[sys.executable, "-m", "venv", str(target)]])
-        return [*out, [*uv, *self.options, "-r", str(requirements)],
-                *([[*uv, *self.options, *packages]] if packages else [])]
+        return [*out, [*uv, *self.options, *extra, "-r", str(requirements)],
+                *([[*uv, *self.options, *extra, *packages]] if packages else [])]
 
     def environment(self) -> dict[str, str]:
         """The environment its commands run in."""
@@ -214,6 +233,88 @@ def choose(preference: str | None = None, python: str | None = None) -> Installe
     return Installer("uv", where, uv=uv, version=version, options=tuple(options), env=env)
 
 
+# ------------------------------------------------------------------------------------- PyTorch's CPU index
+
+
+def requirement_names(requirements: Path, packages: Sequence[str] = ()) -> set[str]:
+    """The distributions (normalized names) that a requirements file, with the files it includes (``-r``), and
+    ``packages`` (requirement strings or wheel files) name."""
+    names: set[str] = set()
+    seen: set[Path] = set()
+
+    def name_of(line: str) -> str:
+        base = Path(line).name
+        raw = base.split("-")[0] if base.endswith(".whl") else re.split(r"[<>=!~\[;@ ]", line, maxsplit=1)[0]
+        return re.sub(r"[-_.]+", "-", raw).lower()
+
+    def read(path: Path) -> None:
+        if path in seen or not path.is_file():
+            return
+        seen.add(path)
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            line = raw.split(" #", 1)[0].strip()
+            if line.startswith(("-r ", "--requirement ")):
+                read(path.parent / line.split(None, 1)[1].strip())
+            elif line and not line.startswith(("#", "-")):
+                names.add(name_of(line))
+
+    read(requirements)
+    names.update(name_of(p.strip()) for p in packages if p.strip())
+    return names
+
+
+def uses_torch(requirements: Path, packages: Sequence[str] = ()) -> bool:
+    """Whether an environment of ``requirements`` and ``packages`` installs torch, torchvision or torchaudio."""
+    return not TORCH_PACKAGES.isdisjoint(requirement_names(requirements, packages))
+
+
+def unreachable(url: str, timeout_s: float = 5.0) -> str | None:
+    """Why the index at ``url`` cannot be reached, in words, or None when it answers: a file: URL's folder exists;
+    an http(s) one answers a HEAD request for its root within ``timeout_s`` with a status below 400 (or 405, a
+    server that takes GET alone)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        folder = Path(urllib.request.url2pathname(parsed.path))
+        return None if folder.is_dir() else f"no folder {folder}"
+    if parsed.scheme not in ("http", "https"):
+        return f"not an http(s) or file URL: {url}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/", method="HEAD"),
+                                    timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as err:
+        return None if err.code == 405 else f"it answers HTTP {err.code}"
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        return f"{type(reason).__name__ if isinstance(reason, BaseException) else type(err).__name__}: {reason}"
+
+
+def torch_index(choice: str | None = None, gpu: bool = False, timeout_s: float = 5.0) -> tuple[str | None, str]:
+    """The index ``harness envs create`` adds for environments that install torch, torchvision or torchaudio
+    (``uses_torch``), and one line saying which and why. ``choice`` (``--torch-index``), else the variable
+    HARNESS_TORCH_INDEX, names one, or "none"; else, for CPU builds, PyTorch's CPU index ``TORCH_CPU_INDEX`` (for CUDA
+    builds none: requirements/<framework>-gpu.txt take PyPI's). None, where "none" is named or the index does not
+    answer (``unreachable``: offline), means the configured sources alone, the pins as they are."""
+    named = choice if choice is not None else os.environ.get(TORCH_INDEX_VARIABLE) or None
+    where = ("--torch-index" if choice is not None else TORCH_INDEX_VARIABLE) if named is not None else ""
+    if named is None and gpu:
+        return None, "torch from pip's sources (CUDA builds; --torch-index URL adds an index)"
+    if named is not None and named.strip().lower() in ("none", ""):
+        return None, f"torch from pip's sources alone, as pinned ({where} none)"
+    url = named.strip() if named is not None else TORCH_CPU_INDEX
+    said = f"{where} {url}" if named is not None else f"PyTorch's CPU index {url}"
+    problem = unreachable(url, timeout_s)
+    if problem is not None:
+        return None, (f"{said} cannot be reached ({problem}); torch from pip's sources alone, as pinned (each "
+                      "environment's line says which build it got)")
+    other = "" if named is not None else f"; --torch-index URL|none (or {TORCH_INDEX_VARIABLE}) names another or none"
+    return url, f"torch, torchvision and torchaudio from {said} too, the best match with pip's sources{other}"
+
+
 # ------------------------------------------------------------------------------------------------ running them
 
 _RUNNING: set[subprocess.Popen[str]] = set()
@@ -276,10 +377,19 @@ def install(python: str, arguments: Sequence[str], installer: Installer | None =
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m harness.execution.installers [--pip] PIP-INSTALL-ARGUMENTS...``: installs into this interpreter's
     environment as ``harness envs create`` installs into a framework's (the Makefile's development environment):
-    with uv where it is found and can be told pip's sources, else with pip; ``--pip`` asks for pip."""
+    with uv where it is found and can be told pip's sources, else with pip; ``--pip`` asks for pip. A requirements
+    file (``-r``) that names torch, torchvision or torchaudio takes them from PyTorch's CPU index too where it
+    answers (``torch_index``: the CPU builds the development environment holds; HARNESS_TORCH_INDEX names another,
+    or none)."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     preference = "pip" if arguments[:1] == ["--pip"] else None
-    return install(sys.executable, arguments[1:] if preference else arguments, choose(preference))
+    arguments = arguments[1:] if preference else arguments
+    files = [Path(arguments[i + 1]) for i, word in enumerate(arguments[:-1]) if word in ("-r", "--requirement")]
+    if any(uses_torch(path) for path in files):
+        index, said = torch_index()
+        print(f"harness.execution.installers: {said}", file=sys.stderr)
+        arguments = [*arguments, "--extra-index-url", index] if index else arguments
+    return install(sys.executable, arguments, choose(preference))
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def test_shipped_quick_spec_uses_the_framework_environments(envs):
 def test_envs_create_keeps_an_up_to_date_environment_and_names_unknown_ones(envs, tmp_path):
     proc = cli("envs", "create", "pytorch", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "(up to date)" in proc.stderr
+    assert "envs/pytorch/bin/python (up to date; torch 2.13.0+cpu CPU build; " in proc.stderr  # the build, the size
     assert '- {name: pytorch, python: "{root}/envs/pytorch/bin/python"}' in proc.stdout
     proc = cli("envs", "create", "caffe", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("harness envs create: no requirements/caffe-cpu.txt")
