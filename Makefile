@@ -40,7 +40,8 @@ envs: $(VENV)/.installed
 	$(ENVS_CREATE)
 
 # What the tests need beyond the frameworks' own environments: envs/pytorch-vision, PyTorch with torchvision (its own
-# torch release; on x86_64 a CUDA build, which also runs on the CPU), for tests/adapters/test_pytorch_vision.py.
+# torch release: CPU builds from PyTorch's CPU index where it answers; offline, on x86_64, PyPI's CUDA build, which
+# also runs on the CPU), for tests/adapters/test_pytorch_vision.py.
 test-envs: $(VENV)/.installed
 	$(ENVS_CREATE) --spec specs/torchvision.yaml
 
