@@ -41,6 +41,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--validate", action="store_true",
                         help="also train the candidates to the target with several seeds (successive halving: the "
                              "slower half dropped each round) and say whether the predicted size held")
+    parser.add_argument("--global-batch", type=int, metavar="G",
+                        help="also plan G samples per optimizer step: gradient accumulation over micro-batches that "
+                             "hold, and data parallelism over the GPUs there are, measured side by side")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each throughput candidate (default 3)")
     parser.add_argument("--noise-batch", type=int, help="the noise trial's batch size (default: the spec's "
                                                         "base_batch_size, else its smallest batch size of at least "
@@ -64,7 +67,8 @@ def handle(args: argparse.Namespace) -> int:
     options = Options(frameworks=args.framework, objectives=args.objective, target=args.target_accuracy,
                       budget_s=None if args.budget is None else args.budget * 60, repeats=args.repeats,
                       noise_batch=args.noise_batch, micro_batches=args.micro_batches, probes=args.probes,
-                      device=args.device, out=args.out, validate=args.validate)
+                      device=args.device, out=args.out, validate=args.validate,
+                      global_batch=args.global_batch)
     try:
         folder = advise(spec, args.spec, options)
     except SpecError as err:

@@ -96,7 +96,7 @@ def data_parallel_gap(record: Declaration, info: ModelInfo | NativeTask, devices
     if not record.data_parallel:
         return f"the {record.name} adapter does not train data-parallel" + (
             f": {record.data_parallel_mechanism}" if record.data_parallel_mechanism else "")
-    if sync_batchnorm and _has_batchnorm(info) and device_kind(device) not in record.sync_batchnorm:
+    if sync_batchnorm and has_batchnorm(info) and device_kind(device) not in record.sync_batchnorm:
         why = f": {record.sync_batchnorm_note}" if record.sync_batchnorm_note else ""
         return f"the {record.name} adapter has no synchronised batchnorm on {device_kind(device)}{why}"
     return None
@@ -130,7 +130,7 @@ def noise_gap(record: Declaration, gradient_noise: bool, devices: int = 1, sourc
 def limit_gap(record: Declaration, info: ModelInfo | NativeTask, precision: str, compile: str, device: str,
               data_parallel: int, sync_batchnorm: bool, input: str, memory_limit: bool = False) -> str | None:
     """The reason of the first of the declaration's ``limits`` that the trial matches, else None."""
-    facts = {"data_parallel": data_parallel > 1, "sync_batchnorm": sync_batchnorm and _has_batchnorm(info),
+    facts = {"data_parallel": data_parallel > 1, "sync_batchnorm": sync_batchnorm and has_batchnorm(info),
              "compile": record.mode(compile), "precision": precision, "device": device_kind(device), "input": input,
              "memory_limit": memory_limit, "native": isinstance(info, NativeTask)}
     for limit in record.limits:
@@ -139,5 +139,7 @@ def limit_gap(record: Declaration, info: ModelInfo | NativeTask, precision: str,
     return None
 
 
-def _has_batchnorm(info: ModelInfo | NativeTask) -> bool:
+def has_batchnorm(info: ModelInfo | NativeTask) -> bool:
+    """Whether the trained model has batchnorm: a neutral model with a batchnorm layer, or any model of its own
+    (whose layers are not known here: assumed to)."""
     return isinstance(info, NativeTask) or any(layer.kind == "batchnorm" for layer in info.walk())

@@ -108,6 +108,9 @@ def test_advise_answers_each_objective_first_with_its_evidence(envs, write_spec,
     (["--micro-batches", "3"], {}, "--micro-batches: the noise trial's batch of 32 samples cannot be split into 3"),
     (["--target-accuracy", "1.5"], {}, "--target-accuracy: 1.5 is not a fraction"),
     ([], {"frameworks": [{"name": "keras", "backend": "jax"}]}, "does not measure gradient norms"),
+    (["--global-batch", "1"], {}, "--global-batch: 1 is not between 2 and the"),
+    (["--validate"], {"target_accuracy": None}, "--validate: needs a target accuracy"),
+    (["--validate", "--objective", "throughput"], {}, "--validate: judges the time objective"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_runs(envs, write_spec, tmp_path, args, changes, words):
     spec = _spec(write_spec, envs, **changes)
@@ -131,3 +134,35 @@ def test_a_budget_that_cuts_every_stage_says_what_the_answer_rests_on(envs, writ
     assert answers["throughput"]["batch_size"] is None and answers["time"]["batch_size"] is None
     assert "the budget" in answers["time"]["reason"]
     assert "cut: throughput, noise" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_global_batch_is_planned_over_micro_batches_that_hold_and_measured_side_by_side(envs, write_spec,
+                                                                                          tmp_path):
+    spec = _spec(write_spec, envs, model={"layers": [{"type": "flatten"}, {"type": "dense", "units": 16},
+                                                     {"type": "batchnorm"}, {"type": "relu"},
+                                                     {"type": "dense", "units": 10}]})
+    done = _advise(spec, tmp_path, "--objective", "memory", "--global-batch", "512", "--repeats", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (folder,) = (tmp_path / "out").iterdir()
+    advice = json.loads((folder / "advice.json").read_text())
+    memory = advice["entries"]["pytorch"]["objectives"]["memory"]
+    plans = advice["entries"]["pytorch"]["global_batch"]
+    largest = plans["largest_that_holds"]
+    assert largest == memory["batch_size"] and largest >= 8
+    rows = plans["rows"]
+    assert rows and all(r["micro_batch"] * r["accumulation"] * r["devices"] == 512 for r in rows)
+    assert all(r["micro_batch"] <= largest and r["repeats"] == 2 for r in rows)
+    assert rows[0]["micro_batch"] == max(m for m in range(1, min(largest, 512) + 1) if 512 % m == 0)
+    best = max(rows, key=lambda r: r["throughput_median"])
+    assert plans["batch_size"] == best["plan"] and plans["plan"]["micro_batch"] == best["micro_batch"]
+    # every plan trained G samples per optimizer step at the learning rate of G (sqrt from 32: 0.05 x 4)
+    (run_dir,) = [d for d in folder.iterdir() if (d / "trials.jsonl").exists()]
+    trials = [json.loads(line) for line in (run_dir / "trials.jsonl").read_text().splitlines()]
+    assert {t["effective_batch_size"] for t in trials} == {512}
+    assert [t["learning_rate"] for t in trials] == pytest.approx([0.2] * len(trials))
+    assert {(t["batch_size"], t["accumulation_steps"]) for t in trials} == \
+        {(r["micro_batch"], r["accumulation"]) for r in rows}
+    notes = " ".join(plans["notes"])
+    assert "one device" in notes and ("batchnorm" in notes) == any(r["accumulation"] > 1 for r in rows)
+    assert any(line.startswith("- **a global batch of 512**") for line in done.stdout.splitlines())

@@ -172,3 +172,19 @@ def test_successive_halving_keeps_the_faster_half_and_judges_the_prediction():
     assert cut.cut and len(cut.rounds) == 1 and cut.best == 128
     with pytest.raises(ValueError):
         successive_halving([], train, first_seed=0)
+
+
+def test_the_plans_for_a_global_batch_reach_it_with_micro_batches_that_hold():
+    from harness.studies.advise.global_batch import Plan, plans
+
+    one = plans(1024, 100)  # 64 is the largest divisor of 1024 up to 100
+    assert one == [Plan(64, 16), Plan(32, 32), Plan(16, 64)] and all(p.global_batch == 1024 for p in one)
+    assert plans(96, 1000) == [Plan(96, 1), Plan(48, 2), Plan(24, 4)]  # it fits: one batch, then halves
+    assert plans(12, 5) == [Plan(4, 3), Plan(2, 6), Plan(1, 12)]
+    assert plans(10, 4)[0] == Plan(2, 5) and Plan(5, 2) not in plans(10, 4)  # 5 does not hold
+    multi = plans(1024, 100, devices=4)
+    assert multi[:3] == one and multi[3:] == [Plan(64, 4, 4), Plan(32, 8, 4), Plan(16, 16, 4)]
+    assert multi[3].name == "4 devices x 64 x 4 accumulated" and Plan(96, 1).name == "96"
+    assert all(p.devices == 1 for p in plans(1022, 100, devices=4))  # 4 does not divide 1022
+    with pytest.raises(ValueError):
+        plans(0, 10)

@@ -44,7 +44,9 @@ class Options:
     each throughput candidate. noise_batch: the noise trial's batch size (None: the spec's base_batch_size, else its
     smallest batch size that ``micro_batches`` divides). micro_batches, probes: ``GradientNoiseSpec``'s. device:
     None for the spec's. out: the folder that receives the run directory. validate: train the candidates to the
-    target by successive halving (``harness.studies.advise.validate``) and judge the time answer."""
+    target by successive halving (``harness.studies.advise.validate``) and judge the time answer. global_batch: G,
+    samples per optimizer step, reached by accumulation or data parallelism (``harness.studies.advise.global_batch``;
+    runs the memory stage)."""
 
     frameworks: list[str] = field(default_factory=list)
     objectives: tuple[str, ...] = OBJECTIVES
@@ -57,6 +59,7 @@ class Options:
     device: str | None = None
     out: str | Path = "results"
     validate: bool = False
+    global_batch: int | None = None
 
 
 class Budget:
@@ -102,6 +105,9 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
                                                  "target_accuracy)")
     if options.validate and "time" not in options.objectives:
         raise SpecError(spec_path, "--validate", "judges the time objective: add time to --objective")
+    if options.global_batch is not None and not 2 <= options.global_batch <= trials.train_size_of(spec):
+        raise SpecError(spec_path, "--global-batch", f"{options.global_batch} is not between 2 and the "
+                                                     f"{trials.train_size_of(spec)} training samples")
     if options.repeats < 1:
         raise SpecError(spec_path, "--repeats", "at least 1")
     k = options.micro_batches
@@ -152,7 +158,7 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
 
     # memory: max-batch per entry; the smallest recommendation bounds every entry's candidates
     memory: dict[str, dict[str, Any]] = {}
-    if "memory" in options.objectives:
+    if "memory" in options.objectives or options.global_batch:
         for label in labels:
             if budget.allows(f"memory {label}"):
                 memory[label] = budget.timed("memory", partial(max_batch, spec, spec_path, label, device, folder))
@@ -193,6 +199,11 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
     for label in labels:
         answer["entries"][label] = entry_answer(label, options.objectives, memory.get(label), speeds[label],
                                                 noise.get(label), reached.get(label), noise_batch, target, device)
+    if options.global_batch:
+        for label in labels:
+            answer["entries"][label]["global_batch"] = global_batch(spec, spec_path, label, options.global_batch,
+                                                                    memory.get(label), options.repeats, device,
+                                                                    budget, folder)
     if options.validate and target is not None:
         for label in labels:
             validate(spec, spec_path, label, answer["entries"][label]["objectives"]["time"],
@@ -218,6 +229,35 @@ def validate(spec: Spec, spec_path: str | Path, label: str, time_answer: dict[st
     result = budget.timed("validate", partial(successive_halving, sizes, train, spec.seed,
                                               lambda: budget.allows(f"validate {label}")))
     time_answer["validation"] = result.judge(time_answer.get("batch_size"))
+
+
+def global_batch(spec: Spec, spec_path: str | Path, label: str, size: int, memory: dict[str, Any] | None,
+                 repeats: int, device: str, budget: Budget, folder: Path) -> dict[str, Any]:
+    """``--global-batch`` for one entry: the plans that reach ``size`` (``harness.studies.advise.global_batch``)
+    under the memory stage's recommendation, measured ``repeats`` times; advice.json's ``global_batch``."""
+    from harness.studies.advise import global_batch as plans_of
+
+    largest = memory.get("recommended") if memory else None
+    unanswered: dict[str, Any] = {"global_batch": size, "batch_size": None, "rows": [], "notes": []}
+    if largest is None:
+        found = "not run (the budget)" if memory is None else f"{memory['status']} {memory['reason'] or ''}".strip()
+        return {**unanswered, "reason": f"no micro-batch is known to hold (max-batch: {found})"}
+    if not budget.allows(f"global batch {label}"):
+        return {**unanswered, "reason": "not measured (the budget)"}
+    devices = gpu_count() if device != "cpu" else 1
+    chosen = plans_of.plans(size, largest, devices)
+    measured = budget.timed("global batch", partial(plans_of.measure, spec, spec_path, label, chosen, repeats,
+                                                    trials.train_size_of(spec), folder))
+    return plans_of.answer(spec, label, size, largest, measured, devices)
+
+
+def gpu_count() -> int:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES's, else NVML's count (``harness.measure.machine.gpus``)."""
+    from harness.execution.executors import visible_gpus
+    from harness.measure.machine import gpus
+
+    visible = visible_gpus()
+    return max(1, len(visible) if visible is not None else len(gpus().get("devices", [])))
 
 
 def max_batch(spec: Spec, spec_path: str | Path, label: str, device: str, folder: Path) -> dict[str, Any]:

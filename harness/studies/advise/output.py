@@ -58,6 +58,34 @@ def verdict(validation: dict[str, Any] | None) -> str:
             f"; validated: **did not hold** (not {rule}): {measured}, this size {mine}")
 
 
+def global_line(plans: dict[str, Any]) -> str:
+    """The ``--global-batch`` answer in words: the plan with the highest throughput and its runner-up, or why none."""
+    size = plans["global_batch"]
+    if plans.get("batch_size") is None:
+        return f"- **a global batch of {size}**: no answer: {plans.get('reason')}"
+    best = next(r for r in plans["rows"] if r["plan"] == plans["batch_size"])
+    interval = best.get("throughput_interval")
+    sure = f", 95 % interval {_num(interval[0])}..{_num(interval[1])}" if interval else ", one repeat: no interval"
+    runner = f"; runner-up {plans['runner_up']}" if plans.get("runner_up") else ""
+    notes = "".join(f"; {note}" for note in plans.get("notes", []))
+    return (f"- **a global batch of {size}**: **{plans['batch_size']}** ({_num(best['throughput_median'])} "
+            f"samples/s{sure}; micro-batches up to {plans['largest_that_holds']} hold){runner}{notes}")
+
+
+def global_table(label: str, plans: dict[str, Any]) -> list[str]:
+    """The ``--global-batch`` evidence: per plan its throughput and seconds per optimizer step."""
+    lines = [f"## {label}: plans for a global batch of {plans['global_batch']}", "",
+             "| plan | devices | micro-batch | accumulation | samples/s (median) | 95 % interval | s per step |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in plans["rows"]:
+        interval = r.get("throughput_interval")
+        lines.append(f"| {r['plan']} | {r['devices']} | {r['micro_batch']} | {r['accumulation']} | "
+                     f"{_num(r['throughput_median']) or (r.get('failed') or '')[:80]} | "
+                     f"{f'{_num(interval[0])}..{_num(interval[1])}' if interval else ''} | "
+                     f"{_num(r['step_s'], '.4f')} |")
+    return lines + [""]
+
+
 def validation_table(label: str, validation: dict[str, Any]) -> list[str]:
     """The validation's evidence: per size the seeds trained, how many reached the target, the median seconds."""
     rounds = " / ".join(str(len(r)) for r in validation["rounds"])
@@ -81,6 +109,8 @@ def markdown(advice: dict[str, Any]) -> str:
         lines.append("")
         for objective, answer in entry["objectives"].items():
             lines.append(answer_line(objective, answer))
+        if entry.get("global_batch"):
+            lines.append(global_line(entry["global_batch"]))
         lines.append("")
     for note in advice.get("notes", []):
         lines.append(f"Note: {note}")
@@ -118,6 +148,8 @@ def markdown(advice: dict[str, Any]) -> str:
                              f"{_num(s['step_s_median'], '.5f')} | {_num(s.get('energy_per_step_j'), '.3f')} | "
                              f"{_num(row.get('steps'))} | {_num(row.get('seconds'), '.2f')} |")
             lines.append("")
+        if entry.get("global_batch", {}).get("rows"):
+            lines += global_table(label, entry["global_batch"])
         validation = (entry["objectives"].get("time") or {}).get("validation")
         if validation:
             lines += validation_table(label, validation)

@@ -51,7 +51,8 @@ def train_size_of(spec: Spec) -> int:
     return len(datasets.load(spec.dataset, seed=spec.seed).y_train)
 
 
-def _entries(spec: Spec, labels: list[str]) -> list[dict[str, Any]]:
+def entry_dicts(spec: Spec, labels: list[str]) -> list[dict[str, Any]]:
+    """The entries of ``labels`` as spec data (a derived spec's ``frameworks``)."""
     return [planning.entry_for(spec, label).model_dump(mode="json", exclude_none=True) for label in labels]
 
 
@@ -63,7 +64,7 @@ def _steps_epochs(spec: Spec, train_size: int, batch: int, steps: int) -> int:
 def _speed_spec(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list[int], repeats: int) -> Spec:
     """The spec of a throughput sweep: ``sizes`` x ``repeats``, one evaluation at the end, no target."""
     return derived(spec, spec_path, batch_sizes=sizes, repeats=repeats, epochs=1, target_accuracy=None,
-                   seeds=None, accumulation_steps=1, evaluate_every=1, frameworks=_entries(spec, labels))
+                   seeds=None, accumulation_steps=1, evaluate_every=1, frameworks=entry_dicts(spec, labels))
 
 
 def _adjust(epochs: Callable[[Trial], int]) -> Callable[[Trial], Trial]:
@@ -157,7 +158,7 @@ def noise_trial(spec: Spec, spec_path: str | Path, labels: list[str], batch: int
 
     noise_spec = derived(spec, spec_path, batch_sizes=[batch], repeats=1, seeds=None, accumulation_steps=1,
                          target_accuracy=target, stop_at_target=target is not None, evaluate_every=1,
-                         gradient_noise={"micro_batches": k, "probes": probes}, frameworks=_entries(spec, labels))
+                         gradient_noise={"micro_batches": k, "probes": probes}, frameworks=entry_dicts(spec, labels))
     log(f"noise scale: batch {batch} in {k} micro-batches of {batch // k}, {spec.epochs} epoch(s)")
     return sweep.run_spec(noise_spec, folder, spec_path)
 
@@ -210,7 +211,7 @@ def validation_round(spec: Spec, spec_path: str | Path, label: str, sizes: list[
 
     run_spec = derived(spec, spec_path, batch_sizes=sizes, seeds=seeds, repeats=1, accumulation_steps=1,
                        target_accuracy=target, stop_at_target=True, evaluate_every=1,
-                       frameworks=_entries(spec, [label]))
+                       frameworks=entry_dicts(spec, [label]))
     log(f"validate {label}: {len(sizes)} sizes x seeds {seeds[0]}..{seeds[-1]} to {target}")
     run_dir = sweep.run_spec(run_spec, folder, spec_path)
     by_trial = {(r.batch_size, r.seed): r for r in store.read_trials(run_dir) if r.label == label}
