@@ -270,8 +270,8 @@ def uses_torch(requirements: Path, packages: Sequence[str] = ()) -> bool:
 
 def unreachable(url: str, timeout_s: float = 5.0) -> str | None:
     """Why the index at ``url`` cannot be reached, in words, or None when it answers: a file: URL's folder exists;
-    an http(s) one answers a HEAD request for its root within ``timeout_s`` with a status below 400 (or 405, a
-    server that takes GET alone)."""
+    an http(s) one answers a HEAD request for its torch page (``URL/torch/``, which pip and uv ask for; an index's
+    root need not be listed) within ``timeout_s`` with a status below 400 (or 405, a server that takes GET alone)."""
     import urllib.error
     import urllib.parse
     import urllib.request
@@ -283,7 +283,7 @@ def unreachable(url: str, timeout_s: float = 5.0) -> str | None:
     if parsed.scheme not in ("http", "https"):
         return f"not an http(s) or file URL: {url}"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/", method="HEAD"),
+        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/torch/", method="HEAD"),
                                     timeout=timeout_s):
             return None
     except urllib.error.HTTPError as err:

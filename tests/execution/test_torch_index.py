@@ -142,6 +142,7 @@ def test_a_pytorch_environment_takes_torchs_cpu_build_from_the_torch_index(kind,
     assert re.fullmatch(rf"tiny: {re.escape(str(python))} \(created, \d+ s; torch 2\.13\.0\+cpu CPU build; \d+ MB\)",
                         made), made
     assert f"torch from {url} too" in (envs_dir / "tiny" / ".harness-stamp").read_text()
+    assert installers.unreachable(url.replace("/simple", "/elsewhere")) == "it answers HTTP 404"
 
 
 def test_an_index_that_does_not_answer_leaves_the_pins_as_they_are_in_one_line(pips_sources, capsys):
