@@ -1,18 +1,8 @@
-"""The adapter contract: what the harness's shared training loop asks of every framework.
+"""The adapter contract: what the harness's shared training loop (``harness.execution.loop``) asks of every framework.
 
-An adapter runs in the worker process of one trial, made with the trial's ``RunOptions``; the loop
-(``harness.execution.loop``) calls it by lifecycle: setup (``prepare`` before any framework op; a model from a source,
-the neutral builder's ``neutral_model``; ``build`` to train that model; ``load`` the data, ``open_loader`` its
-loader), steps (per epoch ``batches``, then ``train_step`` on each, ``wait`` at the edges of every timed window and
-``read_loss`` after an end edge, outside the clock), evaluation, state and telemetry. Timing is never done inside an
-adapter, and whether a trial can run at all is the plan's answer from the adapter's ``Declaration``
-(``harness.plan.support``): an adapter does not re-check it.
-
-The training loss: every ``train_step`` adds its loss to a running sum that stays on the device (added to inside the
-step's own queued work: no read back per step) and counts the step on the host; ``read_loss`` waits, reads the sum
-once and restarts it, so an epoch's ``train_loss`` is the mean over every one of its steps whatever the windows.
-
-Design: docs/design/layout.md (how a trial flows through the rooms, and how an adapter package is laid out).
+An adapter runs in the worker process of one trial, made with the trial's ``RunOptions``, and is called by lifecycle
+(docs/design/layout.md#the-adapter-contract). Timing is never done inside an adapter, and whether a trial can run at
+all is the plan's answer from the adapter's ``Declaration`` (``harness.plan.support``): adapters do not re-check it.
 """
 
 from __future__ import annotations
@@ -165,9 +155,11 @@ class Adapter(abc.ABC):
     """One framework behind the harness's interface. Instances live in a worker process, one trial each.
 
     An adapter class names its declaration, ``class PyTorchAdapter(Adapter, declaration=DECLARATION)``, and gets
-    ``declaration`` and ``name`` from it. ``options``: the trial's ``RunOptions`` (default: an fp32 run in the
-    declaration's default mode), with ``compile`` resolved to "eager" or "compiled".
-    """
+    ``declaration`` and ``name`` from it.
+
+    Args:
+        options: the trial's ``RunOptions`` (default: fp32 in the declaration's default mode), kept as ``options``
+            with ``compile`` resolved to "eager" or "compiled"."""
 
     declaration: ClassVar[Declaration]
     name: ClassVar[str]
@@ -188,122 +180,168 @@ class Adapter(abc.ABC):
         return self.options.compile
 
     # -- setup ---------------------------------------------------------------------------------------------------
-
     def device_problem(self, device: str) -> str | None:
-        """Why the framework, as installed in this interpreter, cannot train on ``device`` ("cpu", "cuda:N"), in one
-        line (e.g. "PyTorch 2.13.0+cpu sees no CUDA device (a CPU-only build)"), or None when it can. Asks the
-        framework's own device query without creating a context or taking memory; the environment probe calls it
-        before a run starts and ``prepare`` raises DeviceUnavailable with it. Default: None (the CPU always works)."""
+        """Why the framework, as installed here, cannot train on ``device`` ("cpu", "cuda:N"); None when it can.
+
+        One line ("PyTorch 2.13.0+cpu sees no CUDA device (a CPU-only build)") from the framework's own device query,
+        without a context or memory; the environment probe asks it, ``prepare`` raises it. Default: None."""
         return None
 
     @abc.abstractmethod
     def prepare(self, device: str, threads: int | None, seed: int) -> None:
-        """Selects the device ("cpu" or "cuda:N"), the CPU thread counts (intra-op ``threads``, inter-op 1; None keeps
-        the framework's defaults) and the framework's RNG seed, and applies the options' precision flags, memory cap
-        and allocator settings. Called before any other framework op. Raises DeviceUnavailable."""
+        """Selects the device, CPU threads and RNG seed; applies the options' precision, memory cap and allocator.
+
+        Called before any other framework op.
+
+        Args:
+            device: "cpu" or "cuda:N".
+            threads: intra-op threads (inter-op: 1); None keeps the framework's defaults.
+            seed: the framework's RNG seed.
+
+        Raises:
+            DeviceUnavailable: the framework cannot use ``device`` (``device_problem``'s reason)."""
 
     @abc.abstractmethod
     def neutral_model(self, info: ModelInfo, weights: Weights) -> Model:
-        """The neutral builder, a model source: the framework's model object for ``info`` (``harness.neutral.models
-        .analyze``) holding exactly ``weights`` (canonical layout and names, ``harness.neutral.models``; it may also
-        hold buffers, batchnorm's ``"<name>.running_mean"`` / ``"<name>.running_var"``: a buffer it lacks starts at
-        ``harness.neutral.models.initial_buffers``'s value). Raises ``harness.neutral.visitor.UnknownLayer`` for a
-        layer kind the builder lacks."""
+        """The neutral builder, a model source: the framework's model object for ``info``, holding ``weights``.
+
+        Args:
+            info: the analysed model (``harness.neutral.models.analyze``).
+            weights: float32 parameters, canonical layout and names (``harness.neutral.models``); a batchnorm buffer
+                (``"<name>.running_mean"``, ``"<name>.running_var"``) it lacks starts at
+                ``harness.neutral.models.initial_buffers``'s.
+
+        Raises:
+            harness.neutral.visitor.UnknownLayer: a layer kind the builder lacks."""
 
     @abc.abstractmethod
     def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
-        """Makes ``model`` (what a model source returned) the model this trial trains, with ``optimizer``, in the
-        options' precision, mode and data parallelism. ``task`` (``harness.neutral.info.TASKS``) says what it is fed
-        and which loss it trains with: the mean softmax cross-entropy of the logits over the samples, or for
-        ``next_token`` (logits (B, L, vocab), labels (B, L)) over all B x L positions."""
+        """Makes ``model`` the trial's model, with ``optimizer``, in the options' precision, mode and parallelism.
+
+        Args:
+            model: what a model source returned (``neutral_model``, ``native_model``).
+            task: one of ``harness.neutral.info.TASKS``: the input and the loss, the mean softmax cross-entropy over the
+                samples, or for ``next_token`` (logits (B, L, vocab), labels (B, L)) over all B x L positions.
+            optimizer: the optimizer, its learning rate scaled by the plan."""
 
     def build_neutral(self, info: ModelInfo, weights: Weights, optimizer: OptimizerSpec) -> None:
-        """``build`` of the neutral builder's model of ``info`` with ``weights``."""
+        """``build`` of the neutral builder's model of ``info`` with ``weights`` (``neutral_model``'s arguments)."""
         self.build(self.neutral_model(info, weights), info.task, optimizer)
 
     def native_model(self, model: object, source: NativeSource) -> Model:
-        """The other model source: ``model``, what a spec's factory returned (``harness.neutral.native.make``, called
-        after ``prepare`` set the seed), adopted as the framework's model object for ``build`` (initialised for
-        ``source.input`` where the framework initialises lazily, the family's shared initial weights loaded where
-        ``source.initial_weights`` names a file). Raises ``harness.neutral.native.NativeModelError`` (field
-        ``model``) when it is not the framework's own model type (the declaration's ``native_model``). Default: this
-        adapter adopts none."""
+        """The other model source: ``model``, a spec's factory's, adopted as the framework's model for ``build``.
+
+        Initialised for ``source.input`` where initialisation is lazy, with ``source.initial_weights`` where named.
+        Default: adopts none (raises).
+
+        Args:
+            model: what the factory returned (``harness.neutral.native.make``, called after ``prepare`` set the seed).
+            source: the spec's native model: its input and initial weights.
+
+        Raises:
+            harness.neutral.native.NativeModelError: ``model`` is not the framework's own model type (the declaration's
+                ``native_model``); its field is ``model``."""
         from harness.neutral.native import NativeModelError
 
         raise NativeModelError("model", f"the {self.name} adapter trains no model of your own")
 
     def train_flops_per_sample(self) -> tuple[int | None, str]:
-        """FLOPs of one sample's training step (forward and backward; 2 per multiply-accumulate) of the built model,
-        by the framework's own counter (``torch.utils.flop_counter.FlopCounterMode``, the cost analysis of JAX's
-        compiled step), and what counted them; (None, why not) where the framework has no counter. Called after
-        training, outside the timed windows, for a model of your own (the neutral model's are counted per layer,
-        ``harness.neutral.info``). Default: (None, "<title> has no FLOP counter")."""
+        """FLOPs of one sample's training step (forward and backward), by the framework's own counter.
+
+        2 per multiply-accumulate (``torch.utils.flop_counter.FlopCounterMode``, JAX's cost analysis); called after
+        training, outside the timed windows, for a model of your own (the neutral model's are counted per layer).
+
+        Returns:
+            (FLOPs, what counted them), or (None, why not): by default (None, "<title> has no FLOP counter")."""
         return None, f"{self.declaration.title} has no FLOP counter"
 
     @abc.abstractmethod
     def load(self, data: Data) -> None:
-        """Places the dataset on the device once (float32 NHWC images, or int64 (N, L) token ids; int64 labels, (N,)
-        or (N, L) for a next-token task), converted to what the model takes (``harness.neutral.steps.to_layout``).
-        With ``options.input == "loader"`` the test set only: the training samples come through ``open_loader``'s
-        loader."""
+        """Places the dataset on the device once, in the model's layout (``harness.neutral.steps.to_layout``).
+
+        Args:
+            data: float32 NHWC images or int64 (N, L) token ids; int64 labels, (N,) or (N, L) for a next-token task.
+                With ``options.input == "loader"`` only its test set is placed: the training samples come through
+                ``open_loader``."""
 
     def open_loader(self, source: InputSource) -> None:
-        """Builds the framework's own data loader (the declaration's ``loader``) over ``source`` (each step one
-        ``harness.neutral.steps.EpochSteps`` element), with ``options.loader``'s workers and prefetch as the
-        framework's documentation recommends for training, and records its settings (``Settings.loader``). Called
-        once, after ``load`` and outside every timed window. Raises NotImplementedError without a loader mode."""
+        """Builds the framework's own data loader (the declaration's ``loader``) over ``source``, once.
+
+        With ``options.loader``'s workers and prefetch, as the framework recommends (``Settings.loader``); after
+        ``load``, untimed.
+
+        Args:
+            source: the training samples; each step is one ``harness.neutral.steps.EpochSteps`` element.
+
+        Raises:
+            NotImplementedError: the adapter has no loader mode (the default)."""
         raise NotImplementedError(f"the {self.name} adapter has no data loader mode")
 
     def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
-        """Replaces the resident training images in place with ``images`` (float32 NHWC, the shape ``load`` placed),
-        without re-tracing or re-allocating anything the train step holds: the loop calls it once per epoch when the
-        trial augments its data (``harness.neutral.datasets.augment``). Raises NotImplementedError when the adapter
-        cannot."""
+        """Replaces the resident training images in place, re-tracing and re-allocating nothing of the step.
+
+        Called once per epoch when the trial augments its data (``harness.neutral.datasets.augment``).
+
+        Args:
+            images: float32 NHWC, the shape ``load`` placed.
+
+        Raises:
+            NotImplementedError: the adapter cannot (the default)."""
         raise NotImplementedError(f"the {self.name} adapter cannot replace its training images (augmentation)")
 
     # -- steps ---------------------------------------------------------------------------------------------------
-
     @abc.abstractmethod
     def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Batch]:
-        """The batches of epoch ``epoch``, one per optimizer step in order: step ``p`` trains on the samples
-        ``harness.neutral.steps.steps(order, samples_per_step)[p]`` (whole steps only). Resident mode: the step's
-        indices, which an adapter may move to the device for the whole epoch here (as a hand-written loop prepares its
-        batches before its clock starts), and ``train_step`` gathers them; loader mode: the loader's batches, on the
-        device as the framework's tensors (their transfer started, maybe not finished). Called before the epoch's
-        first step, outside every timed window in resident mode (for an epoch a window runs into, before that
-        window's clock starts, so an epoch's batches may be made while an earlier epoch's steps are still to come);
-        in loader mode inside a window that runs across an epoch's end, as a training loop starts its next epoch's
-        iterator, and the loop times each ``next``: the time a step waited for its input."""
+        """The batches of epoch ``epoch``, one per optimizer step in order.
+
+        Resident mode: the steps' indices, which an adapter may move to the device for the whole epoch here, as a
+        hand-written loop readies its batches before its clock starts (called before the epoch's first step and outside
+        every timed window; ``train_step`` gathers them). Loader mode: the loader's batches, on the device as the
+        framework's tensors (maybe still in transfer), started inside a window that runs across an epoch's end, as a
+        training loop starts its next epoch; the loop times each ``next``, a step's wait for input.
+
+        Args:
+            order: int64 (N,), the epoch's sample order.
+            samples_per_step: B; step ``p`` trains on ``harness.neutral.steps.steps(order, samples_per_step)[p]`` (whole
+                steps only).
+            epoch: from 0."""
 
     @abc.abstractmethod
     def train_step(self, batch: Batch, micro_batches: int = 1) -> None:
-        """One optimizer step on ``batch`` (from ``batches``), of B samples. With ``micro_batches`` k > 1 (gradient
-        accumulation), the B samples are k consecutive micro-batches of B / k, whose gradients are accumulated (as
-        the mean over all B samples) before the one optimizer step. Data-parallel (``options.data_parallel``, N
-        devices): ``batch`` is the global batch; device d trains on ``shard(indices, N, d)`` and the gradients are
-        averaged over all B samples (all-reduced) before the one identical update on every device; a process of a
-        multi-process trial trains on its rank's shard. May return before the device has finished. Adds the step's
-        loss (float32, the mean over the B samples; with micro-batches the mean of the k micro-batches' means) to the
-        device-resident sum that ``read_loss`` reads, and counts the step (``_loss_steps``); reads nothing back.
-        Raises ValueError when k does not divide B."""
+        """One optimizer step on ``batch``, of B samples; may return before the device has finished.
+
+        Adds the step's loss (float32, the mean over the B samples) to the device-resident sum that ``read_loss`` reads
+        and counts the step (``_loss_steps``); reads nothing back. Data-parallel (N devices): device (or rank) d trains
+        on ``shard(indices, N, d)`` of the global batch, the gradients averaged over all B samples before the one
+        identical update.
+
+        Args:
+            batch: one of ``batches``.
+            micro_batches: k; with k > 1 (gradient accumulation) k consecutive micro-batches of B / k, their gradients
+                accumulated as the mean over all B samples (the loss: the mean of their means) before the one step.
+
+        Raises:
+            ValueError: k does not divide B."""
 
     @abc.abstractmethod
     def wait(self) -> None:
-        """Waits until all queued device work is done, without restarting the loss sum: the edges of a timed
-        window."""
+        """Waits until all queued device work is done, without restarting the loss sum (a timed window's edges)."""
 
     def agree(self, value: int) -> int:
-        """``value`` as rank 0 of a multi-process data-parallel trial has it, on every rank (a broadcast: a
-        collective every rank calls at the same point), so every rank times windows of the same steps. Called outside
-        the timed windows. Default (one process): ``value``."""
+        """``value`` as rank 0 of a multi-process data-parallel trial has it, on every rank.
+
+        A broadcast every rank calls at the same point, outside the timed windows, so every rank times windows of the
+        same steps. Default (one process): ``value``."""
         return value
 
     def read_loss(self) -> tuple[float, int]:
-        """The loss read: waits until all queued device work is done and returns (the mean loss of the train_steps
-        since the previous read, how many steps that is), then restarts the sum and the count; (nan, 0) when no step
-        ran since. One scalar copy whatever the number of steps; the float32 sum's rounding is at most about n x 6e-8
-        relative for n steps (in practice sqrt(n) x 6e-8: 2e-6 for 1000 steps). The counting is here; the sum is
-        the adapter's (``_take_loss_sum``)."""
+        """The mean loss of the train_steps since the previous read, and how many; the sum and count restart.
+
+        Waits until all queued device work is done, then copies one scalar (the float32 sum's rounding: at most about n
+        x 6e-8 relative for n steps); the sum is the adapter's (``_take_loss_sum``).
+
+        Returns:
+            (mean loss, steps); (nan, 0) when no step ran since."""
         self.wait()
         steps, self._loss_steps = self._loss_steps, 0
         if not steps:
@@ -318,22 +356,21 @@ class Adapter(abc.ABC):
     def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
         """Squared L2 norms of loss gradients at the current parameters, for the gradient noise scale.
 
-        ``batch`` (from ``batches``, resident mode, one device) of B samples is split as ``train_step`` splits it
-        for gradient accumulation into k = ``micro_batches`` consecutive micro-batches of b = B / k samples. For each
-        micro-batch i, g_i is the gradient of its mean training loss (the loss ``train_step`` minimises, in the
-        trial's precision, dropout drawing as in training) with respect to every trainable parameter; G = (g_1 + ...
-        + g_k) / k is the gradient of the mean loss over all B samples. Nothing the training depends on changes:
-        parameters, buffers (batchnorm's running statistics are restored), optimizer state and the loss sum
-        (``read_loss``) are as before; dropout may advance the framework's random state. Returns only when the
-        device is done (the norms are read back: this is never called inside a timed window).
+        g_i is the gradient of micro-batch i's mean training loss (the loss ``train_step`` minimises, in the trial's
+        precision, dropout drawing as in training) with respect to every trainable parameter; G = (g_1 + ... + g_k) / k
+        is the gradient of the mean loss over all B samples. Nothing the training depends on changes: parameters,
+        buffers (batchnorm's running statistics are restored), optimizer state and the loss sum (``read_loss``) are as
+        before; dropout may advance the framework's random state. Returns only when the device is done (the norms are
+        read back: never inside a timed window).
 
         The estimator of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", Appendix A) takes
         E|g_i|^2 = |G_true|^2 + tr(Sigma) / b and E|G|^2 = |G_true|^2 + tr(Sigma) / B from these
         (``harness.studies.advise.noise``).
 
         Args:
-            batch: one step's batch as ``batches`` yields it.
-            micro_batches: k >= 2.
+            batch: one step's batch from ``batches`` (resident mode, one device) of B samples, split as ``train_step``
+                splits it for gradient accumulation.
+            micro_batches: k >= 2: k consecutive micro-batches of b = B / k samples.
 
         Returns:
             ([|g_1|^2, ..., |g_k|^2], |G|^2), float (computed in float32, summed over parameters in float64).
@@ -341,70 +378,65 @@ class Adapter(abc.ABC):
         Raises:
             ValueError: k < 2, or k does not divide B.
             NotImplementedError: the adapter cannot (the default; the plan refuses such a trial from
-                ``Declaration.gradient_noise``).
-        """
+                ``Declaration.gradient_noise``)."""
         raise NotImplementedError(f"the {self.name} adapter does not measure gradient norms")
 
     # -- evaluation ----------------------------------------------------------------------------------------------
-
     @abc.abstractmethod
     def evaluate(self, batch_size: int) -> tuple[float, float]:
-        """Mean cross-entropy loss and accuracy (fraction in [0, 1]) on the whole test set, in inference mode,
-        in batches of ``batch_size`` (the last one may be smaller); for a next-token model both are over every
-        position of every test sequence. Returns only when the device is done. Data-parallel: the first device's
-        model (rank 0's, returned on every rank) over the whole test set."""
+        """Mean cross-entropy loss and accuracy (a fraction in [0, 1]) on the whole test set, in inference mode.
+
+        In batches of ``batch_size`` (the last may be smaller), the device done when it returns; over every position for
+        a next-token model; data-parallel, the first device's model (returned on every rank)."""
 
     @abc.abstractmethod
     def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """Logits, float32 (N, classes), for float32 NHWC images (or int64 (N, L) token ids: (N, classes), or
-        (N, L, vocab) for a next-token model); inference mode."""
+        """Logits, float32 (N, classes), or (N, L, vocab) for a next-token model; inference mode.
+
+        Args:
+            inputs: float32 NHWC images, or int64 (N, L) token ids."""
 
     # -- state ---------------------------------------------------------------------------------------------------
-
     @abc.abstractmethod
     def get_weights(self) -> Weights:
-        """The current parameters: for a neutral model in the canonical layout and naming of ``harness.neutral.models
-        .initial_weights`` (data-parallel: the first device's, which every device's equal)."""
+        """The current parameters, canonical for a neutral model (data-parallel: the first device's, all equal)."""
 
     def get_buffers(self) -> Weights:
-        """The current buffers (batchnorm's running statistics), for a neutral model in the canonical layout and
-        naming of ``harness.neutral.models.initial_buffers``. Default: none."""
+        """The current buffers (batchnorm's running statistics), canonical for a neutral model; default: none."""
         return {}
 
     # -- telemetry -----------------------------------------------------------------------------------------------
-
     @abc.abstractmethod
     def versions(self) -> dict[str, str]:
-        """Framework and runtime versions, e.g. {"torch": "2.13.0", "cuda": "13.0"}: the keys of the declaration's
-        distributions ("-" as "_"), then runtimes ("cuda", "cudnn") and builds."""
+        """Versions, e.g. {"torch": "2.13.0", "cuda": "13.0"}: declared distributions ("-" as "_"), runtimes, builds."""
 
     @abc.abstractmethod
     def settings(self) -> Settings:
-        """What changes the numbers (precision, mode, threads, the memory cap, the loader, data parallelism, and the
-        framework's own allocator and compiler settings), for the record."""
+        """What changes the numbers: precision, mode, threads, memory cap, loader, parallelism, allocator, compiler."""
 
     def reset_memory_stats(self) -> None:
         """Restarts the allocator's peak counters (called when the measured phase begins). Default: nothing."""
 
     def memory_stats(self) -> dict[str, int]:
-        """The framework allocator's own counters since ``reset_memory_stats``, in bytes: ``allocator_peak_bytes``
-        (peak bytes held by tensors) and ``allocator_reserved_peak_bytes`` (peak bytes the allocator held from the
-        device). Absent keys mean the framework does not expose that number here."""
+        """The framework allocator's own counters since ``reset_memory_stats``, in bytes.
+
+        ``allocator_peak_bytes`` (held by tensors) and ``allocator_reserved_peak_bytes`` (held from the device); an
+        absent key: the framework does not expose it here."""
         return {}
 
     def cpu_allocator_peak(self) -> int | None:
-        """Peak bytes of the capped CPU tensor allocator (the declaration's ``cpu_allocator``) since it was
-        created, or None where there is none or it keeps no count. Called at the worker's exit
-        (``harness.execution.limits``), so it must not raise. Default: None."""
+        """Peak bytes of the capped CPU tensor allocator (the declaration's ``cpu_allocator``); None without one.
+
+        Called at the worker's exit (``harness.execution.limits``), so it must not raise. Default: None."""
         return None
 
     def compilations(self) -> int | None:
-        """How many graphs the framework has traced or compiled for the training step so far, by its own counter
-        (TensorFlow's tf.function tracing count, the entries of JAX's jit cache, TorchDynamo's unique graphs), or
-        None where the framework keeps no such counter. The loop reads it when warm-up ends and at the end of the
-        trial: a rise between the two is a recompilation inside the timed windows."""
+        """Graphs the framework has traced or compiled for the training step so far; None without a counter.
+
+        Its own count (tf.function traces, JAX's jit cache entries, TorchDynamo's unique graphs), read when warm-up ends
+        and at the trial's end: a rise between the two is a recompilation inside the timed windows."""
         return None
 
     @abc.abstractmethod
     def is_oom(self, exc: BaseException) -> bool:
-        """True when ``exc`` is this framework's out-of-memory error (classified by exception type)."""
+        """Whether ``exc``, what the trial raised, is this framework's out-of-memory error (by exception type)."""

@@ -17,9 +17,20 @@ __all__ = ["__version__", "Run", "advise", "load_history", "load_run", "max_batc
 
 
 def __getattr__(name: str):
-    """``harness.run``, ``harness.max_batch``, ``harness.advise`` (``harness.api``), ``harness.load_run`` and
-    ``harness.load_history`` (``harness.results.data``), imported only when asked for: workers import this package in
-    framework interpreters that need not have pandas."""
+    """The public names that are imported only when asked for (PEP 562).
+
+    Workers import this package in framework interpreters that need not have pandas, so nothing above
+    ``harness.version`` is imported before a name is asked for.
+
+    Args:
+        name: ``run``, ``max_batch`` or ``advise`` (``harness.api``); ``load_run``, ``load_history`` or ``Run``
+            (``harness.results.data``).
+
+    Returns:
+        The function or class of that name.
+
+    Raises:
+        AttributeError: any other name."""
     if name in ("load_run", "load_history", "Run"):
         from harness.results import data
 

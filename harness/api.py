@@ -26,10 +26,17 @@ SpecSource = str | os.PathLike[str] | dict[str, Any]
 def spec_of(spec: SpecSource, root: str | os.PathLike[str] | None = None, offline: bool = False) -> tuple[Spec, str]:
     """The spec, validated and with its data ready (``harness.studies.prepare.ready``), and the name errors give it.
 
+    Args:
+        spec: a spec file's path, or a dict of its fields.
+        root: what a dict's relative paths are resolved against (default: the current folder).
+        offline: never download a dataset.
+
+    Returns:
+        (the spec, its name: the path as given, or ``"<dict>"``).
+
     Raises:
-        SpecError: a bad spec, one line.
-        TypeError: ``spec`` is neither a path nor a dict.
-    """
+        SpecError: a bad spec, one line naming the spec and the field.
+        TypeError: ``spec`` is neither a path nor a dict."""
     from harness import spec as spec_module
     from harness.studies.prepare import ready
 
@@ -58,8 +65,7 @@ def run(spec: SpecSource, out: str | os.PathLike[str] = "results", root: str | o
         The run (``harness.Run``: ``records``, ``trials`` and ``epochs`` as pandas frames, ``path``).
 
     Raises:
-        SpecError: a bad spec, before anything runs.
-    """
+        SpecError: a bad spec, before anything runs."""
     from harness.results import report
     from harness.results.data import load_run
     from harness.studies.sweep import run_spec
@@ -77,14 +83,17 @@ def max_batch(spec: SpecSource, framework: str, out: str | os.PathLike[str] = "r
     Args:
         spec: a spec file's path, or a dict of its fields.
         framework: the entry's label or framework name.
-        options: ``harness.studies.max_batch.find_max_batch``'s (``memory_limit_mb``, ``margin``, ``run_checks``...).
+        out: the folder that receives the run directory.
+        root: what a dict's relative paths are resolved against (default: the current folder).
+        offline: never download a dataset.
+        options: ``harness.studies.max_batch.find_max_batch``'s keyword arguments (``memory_limit_mb``, ``margin``,
+            ``run_checks``, ...).
 
     Returns:
-        The ``MaxBatchResult`` (``limit``, ``recommended``, ``probes``, ...).
+        The ``MaxBatchResult``: ``limit`` and ``recommended`` (batch sizes, samples), ``probes``, ...
 
     Raises:
-        SpecError: a bad spec or an entry it cannot choose, before any probe.
-    """
+        SpecError: a bad spec or an entry it cannot choose, before any probe."""
     from harness.plan.entries import entry_named
     from harness.studies.max_batch import find_max_batch, write_run
 
@@ -101,16 +110,18 @@ def advise(spec: SpecSource, out: str | os.PathLike[str] = "results", root: str 
 
     Args:
         spec: a spec file's path, or a dict of its fields.
-        options: ``harness.studies.advise.Options``'s fields (``frameworks``, ``objectives``, ``target``,
-            ``budget_s``, ``repeats``...).
+        out: the folder that receives the run directory.
+        root: what a dict's relative paths are resolved against (default: the current folder).
+        offline: never download a dataset.
+        options: ``harness.studies.advise.Options``'s fields (``frameworks``, ``objectives``, ``target`` (test
+            accuracy, a fraction), ``budget_s`` (seconds), ``repeats``, ...).
 
     Returns:
         advice.json's object, with ``run_dir`` added: per entry and objective ``batch_size`` (None with ``reason``)
         and the evidence.
 
     Raises:
-        SpecError: a bad spec or option, before anything runs.
-    """
+        SpecError: a bad spec or option, before anything runs."""
     from harness.studies.advise import Options
     from harness.studies.advise import advise as advise_study
 

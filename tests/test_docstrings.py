@@ -14,7 +14,7 @@ prose and other projects' names): a dotted name in backticks, or written bare bu
 ``self``, or whose first parts are the tail of a module's path (``plan.support``, ``execution.protocol``); in the
 adapters ``options.x`` is ``RunOptions.x``. A framework's name (``jax.devices``, ``keras.Model``) is never checked,
 even where the project has a module of that name. Only the first member after a class is checked: what an attribute
-holds is not known here.
+holds is not known here. The convention: docs/design/docstrings.md.
 """
 
 from __future__ import annotations

@@ -221,17 +221,36 @@ class Run:
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
-    """Reads a run directory (run.json, trials.jsonl). Raises FileNotFoundError when ``path`` is not a run directory
-    and SchemaError when run.json or a trial record was written with a newer schema than this harness reads
-    (``harness.results.schema``); a torn last line of trials.jsonl (a crash mid-write) is dropped."""
+    """Reads a run directory (run.json, trials.jsonl); a torn last line of trials.jsonl (a crash mid-write) is dropped.
+
+    Args:
+        path: the run directory, ``results/<UTC time>-<spec>/``.
+
+    Returns:
+        The ``Run``: ``info`` (run.json), ``records`` (the trials in the order they finished), and its frames.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a run directory.
+        SchemaError: run.json or a trial record was written with a newer schema than this harness reads
+            (``harness.results.schema``)."""
     path = Path(path)
     return Run(path, read_run(path), read_trials(path))
 
 
 def load_history(folder: str | os.PathLike[str] | list[str | os.PathLike[str]]) -> pd.DataFrame:
-    """The trials of many runs in one frame: ``Run.trials`` of every run directory directly under ``folder`` (or of
-    each listed directory), oldest first, with ``run`` (the directory's name), ``run_started`` (run.json's start
-    time) and ``git_commit``. Raises FileNotFoundError when there is no run there; SchemaError as ``load_run``."""
+    """The trials of many runs in one frame, oldest run first.
+
+    Args:
+        folder: a folder whose run directories (each with a run.json) lie directly under it, or a list of run
+            directories.
+
+    Returns:
+        ``Run.trials`` of every run, with ``run`` (the directory's name), ``run_started`` (run.json's start time) and
+        ``git_commit`` in front.
+
+    Raises:
+        FileNotFoundError: no run directory there.
+        SchemaError: as ``load_run``."""
     if isinstance(folder, (list, tuple)):
         paths = [Path(p) for p in folder]
     else:
