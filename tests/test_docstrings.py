@@ -49,6 +49,8 @@ INSTANCES = {"options": "RunOptions"}
 QUOTED = re.compile(r"``([^`\n]+)``|(?<!`)`([^`\n]+)`(?!`)")
 NAME = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")
 BARE = re.compile(r"(?<![\w./`-])((?:harness|adapters)(?:\.[A-Za-z_]\w*)+)")
+#: A triple-quoted string: the docstrings of the files outside the packages, read without parsing them.
+TRIPLE = re.compile(r"(\"\"\"|\'\'\')(.*?)\1", re.S)
 #: A documentation page named in a docstring or comment, maybe with a heading's anchor.
 PAGE = re.compile(r"(?<![\w/])(docs/[\w/.-]+\.md)(?:#([\w-]+))?")
 
@@ -308,9 +310,12 @@ def _texts(path: Path, module: Module | None) -> list[tuple[int, str, str | None
     source = module.source if module is not None else path.read_text(encoding="utf-8")
     if path.suffix == ".md":
         return [(1, source, None)]
-    tree = module.tree if module is not None else ast.parse(source)
-    return [(node.lineno, node.value, cls) for node, cls in _docstrings(tree)] + [
-        (line, text, None) for line, text in _comments(source)]
+    if module is None:  # outside the packages: every triple-quoted string, read from the text (parsing took longer)
+        strings = [(source.count("\n", 0, match.start()) + 1, match.group(2), None)
+                   for match in TRIPLE.finditer(source)]
+    else:
+        strings = [(node.lineno, node.value, cls) for node, cls in _docstrings(module.tree)]
+    return strings + [(line, text, None) for line, text in _comments(source)]
 
 
 def _other_files() -> list[Path]:
