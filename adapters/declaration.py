@@ -45,7 +45,7 @@ def append_flags(current: str, added: str) -> str:
 
     Only flags (``--name`` or ``--name=value``) are kept, whatever the order, and a flag given twice keeps its last
     value in its last place: XLA's parser (``xla/parse_flags_from_env.cc``) reads ``XLA_FLAGS`` as such tokens, and
-    in jaxlib 0.10.2 a token without the dashes (``intra_op_parallelism_threads=1``, 2026-11-28) ended its parsing,
+    in jaxlib 0.10.2 a token without the dashes (``intra_op_parallelism_threads=1``) ended its parsing,
     so that every flag after it, the data-parallel host device count among them, was silently ignored.
 
     Args:

@@ -40,7 +40,7 @@ class HostBackend:
 
     CPU use is the tree's CPU time (user + system, ``psutil.Process.cpu_times``) gained since the sample it is
     measured from, over the time between: a rate, and Linux counts CPU time in clock ticks of 10 ms (USER_HZ 100),
-    so over 1.2 ms one tick read as 875.8 % on a 2-core machine (2026-11-28). A sample less than ``min_rate_s``
+    so one tick over 1.2 ms reads as more than 800 % of a core. A sample less than ``min_rate_s``
     after that base has no CPU figure (None) and leaves the base where it is, so the next sample's figure covers the
     whole time since; at 50 ms a tick is at most 20 % of one core. A process that exits keeps the CPU time it was last
     read with, so the tree's total does not fall back.

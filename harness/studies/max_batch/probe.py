@@ -220,8 +220,8 @@ def peak(outcome: Outcome, device: str) -> tuple[float | None, str]:
     memory = None if result is None else result.metrics.memory
     # What the cap binds: PyTorch's caching allocator refuses to hold more than its fraction of the device
     # (torch.cuda.set_per_process_memory_fraction counts reserved memory), so its reserved peak, not its peak of
-    # live tensors, is what reaches the cap: on an H200 under 16 GB at batch 27,670, 15.6 GB reserved for 12.0 GB of
-    # tensors, and a line through the tensors' peaks predicted 37,436 for a limit of 27,670 (2026-11-27)
+    # live tensors, is what reaches the cap (a line through the tensors' peaks put the limit a third too high on an
+    # H200: docs/findings/2026-11-27-gpu-run.md)
     reserved = None if memory is None else memory.allocator_reserved_peak_bytes
     if reserved:
         return float(reserved), "allocator_reserved_peak_bytes"
