@@ -40,12 +40,14 @@ def worker_seconds(folder: Path) -> float:
     return total
 
 
-def run_advise(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """``harness advise`` as a user runs it: its advice.json, wall seconds and workers' seconds."""
+def run_advise(args: argparse.Namespace, out: Path, validate: bool = False) -> dict[str, Any]:
+    """``harness advise`` as a user runs it (with ``--validate`` where asked): its advice.json, wall seconds and
+    workers' seconds."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "harness", "advise", args.spec, "--framework", args.framework,
                            "--objective", "throughput,time", "--target-accuracy", str(args.target), "--repeats",
-                           str(args.repeats), "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
+                           str(args.repeats), "--out", str(out)] + (["--validate"] if validate else []),
+                          cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"advise failed ({done.returncode}): {done.stderr[-2000:]}")
     folder = next(out.glob("advise-*"))
@@ -59,6 +61,7 @@ def run_sweep(args: argparse.Namespace, sizes: list[int], out: Path) -> dict[str
     from harness import spec as spec_module
     from harness.plan.entries import entry_named
     from harness.results.store import read_trials
+    from harness.studies.advise.trials import evaluation_samples
     from harness.studies.sweep import run_spec
 
     base = spec_module.load(args.spec)
@@ -66,7 +69,8 @@ def run_sweep(args: argparse.Namespace, sizes: list[int], out: Path) -> dict[str
     data = base.model_dump(mode="json", exclude_none=True)
     data.update(frameworks=[entry.model_dump(mode="json", exclude_none=True)], batch_sizes=sizes,
                 seeds=list(range(args.seeds)), repeats=1, epochs=args.max_epochs, target_accuracy=args.target,
-                stop_at_target=True, name=f"{base.name}-exhaustive")
+                stop_at_target=True, evaluate_every=1, evaluate_every_samples=evaluation_samples(base),
+                name=f"{base.name}-exhaustive")
     data.pop("variants", None)
     spec = plan.checked_spec(data, args.spec)
     started = time.perf_counter()
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-epochs", type=int, default=30, help="the sweep's epochs at most (default 30)")
     parser.add_argument("--repeats", type=int, default=3, help="advise's throughput repeats (default 3)")
     parser.add_argument("--rounds", type=int, default=1, help="advise and sweep, interleaved (default 1)")
+    parser.add_argument("--validate", action="store_true",
+                        help="also run advise --validate each round, its measured best against the sweep's")
     parser.add_argument("--out", help="keep the run directories here (default: a temporary folder)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
@@ -114,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append({"advise": {k: v for k, v in advised.items() if k != "advice"},
                            "time": answer[label]["objectives"]["time"], "noise": answer[label]["noise_scale"],
                            "sizes": sizes, "sweep": swept})
+            if args.validate:
+                checked = run_advise(args, root / f"round{index}" / "validate", validate=True)
+                rounds[-1]["validate"] = {"wall_s": checked["wall_s"], "worker_s": checked["worker_s"],
+                                          "validation": checked["advice"]["entries"][label]["objectives"]["time"]
+                                          .get("validation")}
     for index, one in enumerate(rounds):
         table = summary(one["sweep"]["reached"])
         pick = one["time"].get("batch_size")
@@ -135,7 +146,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"advise's pick / the best: {'n/a' if ratio is None else f'{ratio:.2f}'} (goal <= 1.25); compute: "
               f"advise {one['advise']['worker_s']:.1f} worker s ({one['advise']['wall_s']:.1f} s wall), the sweep "
               f"{one['sweep']['worker_s']:.1f} worker s ({one['sweep']['wall_s']:.1f} s wall): "
-              f"{one['advise']['worker_s'] / max(one['sweep']['worker_s'], 1e-9):.2f} of it\n")
+              f"{one['advise']['worker_s'] / max(one['sweep']['worker_s'], 1e-9):.2f} of it")
+        one["compute"] = one["advise"]["worker_s"] / max(one["sweep"]["worker_s"], 1e-9)
+        checked = one.get("validate")
+        if checked and checked["validation"]:
+            v = checked["validation"]
+            measured = v["measured_best"]
+            against = (finite.get(measured) / finite[best]) if measured in finite and best is not None else None
+            one["validated_ratio"] = against
+            held = "held" if v["held"] else "did not hold"
+            own = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
+            share = checked["worker_s"] / max(one["sweep"]["worker_s"], 1e-9)
+            print(f"advise --validate: measured best {measured}, the prediction {held} ({own}x by its own seeds); "
+                  f"the sweep's median there / the best: {'n/a' if against is None else f'{against:.2f}'}; compute "
+                  f"{checked['worker_s']:.1f} worker s, {share:.2f} of the sweep's")
+        print()
+    ratios = sorted(r["ratio"] for r in rounds if r.get("ratio") is not None)
+    if len(rounds) > 1 and ratios:
+        computes = sorted(r["compute"] for r in rounds)
+        print(f"over {len(rounds)} rounds: pick / best median {statistics.median(ratios):.2f} "
+              f"({ratios[0]:.2f}..{ratios[-1]:.2f}); compute median {statistics.median(computes):.2f} "
+              f"({computes[0]:.2f}..{computes[-1]:.2f}) of the sweep's")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds}, indent=1, default=str))
     return 0

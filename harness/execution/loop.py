@@ -59,6 +59,7 @@ class _Loop:
         self.timing, self.seed = trial.timing, trial.seed
         self.augmentation = trial.augmentation
         self.evaluate_every = trial.evaluate_every
+        self.every_samples = trial.evaluate_every_samples
         self.target = trial.target_accuracy
         self.noise = trial.gradient_noise
         self.stop_at_target = trial.stop_at_target
@@ -112,18 +113,34 @@ class _Loop:
             self.compilations_warm = self.adapter.compilations()
         else:
             self.emit(Phase(name="warmup", edge="start"))
-        first = 0
-        while first < self.epochs:  # the epochs up to the next evaluation: a segment
-            last = min(self.epochs, (first // self.evaluate_every + 1) * self.evaluate_every) - 1
+        self.begin_epoch(0)
+        for stop in self.evaluation_steps():  # the steps up to the next evaluation: a segment
             losses: list[tuple[float, int]] = []  # the loss reads: (mean, steps)
-            seconds = self.train_segment(first, last, losses)
+            seconds = self.train_segment(stop, losses)
             self.nonfinite = self.nonfinite or not all(math.isfinite(mean) for mean, steps in losses if steps)
-            self.evaluate(last, losses, seconds, train_started)
-            first = last + 1
+            self.evaluate(losses, seconds, train_started)
             if self.reached is not None and self.stop_at_target:
-                self.epochs = first  # MLPerf's rule: stop at the target; the metrics are of the epochs trained
+                # MLPerf's rule: stop at the target; the metrics are of the epochs trained (a partial one counted)
+                self.epochs = self.epoch + 1
                 break
         return self.metrics()
+
+    @property
+    def done(self) -> int:
+        """Optimizer steps trained so far, warm-up included."""
+        return self.epoch * self.steps_per_epoch + self.position
+
+    def evaluation_steps(self) -> list[int]:
+        """The step counts after which the test set is evaluated, ascending, the last step's included: after every
+        ``evaluate_every``-th epoch, or (``evaluate_every_samples`` k) at the first step at or past each multiple of
+        k samples, one due during warm-up moved to its end."""
+        total = self.epochs * self.steps_per_epoch
+        if self.every_samples is None:
+            ends = {e * self.steps_per_epoch for e in range(self.evaluate_every, self.epochs + 1, self.evaluate_every)}
+        else:
+            k = self.every_samples
+            ends = {max(self.warmup, -(-j * k // self.batch)) for j in range(1, total * self.batch // k + 1)}
+        return sorted({min(end, total) for end in ends} | {total})
 
     def begin_epoch(self, epoch: int) -> None:
         """The epoch's batches (made ahead by ``stage_ahead``, else now), and its augmented images when augmenting
@@ -152,16 +169,18 @@ class _Loop:
             if epoch not in self.staged:
                 self.staged[epoch] = self.epoch_batches(epoch)
 
-    def train_segment(self, first: int, last: int, losses: list[tuple[float, int]]) -> float:
-        """Epochs ``first`` to ``last``: what is left of warm-up, then timed windows; returns their seconds."""
-        self.begin_epoch(first)
+    def train_segment(self, stop: int, losses: list[tuple[float, int]]) -> float:
+        """Up to ``stop`` steps trained in all: what is left of warm-up, then timed windows; returns their
+        seconds."""
+        if self.position == self.steps_per_epoch and self.done < stop:
+            self.begin_epoch(self.epoch + 1)
         while not self.warm:
             self.position = self.warm_up(self.epoch, losses)
+            if self.done >= stop:
+                return 0.0
             if self.position == self.steps_per_epoch:
-                if self.epoch == last:
-                    return 0.0
                 self.begin_epoch(self.epoch + 1)
-        return self.timed(last, losses)
+        return self.timed(stop, losses)
 
     def augment(self, epoch: int) -> None:
         """This epoch's augmented training images, loaded to the device outside the timed windows."""
@@ -207,22 +226,22 @@ class _Loop:
         # every rank of a multi-process data-parallel trial times the same steps: rank 0's choice (Adapter.agree)
         return self.adapter.agree(left if left - steps < least else steps)
 
-    def timed(self, last: int, losses: list[tuple[float, int]]) -> float:
-        """The rest of the segment in timed windows, synced at both edges; returns their seconds. Without
-        augmentation a window runs on across the ends of epochs before ``last`` (in resident mode the batches of
-        the epochs it runs into are made before its clock starts: ``stage_ahead``; a loader's next epoch starts
-        inside it, as a training loop starts its next epoch's iterator); with it, a window ends with its epoch (the
-        augmented images are loaded between). Each window's clock stops when the device has done its work
-        (``Adapter.wait``); the loss is read after that (``Adapter.read_loss``: the mean of the window's steps and
-        their count), outside the clock, and the next window's clock starts after the read (reading a loss is the
-        harness's own work: in MXNet a sum operator and an engine round trip, about 0.5 ms on this project's CPU)."""
+    def timed(self, stop: int, losses: list[tuple[float, int]]) -> float:
+        """The rest of the segment, up to ``stop`` steps in all, in timed windows synced at both edges; returns their
+        seconds. Without augmentation a window runs on across the ends of epochs before ``stop`` (in resident mode the
+        batches of the epochs it runs into are made before its clock starts: ``stage_ahead``; a loader's next epoch
+        starts inside it, as a training loop starts its next epoch's iterator); with it, a window ends with its epoch
+        (the augmented images are loaded between). Each window's clock stops when the device has done its work
+        (``Adapter.wait``); the loss is read after that (``Adapter.read_loss``: the mean of the window's steps and their
+        count), outside the clock, and the next window's clock starts after the read (reading a loss is the harness's
+        own work: in MXNet a sum operator and an engine round trip, about 0.5 ms on this project's CPU)."""
         self.adapter.wait()
         self.emit(Phase(name="train", epoch=self.epoch, edge="start"))
         total = 0.0
         while True:
-            left = self.steps_per_epoch - self.position
-            if not self.augmentation or self.loader:  # a loader augments as it reads: windows run on
-                left += (last - self.epoch) * self.steps_per_epoch
+            left = stop - self.done
+            if self.augmentation and not self.loader:  # a loader augments as it reads: windows run on
+                left = min(left, self.steps_per_epoch - self.position)
             count = self.window_steps(left)
             self.stage_ahead(count)
             fetched = self.fetch_seconds
@@ -240,9 +259,9 @@ class _Loop:
             self.step_seconds.append(self.step_estimate)
             self.measured_steps += count
             total += seconds
+            if self.done == stop:
+                break
             if self.position == self.steps_per_epoch:
-                if self.epoch == last:
-                    break
                 self.emit(Phase(name="train", epoch=self.epoch, edge="end"))
                 self.begin_epoch(self.epoch + 1)  # augmenting: the epoch's images load between two windows
                 self.adapter.wait()
@@ -251,31 +270,31 @@ class _Loop:
         self.measured_seconds += total
         return total
 
-    def evaluate(self, epoch: int, losses: list[tuple[float, int]], epoch_seconds: float,
-                 train_started: float) -> None:
-        """The test set after epoch ``epoch`` (outside the timed windows), its record and time to the target. With
-        ``evaluate_every`` k > 1 this follows every k-th epoch and the last. ``losses``: the loss reads since the
-        evaluation before, (mean, steps) each; the record's ``train_loss`` is their mean weighted by steps, the mean
-        over every step (``train_loss_steps`` of them; nan when none), and ``timed_s`` the timed seconds since
-        the evaluation before."""
-        noise = self.gradient_norms(epoch)
+    def evaluate(self, losses: list[tuple[float, int]], epoch_seconds: float, train_started: float) -> None:
+        """The test set after the steps trained so far (outside the timed windows), its record and time to the target
+        (``evaluation_steps`` says when); the record's ``epoch`` is the one its last step belongs to. ``losses``: the
+        loss reads since the evaluation before, (mean, steps) each; the record's ``train_loss`` is their mean weighted
+        by steps, the mean over every step (``train_loss_steps`` of them; nan when none), and ``timed_s`` the timed
+        seconds since the evaluation before."""
+        epoch, step = (self.done - 1) // self.steps_per_epoch, self.done
+        noise = self.gradient_norms(epoch, None if self.every_samples is None else step)
         self.emit(Phase(name="eval", epoch=epoch, edge="start"))
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
         self.emit(Phase(name="eval", epoch=epoch, edge="end"))
         if self.target is not None and self.reached is None and test_accuracy >= self.target:
             # training_s: timed training only (warm-up steps and evaluations excluded);
             # wall_s: from the first step to the end of this evaluation, everything included.
-            self.reached = {"epochs": epoch + 1, "training_s": self.measured_seconds,
+            self.reached = {"epochs": epoch + 1, "steps": step, "training_s": self.measured_seconds,
                             "wall_s": time.perf_counter() - train_started}
         steps = sum(count for _, count in losses)
         train_loss = sum(mean * count for mean, count in losses if count) / steps if steps else math.nan
         record: dict[str, Any] = {"epoch": epoch, "train_loss": train_loss, "train_loss_steps": steps,
                                   "test_loss": test_loss, "test_accuracy": test_accuracy, "timed_s": epoch_seconds,
-                                  "gradient_noise": noise}
+                                  "gradient_noise": noise, "step": step}
         self.epoch_records.append(record)
         self.emit(Epoch(**record))
 
-    def gradient_norms(self, epoch: int) -> GradientNoise | None:
+    def gradient_norms(self, epoch: int, step: int | None = None) -> GradientNoise | None:
         """The squared gradient norms of ``gradient_noise.probes`` batches of the trial's samples per step (B), each
         split into ``micro_batches`` (``Adapter.gradient_norms``), at the parameters reached after epoch ``epoch``;
         None when the trial measures none. The probe batches are drawn without replacement from the training set by
@@ -285,7 +304,8 @@ class _Loop:
             return None
         start = time.perf_counter()
         probes = min(self.noise.probes, self.n // self.batch)
-        order = np.random.default_rng([self.seed, epoch, PROBES]).permutation(self.n)[:probes * self.batch]
+        key = [self.seed, epoch, PROBES] + ([] if step is None else [step])  # several evaluations an epoch: by step
+        order = np.random.default_rng(key).permutation(self.n)[:probes * self.batch]
         small, big = [], []
         for batch in self.adapter.batches(order.astype(np.int64), self.batch, epoch):
             norms, whole = self.adapter.gradient_norms(batch, self.noise.micro_batches)
@@ -305,7 +325,7 @@ class _Loop:
         end = None if warm is None else self.adapter.compilations()
         return TrialMetrics(
             steps_per_epoch=self.steps_per_epoch,
-            total_steps=self.steps_per_epoch * self.epochs,
+            total_steps=self.done,
             measured_steps=self.measured_steps,
             measured_samples=self.measured_steps * self.batch,
             measured_s=self.measured_seconds,

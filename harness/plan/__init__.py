@@ -255,6 +255,7 @@ class Trial:
     optimizer: OptimizerSpec | None = None
     augmentation: bool = False
     evaluate_every: int = 1
+    evaluate_every_samples: int | None = None
     precision: Precision = "fp32"
     compile: CompileMode = "default"
     label: str = ""
@@ -394,6 +395,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               accumulation_steps=spec.accumulation_steps, samples_per_step=batch * spec.accumulation_steps,
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every, input=variant.input,
+              evaluate_every_samples=spec.evaluate_every_samples,
               loader=spec.loader, gradient_noise=spec.gradient_noise, stop_at_target=spec.stop_at_target)
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])

@@ -76,6 +76,7 @@ class Epoch(_Event):
     test_accuracy: float
     timed_s: float
     gradient_noise: GradientNoise | None = None
+    step: int | None = None
 
 
 class Result(_Event):

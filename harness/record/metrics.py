@@ -27,9 +27,11 @@ class GradientNoise(Strict):
 
 class EpochMetrics(Strict):
     """One evaluation of a trial (``metrics.epochs``): after epoch ``epoch`` (0-based), which is every epoch unless
-    the spec's ``evaluate_every`` k > 1 (then every k-th and the last)."""
+    the spec's ``evaluate_every`` k > 1 (then every k-th and the last); with ``evaluate_every_samples`` after the
+    step ``step`` within (or at the end of) epoch ``epoch``."""
 
     epoch: int | None = None
+    step: int | None = Field(default=None, description="optimizer steps trained when evaluated, warm-up included")
     train_loss: float | None = Field(default=None, description=(
         "mean loss over every optimizer step since the evaluation before, warm-up steps included (records without "
         "train_loss_steps: the mean of the losses of the timed windows' last steps)"))
@@ -45,7 +47,9 @@ class EpochMetrics(Strict):
 class TimeToTarget(Strict):
     """When the test accuracy first reached the spec's ``target_accuracy``."""
 
-    epochs: int = Field(description="epochs trained when an evaluation first reached the target")
+    epochs: int = Field(description="epochs trained when an evaluation first reached the target (a partial one "
+                                    "counted)")
+    steps: int | None = Field(default=None, description="optimizer steps trained until then, warm-up included")
     training_s: float = Field(description="seconds inside the timed windows until then (warm-up and evaluations "
                                           "excluded)")
     wall_s: float = Field(description="seconds from the first step to the end of that evaluation, everything "

@@ -86,7 +86,12 @@ def timing_mode(timing: dict[str, Any]) -> str:
 
 
 def _evaluation(spec: dict[str, Any]) -> str:
-    """When the test set was evaluated (``evaluate_every``, absent in runs before it: every epoch), in words."""
+    """When the test set was evaluated (``evaluate_every``, absent in runs before it: every epoch, or
+    ``evaluate_every_samples``), in words."""
+    samples = spec.get("evaluate_every_samples")
+    if samples:
+        return (f"evaluation every {samples:,} training samples (at the first step past each multiple) and after the "
+                "last step, not timed")
     every = spec.get("evaluate_every", 1)
     if every == 1:
         return "evaluation after each epoch, not timed"

@@ -109,6 +109,10 @@ class Spec(_Strict):
     evaluate_every: the test set is evaluated after every k-th epoch and after the last (default 1: every epoch, as
     Keras's ``validation_freq`` and Lightning's ``check_val_every_n_epoch`` count); timed windows run on across the
     epochs in between (``harness.execution.worker``), which matters when an epoch is a few steps.
+    evaluate_every_samples: instead, the test set is evaluated whenever another k training samples have been
+    trained (at the first step boundary at or past each multiple of k, and after the last step; MLPerf's rule of
+    evaluating at a fixed sample interval whatever the batch size), so that time to a target is resolved finer than
+    an epoch; evaluations due during warm-up wait for its end.
     seeds: several seeds instead of ``seed``, each its own trials (initial weights, batch order, augmentation and
     dropout all follow the seed): accuracy and loss are then reported as the mean over the seeds with a 95 %
     t-interval, the spread that the small-vs-large-batch question needs; ``repeats`` (the same seed again) measure
@@ -166,6 +170,7 @@ class Spec(_Strict):
     after_oom: Literal["skip", "try"] = "skip"
     augmentation: bool = False
     evaluate_every: int = Field(default=1, ge=1)
+    evaluate_every_samples: int | None = Field(default=None, ge=1)
     precision: Precision = "fp32"
     compile: CompileMode = "default"
     variants: VariantsSpec | None = None
@@ -192,6 +197,13 @@ class Spec(_Strict):
         if stop and info.data.get("target_accuracy") is None:
             raise ValueError("stop_at_target needs target_accuracy (the test accuracy to stop at)")
         return stop
+
+    @field_validator("evaluate_every_samples")
+    @classmethod
+    def _one_evaluation_rule(cls, every: int | None, info: ValidationInfo) -> int | None:
+        if every is not None and info.data.get("evaluate_every", 1) != 1:
+            raise ValueError("give evaluate_every (epochs) or evaluate_every_samples, not both")
+        return every
 
     @field_validator("frameworks", mode="before")
     @classmethod

@@ -313,6 +313,27 @@ def test_every_kth_epoch_and_the_last_are_evaluated_and_windows_never_cross_an_e
     assert [w.count("step") for w in _windows_between_syncs(calls)] == [1, 9, 3, 7, 20, 10]
 
 
+def test_every_k_samples_is_evaluated_at_the_first_step_past_each_multiple_and_the_target_stops_mid_epoch():
+    """evaluate_every_samples 12 at batch 4 over 3 epochs of 10 steps: after steps 3, 6, ..., 30 (the one due in
+    warm-up, step 3, at its end, step 4); windows end at each evaluation and run on across the ends of epochs."""
+    calls, metrics = _train({"window": 10}, samples=40, epochs=3, warmup=4, evaluate_every_samples=12)
+    assert [e["step"] for e in metrics["epochs"]] == [4, 6, 9, 12, 15, 18, 21, 24, 27, 30]
+    assert [e["epoch"] for e in metrics["epochs"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    evals = [i for i, call in enumerate(calls) if call == "eval"]
+    assert [calls[a:b].count("step") for a, b in zip([0] + evals, evals)] == [4, 2, 3, 3, 3, 3, 3, 3, 3, 3]
+    assert metrics["measured_steps"] == 26 and metrics["total_steps"] == 30
+    # 7 samples: every step past 7, 14, 21, ... (steps 2, 4, 6, 7, 9, ...); a batch above k: every step
+    _, metrics = _train({"window": 10}, samples=40, epochs=1, evaluate_every_samples=7)
+    assert [e["step"] for e in metrics["epochs"]] == [2, 4, 6, 7, 9, 10]
+    _, metrics = _train({"window": 10}, samples=40, epochs=1, evaluate_every_samples=3)
+    assert [e["step"] for e in metrics["epochs"]] == list(range(1, 11))
+    # stop_at_target at the first evaluation past warm-up (RecordingAdapter's accuracy is 0.9): mid-epoch
+    _, metrics = _train({"window": 10}, samples=40, epochs=3, warmup=1, evaluate_every_samples=16,
+                        target_accuracy=0.8, stop_at_target=True)
+    assert [e["step"] for e in metrics["epochs"]] == [4] and metrics["time_to_target"]["steps"] == 4
+    assert metrics["time_to_target"]["epochs"] == 1 and metrics["total_steps"] == 4 and metrics["measured_steps"] == 3
+
+
 def test_augmented_epochs_end_their_windows_before_the_next_epochs_images():
     calls, metrics = _train({"window": 4}, samples=40, epochs=3, evaluate_every=3, augmentation=True)
     windows = _windows_between_syncs(calls)
@@ -336,6 +357,12 @@ def test_evaluate_every_is_checked_and_stated_in_the_report(tmp_path):
     assert {t.evaluate_every for t in plan(spec, "cpu")} == {3}
     assert _evaluation({}) == "evaluation after each epoch, not timed"
     assert "after every 5 epochs and the last" in _evaluation({"evaluate_every": 5})
+    assert "every 1,000 training samples" in _evaluation({"evaluate_every_samples": 1000})
+    path.write_text(path.read_text() + "evaluate_every_samples: 100\n")
+    with pytest.raises(SpecError, match="evaluate_every.*evaluate_every_samples, not both"):
+        load(path)
+    path.write_text(path.read_text().replace("evaluate_every: 3", "evaluate_every: 1"))
+    assert {t.evaluate_every_samples for t in plan(load(path), "cpu")} == {100}
 
 
 class LastStepAdapter(RecordingAdapter):

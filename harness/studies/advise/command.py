@@ -149,92 +149,117 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
     from harness.measure.machine import resolve_device
 
     labels, noise_batch, k = check(spec, spec_path, options)
-    device = options.device or resolve_device(spec.device)
     target = options.target if options.target is not None else spec.target_accuracy
-    folder = run_directory(options.out, spec)
-    budget = Budget(options.budget_s)
-    answer: dict[str, Any] = {"spec": str(spec_path), "device": device, "target_accuracy": target,
+    run = Stages(spec, spec_path, options, labels, options.device or resolve_device(spec.device), target,
+                 run_directory(options.out, spec), Budget(options.budget_s), trials.train_size_of(spec))
+    answer: dict[str, Any] = {"spec": str(spec_path), "device": run.device, "target_accuracy": target,
                               "objectives": list(options.objectives), "entries": {}}
-
-    # memory: max-batch per entry; the smallest recommendation bounds every entry's candidates
-    memory: dict[str, dict[str, Any]] = {}
-    if "memory" in options.objectives or options.global_batch:
-        for label in labels:
-            if budget.allows(f"memory {label}"):
-                memory[label] = budget.timed("memory", partial(max_batch, spec, spec_path, label, device, folder))
-    train_size = trials.train_size_of(spec)
+    memory = run.memory()
     bounds = [m["recommended"] for m in memory.values() if m.get("recommended")]
-    largest = min(min(bounds) if bounds else max(spec.batch_sizes), train_size // 2)
+    largest = min(min(bounds) if bounds else max(spec.batch_sizes), run.train_size // 2)
     sizes = candidates(min(min(spec.batch_sizes), largest), largest, min(bounds) if bounds else None)
     answer["candidates"] = sizes
-
-    # the order: step times at the ends (calibration), the noise trial, then the throughput trials, each timing no
-    # more steps than the training to the target it predicts (the compute goal: where training to the target takes
-    # less than a second, timing a second a trial spends more than training each size to the target would)
-    speeds: dict[str, list[Speed]] = {label: [] for label in labels}
-    measure_speed = bool({"throughput", "time", "energy"} & set(options.objectives))
-    step_s: dict[tuple[str, int], float] = {}
-    if measure_speed and budget.allows("throughput"):
-        step_s = budget.timed("throughput", partial(trials.calibrate, spec, spec_path, labels, sizes, train_size,
-                                                    folder / "calibration"))
-
-    noise: dict[str, NoiseScale] = {}
-    reached: dict[str, int | None] = {}
-    if {"time", "energy"} & set(options.objectives) and budget.allows("noise"):
-        run_dir = budget.timed("noise", partial(trials.noise_trial, spec, spec_path, labels, noise_batch, k,
-                                                options.probes, target, folder))
-        answer["noise_run"] = str(run_dir)
-        noise, reached = trials.noise_scales(store.read_trials(run_dir), labels, noise_batch, k, target, spec.seed)
-
-    if step_s and budget.allows("throughput"):
-        bound = {label: model for label in labels
-                 if (model := steps_model(noise.get(label), reached.get(label), noise_batch)) is not None}
-        floor_s = trials.MIN_ENERGY_S if "energy" in options.objectives and device != "cpu" else 0.0
-        run_dir = budget.timed("throughput", partial(trials.throughput, spec, spec_path, labels, sizes, train_size,
-                                                     options.repeats, folder, step_s, bound, floor_s))
-        answer["throughput_run"] = str(run_dir)
-        answer["throughput_bound"] = {label: {"b_noise": b, "s_min": s} for label, (b, s) in bound.items()}
-        speeds = trials.speeds_of(store.read_trials(run_dir), labels)
-
+    speeds, noise, reached = run.speed_and_noise(sizes, noise_batch, k, answer)
     for label in labels:
         answer["entries"][label] = entry_answer(label, options.objectives, memory.get(label), speeds[label],
-                                                noise.get(label), reached.get(label), noise_batch, target, device)
-    if options.global_batch:
-        for label in labels:
-            answer["entries"][label]["global_batch"] = global_batch(spec, spec_path, label, options.global_batch,
-                                                                    memory.get(label), options.repeats, device,
-                                                                    budget, folder)
+                                                noise.get(label), reached.get(label), noise_batch, target, run.device)
+        if options.global_batch:
+            answer["entries"][label]["global_batch"] = global_batch(run, label, options.global_batch,
+                                                                    memory.get(label))
     if options.validate and target is not None:
         for label in labels:
-            validate(spec, spec_path, label, answer["entries"][label]["objectives"]["time"],
-                     [s.batch_size for s in speeds[label]] or sizes, target, budget, folder)
+            validate(run, label, answer["entries"][label]["objectives"]["time"],
+                     [s.batch_size for s in speeds[label]] or sizes)
+    budget = run.budget
     answer["spent"] = {"seconds": budget.spent, "wall_s": round(time.monotonic() - budget.start, 1),
                        "cut": budget.cut}
     answer["notes"] = [f"the budget of {options.budget_s:.0f} s cut: {', '.join(budget.cut)}; the answer rests on "
                        "the stages that ran"] if budget.cut else []
-    (folder / "advice.json").write_text(json.dumps(answer, indent=2, default=str), encoding="utf-8")
+    (run.folder / "advice.json").write_text(json.dumps(answer, indent=2, default=str), encoding="utf-8")
     from harness.studies.advise.output import markdown
 
-    (folder / "advice.md").write_text(markdown(answer), encoding="utf-8")
-    return folder
+    (run.folder / "advice.md").write_text(markdown(answer), encoding="utf-8")
+    return run.folder
 
 
-def validate(spec: Spec, spec_path: str | Path, label: str, time_answer: dict[str, Any], sizes: list[int],
-             target: float, budget: Budget, folder: Path) -> None:
-    """``--validate`` for one entry: ``sizes`` trained to ``target`` by successive halving, the budget asked before
+@dataclass
+class Stages:
+    """One ``advise`` command's stages and what they share: the spec, the options, the entries' labels, the device,
+    the target, the run directory, the budget and the training set's size."""
+
+    spec: Spec
+    spec_path: str | Path
+    options: Options
+    labels: list[str]
+    device: str
+    target: float | None
+    folder: Path
+    budget: Budget
+    train_size: int
+
+    def memory(self) -> dict[str, dict[str, Any]]:
+        """max-batch per entry (``max_batch``), where the memory objective or ``--global-batch`` asks for it."""
+        out: dict[str, dict[str, Any]] = {}
+        if "memory" in self.options.objectives or self.options.global_batch:
+            for label in self.labels:
+                if self.budget.allows(f"memory {label}"):
+                    out[label] = self.budget.timed("memory", partial(max_batch, self.spec, self.spec_path, label,
+                                                                     self.device, self.folder))
+        return out
+
+    def speed_and_noise(self, sizes: list[int], noise_batch: int, k: int, answer: dict[str, Any]
+                        ) -> tuple[dict[str, list[Speed]], dict[str, NoiseScale], dict[str, int | None]]:
+        """Step times at the ends of ``sizes`` (calibration), the noise trial, then the throughput trials, each
+        timing no more steps than the training to the target it predicts (the compute goal: where training to the
+        target takes less than a second, timing a second a trial spends more than training each size to the target
+        would). Returns per entry the speeds, the noise scale and the steps the noise trial took to the target;
+        the stages' run directories go in ``answer``."""
+        spec, path, labels, budget = self.spec, self.spec_path, self.labels, self.budget
+        objectives = self.options.objectives
+        speeds: dict[str, list[Speed]] = {label: [] for label in labels}
+        step_s: dict[tuple[str, int], float] = {}
+        if {"throughput", "time", "energy"} & set(objectives) and budget.allows("throughput"):
+            step_s = budget.timed("throughput", partial(trials.calibrate, spec, path, labels, sizes, self.train_size,
+                                                        self.folder / "calibration"))
+        noise: dict[str, NoiseScale] = {}
+        reached: dict[str, int | None] = {}
+        if {"time", "energy"} & set(objectives) and budget.allows("noise"):
+            run_dir = budget.timed("noise", partial(trials.noise_trial, spec, path, labels, noise_batch, k,
+                                                    self.options.probes, self.target, self.folder))
+            answer["noise_run"] = str(run_dir)
+            noise, reached = trials.noise_scales(store.read_trials(run_dir), labels, noise_batch, k, self.target,
+                                                 spec.seed)
+        if step_s and budget.allows("throughput"):
+            bound = {label: model for label in labels
+                     if (model := steps_model(noise.get(label), reached.get(label), noise_batch)) is not None}
+            floor_s = trials.MIN_ENERGY_S if "energy" in objectives and self.device != "cpu" else 0.0
+            run_dir = budget.timed("throughput", partial(trials.throughput, spec, path, labels, sizes,
+                                                         self.train_size, self.options.repeats, self.folder, step_s,
+                                                         bound, floor_s))
+            answer["throughput_run"] = str(run_dir)
+            answer["throughput_bound"] = {label: {"b_noise": b, "s_min": s} for label, (b, s) in bound.items()}
+            speeds = trials.speeds_of(store.read_trials(run_dir), labels)
+        return speeds, noise, reached
+
+
+def validate(run: Stages, label: str, time_answer: dict[str, Any], sizes: list[int]) -> None:
+    """``--validate`` for one entry: ``sizes`` trained to the target by successive halving, the budget asked before
     each round; the judgement of the time answer's size goes in ``time_answer["validation"]``."""
-    def train(alive: list[int], seeds: list[int]) -> dict[int, list[float | None]]:
-        return trials.validation_round(spec, spec_path, label, alive, seeds, target, folder / f"validate-{label}")
+    target = run.target
+    assert target is not None  # check: --validate needs one
 
-    result = budget.timed("validate", partial(successive_halving, sizes, train, spec.seed,
-                                              lambda: budget.allows(f"validate {label}")))
+    def train(alive: list[int], seeds: list[int]) -> dict[int, list[float | None]]:
+        return trials.validation_round(run.spec, run.spec_path, label, alive, seeds, target,
+                                       run.folder / f"validate-{label}")
+
+    result = run.budget.timed("validate", partial(successive_halving, sizes, train, run.spec.seed,
+                                                  lambda: run.budget.allows(f"validate {label}")))
     time_answer["validation"] = result.judge(time_answer.get("batch_size"))
 
 
-def global_batch(spec: Spec, spec_path: str | Path, label: str, size: int, memory: dict[str, Any] | None,
-                 repeats: int, device: str, budget: Budget, folder: Path) -> dict[str, Any]:
+def global_batch(run: Stages, label: str, size: int, memory: dict[str, Any] | None) -> dict[str, Any]:
     """``--global-batch`` for one entry: the plans that reach ``size`` (``harness.studies.advise.global_batch``)
-    under the memory stage's recommendation, measured ``repeats`` times; advice.json's ``global_batch``."""
+    under the memory stage's recommendation, measured ``--repeats`` times; advice.json's ``global_batch``."""
     from harness.studies.advise import global_batch as plans_of
 
     largest = memory.get("recommended") if memory else None
@@ -242,13 +267,13 @@ def global_batch(spec: Spec, spec_path: str | Path, label: str, size: int, memor
     if largest is None:
         found = "not run (the budget)" if memory is None else f"{memory['status']} {memory['reason'] or ''}".strip()
         return {**unanswered, "reason": f"no micro-batch is known to hold (max-batch: {found})"}
-    if not budget.allows(f"global batch {label}"):
+    if not run.budget.allows(f"global batch {label}"):
         return {**unanswered, "reason": "not measured (the budget)"}
-    devices = gpu_count() if device != "cpu" else 1
+    devices = gpu_count() if run.device != "cpu" else 1
     chosen = plans_of.plans(size, largest, devices)
-    measured = budget.timed("global batch", partial(plans_of.measure, spec, spec_path, label, chosen, repeats,
-                                                    trials.train_size_of(spec), folder))
-    return plans_of.answer(spec, label, size, largest, measured, devices)
+    measured = run.budget.timed("global batch", partial(plans_of.measure, run.spec, run.spec_path, label, chosen,
+                                                        run.options.repeats, run.train_size, run.folder))
+    return plans_of.answer(run.spec, label, size, largest, measured, devices)
 
 
 def gpu_count() -> int:

@@ -20,12 +20,16 @@ from harness.spec import Spec
 from harness.studies.advise.noise import NoiseScale, noise_scale
 from harness.studies.advise.predict import Speed, steps_to_target
 
-#: Timed steps a throughput trial has at least (its epochs are raised to give them): with 10, an MLP on digits timed
-#: 10 ms at batch 256 on this project's CPU and its repeats spread 5-fold.
+#: Timed steps a throughput trial has at least (its epochs are raised to give them): fewer spread the repeats of a
+#: small model several-fold (docs/findings/2026-11-28-advise.md).
 MIN_TIMED_STEPS = 50
-#: Timed seconds a throughput trial aims at: on an H200 (2026-11-28) 50 steps were 10 to 30 ms of JAX and about
-#: 0.1 s of PyTorch, shorter than NVML's energy counter refresh (0.1 s): no energy figure, and intervals to 0.
+#: Timed seconds a throughput trial aims at where no prediction bounds it: 50 steps of a small model on a GPU are
+#: shorter than NVML's energy counter refresh (docs/findings/2026-11-28-gpu-run.md).
 MIN_TIMED_S = 1.0
+#: Evaluations per epoch of the training set where advise measures time to the target by training (``--validate``):
+#: every training set / 8 samples, the same at every batch size, so that steps to the target are resolved finer
+#: than an epoch (an MLP on digits has 179 steps an epoch at batch 8, 2 at 512).
+EVALUATIONS_PER_EPOCH = 8
 #: Timed steps a throughput trial bounded by its predicted steps to the target has at least.
 MIN_BOUNDED_STEPS = 10
 #: Timed seconds a bounded trial has at least where energy is an objective on a device with an energy counter:
@@ -202,16 +206,23 @@ def speeds_of(records: list[TrialRecord], labels: list[str]) -> dict[str, list[S
     return {label: sorted(by_size.values(), key=lambda s: s.batch_size) for label, by_size in out.items()}
 
 
+def evaluation_samples(spec: Spec) -> int:
+    """The samples between evaluations where time to the target is measured by training: the training set over
+    ``EVALUATIONS_PER_EPOCH`` (at least 1)."""
+    return max(1, train_size_of(spec) // EVALUATIONS_PER_EPOCH)
+
+
 def validation_round(spec: Spec, spec_path: str | Path, label: str, sizes: list[int], seeds: list[int],
                      target: float, folder: Path) -> dict[int, list[float | None]]:
     """One round of ``--validate`` (``harness.studies.advise.validate``) for one entry: ``sizes`` x ``seeds``
-    trained until ``target`` (``stop_at_target``, at most the spec's epochs). Returns per size the timed training
+    trained until ``target`` (``stop_at_target``, at most the spec's epochs), evaluated every
+    ``evaluation_samples`` samples. Returns per size the timed training
     seconds to the target of each seed, in ``seeds``' order (None: not reached, or the trial failed)."""
     from harness.studies import sweep
 
     run_spec = derived(spec, spec_path, batch_sizes=sizes, seeds=seeds, repeats=1, accumulation_steps=1,
                        target_accuracy=target, stop_at_target=True, evaluate_every=1,
-                       frameworks=entry_dicts(spec, [label]))
+                       evaluate_every_samples=evaluation_samples(spec), frameworks=entry_dicts(spec, [label]))
     log(f"validate {label}: {len(sizes)} sizes x seeds {seeds[0]}..{seeds[-1]} to {target}")
     run_dir = sweep.run_spec(run_spec, folder, spec_path)
     by_trial = {(r.batch_size, r.seed): r for r in store.read_trials(run_dir) if r.label == label}
