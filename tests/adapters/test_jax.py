@@ -38,11 +38,44 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
 
 
-def test_the_jax_adapter_suite_passes_in_its_own_environment(jax_python):
-    proc = subprocess.run([jax_python, "-m", "pytest", "tests/adapters/jax_suite.py", "-q", "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
+#: What one interpreter in envs/jax runs (``in_env``): the suite (tests/adapters/jax_suite.py, by pytest, its report
+#: on stdout and its exit status in the file ``suite-exit``), then, in the same interpreter, ``scenarios.run`` and
+#: ``scenarios.run_blocks`` of the adapter into ``all.npz`` (any output on stderr), as tests/adapters/keras_checks.py
+#: does for Keras. One interpreter instead of three (the suite, the layers, the blocks): JAX, the harness and the
+#: digits loaded once. Nothing of the tests is imported before pytest collects them; the scenarios compare with
+#: PyTorch as before.
+_IN_ENV = """
+import contextlib, sys
+from pathlib import Path
+import pytest
+out = Path(sys.argv[1])
+code = pytest.main(["tests/adapters/jax_suite.py", "-q", "-p", "no:cacheprovider"])
+sys.stdout.flush()
+(out / "suite-exit").write_text(str(int(code)))
+with contextlib.redirect_stdout(sys.stderr):
+    import numpy as np
+    import adapters
+    from tests.adapters import scenarios
+    cls = adapters.get("jax")
+    np.savez(out / "all.npz", **scenarios.run(cls), **scenarios.run_blocks(cls))
+"""
+
+
+@pytest.fixture(scope="module")
+def in_env(jax_python, tmp_path_factory):
+    """(the process, its folder): ``_IN_ENV`` run once in envs/jax, for the suite's test and the scenarios'
+    fixtures (``jax_runs``)."""
+    folder = tmp_path_factory.mktemp("jax")
+    proc = subprocess.run([jax_python, "-c", _IN_ENV, str(folder)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800, env=_env())
+    return proc, folder
+
+
+def test_the_jax_adapter_suite_passes_in_its_own_environment(in_env):
+    proc, folder = in_env
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
+    assert (folder / "suite-exit").exists(), tail
+    assert (folder / "suite-exit").read_text() == "0", tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(rf"\b{SUITE_TESTS} passed\b", summary) and not re.search(r"skipped|failed|error", summary), tail
 
@@ -65,15 +98,24 @@ def test_a_loader_trial_needs_the_declared_loader_modules_in_the_environment(jax
 
 
 @pytest.fixture(scope="module")
-def runs(jax_python, tmp_path_factory, pytorch_runs):
-    """{"jax": ..., "pytorch": ...}: scenarios.run of each (JAX in envs/jax, PyTorch here)."""
-    path = tmp_path_factory.mktemp("jax") / "jax.npz"
-    proc = subprocess.run([jax_python, "-m", "tests.adapters.scenarios", "jax", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=_env())
+def jax_runs(in_env) -> dict[str, np.ndarray]:
+    """scenarios.run and scenarios.run_blocks of JAX, in envs/jax (the interpreter of the suite)."""
+    proc, folder = in_env
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(path) as loaded:
-        jax_out = dict(loaded)
-    return {"jax": jax_out, "pytorch": pytorch_runs}
+    with np.load(folder / "all.npz") as loaded:
+        return dict(loaded)
+
+
+@pytest.fixture(scope="module")
+def runs(jax_runs, pytorch_runs):
+    """{"jax": ..., "pytorch": ...}: scenarios.run of each (JAX in envs/jax, PyTorch here)."""
+    return {"jax": {k: v for k, v in jax_runs.items() if k in pytorch_runs}, "pytorch": pytorch_runs}
+
+
+def test_layers_and_blocks_are_apart(jax_runs, pytorch_runs, pytorch_block_runs):
+    """The one-process run holds exactly the keys of both runs, none of them shared."""
+    assert not set(pytorch_runs) & set(pytorch_block_runs)
+    assert sorted(jax_runs) == sorted([*pytorch_runs, *pytorch_block_runs])
 
 
 def test_the_same_scenarios_ran(runs):
@@ -120,15 +162,9 @@ def test_gradient_accumulation_equals_one_large_batch_in_jax(runs):
 
 
 @pytest.fixture(scope="module")
-def block_runs(jax_python, tmp_path_factory):
+def block_runs(jax_runs):
     """scenarios.run_blocks of JAX, in envs/jax."""
-    path = tmp_path_factory.mktemp("jax-blocks") / "jax.npz"
-    proc = subprocess.run([jax_python, "-m", "tests.adapters.scenarios", "jax", str(path), "blocks"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(path) as loaded:
-        jax_out = dict(loaded)
-    return jax_out
+    return {k: v for k, v in jax_runs.items() if k.startswith("blocks-")}
 
 
 def test_the_residual_and_transformer_models_give_the_same_logits(block_runs, pytorch_block_runs):
