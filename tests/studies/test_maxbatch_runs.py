@@ -163,7 +163,7 @@ def fake_search(monkeypatch, tmp_path, fits, peak=lambda b: 50e6 + 1e6 * b, run_
     sizes = simulate_workers(monkeypatch, fits, peak=peak, runs=runs, run_fits=run_fits, run_peak=run_peak,
                       payloads=kwargs.pop("payloads", None))
     spec = checked_spec(base_spec(memory_limit_mb=400, **kwargs.pop("spec", {})), tmp_path / "s.yaml")
-    kwargs = {"initial_sizes": (16, 64), "tolerance": 0.02, **kwargs}
+    kwargs = {"initial_sizes": (16, 64), "tolerance": 0.02, "margin_floor": 0.0, **kwargs}  # the spread alone
     return find_max_batch(spec, "pytorch", device="cpu", **kwargs), sizes, runs
 
 
@@ -299,6 +299,47 @@ def test_runs_noisier_than_the_probes_grow_the_margin(monkeypatch, tmp_path):
     assert result.margin_samples == 35 and runs == [16, 315, 315] and result.recommended == 315
 
 
+def test_a_tiny_model_far_below_its_cap_is_recommended_the_dataset_bound(monkeypatch, tmp_path):
+    """Issue 59's bug: a tiny MLP on digits under a cap of 21 GB (the host's memory) never runs out of memory; its
+    peaks (3 MB + 1.6 kB per sample) spread 0.5 MB between run checks and a run stands 0.8 MB above a probe at 16.
+    The margin is judged against the cap, which leaves 20 GB: the recommendation is the largest batch a run of the
+    spec trains (digits: 1438 training samples, one warm-up step in one epoch: 719), not 16."""
+    from harness.studies import max_batch
+    from harness.studies.max_batch import runcheck
+
+    seen: list = []
+
+    def run_peak(b):  # a run's peak: 0.8 MB above a probe's, every second run check of a size 0.5 MB higher
+        seen.append(b)
+        return 3.8e6 + 1.6e3 * b + (0.5e6 if seen.count(b) % 2 == 0 else 0)
+
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: True, peak=lambda b: 3e6 + 1.6e3 * b,
+                                      run_peak=run_peak, memory_limit_mb=21000,
+                                      margin_floor=runcheck.MARGIN_FLOOR)
+    table = max_batch.table(result)
+    assert result.status == "no_oom" and result.limit == 1 << 20, table
+    assert result.margin_samples == 0 and "the cap was not reached" in result.margin_basis, table
+    assert result.run_offset["offset_samples"] == 0, table
+    assert runs == [16, 719, 719] and result.recommended == 719 and result.recommended_by == "runs", table
+    assert "the recommendation is at most 719" in table
+
+
+def test_the_margin_has_a_floor_of_the_cap(monkeypatch, tmp_path):
+    """Two probes at the answer with the same peak (an exact allocator) leave no spread: the margin is still
+    MARGIN_FLOOR of the cap (2 % of 400 MB: 8 samples at 1 MB each), and never more where the cap was not reached."""
+    from harness.studies.max_batch import runcheck
+
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6,
+                                      margin_floor=runcheck.MARGIN_FLOOR)
+    assert result.limit == 350 and result.peak_spread["spread_bytes"] == 0
+    assert result.margin_samples == 8 and result.margin_basis.startswith("the floor, 8.0 MB of the cap")
+    assert runs == [16, 342, 342] and result.recommended == 342
+    # the cap not reached: 350 is the search's bound, 0.0 MB spread, 50 MB above its peak: the floor fits there
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: True, max_batch=300,
+                                      margin_floor=runcheck.MARGIN_FLOOR)
+    assert result.status == "no_oom" and result.margin_samples == 0 and result.recommended == 300
+
+
 def test_without_run_checks_the_recommendation_is_confirmed_in_probes(monkeypatch, tmp_path):
     result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_checks=0,
                                       margin=0.1)
@@ -366,9 +407,9 @@ def test_runcheck_numbers():
     assert runcheck.margin_samples(340, None, spread) == (12, "2 x the spread of the peak across the answer's probes")
     assert runcheck.margin_samples(340, 0.1, spread)[0] == 34  # 340 - floor(306)
     assert runcheck.margin_samples(340, None, None)[0] == 0
-    # the cap not reached: the highest peak and twice its spread fit below the cap, no margin; else the spread's
+    # the cap not reached: the highest peak and twice its spread fit below the cap, no margin; else what is missing
     assert runcheck.margin_samples(1000, None, spread, headroom_bytes=50e6)[0] == 0
-    assert runcheck.margin_samples(1000, None, spread, headroom_bytes=10e6)[0] == 12
+    assert runcheck.margin_samples(1000, None, spread, headroom_bytes=10e6)[0] == 2  # 12 MB needed, 10 MB free
     assert runcheck.offset_samples(30e6, 1e6) == 30 and runcheck.offset_samples(30.5e6, 1e6) == 31
     assert runcheck.offset_samples(-5e6, 1e6) == 0 and runcheck.offset_samples(5e6, None) == 0
 

@@ -104,8 +104,11 @@ def recommendation_lines(result: MaxBatchResult) -> list[str]:
         out.append(f"margin: {result.margin_samples} samples below the limit ({result.margin_basis})")
     offset = result.run_offset
     if offset is not None and offset["offset_bytes"] is not None:
+        held = (f"; the cap's {offset['headroom_bytes'] / 1e6:,.1f} MB of headroom beyond the margin holds the rest"
+                if offset.get("headroom_bytes") else "")
         out.append(f"a run's peak against the probes': {offset['offset_bytes'] / 1e6:+,.1f} MB at batch size "
-                   f"{offset['batch_size']} ({offset['offset_samples']} samples kept below the margin's target)")
+                   f"{offset['batch_size']} ({offset['offset_samples']} samples kept below the margin's target"
+                   f"{held})")
     out.append(f"recommended: {per_device(result, result.recommended)}" + _confirmed_by(result))
     return out
 

@@ -27,6 +27,7 @@ class Prober(Protocol):
     min_batch: int
     devices: int
     run_checks: int
+    margin_floor: float
 
     def probe(self, batch_size: int, purpose: str, again: bool = False, kind: str = "probe") -> bool:
         """True when ``batch_size`` fits (``search._Search.probe``). Raises Stop."""
@@ -45,7 +46,9 @@ class Recommendation:
     def __init__(self, search: Prober):
         self.search, self.result = search, search.result
         self._train: int | None = None  # the training samples of a run of the spec (``_bound``)
-        self._offset = 0  # what a run adds beyond a probe, in samples (``_run_offset``)
+        self._offset_bytes = 0.0  # what a run adds beyond a probe (``_run_offset``)
+        self._headroom = 0.0  # bytes the cap leaves above the answer's highest peak where it was not reached
+        self._floor = 0.0  # the margin's floor in bytes (``margin_floor`` of the cap; 0 with an explicit margin)
 
     def recommend(self) -> None:
         """Step 6: the recommendation below the limit (docs/design/max-batch.md): the margin (``margin``, else the
@@ -55,22 +58,25 @@ class Recommendation:
         if result.limit is None:
             return
         per_sample = self.per_sample()
-        result.peak_spread = runcheck.peak_spread(result.peaks(result.limit), result.limit, per_sample)
-        spread = result.peak_spread
-        headroom = result.cap_bytes - spread["max_bytes"] if spread and result.status == "no_oom" else None
-        result.margin_samples, result.margin_basis = runcheck.margin_samples(result.limit, result.margin, spread,
-                                                                             headroom)
+        peaks = result.peaks(result.limit)
+        result.peak_spread = runcheck.peak_spread(peaks, result.limit, per_sample)
+        # where the cap was not reached the limit is the search's bound, not a memory boundary: the margin is judged
+        # against what the cap leaves above the answer's highest peak; where it was, the limit is the boundary
+        self._headroom = max(0.0, result.cap_bytes - max(peaks)) if peaks and result.status == "no_oom" else 0.0
+        self._floor = self.search.margin_floor * result.cap_bytes if result.margin is None else 0.0
+        result.margin_samples, result.margin_basis = self._margin(result.peak_spread, "the answer's probes")
         target = max(self.search.min_batch, result.limit - result.margin_samples)
         bound = self._bound()
         if bound is not None and bound < self.search.min_batch:
             result.notes.append(f"nothing is recommended: {self._bound_reason(bound)}")
             return
+        unbounded = target
         if bound is not None and target > bound:
             result.notes.append(f"the recommendation is at most {bound}: {self._bound_reason(bound)}")
             target = bound
         if self.search.run_checks:
             try:
-                if self._recommend_by_runs(target, bound):
+                if self._recommend_by_runs(unbounded, bound):
                     return
             except Stop as stop:  # neither ok nor oom: says nothing about memory; the probes confirm instead
                 result.recommended, result.recommended_by = None, ""
@@ -88,6 +94,21 @@ class Recommendation:
             if line is not None and line.per_sample_bytes > 0:
                 return line.per_sample_bytes
         return None
+
+    def _margin(self, spread: dict | None, where: str) -> tuple[int, str]:
+        """(samples kept below the limit, why) for ``spread`` (``runcheck.peak_spread`` of the answer's probes, or of
+        a candidate's run checks: ``where``): ``runcheck.margin_samples`` with the floor and, where the cap was not
+        reached, its headroom."""
+        return runcheck.margin_samples(self.result.limit or 0, self.result.margin, spread, self._headroom or None,
+                                       self._floor, self.per_sample(), where)
+
+    def _free(self, spread: dict | None) -> float:
+        """The bytes of the cap's headroom (where it was not reached) left once the margin for ``spread`` is kept:
+        what a run may add beyond a probe before it moves the recommendation (0 with an explicit margin)."""
+        if self.result.margin is not None or not self._headroom:
+            return 0.0
+        spread_bytes = runcheck.SPREAD_FACTOR * spread["spread_bytes"] if spread else 0.0
+        return max(0.0, self._headroom - max(spread_bytes, self._floor))
 
     def _bound(self) -> int | None:
         """The largest per-device batch a run of the spec trains with at least one timed step
@@ -121,8 +142,9 @@ class Recommendation:
 
     def _recommend_by_runs(self, target: int, bound: int | None) -> bool:
         """The recommendation confirmed by run checks: a run at the smallest size that fitted the probes measures
-        what a run adds (``_run_offset``); then the search downward from ``target`` (at most ``bound``, ``_bound``)
-        less that (``_run_candidates``) for a size ok in every run check. False when no run check can be made (the
+        what a run adds (``_run_offset``); then the search downward from ``target`` (the limit less the margin) less
+        that, at most ``bound`` (``_bound``: a bound below that target needs no offset), for a size ok in every run
+        check (``_run_candidates``). False when no run check can be made (the
         dataset cannot be counted, ``bound`` None) or a run cannot train any size that fitted (the caller confirms in
         probes instead; a note says why). Raises Stop."""
         result = self.result
@@ -140,7 +162,6 @@ class Recommendation:
                                 "fitted: a run holds more than the probes; the recommendation is searched below it")
             self._run_candidates(max(self.search.min_batch, floor // 2), self.search.min_batch - 1, floor)
             return True
-        self._offset = offset
         if target - offset < floor:
             result.notes.append(f"the margin ({result.margin_samples} samples) and what a run adds ({offset}) leave "
                                 f"no size above {floor}, the smallest that held in a run: the recommendation is "
@@ -170,18 +191,20 @@ class Recommendation:
                      for _ in range(self.search.run_checks))
             if ok:
                 spread = runcheck.peak_spread(result.peaks(target, "run"), target, per_sample)
-                needed, _ = runcheck.margin_samples(result.limit, None, spread)
-                if result.margin is not None or needed <= result.margin_samples or target <= held:
+                needed, basis = self._margin(spread, f"the run checks at {target}")
+                offset = runcheck.offset_samples(self._offset_bytes - self._free(spread), per_sample)
+                # the margin those run checks justify, judged against the limit (and, where the cap was not
+                # reached, against the cap's headroom): a target at or below the limit less it needs no more
+                below = target <= result.limit - needed - offset
+                if result.margin is not None or needed <= result.margin_samples or below or target <= held:
                     result.recommended, result.recommended_by = target, "runs"
                     self._tried_note()
                     return
                 result.notes.append(f"the run checks at {target} spread "
                                     f"{(spread or {}).get('spread_bytes', 0) / 1e6:,.1f} MB in their peaks, more "
                                     f"than the probes at the answer: the margin grows to {needed} samples")
-                result.margin_samples = needed
-                result.margin_basis = (f"{runcheck.SPREAD_FACTOR} x the spread of the peak across the run checks "
-                                       f"at {target}")
-                nxt = min(target - self.search.gap(result.limit), result.limit - needed - self._offset)
+                result.margin_samples, result.margin_basis = needed, basis
+                nxt = min(target - self.search.gap(target), result.limit - needed - offset)
             else:
                 failures += 1
                 if target <= held:  # the size that held in a run failed now: search below it
@@ -203,16 +226,20 @@ class Recommendation:
     def _run_offset(self, size: int) -> int | None:
         """A run check at ``size``, which fitted the probes: how far its peak stands above the mean of the probes'
         peaks there (``result.run_offset``), in samples at the fitted per-sample bytes (0 where a peak or the slope
-        is missing, or the run's peak is lower). None when the run ran out of memory. Raises Stop."""
+        is missing, or the run's peak is lower; where the cap was not reached, only what the cap's headroom left
+        after the margin does not hold: ``_free``). None when the run ran out of memory. Raises Stop."""
         result = self.result
         if not self.search.probe(size, "run offset", again=True, kind="run"):
             return None
         run, probes = result.peaks(size, "run"), result.peaks(size)
         probe_peak = sum(probes) / len(probes) if probes else None
         offset = run[-1] - probe_peak if run and probe_peak is not None else None
-        samples = runcheck.offset_samples(offset, self.per_sample())
+        self._offset_bytes = offset or 0.0
+        free = self._free(result.peak_spread)
+        samples = runcheck.offset_samples(None if offset is None else offset - free, self.per_sample())
         result.run_offset = {"batch_size": size, "run_peak_bytes": run[-1] if run else None,
-                             "probe_peak_bytes": probe_peak, "offset_bytes": offset, "offset_samples": samples}
+                             "probe_peak_bytes": probe_peak, "offset_bytes": offset, "offset_samples": samples,
+                             "headroom_bytes": free}
         return samples
 
     def _recommend_by_probes(self, target: int) -> None:

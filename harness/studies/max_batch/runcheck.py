@@ -32,6 +32,7 @@ RUN_CHECKS = 2  # run checks of a candidate for the recommendation, each in a fr
 RUN_STEPS = 5  # a run check's epochs are cut to this many steps (at least warmup_steps + 1)
 RUN_EPOCHS = 2  # and to at most this many epochs: training again after an evaluation, as a run does
 SPREAD_FACTOR = 2  # the default margin is this many times the spread of the peak across the answer's probes
+MARGIN_FLOOR = 0.02  # and at least this fraction of the cap, in bytes (docs/guide/max-batch.md)
 
 
 def run_check_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
@@ -124,23 +125,40 @@ def peak_spread(peaks: list[float], batch_size: int, per_sample_bytes: float | N
 
 
 def margin_samples(limit: int, margin: float | None, spread: dict[str, Any] | None,
-                   headroom_bytes: float | None = None) -> tuple[int, str]:
+                   headroom_bytes: float | None = None, floor_bytes: float = 0.0,
+                   per_sample_bytes: float | None = None, where: str = "the answer's probes") -> tuple[int, str]:
     """(samples kept below ``limit``, why) for the recommendation. ``margin`` (a fraction in [0, 1)) keeps
-    limit - floor(limit x (1 - margin)); None keeps the margin the spread justifies: ceil(SPREAD_FACTOR x
-    spread_samples), where spread is ``peak_spread`` of the answer (two fresh workers' peaks differ by about one
-    standard deviation: the mean range of two normal draws is 1.13 sigma; twice it keeps about two sigma of the
-    peak's variation free), 0 when no spread was measured. ``headroom_bytes``: where the cap was not reached (the
-    limit is the search's upper bound, not a memory boundary), the cap less the answer's highest peak; a spread that
-    fits SPREAD_FACTOR times into it needs no margin."""
+    limit - floor(limit x (1 - margin)). None keeps the margin the spread justifies, in bytes: SPREAD_FACTOR x the
+    spread of ``spread`` (``peak_spread`` of the answer, or of a candidate's run checks: ``where``; two fresh
+    workers' peaks differ by about one standard deviation, the mean range of two normal draws being 1.13 sigma, so
+    twice it keeps about two sigma of the peak's variation free), and at least ``floor_bytes`` (MARGIN_FLOOR of the
+    cap: two equal peaks are no proof of a peak that never varies), less ``headroom_bytes``: what the cap leaves
+    above the answer's highest peak where the cap was not reached (the limit is the search's upper bound, not a
+    memory boundary), so the margin is never more than the cap requires. Bytes become samples at
+    ``per_sample_bytes`` (None: the spread's own bytes per sample), rounded up; 0 where neither gives a figure."""
     if margin is not None:
         return limit - math.floor(limit * (1 - margin) + 1e-9), f"--margin {margin:g}: {margin:.0%} of the limit"
-    if spread is None or spread.get("spread_samples") is None:
+    measured = spread is not None and spread.get("spread_samples") is not None
+    per_sample = per_sample_bytes if per_sample_bytes and per_sample_bytes > 0 else None
+    if per_sample is None and measured and spread is not None and spread["spread_samples"] > 0:
+        per_sample = spread["spread_bytes"] / spread["spread_samples"]
+    if not measured and not (floor_bytes and per_sample):
         return 0, "no spread measured at the answer (fewer than two peaks, or no fitted bytes per sample)"
-    if headroom_bytes is not None and SPREAD_FACTOR * spread["spread_bytes"] <= headroom_bytes:
-        return 0, (f"the cap was not reached: {headroom_bytes / 1e6:,.1f} MB above the answer's highest peak, more "
-                   f"than {SPREAD_FACTOR} x its spread")
-    kept = math.ceil(SPREAD_FACTOR * spread["spread_samples"] - 1e-9)
-    return kept, f"{SPREAD_FACTOR} x the spread of the peak across the answer's probes"
+    needed = SPREAD_FACTOR * spread["spread_samples"] if measured and spread is not None else 0.0  # in samples
+    basis = f"{SPREAD_FACTOR} x the spread of the peak across {where}" if measured else "no spread measured"
+    if per_sample is None:  # a spread of 0 bytes and nothing to count bytes with: no margin to keep
+        return math.ceil(needed - 1e-9), basis
+    if floor_bytes / per_sample > needed:
+        needed = floor_bytes / per_sample
+        basis = (f"the floor, {floor_bytes / 1e6:,.1f} MB of the cap kept free: "
+                 + (f"more than {SPREAD_FACTOR} x the spread of the peak across {where}" if measured else basis))
+    if headroom_bytes is not None and headroom_bytes > 0:
+        if headroom_bytes >= needed * per_sample:
+            return 0, (f"the cap was not reached: {headroom_bytes / 1e6:,.1f} MB above the answer's highest peak, "
+                       f"at least the {needed * per_sample / 1e6:,.1f} MB the margin needs ({basis})")
+        needed -= headroom_bytes / per_sample
+        basis += f", less the {headroom_bytes / 1e6:,.1f} MB the cap leaves above the answer's highest peak"
+    return math.ceil(needed - 1e-9), basis
 
 
 def offset_samples(offset_bytes: float | None, per_sample_bytes: float | None) -> int:

@@ -57,12 +57,14 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
                    timeout_s: float | None = None, spec_file: str | Path | None = None, with_dataset: bool = False,
                    data_parallel: int | None = None, run_checks: int = runcheck.RUN_CHECKS,
                    on_probe: Callable[[Probe, Any], None] | None = None,
-                   compile_first: bool | None = None) -> MaxBatchResult:
+                   compile_first: bool | None = None,
+                   margin_floor: float = runcheck.MARGIN_FLOOR) -> MaxBatchResult:
     """Searches the largest batch size of ``framework`` that fits ``spec``'s memory cap (see the module docstring).
 
     device: "cpu" or "cuda:N"; None resolves the spec's device ("auto": a GPU when NVML sees one).
     memory_limit_mb: overrides the spec's. margin: fraction of the limit kept free for the recommendation
-    (0 <= margin < 1); None keeps the margin the spread of the answer's peaks justifies (``runcheck.margin_samples``).
+    (0 <= margin < 1); None keeps the margin the spread of the answer's peaks justifies (``runcheck.margin_samples``),
+    at least ``margin_floor`` x the cap in bytes, and where the cap was not reached no more than the cap requires.
     tolerance: the search stops when the smallest failing size is within tolerance x the largest fitting one.
     initial_sizes: the small sizes probed first. min_batch / max_batch: the range searched (per-device batches).
     timeout_s: per probe (default: the spec's timeout_s). spec_file: named in errors about the probe spec.
@@ -80,6 +82,8 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
     whose memory cannot be told. All of these before the first probe.
     """
     max_batch = check_bounds(margin, tolerance, run_checks, min_batch, max_batch or DEFAULT_MAX_BATCH)
+    if not 0 <= margin_floor < 1:
+        raise ValueError(f"margin_floor must be in [0, 1), not {margin_floor}")
     device = device or resolve_device(spec.device)
     try:
         dp = check_search(spec, framework, device, data_parallel, spec_file or "spec", memory_limit_mb)
@@ -92,6 +96,7 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
                          memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb, margin, tolerance,
                          min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
                          spec_file or "<max-batch probe>", with_dataset, on_probe, dp, run_checks, compile_first)
+        search.margin_floor = margin_floor
         search.result.notes += [note] if note else []
         try:
             initial = DEFAULT_INITIAL_SIZES if initial_sizes is None else initial_sizes
@@ -118,6 +123,7 @@ class _Search:
         self.min_batch, self.max_batch, self.tolerance = min_batch, max_batch, tolerance
         self.timeout_s, self.spec_file, self.with_dataset, self.on_probe = timeout_s, spec_file, with_dataset, on_probe
         self.dp, self.devices, self.run_checks = dp, 1 if dp is None else dp.size, run_checks
+        self.margin_floor = runcheck.MARGIN_FLOOR  # the default margin's floor, a fraction of the cap
         self.cap_bytes, cap_source = resolve_cap(device, limit_mb)
         # The worker caps exactly this (on the CPU always: without a cap, an OOM would be the kernel's OOM killer).
         self.applied_mb = limit_mb if limit_mb is not None else (self.cap_bytes / 1e6 if device == "cpu" else None)
