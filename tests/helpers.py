@@ -223,9 +223,11 @@ class FakeOutcome:
 
 
 def is_run_check(payload):
-    """A run check's trial (harness.studies.max_batch.runcheck) has its epochs cut to several steps; a probe's are
-    whole (synthetic data sized to the batch) or cut to one step (with the dataset)."""
-    return (payload.trial.max_steps_per_epoch or 0) > 1
+    """A run check's trial (harness.studies.max_batch.runcheck) has its epochs cut to RUN_STEPS steps or more; a
+    probe's are whole or cut to fewer (``probe.probe_shape``: PROBE_STEPS, or one with the dataset)."""
+    from harness.studies.max_batch.probe import PROBE_STEPS
+
+    return (payload.trial.max_steps_per_epoch or 0) > PROBE_STEPS
 
 
 def simulate_workers(monkeypatch, fits, peak=lambda b: 50e6 + 1e6 * b, payloads=None, runs=None, run_fits=None,

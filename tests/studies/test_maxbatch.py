@@ -416,9 +416,11 @@ def test_search_logic_invariants_under_noise(monkeypatch, tmp_path):
 
 
 def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
-    """--with-dataset: the probes hold the spec's dataset (digits) whole, one step per epoch, and no batch exceeds
-    its 1438 training images; without it, synthetic data of the batch's size."""
+    """--with-dataset: the probes hold the spec's dataset (digits) whole, a few steps per epoch (PyTorch's probe:
+    probe.probe_shape), and no batch exceeds its 1438 training images; without it, synthetic data of the batch's
+    size."""
     from harness.neutral import datasets
+    from harness.studies.max_batch.probe import PROBE_EPOCHS, PROBE_STEPS
 
     spec = validate(base_spec(memory_limit_mb=400), tmp_path / "s.yaml")
     payloads = []
@@ -436,7 +438,7 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     assert result.with_dataset and result.train_size == 1438 and result.max_batch == 1438
     assert result.dataset_bytes == digits.nbytes and result.probe_data_bytes_per_sample == 0
     assert all(p.spec.dataset.model_dump() == {"name": "digits", "test_fraction": 0.2} for p in payloads)
-    assert all(p.trial.max_steps_per_epoch == 1 for p in payloads)
+    assert all(p.trial.max_steps_per_epoch == PROBE_STEPS and p.spec.epochs == PROBE_EPOCHS for p in payloads)
     assert result.reason == ("batch size 1438 (the training set's 1438 images) fitted in both of its probes: the cap "
                              "was not reached")
     assert "the search's upper bound is 1438 (1438 training images)" in result.notes[0]
@@ -451,7 +453,7 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     assert not result.with_dataset and result.dataset_bytes is None and result.limit == 2000
     # without it, synthetic data of the dataset's shape: as many as a run holds (digits: 1438 training and 359
     # test images), more training images where the batch needs more
-    assert payloads[0].spec.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch is None
+    assert payloads[0].spec.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch == PROBE_STEPS
     assert payloads[0].spec.dataset.size == 1438 and payloads[0].spec.dataset.test_size == 359
     assert payloads[-1].spec.dataset.size == 2000 and payloads[-1].spec.dataset.test_size == 359
     assert result.run_data["train_size"] == 1438 and result.run_data["test_size"] == 359

@@ -14,8 +14,15 @@ from harness.results.schema import SCHEMA_VERSION
 from harness.results.store import append_line, create_run_dir, write_events, write_json
 from harness.spec import Spec
 from harness.spec.frameworks import slug
-from harness.studies.max_batch.probe import PROBE_EPOCHS, MaxBatchResult, Probe
+from harness.studies.max_batch.probe import MaxBatchResult, Probe
 from harness.version import __version__
+
+
+def _steps(steps: int | None) -> str:
+    """A probe's steps per epoch, in words."""
+    if steps is None:
+        return "every step over its training images"
+    return "one optimizer step" if steps == 1 else f"its first {steps} optimizer steps"
 
 
 def mb(value: float | None) -> str:
@@ -184,9 +191,8 @@ def markdown(result: MaxBatchResult, spec: Spec) -> str:
         data = (f"on synthetic images of the spec's shape and classes ({probe_data(result)}: at least "
                 f"{spec.accumulation_steps} x B training and B test images, inside the cap)")
     lines += ["", "## Method", "",
-              f"Each probe is one worker process{_group(result)}: {PROBE_EPOCHS} epochs without warm-up, "
-              f"{'one optimizer step' if result.with_dataset else 'every step over its training images'} and an "
-              f"evaluation at the batch size each, {data}. "
+              f"Each probe is one worker process{_group(result)}: {result.probe_epochs} epochs without warm-up, "
+              f"{_steps(result.probe_steps)} and an evaluation at the batch size each, {data}. "
               "OOM is the worker's status `oom` (the framework's own out-of-memory error); any other failure stops "
               "the search. The answer (and the recommendation) was ok in two probes, each in a fresh worker; a size "
               "that was ok in one probe and out of memory in another fits only sometimes: it is reported in the "

@@ -19,7 +19,14 @@ if TYPE_CHECKING:
     from harness.execution.launcher import Outcome
 
 CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
-PROBE_EPOCHS = 3  # each: every step over the probe's data (with_dataset: the first step only), an evaluation
+# A probe's steps (docs/findings/2026-11-29-probe-steps.md): the peak settles at the second optimizer step (the first
+# allocates the optimizer's state), so PROBE_EPOCHS epochs of PROBE_STEPS steps each (the settled step, a safety step,
+# and training again after an evaluation) where that was measured; FULL_PROBE_EPOCHS of every step elsewhere (MXNet's
+# pooled allocator grew 10 MB more over whole epochs; frameworks not measured keep the probe they had).
+PROBE_EPOCHS = 2
+PROBE_STEPS = 3
+SHORT_PROBES = frozenset({"pytorch", "tensorflow", "jax"})
+FULL_PROBE_EPOCHS = 3  # each: every step over the probe's data (with_dataset: the first step only), an evaluation
 STATUSES = ("found", "no_oom", "nothing_fits", "stopped")
 
 
@@ -82,7 +89,8 @@ class MaxBatchResult:
     answer's probes, margin_samples and margin_basis the samples kept below the limit and why, run_offset how much
     above a probe's peak a run's peak is at the same size (bytes, and samples at the fitted per-sample bytes),
     run_checks the run checks asked per candidate, run_check what one does (``runcheck.run_shape``), recommended_by
-    ``runs`` (ok in that many run checks), ``probes`` (ok in two probes) or "" (none). Docs:
+    ``runs`` (ok in that many run checks), ``probes`` (ok in two probes) or "" (none). probe_epochs and probe_steps:
+    what each probe trains (``probe_shape``: epochs of at most that many steps; None every step). Docs:
     docs/design/max-batch.md.
     """
 
@@ -118,6 +126,8 @@ class MaxBatchResult:
     run_offset: dict[str, Any] | None = None
     run_checks: int = 0
     run_check: dict[str, Any] | None = None
+    probe_epochs: int = 0
+    probe_steps: int | None = None
     recommended_by: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -161,15 +171,25 @@ class MaxBatchResult:
                 if p.batch_size == batch_size and p.kind == kind and p.status == "ok" and p.peak_bytes is not None]
 
 
+def probe_shape(spec: Spec, framework: str, with_dataset: bool = False) -> tuple[int, int | None]:
+    """(epochs, steps per epoch at most; None: every step) of a probe of ``framework`` (a label or name): PROBE_EPOCHS
+    of PROBE_STEPS for the frameworks in SHORT_PROBES, else FULL_PROBE_EPOCHS of every step (``with_dataset``: of one
+    step each, the whole dataset resident)."""
+    if entry_for(spec, framework).name in SHORT_PROBES:
+        return PROBE_EPOCHS, PROBE_STEPS
+    return FULL_PROBE_EPOCHS, 1 if with_dataset else None
+
+
 def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: float | None, device: str,
                spec_file: str | Path = "<max-batch probe>", with_dataset: bool = False,
                data_parallel: DataParallelSpec | None = None, run_sizes: tuple[int, int] | None = None) -> Spec:
-    """The spec one probe runs (see the module docstring): 3 epochs, no warm-up, and synthetic data of the spec's image
+    """The spec one probe runs (see the module docstring): ``probe_shape``'s epochs (the caller cuts each to its
+    steps, see ``_Search._run``), no warm-up, and synthetic data of the spec's image
     shape and classes (for token sequences, the spec's own synthetic tokens): as many training and test samples as a
     run of the spec holds (``run_sizes``: its training and test samples), and at least accumulation_steps x G
     training samples, G the global batch (``batch_size`` per device x the devices of ``data_parallel``, None: one
     device); without ``run_sizes``, accumulation_steps x G training and G test samples; or with ``with_dataset``
-    the spec's own dataset (the caller then limits each epoch to one step, see ``_Search._run``); ``framework`` (a
+    the spec's own dataset; ``framework`` (a
     label or name, see ``harness.plan.entry_for``) in its entry's interpreter. Raises SpecError."""
     shape, classes = datasets.describe(spec.dataset)
     entry = entry_for(spec, framework)
@@ -184,7 +204,7 @@ def probe_spec(spec: Spec, framework: str, batch_size: int, memory_limit_mb: flo
         data["dataset"] = {"name": "synthetic", "shape": list(shape), "classes": classes, **sizes}
     data.update({
         "frameworks": [entry.model_dump(mode="json", exclude_none=True)], "batch_sizes": [batch_size],
-        "epochs": PROBE_EPOCHS, "warmup_steps": 0,
+        "epochs": probe_shape(spec, framework, with_dataset)[0], "warmup_steps": 0,
         "repeats": 1, "variants": None,
         "target_accuracy": None, "memory_limit_mb": memory_limit_mb, "device": device,
         "data_parallel": None if data_parallel is None else data_parallel.model_dump(mode="json"),

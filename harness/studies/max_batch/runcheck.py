@@ -1,6 +1,6 @@
 """The answer in a real run: run checks, and the numbers that place the recommendation below the limit.
 
-A probe (``harness.studies.max_batch.probe``) is not a run's trial: it trains three optimizer steps with no warm-up
+A probe (``harness.studies.max_batch.probe``) is not a run's trial: it trains a few optimizer steps with no warm-up
 on synthetic data sized to the batch (accumulation_steps x G training and G test images, G the global batch) and
 evaluates G test images after each step. A run's trial of the same spec holds the spec's whole dataset (e.g.
 specs/max_batch.yaml: 2048 training and 256 test images, 28 MB, against 8 MB for a probe at batch 344), takes its

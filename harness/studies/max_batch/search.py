@@ -1,17 +1,19 @@
 """The largest batch that fits (seed 004): measured, one worker process per probe, never guessed.
 
-Each probe trains the spec's model at one batch size in a fresh worker under the memory cap (three optimizer steps
-and an evaluation; synthetic images of the dataset's shape, as many as a run of the spec holds and at least the
-batch's, by default; the real dataset with ``with_dataset``); ``ok`` fits, ``oom`` does not, any other ending stops
-the search with its reason. The search probes two small sizes, draws ``peak_bytes = fixed + per_sample x B`` through
-the two largest sizes that fit (``harness.studies.max_batch.bracket``), brackets and narrows the limit, and confirms
-the answer in a second fresh worker; a size seen both fitting and failing is the ``fits_sometimes`` band, never the
-answer. The limit is that measured boundary. The recommendation keeps a margin below it (by default twice the spread
-of the peak across the answer's probes) less what a run holds beyond a probe, and must hold in run checks: the spec's
-trial as ``harness run`` runs it, in fresh workers, searched downward until a size holds in every run check
-(``harness.studies.max_batch.runcheck``; the recommendation is ``harness.studies.max_batch.recommend``). The result
-never names a size that was not ok in two fresh workers. Before the first probe, the trial the probes run is checked
-against the plan's rule of what the adapter can train (``harness.studies.max_batch.checks``).
+Each probe trains the spec's model at one batch size in a fresh worker under the memory cap (two epochs of three
+optimizer steps, each with an evaluation, where the framework's peak settles within them; three whole epochs
+elsewhere: ``probe.probe_shape``; synthetic images of the dataset's shape, as many as a run of the spec holds and at
+least the batch's, by default; the real dataset with ``with_dataset``); ``ok`` fits, ``oom`` does not, any other
+ending stops the search with its reason. The search probes two small sizes, draws ``peak_bytes = fixed + per_sample
+x B`` through the two largest sizes that fit (``harness.studies.max_batch.bracket``), brackets and narrows the
+limit, and confirms the answer in a second fresh worker; a size seen both fitting and failing is the
+``fits_sometimes`` band, never the answer. The limit is that measured boundary. The recommendation keeps a margin
+below it (by default twice the spread of the peak across the answer's probes) less what a run holds beyond a probe,
+and must hold in run checks: the spec's trial as ``harness run`` runs it, in fresh workers, searched downward until
+a size holds in every run check (``harness.studies.max_batch.runcheck``; the recommendation is
+``harness.studies.max_batch.recommend``). The result never names a size that was not ok in two fresh workers. Before
+the first probe, the trial the probes run is checked against the plan's rule of what the adapter can train
+(``harness.studies.max_batch.checks``).
 
 Under data parallelism (``data_parallel`` N devices) every probe is one data-parallel trial (for PyTorch, rank 0
 and the ranks it starts), the sizes searched are per-device batches and each probe trains the global batch, N x it.
@@ -38,7 +40,7 @@ from harness.studies.max_batch import runcheck, warm
 from harness.studies.max_batch.bracket import BELOW_FAILURE, MAX_JUMP, curved_limit, inside, local_line, upward
 from harness.studies.max_batch.checks import check_bounds, check_search
 from harness.studies.max_batch.memory_model import MemoryModel, fit_memory_model
-from harness.studies.max_batch.probe import MaxBatchResult, Probe, Stop, probe_spec, resolve_cap
+from harness.studies.max_batch.probe import MaxBatchResult, Probe, Stop, probe_shape, probe_spec, resolve_cap
 from harness.studies.max_batch.probe import peak as probe_peak
 from harness.studies.max_batch.probe import reason as probe_reason
 from harness.studies.max_batch.recommend import Recommendation
@@ -134,6 +136,7 @@ class _Search:
             cap_source=cap_source, margin=margin, tolerance=tolerance, with_dataset=with_dataset,
             probe_data_bytes_per_sample=0 if with_dataset else per_sample, data_parallel=self.devices,
             run_checks=run_checks)
+        self.result.probe_epochs, self.result.probe_steps = probe_shape(spec, framework, with_dataset)
         self.bound = f"batch size {max_batch} (max_batch)"  # what the upper bound is, for the no_oom reason
         self.run_sizes: tuple[int, int] | None = None
         if with_dataset:
@@ -259,8 +262,8 @@ class _Search:
             pspec = probe_spec(self.spec, self.framework, batch_size, limit_mb, self.device, self.spec_file,
                                self.with_dataset, self.dp, self.run_sizes)
             trial = plan(pspec, self.device)[0]
-            if self.with_dataset:  # the whole dataset resident, but one step per epoch (see harness.execution.worker)
-                trial = replace(trial, max_steps_per_epoch=1)
+            if self.result.probe_steps:  # each epoch cut to its first steps (probe.probe_shape)
+                trial = replace(trial, max_steps_per_epoch=self.result.probe_steps)
         return run_worker(Payload(trial=trial, spec=pspec), self.timeout_s, interval_s, self.device, trial.threads)
 
     def _control(self, batch_size: int, status: str, reason: str, kind: str = "probe") -> tuple[str, str]:
