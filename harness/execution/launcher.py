@@ -39,12 +39,12 @@ from harness.execution.protocol import Payload, parse_event
 from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.multi_gpu import device_summaries
 from harness.measure.sampler import Sampler, make_backend, phase_stats, samples_until
-from harness.plan import STATUSES, Status, Trial
+from harness.plan import Trial
+from harness.record import Status
 from harness.record.events import Error, Event, Phase, Result, Start, first, phase_windows
 from harness.spec import FrameworkEntry
 
-# harness.plan.Status's statuses (one list); who decides each: the module docstring; skipped: the runner's after_oom.
-__all__ = ["STATUSES", "Outcome", "classify", "run_worker", "sampled_devices", "worker_argv", "worker_env",
+__all__ = ["Outcome", "classify", "run_worker", "sampled_devices", "worker_argv", "worker_env",
            "worker_settings"]
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0

@@ -104,9 +104,7 @@ def cannot_train(declaration: Declaration, info: ModelInfo | NativeTask, trial: 
     (``harness.plan.support.unsupported``), or None."""
     from harness.plan.support import unsupported
 
-    return unsupported(declaration, info, trial.precision, trial.compile, trial.device, trial.data_parallel,
-                       trial.sync_batchnorm, trial.input, trial.memory_limit_bytes is not None,
-                       trial.gradient_noise is not None)
+    return unsupported(declaration, info, trial.conditions)
 
 
 def _load(adapter: Adapter, spec: Spec, trial: Trial, data: Data) -> None:

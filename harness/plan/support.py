@@ -2,9 +2,10 @@
 (``adapters.declaration.Declaration``) alone, without importing its framework.
 
 The plan asks it for every trial of a built-in adapter before anything runs (``harness.plan.unsupported_reason``);
-max-batch asks it before its first probe; the worker asks it only for an adapter registered through
-``HARNESS_ADAPTERS``, whose declaration is on its class and known only where the class is imported. Adapters do not
-re-check: a trial that reaches an adapter is one it declared it can train.
+max-batch asks it before its first probe; the worker asks it again for every trial before the framework is imported
+(a built-in adapter's declaration from the registry; an adapter registered through ``HARNESS_ADAPTERS`` from its
+class, known only where the class is imported). Adapters do not re-check: a trial that reaches an adapter is one it
+declared it can train. What a trial asks besides its model is one value, ``Conditions``.
 """
 
 from __future__ import annotations
@@ -18,27 +19,44 @@ from harness.spec.devices import device_kind
 if TYPE_CHECKING:
     from adapters.declaration import Declaration
 
-__all__ = ["NativeTask", "data_parallel_gap", "execution_gap", "input_gap", "limit_gap", "native_gap", "noise_gap",
-           "support_gap",
-           "unsupported"]
+__all__ = ["Conditions", "NativeTask", "data_parallel_gap", "execution_gap", "has_batchnorm", "input_gap", "limit_gap",
+           "native_gap", "noise_gap", "support_gap", "unsupported"]
 
 
-def unsupported(record: Declaration, info: ModelInfo | NativeTask, precision: str = "fp32",
-                compile: str = "default", device: str = "cpu", data_parallel: int = 1, sync_batchnorm: bool = False,
-                input: str = "resident", memory_limit: bool = False, gradient_noise: bool = False) -> str | None:
+@dataclass(frozen=True)
+class Conditions:
+    """How a trial trains, beyond its model: what the support rule judges (``unsupported``). A trial gives its own
+    (``harness.plan.Trial.conditions``); a spec's before any trial exists, ``harness.plan.spec_conditions``.
+
+    precision: ``harness.spec.Precision``. compile: ``harness.spec.CompileMode`` ("default": the adapter's own
+    mode). device: "cpu" or "cuda:N". data_parallel: the devices of one trial (1: none), with ``sync_batchnorm``.
+    input: ``harness.spec.InputMode``. memory_limit: under a memory cap (``memory_limit_mb``). gradient_noise:
+    measuring gradient norms (``harness.spec.GradientNoiseSpec``).
+    """
+
+    precision: str = "fp32"
+    compile: str = "default"
+    device: str = "cpu"
+    data_parallel: int = 1
+    sync_batchnorm: bool = False
+    input: str = "resident"
+    memory_limit: bool = False
+    gradient_noise: bool = False
+
+
+def unsupported(record: Declaration, info: ModelInfo | NativeTask,
+                conditions: Conditions = Conditions()) -> str | None:
     """Why the adapter of ``record`` cannot train ``info`` (the neutral model's analysis, or a model of your own:
-    ``NativeTask``) in ``precision`` with ``compile`` ("default": its own mode) on ``device`` ("cpu", "cuda:N"), on
-    ``data_parallel`` devices (with ``sync_batchnorm``), fed by ``input`` (``harness.spec.InputMode``), under a
-    memory cap or not (``memory_limit``), measuring gradient norms or not (``gradient_noise``): the first reason of
-    ``support_gap`` (``native_gap`` for a model of your own), ``execution_gap``, ``data_parallel_gap``,
-    ``input_gap``, ``noise_gap`` and ``limit_gap``, one line; None when it can."""
+    ``NativeTask``) under ``conditions``: the first reason of ``support_gap`` (``native_gap`` for a model of your
+    own), ``execution_gap``, ``data_parallel_gap``, ``input_gap``, ``noise_gap`` and ``limit_gap``, one line; None
+    when it can."""
+    c = conditions
     return ((native_gap(record, info) if isinstance(info, NativeTask) else support_gap(record, info))
-            or execution_gap(record, precision, compile, device)
-            or data_parallel_gap(record, info, data_parallel, sync_batchnorm, device)
-            or input_gap(record, input, data_parallel)
-            or noise_gap(record, gradient_noise, data_parallel, input)
-            or limit_gap(record, info, precision, compile, device, data_parallel, sync_batchnorm, input,
-                         memory_limit))
+            or execution_gap(record, c.precision, c.compile, c.device)
+            or data_parallel_gap(record, info, c.data_parallel, c.sync_batchnorm, c.device)
+            or input_gap(record, c.input, c.data_parallel)
+            or noise_gap(record, c.gradient_noise, c.data_parallel, c.input)
+            or limit_gap(record, info, c))
 
 
 @dataclass(frozen=True)
@@ -127,12 +145,12 @@ def noise_gap(record: Declaration, gradient_noise: bool, devices: int = 1, sourc
     return None
 
 
-def limit_gap(record: Declaration, info: ModelInfo | NativeTask, precision: str, compile: str, device: str,
-              data_parallel: int, sync_batchnorm: bool, input: str, memory_limit: bool = False) -> str | None:
+def limit_gap(record: Declaration, info: ModelInfo | NativeTask, conditions: Conditions) -> str | None:
     """The reason of the first of the declaration's ``limits`` that the trial matches, else None."""
-    facts = {"data_parallel": data_parallel > 1, "sync_batchnorm": sync_batchnorm and has_batchnorm(info),
-             "compile": record.mode(compile), "precision": precision, "device": device_kind(device), "input": input,
-             "memory_limit": memory_limit, "native": isinstance(info, NativeTask)}
+    c = conditions
+    facts = {"data_parallel": c.data_parallel > 1, "sync_batchnorm": c.sync_batchnorm and has_batchnorm(info),
+             "compile": record.mode(c.compile), "precision": c.precision, "device": device_kind(c.device),
+             "input": c.input, "memory_limit": c.memory_limit, "native": isinstance(info, NativeTask)}
     for limit in record.limits:
         if all(getattr(limit, key) in (None, value) for key, value in facts.items()):
             return limit.reason

@@ -4,8 +4,8 @@
 of older versions' names (``version``, ``legacy``), and the one suffix convention for units (``units``).
 
 Both sides import it: the worker (``harness.execution``, in every framework's environment: pydantic and numpy only,
-never pandas or a framework) and the readers (``harness.results``, ``harness.studies``). It imports nothing of the
-harness above ``harness.plan``.
+never pandas or a framework) and the readers (``harness.results``, ``harness.studies``). It imports nothing else of
+the harness: the lowest layer, beside ``harness.spec``.
 """
 
 from harness.record.events import (
@@ -36,11 +36,11 @@ from harness.record.metrics import (
 from harness.record.phases import TrialPhases
 from harness.record.run import FrameworkEnvironment, Interruption, RunRecord
 from harness.record.sampler import DeviceSummary, EnergyInfo, MetricStats, SamplerInfo, ThrottleInfo
-from harness.record.trial import Placement, TrialRecord
+from harness.record.trial import STATUSES, Placement, Status, TrialRecord
 from harness.record.version import SCHEMA_VERSION, SchemaError, check_version
 
-__all__ = ["SCHEMA_VERSION", "AllocatorMemory", "DataParallelism", "DeviceSummary", "EnergyInfo", "Epoch",
+__all__ = ["SCHEMA_VERSION", "STATUSES", "AllocatorMemory", "DataParallelism", "DeviceSummary", "EnergyInfo", "Epoch",
            "EpochMetrics", "Error", "ErrorKind", "Event", "FrameworkEnvironment", "GradientNoise", "Interruption",
            "MemoryLimit", "MemoryPeak", "MetricStats", "Phase", "Placement", "PredictedMemory", "Ready", "Result",
-           "RunRecord", "SamplerInfo", "SchemaError", "Start", "ThrottleInfo", "TimeToTarget", "TrialMetrics",
+           "RunRecord", "SamplerInfo", "SchemaError", "Start", "Status", "ThrottleInfo", "TimeToTarget", "TrialMetrics",
            "TrialPhases", "TrialRecord", "check_version", "event_data", "first", "parse_events", "phase_windows"]

@@ -5,17 +5,23 @@ in ``results/trial.schema.json``), and ``Placement``, where and when it ran: the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from harness.plan import Status
 from harness.record.base import Strict
 from harness.record.metrics import TrialMetrics
 from harness.record.phases import TrialPhases
 from harness.record.sampler import SamplerInfo
 from harness.record.version import SCHEMA_VERSION
+
+#: Every status a trial can end with, in one place: the launcher classifies a worker's end into one
+#: (``harness.execution.launcher``: ok, oom, error, timeout, crashed), the sweep decides the others before any worker
+#: starts (skipped: ``after_oom: skip``; unsupported: the adapter cannot build the model) and the record publishes
+#: them (``TrialRecord.status``).
+Status = Literal["ok", "oom", "error", "timeout", "crashed", "skipped", "unsupported"]
+STATUSES: tuple[str, ...] = get_args(Status)
 
 
 @dataclass(config=ConfigDict(extra="forbid"))

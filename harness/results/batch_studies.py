@@ -58,12 +58,12 @@ def time_to_target_section(data: ReportData) -> Section | None:
         else:
             firsts.append(f"{title(fw)}: not reached")
     every = data.spec.get("evaluate_every_samples")
-    when = (f"an evaluation (every {every:,} training samples)" if every else "an epoch")
+    when = (f"epochs (a partial one counted) until the test accuracy after an evaluation (every {every:,} training "
+            "samples)" if every else "epochs until the test accuracy after an epoch")
     steps = (("Optimizer steps (warm-up included):", _per_cell(data, _reached("steps"), 0)),) if every else ()
     return Section("time_to_target", f"Time to {100 * target:g}% test accuracy", (
-        Paragraph("Training seconds (timed windows only, warm-up and evaluation excluded) and epochs (a partial one "
-                  f"counted) until the test accuracy after {when} first reached the target; empty where it was never "
-                  "reached."),
+        Paragraph(f"Training seconds (timed windows only, warm-up and evaluation excluded) and {when} first reached "
+                  "the target; empty where it was never reached."),
         Paragraph("Epochs:"), batch_table(epochs, sizes),
         *(part for label, cells in steps for part in (Paragraph(label), batch_table(cells, sizes))),
         Paragraph("Training seconds:"), batch_table(seconds, sizes),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from harness.plan import Status
 from harness.record import (
     SCHEMA_VERSION,
     EpochMetrics,
@@ -22,6 +21,7 @@ from harness.record import (
     RunRecord,
     SamplerInfo,
     SchemaError,
+    Status,
     TrialMetrics,
     TrialRecord,
     check_version,

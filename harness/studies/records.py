@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.execution.launcher import Outcome
-from harness.plan import Status, Trial
+from harness.plan import Trial
 from harness.record import (
     SCHEMA_VERSION,
     Error,
@@ -19,6 +19,7 @@ from harness.record import (
     Ready,
     RunRecord,
     SamplerInfo,
+    Status,
     TrialMetrics,
     TrialPhases,
     TrialRecord,

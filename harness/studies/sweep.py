@@ -14,6 +14,7 @@ from harness.execution.protocol import Payload
 from harness.measure import machine
 from harness.measure.machine import resolve_device
 from harness.plan import Trial, check_devices, data_parallel_settings, plan, unsupported_reason
+from harness.plan.support import Conditions
 from harness.record import Event, FrameworkEnvironment, Placement, RunRecord, TrialRecord
 from harness.results.store import (
     RunFile,
@@ -156,8 +157,7 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
     ``exclusive`` spec has one trial in flight at a time, whatever ``executor.capacity`` allows."""
     capacity = 1 if spec.exclusive else executor.capacity
     oom_at = _oom_sizes(read_trials(run_dir))
-    unsupported = {key: unsupported_reason(spec, key[0], key[1], key[2], device, key[3], key[4], key[5])
-                   for key in {_support_key(t) for t in trials}}
+    unsupported = {key: unsupported_reason(spec, key[0], key[1]) for key in {_support_key(t) for t in trials}}
     pending = list(enumerate(trials))
     spans: list[tuple[str, Placement]] = []  # the trials finished in this session and where, for ``beside``
     in_flight: dict[str, Trial] = {}  # trial id -> trial, for the trials the executor is running
@@ -277,8 +277,7 @@ def _oom_sizes(records: list[TrialRecord]) -> dict[tuple[str, int, str], int]:
     return oom_at
 
 
-def _support_key(trial: Trial) -> tuple[str, str, str, int, bool, str]:
+def _support_key(trial: Trial) -> tuple[str, Conditions]:
     """What decides whether a built-in adapter can run a trial (``harness.plan.unsupported_reason``'s arguments
-    besides the spec and the device)."""
-    return (trial.label or trial.framework, trial.precision, trial.compile, trial.data_parallel, trial.sync_batchnorm,
-            trial.input)
+    besides the spec): its entry and its conditions."""
+    return trial.label or trial.framework, trial.conditions

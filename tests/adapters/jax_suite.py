@@ -24,7 +24,7 @@ from adapters.jax.training import next_loss_scale
 from harness.neutral import datasets, inputs, models, native
 from harness.neutral import precision as loss_scaling
 from harness.neutral.info import Input
-from harness.plan.support import NativeTask, unsupported
+from harness.plan.support import Conditions, NativeTask, unsupported
 from harness.spec import ROOT, ModelSpec, NativeModel, OptimizerSpec
 from tests.adapters import kit, loader_checks, loss_runs, reference, scenarios
 from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
@@ -461,11 +461,12 @@ def test_only_a_flax_module_it_can_train_is_adopted():
     assert np.array_equal(first, same) and not np.allclose(first, other)
     assert draws[0].settings().record()["native_training_flag"] == "__call__(x): the module has no training flag"
     task = NativeTask("image_classification")
-    assert unsupported(DECLARATION, task) is None and unsupported(DECLARATION, task, "tf32", device="cuda") is None
+    assert unsupported(DECLARATION, task) is None and unsupported(DECLARATION, task,
+                                                                  Conditions("tf32", device="cuda")) is None
     for precision in ("bf16", "fp16"):
-        assert f"cannot impose {precision}" in unsupported(DECLARATION, task, precision, device="cuda:0")
-    assert "axis_name" in unsupported(DECLARATION, task, data_parallel=2, sync_batchnorm=True)
-    assert unsupported(DECLARATION, task, data_parallel=2) is None
+        assert f"cannot impose {precision}" in unsupported(DECLARATION, task, Conditions(precision, device="cuda:0"))
+    assert "axis_name" in unsupported(DECLARATION, task, Conditions(data_parallel=2, sync_batchnorm=True))
+    assert unsupported(DECLARATION, task, Conditions(data_parallel=2)) is None
 
 
 def test_an_nnx_module_of_your_own_trains_in_its_own_train_and_eval_modes():

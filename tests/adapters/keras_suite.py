@@ -11,7 +11,7 @@ import pytest
 
 import adapters
 from harness.neutral import datasets, models, native
-from harness.plan.support import NativeTask, unsupported
+from harness.plan.support import Conditions, NativeTask, unsupported
 from harness.spec import DigitsData, NativeModel, SyntheticData
 from tests.adapters import block_checks, keras_native, kit, reference, scenarios
 from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, collected here)
@@ -265,8 +265,10 @@ def test_execution_is_declared_as_the_plan_decides():
         ("fp16", "default", "cpu"): f"the {NAME} adapter does not train in fp16 on cpu (only on cuda)",
         ("tf32", "default", "cpu"): f"the {NAME} adapter does not train in tf32 on cpu: Keras 3 has no TF32"})
     record, info = adapters.BUILTIN[NAME], kit.digits()[1]
-    assert unsupported(record, info, data_parallel=2).startswith(f"the {NAME} adapter does not train data-parallel")
-    assert unsupported(record, info, input="loader") == f"the {NAME} adapter has no data loader mode (input: loader)"
+    assert unsupported(record, info,
+                       Conditions(data_parallel=2)).startswith(f"the {NAME} adapter does not train data-parallel")
+    assert unsupported(record, info,
+                       Conditions(input="loader")) == f"the {NAME} adapter has no data loader mode (input: loader)"
 
 
 def test_gradient_accumulation_is_fixed_at_the_first_step():

@@ -219,11 +219,11 @@ def check_execution_declared(name: str, runs: list[tuple[str, str, str]],
     (precision, compile, device) of ``runs`` and refuses each of ``refuses`` with a reason that starts with the given
     text: the only place that decides, for the plan, the worker and max-batch alike."""
     import adapters
-    from harness.plan.support import unsupported
+    from harness.plan.support import Conditions, unsupported
 
     record, info = adapters.BUILTIN[name], digits()[1]
     for precision, compile, device in runs:
-        assert unsupported(record, info, precision, compile, device) is None, (precision, compile, device)
+        assert unsupported(record, info, Conditions(precision, compile, device)) is None, (precision, compile, device)
     for (precision, compile, device), start in refuses.items():
-        why = unsupported(record, info, precision, compile, device)
+        why = unsupported(record, info, Conditions(precision, compile, device))
         assert why is not None and why.startswith(start), (precision, compile, device, why)

@@ -28,7 +28,7 @@ from adapters.base import DataParallel, DeviceUnavailable, RunOptions, shard
 from adapters.mxnet import DECLARATION
 from adapters.mxnet.adapter import MXNetAdapter
 from harness.neutral import datasets, models
-from harness.plan.support import data_parallel_gap, unsupported
+from harness.plan.support import Conditions, data_parallel_gap, unsupported
 from harness.spec import OptimizerSpec
 from tests.adapters import kit
 from tests.adapters.data_parallel_run import RUNS as DRIVER_RUNS
@@ -176,12 +176,13 @@ def test_synchronised_batchnorm_is_refused_on_the_cpu_with_the_reason():
     accepted with the option (there is nothing to synchronise), and the adapter builds and trains it."""
     model = _model(True)
     _, info = kit.digits(model)
-    why = unsupported(DECLARATION, info, device="cpu", data_parallel=2, sync_batchnorm=True)
+    why = unsupported(DECLARATION, info, Conditions(device="cpu", data_parallel=2, sync_batchnorm=True))
     assert why is not None and why.startswith("the mxnet adapter has no synchronised batchnorm on cpu: ")
     assert "deadlocks" in why and "MXNET_CPU_TEMP_COPY" in why
     assert why == data_parallel_gap(DECLARATION, info, 2, True, "cpu")
-    assert unsupported(DECLARATION, info, device="cuda:0", data_parallel=2, sync_batchnorm=True) is None
-    assert unsupported(DECLARATION, kit.digits()[1], device="cpu", data_parallel=2, sync_batchnorm=True) is None
+    assert unsupported(DECLARATION, info, Conditions(device="cuda:0", data_parallel=2, sync_batchnorm=True)) is None
+    assert unsupported(DECLARATION, kit.digits()[1],
+                                               Conditions(device="cpu", data_parallel=2, sync_batchnorm=True)) is None
     adapter = _adapter(2, sync=True)  # the CNN without batchnorm builds, loads and trains
     kit.step(adapter, np.arange(32))
     assert np.isfinite(adapter.read_loss()[0])

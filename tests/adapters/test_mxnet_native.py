@@ -24,7 +24,7 @@ from adapters.mxnet.runtime import mx, nd, nn
 from harness.execution import native_probe
 from harness.neutral import datasets, native
 from harness.neutral.info import Input
-from harness.plan.support import NativeTask, unsupported
+from harness.plan.support import Conditions, NativeTask, unsupported
 from harness.spec import DigitsData, NativeModel
 from tests.adapters import kit
 
@@ -242,13 +242,14 @@ def test_two_cpu_contexts_train_a_native_block_like_two_micro_batches(data):
     assert np.mean(parallel_losses[-3:]) < np.mean(parallel_losses[:3]) - 0.1, parallel_losses  # it learns
     assert parallel.settings().data_parallel["batchnorm"].startswith("the model's own (per device")
     record, own = adapters.BUILTIN["mxnet"], NativeTask("image_classification")
-    assert unsupported(record, own, "fp32", "default", "cpu", data_parallel=2) is None
-    assert unsupported(record, own, "fp32", "default", "cuda:0", data_parallel=2) is None
-    refused = unsupported(record, own, "fp32", "default", "cuda:0", data_parallel=2, sync_batchnorm=True)
+    assert unsupported(record, own, Conditions("fp32", "default", "cpu", data_parallel=2)) is None
+    assert unsupported(record, own, Conditions("fp32", "default", "cuda:0", data_parallel=2)) is None
+    refused = unsupported(record, own, Conditions("fp32", "default", "cuda:0", data_parallel=2, sync_batchnorm=True))
     assert refused is not None and refused.startswith("the mxnet adapter cannot make a model of your own normalise "
                                                       "over the global batch")
-    assert unsupported(record, kit.digits(kit.NORM_CNN)[1], "fp32", "default", "cuda:0", data_parallel=2,
-                       sync_batchnorm=True) is None  # the neutral model's batchnorm is made SyncBatchNorm
+    # the neutral model's batchnorm is made SyncBatchNorm
+    synced = Conditions("fp32", "default", "cuda:0", data_parallel=2, sync_batchnorm=True)
+    assert unsupported(record, kit.digits(kit.NORM_CNN)[1], synced) is None
 
 
 # amp.init rewrites mx.nd's and mx.sym's operators for the rest of the process, so this runs in its own process. fp16

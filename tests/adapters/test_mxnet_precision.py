@@ -19,7 +19,7 @@ import adapters
 from adapters.mxnet.adapter import MXNetAdapter
 from adapters.mxnet.runtime import amp, mx, nd
 from harness.neutral import datasets, models
-from harness.plan.support import unsupported
+from harness.plan.support import Conditions, unsupported
 from tests.adapters import kit, scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,16 +103,20 @@ def test_what_it_cannot_run_is_refused_with_a_reason():
                                     "convolution and dense kernels only in oneDNN, which creates them on AVX-512 CPUs "
                                     "only"})
     record, info = adapters.BUILTIN["mxnet"], kit.digits()[1]
-    why = unsupported(record, info, "bf16", "default", "cpu")
+    why = unsupported(record, info, Conditions("bf16", "default", "cpu"))
     assert "'could not create a primitive descriptor iterator'" in why
     assert "'dot only supports float32/float64 for CPU'" in why
     with_norm = kit.digits(kit.NORM_CNN)[1]
-    fp16_sync = unsupported(record, with_norm, "fp16", "default", "cuda:0", data_parallel=2, sync_batchnorm=True)
+    fp16_sync = unsupported(record, with_norm,
+                            Conditions("fp16", "default", "cuda:0", data_parallel=2, sync_batchnorm=True))
     assert fp16_sync == ("the mxnet adapter has no synchronised batchnorm in fp16: MXNet 1.9.1's SyncBatchNorm "
                          "'does not support FP16 training'")
-    assert unsupported(record, with_norm, "fp32", "default", "cuda:0", data_parallel=2, sync_batchnorm=True) is None
-    assert unsupported(record, with_norm, "fp16", "default", "cuda:0", data_parallel=2) is None  # per device: fine
-    assert unsupported(record, info, "fp16", "default", "cuda:0", data_parallel=2, sync_batchnorm=True) is None
+    assert unsupported(record, with_norm,
+                       Conditions("fp32", "default", "cuda:0", data_parallel=2, sync_batchnorm=True)) is None
+    assert unsupported(record, with_norm,
+                       Conditions("fp16", "default", "cuda:0", data_parallel=2)) is None  # per device: fine
+    assert unsupported(record, info,
+                       Conditions("fp16", "default", "cuda:0", data_parallel=2, sync_batchnorm=True)) is None
 
 
 def _avx512() -> bool:

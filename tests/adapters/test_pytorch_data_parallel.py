@@ -176,16 +176,16 @@ def test_sync_batchnorm_is_refused_on_the_cpu():
     """torch.nn.SyncBatchNorm raises on CPU tensors (torch 2.13), so a data-parallel trial with sync batchnorm on the
     CPU is unsupported, with the reason, by the plan's rule from the declaration (``harness.plan.support``, which the
     worker asks too); a model without batchnorm, or a GPU, is not refused."""
-    from harness.plan.support import unsupported
+    from harness.plan.support import Conditions, unsupported
 
     record = adapters.BUILTIN["pytorch"]
     with_norm, without = kit.digits(_model(True))[1], kit.digits()[1]
-    why = unsupported(record, with_norm, "fp32", "default", "cpu", 2, True)
+    why = unsupported(record, with_norm, Conditions("fp32", "default", "cpu", 2, True))
     assert why is not None and why.startswith("the pytorch adapter has no synchronised batchnorm on cpu")
     assert "SyncBatchNorm" in why and "GPU" in why, why
-    assert unsupported(record, without, "fp32", "default", "cpu", 2, True) is None
-    assert unsupported(record, with_norm, "fp32", "default", "cuda:0", 2, True) is None
-    assert unsupported(record, with_norm, "fp32", "default", "cpu", 2, False) is None
+    assert unsupported(record, without, Conditions("fp32", "default", "cpu", 2, True)) is None
+    assert unsupported(record, with_norm, Conditions("fp32", "default", "cuda:0", 2, True)) is None
+    assert unsupported(record, with_norm, Conditions("fp32", "default", "cpu", 2, False)) is None
 
 
 # -- PyTorch's own: the compiled mode, collectives, ranks that are missing or leave -----------------------------------

@@ -28,7 +28,7 @@ import pytest
 
 import adapters
 from harness.neutral import models
-from harness.plan.support import unsupported
+from harness.plan.support import Conditions, unsupported
 from harness.spec import ROOT
 from tests.adapters import kit
 from tests.adapters.data_parallel_run import RUNS, _model, runs_argument
@@ -271,14 +271,15 @@ def test_sync_batchnorm_in_the_compiled_mode_is_a_declared_limit():
     and a model without batchnorm are not."""
     record = adapters.BUILTIN["tensorflow"]
     norm, plain = kit.digits(_model(True))[1], kit.digits()[1]
-    why = unsupported(record, norm, "fp32", "compiled", "cpu", 2, True)
+    why = unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 2, True))
     assert why is not None and why.startswith("the tensorflow adapter has no sync batchnorm in the compiled mode: "
                                               "the all-reduce of the batch statistics would lie inside the "
                                               "XLA-compiled forward pass of each replica")
-    assert unsupported(record, norm, "fp32", "default", "cuda:0", 2, True) is None  # eager, TF's default mode
-    assert unsupported(record, norm, "fp32", "compiled", "cpu", 2, False) is None
-    assert unsupported(record, norm, "fp32", "compiled", "cpu", 1, True) is None
-    assert unsupported(record, plain, "fp32", "compiled", "cpu", 2, True) is None
+    assert unsupported(record, norm,
+                       Conditions("fp32", "default", "cuda:0", 2, True)) is None  # eager, TF's default mode
+    assert unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 2, False)) is None
+    assert unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 1, True)) is None
+    assert unsupported(record, plain, Conditions("fp32", "compiled", "cpu", 2, True)) is None
 
 
 def test_strategy_facts(checks):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import adapters
 from harness.plan import checked_spec, model_info, plan, variants
+from harness.plan.support import Conditions
 from harness.plan.support import unsupported as plan_unsupported
 from harness.results import store
 from harness.studies import sweep
@@ -13,7 +14,7 @@ from tests.helpers import base_spec, report_text
 
 
 def unsupported(name, info, precision, compile, device):
-    return plan_unsupported(adapters.BUILTIN[name], info, precision, compile, device)
+    return plan_unsupported(adapters.BUILTIN[name], info, Conditions(precision, compile, device))
 
 
 def test_variants_cross_precision_and_mode(tmp_path):

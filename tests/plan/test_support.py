@@ -12,7 +12,7 @@ import adapters
 from adapters.declaration import ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, BOTH, CPU, IMAGE_TASKS, Limit
 from harness.neutral import models
 from harness.plan import checked_spec, unsupported_reason
-from harness.plan.support import unsupported
+from harness.plan.support import Conditions, unsupported
 from harness.results import store
 from harness.spec import ModelSpec
 from harness.studies import sweep
@@ -88,9 +88,9 @@ def test_an_adapter_class_takes_its_declaration():
     assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.layers == BASIC_LAYERS
     assert FaultAdapter.declaration.adapter == "tests.fakes.fault_adapter:FaultAdapter"
     info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
-    assert unsupported(record, info, "fp32", "default", "cuda:0") == (
+    assert unsupported(record, info, Conditions("fp32", "default", "cuda:0")) == (
         "the planted adapter does not train in fp32 on cuda (only on cpu)")
-    assert unsupported(record, info, "fp16", "default", "cpu").endswith(": never")
+    assert unsupported(record, info, Conditions("fp16", "default", "cpu")).endswith(": never")
 
 
 def test_an_adapter_of_harness_adapters_has_no_declaration_here(monkeypatch):
@@ -111,11 +111,12 @@ def test_a_declared_limit_refuses_its_combination_and_nothing_else():
         {"type": "conv2d", "filters": 2, "kernel_size": 3}, {"type": "batchnorm"}, {"type": "flatten"},
         {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
     plain = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
-    assert unsupported(record, norm, "fp32", "compiled", "cpu", 2, True) == "no sync batchnorm when compiled"
-    assert unsupported(record, norm, "fp32", "eager", "cpu", 2, True) is None
-    assert unsupported(record, norm, "fp32", "compiled", "cpu", 2, False) is None
-    assert unsupported(record, norm, "fp32", "compiled", "cpu", 1, True) is None
-    assert unsupported(record, plain, "fp32", "compiled", "cpu", 2, True) is None
+    assert unsupported(record, norm,
+                       Conditions("fp32", "compiled", "cpu", 2, True)) == "no sync batchnorm when compiled"
+    assert unsupported(record, norm, Conditions("fp32", "eager", "cpu", 2, True)) is None
+    assert unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 2, False)) is None
+    assert unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 1, True)) is None
+    assert unsupported(record, plain, Conditions("fp32", "compiled", "cpu", 2, True)) is None
 
 
 def _before_blocks(monkeypatch, *names: str) -> None:
@@ -187,8 +188,9 @@ def test_keras_on_jax_takes_no_memory_cap_on_a_gpu():
     device query does first): the declaration's limit refuses a capped trial on a GPU, and only that."""
     info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
     record = adapters.BUILTIN["keras-jax"]
-    why = unsupported(record, info, "fp32", "default", "cuda:0", memory_limit=True)
+    why = unsupported(record, info, Conditions("fp32", "default", "cuda:0", memory_limit=True))
     assert why is not None and why.startswith("the keras-jax adapter takes no memory cap on a GPU"), why
-    assert unsupported(record, info, "fp32", "default", "cuda:0") is None
-    assert unsupported(record, info, "fp32", "default", "cpu", memory_limit=True) is None
-    assert unsupported(adapters.BUILTIN["jax"], info, "fp32", "default", "cuda:0", memory_limit=True) is None
+    assert unsupported(record, info, Conditions("fp32", "default", "cuda:0")) is None
+    assert unsupported(record, info, Conditions("fp32", "default", "cpu", memory_limit=True)) is None
+    assert unsupported(adapters.BUILTIN["jax"], info,
+                       Conditions("fp32", "default", "cuda:0", memory_limit=True)) is None

@@ -14,8 +14,7 @@ import pandas as pd
 import pytest
 
 import harness
-from harness.execution.launcher import STATUSES
-from harness.record import phase_windows
+from harness.record import STATUSES, phase_windows
 from harness.results import export
 from harness.results.schema import SCHEMA_VERSION, SchemaError, Status, TrialRecord, trial_schema_json
 from harness.results.store import read_lines, read_trials

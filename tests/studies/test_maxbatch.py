@@ -506,11 +506,13 @@ def test_cli(fault_adapter, write_spec, tmp_path, capsys):
 def test_a_trial_the_adapter_cannot_train_is_refused_before_any_probe(monkeypatch, tmp_path, changes, asked):
     """The search asks the plan's rule (``harness.plan.support``, through ``harness.plan.unsupported_reason``, which
     the sweep records) about the whole trial its probes run, and refuses with the same reason; no worker starts."""
-    from harness.plan import unsupported_reason
+    from dataclasses import replace
+
+    from harness.plan import spec_conditions, unsupported_reason
 
     sizes = simulate_workers(monkeypatch, lambda b: True)
     spec = validate(base_spec(memory_limit_mb=400, **changes), tmp_path / "s.yaml")
-    reason = unsupported_reason(spec, "pytorch", device="cpu", **asked)
+    reason = unsupported_reason(spec, "pytorch", replace(spec_conditions(spec, "cpu"), **asked))
     assert reason is not None and reason.startswith("the pytorch adapter" if "input" not in asked else "input:")
     with pytest.raises(ValueError) as refused:
         find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=32)
@@ -522,7 +524,7 @@ def test_cli_refuses_a_trial_the_adapter_cannot_train_in_one_line(write_spec, tm
     from harness.plan import unsupported_reason
 
     path = write_spec(base_spec(frameworks=["pytorch"], precision="fp16", memory_limit_mb=400, device="cpu"))
-    reason = unsupported_reason(validate(base_spec(precision="fp16"), tmp_path / "s.yaml"), "pytorch", device="cpu")
+    reason = unsupported_reason(validate(base_spec(precision="fp16"), tmp_path / "s.yaml"), "pytorch")
     out = tmp_path / "out"
     assert cli.main(["max-batch", str(path), "--framework", "pytorch", "--out", str(out)]) == 2
     err = capsys.readouterr().err

@@ -125,9 +125,8 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
         raise SpecError(spec_path, "data_parallel", "advise measures one device; --global-batch plans are not "
                                                     "built yet")
     for label in chosen:
-        why = planning.unsupported_reason(
-            spec.model_copy(update={"gradient_noise": GradientNoiseSpec(micro_batches=k, probes=options.probes)}),
-            label, device=options.device or "cpu")
+        noisy = spec.model_copy(update={"gradient_noise": GradientNoiseSpec(micro_batches=k, probes=options.probes)})
+        why = planning.unsupported_reason(noisy, label, planning.spec_conditions(noisy, options.device or "cpu"))
         if why is not None:
             raise SpecError(spec_path, "frameworks", f"{label}: {why}")
     return chosen, batch, k

@@ -8,9 +8,10 @@ line naming the spec file, the field, and the reason a ``harness run`` of the sa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from harness.plan import accumulation_conflict, check_devices, entry_for, trained_model
+from harness.plan import accumulation_conflict, check_devices, entry_for, spec_conditions, trained_model
 from harness.plan.support import unsupported
 from harness.spec import DataParallelSpec, Spec, SpecError
 
@@ -76,12 +77,12 @@ def check_supported(spec: Spec, framework: str, device: str, dp: DataParallelSpe
     if record is None:
         return
     info = trained_model(spec, entry)
-    devices, sync = (1, False) if dp is None else (dp.size, dp.sync_batchnorm)
-    why = unsupported(record, info, spec.precision, spec.compile, device, devices, sync, spec.input, memory_limit)
+    conditions = replace(spec_conditions(spec, device, dp), memory_limit=memory_limit, gradient_noise=False)
+    why = unsupported(record, info, conditions)
     if why is None:
         return
-    alone = devices > 1 and unsupported(record, info, spec.precision, spec.compile, device, 1, False,
-                                        spec.input, memory_limit) is None
+    alone = conditions.data_parallel > 1 and unsupported(
+        record, info, replace(conditions, data_parallel=1, sync_batchnorm=False)) is None
     raise SpecError(spec_file, field if alone else "", why)
 
 
