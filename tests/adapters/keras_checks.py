@@ -4,13 +4,16 @@ checks), and the same training as PyTorch, step by step (tests/adapters/scenario
 the narrow ResNet and the causal decoder, 10 steps of SGD with momentum and of Adam, gradient accumulation, the loop's
 epoch losses), with the tolerances the native adapters meet (tests/adapters/test_jax.py). One file per backend
 imports these tests (test_keras_jax.py, ...), so that the backends run side by side; each defines the ``keras_name``
-fixture."""
+fixture. The same interpreter also trains the Keras model of your own that tests/adapters/test_keras_native.py
+compares across the backends (``in_env_folder``)."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,8 +27,7 @@ from tests.adapters import scenarios
 SUITE_TESTS = {"keras-jax": 27, "keras-torch": 28, "keras-tensorflow": 27}
 
 
-@pytest.fixture(scope="module")
-def keras_python(keras_name) -> str:
+def _keras_python(keras_name: str) -> str:
     """envs/<keras_name> (made when missing, ``harness envs create``), with pytest for its suite."""
     python = str(environments.create(keras_name, ROOT / "envs")[0])
     if subprocess.run([python, "-c", "import pytest"], capture_output=True).returncode != 0:
@@ -33,16 +35,18 @@ def keras_python(keras_name) -> str:
     return python
 
 
+
 def _env(keras_name: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", "HARNESS_KERAS_ADAPTER": keras_name,
             "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-#: What one interpreter in the Keras environment runs (``in_env``): the suite (tests/adapters/keras_suite.py, by
-#: pytest, its report on stdout and its exit status in the file ``suite-exit``), then, in the same interpreter,
-#: ``scenarios.run`` and ``scenarios.run_blocks`` of the adapter into ``all.npz`` (any output on stderr). One
-#: interpreter instead of two: importing Keras and its backend (5 CPU-seconds on TensorFlow) and the harness once.
-#: Nothing of the tests is imported before pytest collects them; the scenarios compare with PyTorch as before.
+#: What one interpreter in the Keras environment runs (``in_env_folder``): the suite (tests/adapters/keras_suite.py,
+#: by pytest, its report on stdout and its exit status in the file ``suite-exit``), then, in the same interpreter,
+#: ``scenarios.run`` and ``scenarios.run_blocks`` of the adapter into ``all.npz`` and ``keras_native.run`` from the
+#: shared weights file (argument 2) into ``native.npz`` (any output on stderr). One interpreter instead of three:
+#: importing Keras and its backend (5 CPU-seconds on TensorFlow), the harness and the digits once. Nothing of the
+#: tests is imported before pytest collects them; the scenarios compare with PyTorch as before.
 _IN_ENV = """
 import contextlib, os, sys
 from pathlib import Path
@@ -54,20 +58,64 @@ sys.stdout.flush()
 with contextlib.redirect_stdout(sys.stderr):
     import numpy as np
     import adapters
-    from tests.adapters import scenarios
+    from tests.adapters import keras_native, scenarios
     cls = adapters.get(os.environ["HARNESS_KERAS_ADAPTER"])
     np.savez(out / "all.npz", **scenarios.run(cls), **scenarios.run_blocks(cls))
+    np.savez(out / "native.npz", **keras_native.run(cls, Path(sys.argv[2])))
 """
+
+#: The environment that draws the shared weights of the model of your own (``native_weights``), on Keras's numpy
+#: backend: the first of tests/adapters/test_keras_native.py's backends.
+DRAWS = "keras-jax"
+
+
+def native_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared initial weights of keras_cnn for seed 0 (``keras_native.shared_weights``), drawn once per pytest
+    command by ``adapters.keras.weights`` in envs/keras-jax (``made_once``), before any Keras interpreter of
+    ``in_env_folder`` loads them; the file ``drawn`` beside it holds its inode and mtime just after the draw."""
+    from harness.neutral import datasets, native
+    from harness.spec import DigitsData, NativeModel
+    from tests.adapters import keras_native
+    from tests.helpers import made_once
+
+    def draw(folder: Path) -> None:
+        feed, classes = datasets.describe_input(DigitsData(name="digits"))
+        path = native.draw_shared_weights("adapters.keras.weights", NativeModel(factory=keras_native.FACTORY), feed,
+                                          classes, 0, folder / "keras_cnn-seed0", python=_keras_python(DRAWS))
+        (folder / "drawn").write_text(f"{path.stat().st_ino} {path.stat().st_mtime_ns}")
+
+    return made_once(tmp_path_factory, "keras-native-weights", draw) / "keras_cnn-seed0"
+
+
+def in_env_folder(tmp_path_factory: pytest.TempPathFactory, keras_name: str) -> Path:
+    """The folder of ``_IN_ENV`` run once per pytest command in envs/<keras_name> (``made_once``: whichever test asks
+    first, this backend's file or tests/adapters/test_keras_native.py, runs it; the other reads it): its outputs, and
+    the process's ``stdout``, ``stderr`` and ``returncode`` in files of those names."""
+    from tests.helpers import made_once
+
+    weights = native_weights(tmp_path_factory)
+
+    def make(folder: Path) -> None:
+        proc = subprocess.run([_keras_python(keras_name), "-c", _IN_ENV, str(folder), str(weights)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=1800, env=_env(keras_name))
+        for name in ("stdout", "stderr", "returncode"):
+            (folder / name).write_text(str(getattr(proc, name)))
+
+    return made_once(tmp_path_factory, f"keras-in-env-{keras_name}", make)
+
+
+def read_in_env(folder: Path) -> SimpleNamespace:
+    """The process of ``in_env_folder``: its stdout, stderr and returncode."""
+    return SimpleNamespace(stdout=(folder / "stdout").read_text(), stderr=(folder / "stderr").read_text(),
+                           returncode=int((folder / "returncode").read_text()))
 
 
 @pytest.fixture(scope="module")
-def in_env(keras_python, keras_name, tmp_path_factory):
+def in_env(keras_name, tmp_path_factory):
     """(the process, its folder): ``_IN_ENV`` run once in the Keras environment, for the suite's test and the
     scenarios' fixture (``keras_runs``)."""
-    folder = tmp_path_factory.mktemp("keras")
-    proc = subprocess.run([keras_python, "-c", _IN_ENV, str(folder)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800, env=_env(keras_name))
-    return proc, folder
+    folder = in_env_folder(tmp_path_factory, keras_name)
+    return read_in_env(folder), folder
 
 
 def test_the_keras_adapter_suite_passes_in_its_own_environment(in_env, keras_name):

@@ -1,6 +1,7 @@
 """A Keras model of your own trained through one Keras adapter, as the worker trains it, run in that adapter's
-environment (one backend per process): ``python -m tests.adapters.keras_native NAME WEIGHTS OUT.npz``
-(tests/adapters/test_keras_native.py runs it in envs/keras-jax, envs/keras-torch and envs/keras-tensorflow).
+environment (one backend per process): ``python -m tests.adapters.keras_native NAME WEIGHTS OUT.npz``, or ``run``
+in the interpreter of a Keras suite (tests/adapters/keras_checks.py does so in envs/keras-jax, envs/keras-torch and
+envs/keras-tensorflow, for tests/adapters/test_keras_native.py).
 
 ``run`` adopts specs/models.py:keras_cnn (conv, max pool, conv, batchnorm, dense; no dropout, whose masks are each
 backend's own) for the digits through ``Adapter.native_model`` from the shared initial weights at WEIGHTS (drawn now

@@ -6,8 +6,10 @@ and of Adam its parameters agree across the three backends with the tolerances o
 tests (``kit.PARAM_RTOL``, ``kit.PARAM_ATOL``: 1e-5 + 1e-5 x |b|, as tests/adapters/keras_checks.py holds the neutral
 batchnorm models to), and every one of them moved by far more than that.
 
-One process per environment (``tests.adapters.keras_native``, about 10 s each): the first draws the weights file,
-the other two load it. Measured (Keras 3.15.1; JAX 0.10.2, torch 2.13.0, TensorFlow 2.21.0 on x86-64, 2 threads): the
+Each environment's run is ``keras_native.run`` in the interpreter that also runs that backend's suite and scenarios
+(``keras_checks.in_env_folder``, made once per pytest command for this file and test_keras_<backend>.py alike): the
+weights file is drawn once before them (``keras_checks.native_weights``, in envs/keras-jax), and all three load it.
+Measured (Keras 3.15.1; JAX 0.10.2, torch 2.13.0, TensorFlow 2.21.0 on x86-64, 2 threads): the
 largest difference between two backends is 4e-7 after 10 SGD steps and 2.5e-6 after 10 Adam steps, with one exception,
 the bias of the convolution that feeds the batchnorm (``PRE_NORM_BIAS``). Batchnorm subtracts each channel's batch
 mean, so that bias's true gradient is exactly zero and what each backend computes for it is its own rounding residue
@@ -22,7 +24,6 @@ gradients, exceed 25-fold.
 from __future__ import annotations
 
 import itertools
-import subprocess
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ import pytest
 from harness.execution import environments
 from harness.spec import ROOT
 from tests.adapters import kit, scenarios
-from tests.adapters.keras_checks import _env
+from tests.adapters.keras_checks import in_env_folder, native_weights, read_in_env
 
 NAMES = ("keras-jax", "keras-torch", "keras-tensorflow")
 #: the bias of the second convolution, which feeds the batchnorm (``keras_native.positional_names``)
@@ -43,20 +44,17 @@ NOISE_BOUND = 10 * scenarios.ADAM.learning_rate * 1e-2
 
 @pytest.fixture(scope="module")
 def native_runs(tmp_path_factory) -> tuple[object, dict[str, dict[str, np.ndarray]]]:
-    """(the weights file, {adapter name: ``keras_native.run`` in its environment}); the first process draws the
-    file, and it is the same file (not drawn again) after the other two."""
-    folder = tmp_path_factory.mktemp("keras-native")
-    weights, runs, drawn = folder / "keras_cnn-seed0", {}, None
+    """(the weights file, {adapter name: ``keras_native.run`` in its environment}); the file is drawn once, and it
+    is the same file (not drawn again) after each of the three runs."""
+    weights, runs = native_weights(tmp_path_factory), {}
+    drawn = (weights.parent / "drawn").read_text()
     for name in NAMES:
-        python = environments.create(name, ROOT / "envs")[0]
-        out = folder / f"{name}.npz"
-        proc = subprocess.run([str(python), "-m", "tests.adapters.keras_native", name, str(weights), str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(name))
+        folder = in_env_folder(tmp_path_factory, name)
+        proc = read_in_env(folder)
         assert proc.returncode == 0, proc.stderr[-3000:]
         stat = weights.stat()
-        drawn = drawn or (stat.st_ino, stat.st_mtime_ns)
-        assert (stat.st_ino, stat.st_mtime_ns) == drawn, f"{name} drew the weights again"
-        with np.load(out) as loaded:
+        assert f"{stat.st_ino} {stat.st_mtime_ns}" == drawn, f"{name} drew the weights again"
+        with np.load(folder / "native.npz") as loaded:
             runs[name] = dict(loaded)
     return weights, runs
 
