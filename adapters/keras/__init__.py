@@ -47,6 +47,9 @@ def _keras(backend: str, title: str, native: str, distributions: tuple[str, ...]
         # same initial weights, drawn once per seed on Keras's numpy backend (adapters.keras.weights)
         native_model="keras.Model",
         shared_weights="adapters.keras.weights",
+        # Adapter.gradient_norms: Model.stateless_call in training mode and the backend's own gradients
+        # (adapters.keras.training, adapters.keras.backends), the moving statistics untouched
+        gradient_noise=True,
         **extra,  # type: ignore[arg-type]
     )
 

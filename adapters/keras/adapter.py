@@ -193,6 +193,17 @@ class KerasAdapter(Adapter):
         self.training.step(self.inputs.parts(batch, micro_batches), micro_batches)
         self._loss_steps += 1
 
+    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
+        """``Training.gradient_norms`` on the batch's micro-batches, gathered as ``train_step`` gathers them
+        (``Inputs.parts``), by the backend's gradient mechanism (``Backend.gradient``).
+
+        Raises:
+            ValueError: fewer than 2 micro-batches, or ones that do not divide the batch.
+        """
+        if micro_batches < 2:
+            raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
+        return self.training.gradient_norms(self.inputs.parts(batch, micro_batches), micro_batches, self.backend)
+
     def wait(self) -> None:
         """The device idle: ``train_on_batch`` already returned its loss on the host; on a GPU the backend's own
         synchronisation as well (torch.cuda.synchronize, jax.block_until_ready on the parameters,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from adapters.base import DeviceUnavailable, RunOptions, device_index
@@ -75,6 +76,18 @@ class Backend:
     def sync(self, variables: list[Any]) -> None:
         """Waits until the device's queued work is done (``variables``: the model's, on JAX); nothing on the CPU."""
 
+    def gradient(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[list[Any], Any]]:
+        """``fn(values, *args) -> (loss, aux)`` (a scalar loss of the list of tensors ``values``) as a function of the
+        same arguments that returns (the gradients of the loss with respect to ``values``, a list of dense tensors,
+        zero where the loss does not depend on one; ``aux``, cut from the gradient's graph), by the backend's own
+        gradient mechanism (the one Keras's own train step on that backend uses)."""
+        raise NotImplementedError
+
+    def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as the trial's mode runs a function of tensors: ``fn`` itself (eager) but in JAX's compiled mode
+        (``JAX.compiled``)."""
+        return fn
+
     def reset_peaks(self) -> None:
         """Restarts the GPU allocator's peak counter where the backend can."""
 
@@ -129,6 +142,22 @@ class Torch(Backend):
         if self.gpu:
             self.module().cuda.synchronize()
 
+    def gradient(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[list[Any], Any]]:
+        """``torch.autograd.grad`` of the loss with respect to ``values`` made leaves that require gradients (detached
+        copies sharing their storage: the variables' own ``.grad`` is never touched), an unused one's gradient zero
+        (``materialize_grads``); ``aux``'s tensors detached."""
+        torch = self.module()
+
+        def gradient(values: list[Any], *args: Any) -> tuple[list[Any], Any]:
+            leaves = [v.detach().requires_grad_(True) for v in values]
+            with torch.enable_grad():
+                loss, aux = fn(leaves, *args)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+            detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in aux]
+            return list(grads), detached
+
+        return gradient
+
     def reset_peaks(self) -> None:
         if self.gpu:
             self.module().cuda.reset_peak_memory_stats()
@@ -175,6 +204,15 @@ class JAX(Backend):
         """``jax.block_until_ready`` on the variables' values: the last step's updates are the last work queued."""
         if self.gpu:
             self.module().block_until_ready([v.value for v in variables])
+
+    def gradient(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[list[Any], Any]]:
+        """``jax.grad(fn, has_aux=True)``."""
+        return self.module().grad(fn, has_aux=True)  # type: ignore[no-any-return]
+
+    def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``jax.jit(fn)`` (one compilation per input shape) in the compiled mode (Keras's jit_compile=True on JAX);
+        ``fn`` itself in the eager one, its ops dispatched one by one."""
+        return self.module().jit(fn) if self.options.compile == "compiled" else fn
 
     def peaks(self) -> dict[str, int]:
         """The device's ``memory_stats()["peak_bytes_in_use"]``, since the process started (JAX cannot restart
@@ -238,6 +276,22 @@ class TensorFlow(Backend):
     def sync(self, variables: list[Any]) -> None:
         if self.gpu:
             self.module().test.experimental.sync_devices()
+
+    def gradient(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[list[Any], Any]]:
+        """A ``tf.GradientTape`` watching ``values`` (read as tensors), eager; an unused value's gradient zero
+        (``UnconnectedGradients.ZERO``), an embedding's ``tf.IndexedSlices`` made dense (its rows summed, as
+        ``adapters.keras.optimizers`` does)."""
+        tf = self.module()
+
+        def gradient(values: list[Any], *args: Any) -> tuple[list[Any], Any]:
+            tensors = [tf.convert_to_tensor(v) for v in values]
+            with tf.GradientTape() as tape:
+                tape.watch(tensors)
+                loss, aux = fn(tensors, *args)
+            grads = tape.gradient(loss, tensors, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return [tf.convert_to_tensor(g) for g in grads], aux
+
+        return gradient
 
     def reset_peaks(self) -> None:
         if self.gpu:

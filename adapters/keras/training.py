@@ -20,11 +20,27 @@ import numpy.typing as npt
 
 from adapters.base import RunOptions, Weights
 from adapters.keras import optimizers
+from adapters.keras.backends import Backend
 from adapters.keras.inputs import to_tensor
 from harness.spec import OptimizerSpec
 
 #: The micro-batches of one step: (x, y) pairs of backend tensors on the device.
 Parts = Iterable[tuple[Any, Any]]
+#: The name Keras gives a ``keras.random.SeedGenerator``'s state variable (non-trainable: dropout's seeds).
+_SEED_STATE = "seed_generator_state"
+#: ``keras.optimizers.LossScaleOptimizer``'s default ``initial_scale``: fp16's loss scale before the first step.
+INITIAL_LOSS_SCALE = 2.0 ** 15
+
+
+def _squares(tensors: list[Any]) -> Any:
+    """float32 (tensors,): each float32 tensor's sum of squares."""
+    return keras.ops.stack([keras.ops.sum(keras.ops.square(t)) for t in tensors])
+
+
+def _loss() -> Any:
+    """The training loss: the mean sparse softmax cross-entropy of the logits (over every position of a next-token
+    model's)."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 class Training:
@@ -36,6 +52,10 @@ class Training:
         self.compiled_for: int | None = None  # the micro-batches per step Model.compile fixed
         self._loss_sum = 0.0  # the steps' losses since the last read, on the host (train_on_batch returns them there)
         self._settings: dict[str, Any] = {}
+        self._loss_fn = _loss()  # the loss compile gives the model, for gradient_norms
+        # gradient_norms' functions (Backend.gradient, Backend.compiled), made at its first call
+        self._gradient: Any = None
+        self._part: Any = None
 
     def compile(self, micro_batches: int) -> None:
         """``Model.compile`` with the optimizer (PyTorch's SGD or Adam with the coupled L2 term; with more than one
@@ -55,8 +75,7 @@ class Training:
         optimizer = optimizers.make(self.optimizer, micro_batches)
         if self.options.precision == "fp16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
-        self.model.compile(optimizer=optimizer, jit_compile=self.options.compile == "compiled",
-                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        self.model.compile(optimizer=optimizer, jit_compile=self.options.compile == "compiled", loss=_loss())
         self.compiled_for = micro_batches
         self._settings = {"jit_compile": bool(self.model.jit_compile), "gradient_accumulation_steps": micro_batches,
                           "optimizer": type(self.model.optimizer).__name__,
@@ -73,6 +92,103 @@ class Training:
         for x, y in parts:
             total += float(self.model.train_on_batch(x, y))
         self._loss_sum += total / micro_batches
+
+    def gradient_norms(self, parts: Parts, micro_batches: int, backend: Backend) -> tuple[list[float], float]:
+        """Squared L2 norms of the gradients of the ``micro_batches`` k parts' mean losses, and of their mean
+        (``Adapter.gradient_norms``), at the current variables; nothing the training depends on is changed.
+
+        Written once against Keras's stateless API, as Keras's own JAX train step computes its loss: each part's
+        logits from ``Model.stateless_call`` in training mode (batchnorm normalises with the part's moments, dropout
+        draws), with the variables' current values as inputs, the loss ``compile`` gives the model (``_loss``) plus
+        the model's own losses (``return_losses``: regularisers, ``add_loss``), in fp16 times the loss scale; its
+        gradients by the backend's own mechanism (``Backend.gradient``: ``jax.grad``, ``torch.autograd.grad``,
+        ``tf.GradientTape``), each part's in one function (``_part_norms``, jitted on JAX in the compiled mode). No
+        variable is assigned inside it (the stateless scope keeps batchnorm's moving statistics and the seed
+        generators' states as values): the non-trainable values go from one part to the next (each part's dropout
+        masks its own), and afterwards only the seed generators' states are assigned (``_SEED_STATE``: the next call
+        draws other masks, as the other frameworks' random state advances), never the moving statistics; the
+        optimizer, its loss scale and the loss sum are not touched.
+
+        fp16: the loss is scaled by the ``LossScaleOptimizer``'s current scale (before the first step, its initial
+        one), divided out again; where a gradient overflows (a step would be skipped) the whole call is repeated at
+        half the scale, down to 1, as the JAX adapter does, without changing the optimizer's. Each part's
+        per-variable squared sums are float32 on the device; the host reads them once, at the end, and adds them up
+        in float64.
+
+        Args:
+            parts: the k micro-batches (x, y) on the device (``Inputs.parts``).
+            micro_batches: k >= 2, the number of parts.
+            backend: the backend, whose ``gradient`` takes the gradients.
+
+        Returns:
+            ([|g_1|^2, ..., |g_k|^2], |G|^2), G the mean of the k gradients.
+        """
+        if self._part is None:
+            self._gradient = backend.gradient(self._micro_loss)
+            self._part = backend.compiled(self._part_norms)
+        parts = list(parts)
+        trainable = [v.value for v in self.model.trainable_variables]
+        state = [v.value for v in self.model.non_trainable_variables]
+        scale = self._loss_scale()
+        while True:
+            sums, after = self._squared_norms(parts, micro_batches, trainable, state, scale)
+            if scale is None or scale <= 1.0 or np.isfinite(sums).all():
+                break
+            scale /= 2.0  # the LossScaleOptimizer's backoff
+        for variable, value in zip(self.model.non_trainable_variables, after):
+            if variable.name == _SEED_STATE:
+                variable.assign(value)
+        return [float(s) for s in sums[:-1]], float(sums[-1])
+
+    def _squared_norms(self, parts: list[tuple[Any, Any]], micro_batches: int, trainable: list[Any],
+                       state: list[Any], scale: float | None) -> tuple[npt.NDArray[np.float64], list[Any]]:
+        """(float64 (k + 1,): each part's squared gradient norm and their mean's, summed over the variables in float64
+        from float32 per-variable sums; the non-trainable values after the last part)."""
+        ops = keras.ops
+        factor = None if scale is None else ops.convert_to_tensor(scale, "float32")
+        count = ops.convert_to_tensor(float(micro_batches), "float32")
+        total = [ops.zeros(v.shape, "float32") for v in self.model.trainable_variables]
+        rows, mean = [], None
+        for x, y in parts:
+            total, squares, mean, state = self._part(trainable, state, total, count, x, y, factor)
+            rows.append(squares)
+        rows.append(mean)  # the last part's: of the k gradients' mean
+        sums = np.asarray(ops.convert_to_numpy(ops.stack(rows)), np.float64).sum(axis=1)  # the one read back
+        return sums, state
+
+    def _part_norms(self, trainable: list[Any], state: list[Any], total: list[Any], count: Any, x: Any, y: Any,
+                    scale: Any) -> tuple[list[Any], Any, Any, list[Any]]:
+        """One part's gradients (``_micro_loss``'s, float32, ``scale`` divided out): ``total`` plus them, their
+        per-variable squared sums (float32 (variables,)), those of that sum over ``count`` (after the k-th part: of
+        the mean gradient; an elementwise pass over the parameters, so that the whole call is one function per part
+        size) and the non-trainable values after the part. One jitted function on JAX in the compiled mode
+        (``Backend.compiled``): one compilation per micro-batch size."""
+        ops = keras.ops
+        grads, state = self._gradient(trainable, state, x, y, scale)
+        grads = [ops.cast(g, "float32") if scale is None else ops.cast(g, "float32") / scale for g in grads]
+        total = [t + g for t, g in zip(total, grads)]
+        return total, _squares(grads), _squares([t / count for t in total]), state
+
+    def _micro_loss(self, trainable: list[Any], state: list[Any], x: Any, y: Any,
+                    scale: Any) -> tuple[Any, list[Any]]:
+        """The loss a training step minimises on (x, y) (times ``scale`` unless None) at the values ``trainable``,
+        ``state`` of the model's variables, and the non-trainable values after it: ``Model.stateless_call`` in
+        training mode, nothing assigned."""
+        logits, state, losses = self.model.stateless_call(trainable, state, x, training=True, return_losses=True)
+        loss = self._loss_fn(y, logits)
+        for extra in losses:
+            loss = loss + keras.ops.cast(extra, "float32")
+        return (loss if scale is None else loss * scale), list(state)
+
+    def _loss_scale(self) -> float | None:
+        """fp16's loss scale: the compiled ``LossScaleOptimizer``'s current one, before the first step its initial
+        one; None in the other precisions."""
+        if self.options.precision != "fp16":
+            return None
+        optimizer = getattr(self.model, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+        return INITIAL_LOSS_SCALE
 
     def take_loss_sum(self) -> float:
         """The sum of the steps' losses since the last read, restarted: ``train_on_batch`` resets Keras's metrics and
