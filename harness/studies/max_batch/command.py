@@ -9,13 +9,14 @@ from typing import Any
 
 from harness import plan as planning
 from harness.execution import probes
+from harness.execution.launcher import server_probes
 from harness.measure.machine import resolve_device
 from harness.plan.entries import entry_named
 from harness.spec import Spec, SpecError
 from harness.studies.max_batch.checks import check_search
 from harness.studies.max_batch.output import RunWriter, mb, table
-from harness.studies.max_batch.probe import Probe
-from harness.studies.max_batch.search import find_max_batch
+from harness.studies.max_batch.probe import Probe, probe_spec
+from harness.studies.max_batch.search import DEFAULT_INITIAL_SIZES, find_max_batch
 
 
 def run(args: argparse.Namespace, spec: Spec) -> int:
@@ -32,8 +33,13 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
         searched = {**spec.model_dump(mode="json"), "frameworks": [entry.model_dump(exclude_none=True)],
                     **({"device": args.device} if args.device is not None else {})}
         device = args.device or resolve_device(spec.device)
-        check_search(spec, entry.name, device, args.data_parallel, args.spec, args.memory_limit_mb)
-        probes.probe_entries(planning.checked_spec(searched, args.spec), args.spec, device)
+        dp = check_search(spec, entry.name, device, args.data_parallel, args.spec, args.memory_limit_mb)
+        searched_spec = planning.checked_spec(searched, args.spec)
+        # the interpreter's probe in a child of the preloaded parent the probes fork from (one data-parallel
+        # worker group aside): a fork, not another interpreter importing the framework
+        first = probe_spec(searched_spec, entry.row, DEFAULT_INITIAL_SIZES[0], args.memory_limit_mb, device, args.spec)
+        via = server_probes(planning.plan(first, device)) if dp is None else None
+        probes.probe_entries(searched_spec, args.spec, device, via=via)
     except SpecError as err:
         print(str(err), file=sys.stderr)
         return 2
