@@ -20,11 +20,11 @@ if TYPE_CHECKING:
 
 CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
 # A probe's steps (docs/findings/2026-11-29-probe-steps.md): the peak settles at the second optimizer step (the first
-# allocates the optimizer's state), so PROBE_EPOCHS epochs of PROBE_STEPS steps each (the settled step, a safety step,
-# and training again after an evaluation) where that was measured; FULL_PROBE_EPOCHS of every step elsewhere (MXNet's
-# pooled allocator grew 10 MB more over whole epochs; frameworks not measured keep the probe they had).
+# allocates the optimizer's state), so PROBE_EPOCHS epochs of PROBE_STEPS steps each (the settled step, then safety
+# steps that train again after an evaluation, as a run does) where that was measured; FULL_PROBE_EPOCHS of every step
+# elsewhere (MXNet's pooled allocator kept growing over whole epochs; frameworks not measured keep the probe they had).
 PROBE_EPOCHS = 2
-PROBE_STEPS = 3
+PROBE_STEPS = 2
 SHORT_PROBES = frozenset({"pytorch", "tensorflow", "jax"})
 FULL_PROBE_EPOCHS = 3  # each: every step over the probe's data (with_dataset: the first step only), an evaluation
 STATUSES = ("found", "no_oom", "nothing_fits", "stopped")
