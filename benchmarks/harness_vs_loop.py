@@ -126,7 +126,7 @@ def run_harness(spec: Spec, sampler: bool, device: str = "cpu") -> dict[str, Any
     watches too); its throughput and what goes with it."""
     (trial,) = plan_module.plan(spec, device)
     interval = spec.sampler.interval_s if sampler else None
-    payload = Payload(trial=trial, spec=spec)
+    payload = Payload(trial=trial)
     outcome = run_worker(payload, spec.timeout_s, interval, device, trial.threads)
     result = outcome.result()
     metrics = result.metrics if result is not None else TrialMetrics()

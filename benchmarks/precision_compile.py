@@ -57,7 +57,7 @@ def run_trial(spec_path: str, framework: str, batch_size: int, precision: str, m
     if reason is not None:
         return {"status": "unsupported", "reason": reason, "throughput": None, "first_step_seconds": None}
     (trial,) = plan_module.plan(spec, device)
-    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, spec.sampler.interval_s, device,
+    outcome = run_worker(Payload(trial=trial), spec.timeout_s, spec.sampler.interval_s, device,
                          trial.threads)
     result = outcome.result()
     metrics = result.metrics if result is not None else TrialMetrics()

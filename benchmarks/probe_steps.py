@@ -55,7 +55,7 @@ def main() -> int:
                     if steps:
                         trial = replace(trial, max_steps_per_epoch=steps)
                     started = time.monotonic()
-                    outcome = run_worker(Payload(trial=trial, spec=pspec), spec.timeout_s, None, "cpu", trial.threads)
+                    outcome = run_worker(Payload(trial=trial), spec.timeout_s, None, "cpu", trial.threads)
                     value, source = peak(outcome, "cpu") if outcome.status in ("ok", "oom") else (None, "")
                     row = {"framework": framework, "batch": batch, "epochs": epochs, "steps": steps or "all",
                            "repeat": repeat, "status": outcome.status, "peak_mb": None if value is None else

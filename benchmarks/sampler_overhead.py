@@ -73,7 +73,7 @@ def run_trial(framework: str, batch_size: int, epochs: int, threads: int, device
     """One real worker trial; its throughput and what the sampler reported."""
     spec = make_spec(framework, batch_size, epochs, threads, device)
     (trial,) = plan(spec, device)  # one framework, one batch size, one repeat
-    outcome = run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, interval, device, threads)
+    outcome = run_worker(Payload(trial=trial), spec.timeout_s, interval, device, threads)
     result = outcome.result()
     metrics = result.metrics if result is not None else TrialMetrics()
     return {"status": outcome.status, "reason": outcome.reason, "throughput": metrics.throughput_samples_per_s,

@@ -52,7 +52,7 @@ def run_trial(framework: str, batch_size: int, epochs: int, worker_start: str) -
     """One real trial through the launcher, as a sweep runs it; its phases, path and losses."""
     spec = make_spec(framework, batch_size, epochs, worker_start)
     (trial,) = plan(spec, "cpu")
-    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), spec.timeout_s, spec.sampler.interval_s, "cpu",
+    outcome = launcher.run_worker(Payload(trial=trial), spec.timeout_s, spec.sampler.interval_s, "cpu",
                                   threads=spec.cpu_threads)
     result = outcome.result()
     if outcome.status != "ok" or result is None:

@@ -80,7 +80,7 @@ def test_a_cuda_device_reaches_the_trial_the_sampler_and_the_loop(threads, tmp_p
 
     (worker,) = workers  # jax only: nothing starts for the refused tensorflow cell
     trial = worker.payload.trial
-    assert (worker.device, trial.device, worker.payload.spec.device) == ("cuda:0", "cuda:0", "cuda:0")
+    assert (worker.device, trial.device, worker.payload.trial.device) == ("cuda:0", "cuda:0", "cuda:0")
     assert trial.framework == "jax" and trial.python == "python3" and trial.command is None
     assert worker.threads == trial.threads == threads and worker.interval_s == 0.1  # specs/quick.yaml's sampler
     (loop,) = loops
@@ -120,7 +120,7 @@ def test_harness_variants_run_beside_the_loop_in_rotating_order(tmp_path, monkey
     workers, order = [], []
 
     def fake_run_worker(payload, timeout_s, interval_s, device, threads, *rest, **options):
-        key = (interval_s, payload.spec.worker_start)
+        key = (interval_s, payload.trial.worker_start)
         workers.append(key)
         order.append(key)
         return _Measured(speeds[key] * (1 + len(workers) / 100))  # drifts: only paired ratios stay exact

@@ -231,14 +231,14 @@ def start_mode(payload: Payload) -> str:
     import adapters  # the registry of declarations: imports no framework
 
     trial = payload.trial
-    if payload.spec.worker_start != "auto" or trial.command or not forkserver.forkable():
+    if trial.worker_start != "auto" or trial.command or not forkserver.forkable():
         return "cold"
     record = adapters.declaration(trial.framework)
     safe = record.fork_safe if record else probes.declared_fork_safe(trial.framework, trial.python)
     return "forked" if safe else "cold"
 
 
-def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:
+def server_probes(trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:
     """For ``harness.execution.probes.probe_entries``: per framework entry, a runner of its probe in a child
     forked from the preloaded parent its first trial (of ``trials``, the planned ones) will fork from, the parent
     started now (``SERVERS``, so the trial finds it: the same interpreter, framework and worker settings); None
@@ -248,9 +248,9 @@ def server_probes(spec: Any, trials: list[Trial]) -> Callable[[FrameworkEntry], 
 
     def via(entry: FrameworkEntry) -> Any:
         trial = next((t for t in trials if t.label == entry.row), None)
-        if trial is None or start_mode(Payload(trial=trial, spec=spec)) != "forked":
+        if trial is None or start_mode(Payload(trial=trial)) != "forked":
             return None
-        settings = worker_settings(trial.threads, allocator=spec.allocator.model_dump(mode="json"))
+        settings = worker_settings(trial.threads, allocator=trial.allocator.model_dump())
 
         def run(code: str, args: list[str], timeout_s: float) -> tuple[int, str, str]:
             return _server(trial, settings).probe(code, args, timeout_s)
@@ -302,7 +302,7 @@ class _WorkerRun:
         self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
-        settings = {**worker_settings(threads, allocator=payload.spec.allocator.model_dump(mode="json")), **(env or {})}
+        settings = {**worker_settings(threads, allocator=payload.trial.allocator.model_dump()), **(env or {})}
         payload = payload.model_copy(update={"env": settings, "launcher_pid": os.getpid(),
                                              "cpus": list(cpus) if cpus else payload.cpus})
         self.start, self.ended = start_mode(payload), 0.0

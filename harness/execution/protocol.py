@@ -39,7 +39,6 @@ from harness.record.events import (
     _Event,
     event_data,
 )
-from harness.spec import Spec
 
 __all__ = ["EVENT_PREFIX", "Epoch", "Error", "ErrorKind", "Event", "MemoryLimit", "MemoryPeak", "Payload", "Phase",
            "Ready", "Result", "Start", "event_line", "parse_event"]
@@ -49,14 +48,14 @@ EVENT_PREFIX = "@harness-event "
 
 
 class Payload(BaseModel):
-    """What a worker reads on standard input: the trial and the spec it belongs to, and the process settings the
-    launcher adds (``env``: environment variables the bootstrap sets before any import; ``cpus``: the cores it pins
-    the process to, None for no pinning; ``launcher_pid``: for ``PR_SET_PDEATHSIG``)."""
+    """What a worker reads on standard input: the trial, resolved by the plan (its model, dataset, optimizer and process
+    settings included: ``harness.plan.Trial``), and the process settings the launcher adds (``env``: environment
+    variables the bootstrap sets before any import; ``cpus``: the cores it pins the process to, None for no pinning;
+    ``launcher_pid``: for ``PR_SET_PDEATHSIG``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     trial: Trial
-    spec: Spec
     env: dict[str, str] = Field(default_factory=dict)
     cpus: list[int] | None = None
     launcher_pid: int | None = None

@@ -39,7 +39,7 @@ def _ray_trial(payload: Payload, timeout_s: float, interval_s: float | None, thr
     trial an ``error`` Outcome (``launcher_failed``), as on the local executor."""
     import ray
 
-    payload = payload.model_copy(update={"spec": payload.spec.model_copy(update={"worker_start": "cold"})})
+    payload = payload.model_copy(update={"trial": replace(payload.trial, worker_start="cold")})
     device, devices = "cpu", None
     if gpu:
         ids = [int(i) for i in ray.get_gpu_ids()] or [0]

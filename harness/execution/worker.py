@@ -26,7 +26,7 @@ from harness.execution.loop import TrialError, train
 from harness.execution.protocol import Error, ErrorKind, Payload, Phase, Ready, Result, Start, event_line
 from harness.neutral import native
 from harness.neutral.info import Input, ModelInfo
-from harness.plan import Trial, entry_for, trained_model
+from harness.plan import Trial
 from harness.plan.support import NativeTask
 from harness.record.metrics import DataParallelism, PredictedMemory, TrialMetrics
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from harness.execution.protocol import _Event
     from harness.execution.ranks import Ranks
     from harness.neutral.datasets import Data
-    from harness.spec import FrameworkEntry, OptimizerSpec, Spec
+    from harness.spec import NativeModel, OptimizerSpec
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -79,24 +79,23 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def run_options(declaration: Declaration, spec: Spec, trial: Trial, rank: int = 0) -> RunOptions:
+def run_options(declaration: Declaration, trial: Trial, rank: int = 0) -> RunOptions:
     """The adapter's ``RunOptions``, built once: the trial's precision, compile mode (resolved by the declaration)
-    and memory limit, and the spec's allocator settings that the declaration names (``Declaration.allocator_options``;
+    and memory limit, and the trial's allocator settings that the declaration names (``Declaration.allocator_options``;
     the others keep their defaults); for a data-parallel trial its devices, this process's ``rank`` and how many
     processes share them."""
     from adapters.base import DataParallel, RunOptions
     from harness.spec import AllocatorSpec
 
-    allocator = AllocatorSpec(**{option: getattr(spec.allocator, option) for option in declaration.allocator_options})
+    allocator = AllocatorSpec(**{option: getattr(trial.allocator, option) for option in declaration.allocator_options})
     data_parallel = None
     if trial.data_parallel > 1:
         processes = trial.data_parallel if declaration.data_parallel == "processes" else 1
         data_parallel = DataParallel(devices=trial.devices, processes=processes, rank=rank,
                                      sync_batchnorm=trial.sync_batchnorm)
-    cache = None if spec.compilation_cache is None else os.path.abspath(spec.compilation_cache)
     return RunOptions(precision=trial.precision, compile=trial.compile, memory_limit_bytes=trial.memory_limit_bytes,
                       allocator=allocator, data_parallel=data_parallel, input=trial.input, loader=trial.loader,
-                      compilation_cache=cache)
+                      compilation_cache=trial.compilation_cache)
 
 
 def cannot_train(declaration: Declaration, info: ModelInfo | NativeTask, trial: Trial) -> str | None:
@@ -107,7 +106,7 @@ def cannot_train(declaration: Declaration, info: ModelInfo | NativeTask, trial: 
     return unsupported(declaration, info, trial.conditions)
 
 
-def _load(adapter: Adapter, spec: Spec, trial: Trial, data: Data) -> None:
+def _load(adapter: Adapter, trial: Trial, data: Data) -> None:
     """``Adapter.load``; with ``input: loader`` then ``Adapter.open_loader`` over the trial's training set
     (``harness.neutral.inputs.for_dataset``: an image folder's files, else host memory), augmented by the loader's
     reads when the trial augments."""
@@ -115,7 +114,7 @@ def _load(adapter: Adapter, spec: Spec, trial: Trial, data: Data) -> None:
     if trial.input == "loader":
         from harness.neutral import inputs
 
-        adapter.open_loader(inputs.for_dataset(spec.dataset, data, trial.augmentation, trial.seed))
+        adapter.open_loader(inputs.for_dataset(trial.dataset, data, trial.augmentation, trial.seed))
 
 
 def _data_metrics(data: Data) -> dict[str, int]:
@@ -135,16 +134,15 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         from harness.neutral import datasets, models
 
         payload = payload if isinstance(payload, Payload) else Payload.model_validate(payload)
-        trial, spec = payload.trial, payload.spec
+        trial = payload.trial
         events.emit(Start(pid=os.getpid(), framework=trial.framework, batch_size=trial.micro_batch_size,
                           python=sys.executable, affinity=_affinity()))
-        entry = entry_for(spec, trial.label or trial.framework)
-        feed, classes = datasets.describe_input(spec.dataset)
-        info = trained_model(spec, entry)  # the neutral model's analysis, or a model of your own's task
+        feed, classes = datasets.describe_input(trial.dataset)
+        info = trial.trained_model()  # the neutral model's analysis, or a model of your own's task
         events.emit(Phase(name="import", edge="start"))
         cls, ranks, rank = _adapter_class(payload, info, events)
         events.emit(Phase(name="import", edge="end"))
-        adapter = cls(run_options(cls.declaration, spec, trial, rank))
+        adapter = cls(run_options(cls.declaration, trial, rank))
         if trial.device == "cpu" and trial.memory_limit_bytes:
             from harness.execution.limits import apply_cpu_memory_limit  # see there for what the limit means on the CPU
 
@@ -156,17 +154,18 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
         adapter.prepare(trial.device, threads, trial.seed)  # a rank's own device is in its options
         # a loader reads an image folder's training images from their files: they are not held here as well
         events.emit(Phase(name="data", edge="start"))
-        data = datasets.load(spec.dataset, seed=trial.seed, train_images=trial.input == "resident")
+        data = datasets.load(trial.dataset, seed=trial.seed, train_images=trial.input == "resident")
         events.emit(Phase(name="data", edge="end"))
         events.emit(Phase(name="build", edge="start"))
-        optimizer = (trial.optimizer or spec.optimizer).model_copy(update={"learning_rate": trial.learning_rate})
+        optimizer = trial.training_optimizer
         if isinstance(info, ModelInfo):
             adapter.build_neutral(info, models.initial_weights(info, trial.seed), optimizer)
         else:
-            assert entry.model is not None  # trained_model gives a NativeTask for an entry with a model of its own
-            source = _native_source(cls.declaration, entry, feed, classes, trial.seed)
-            adapter.build(adapter.native_model(native.make(entry.model, trial.seed), source), info.task, optimizer)
-        _load(adapter, spec, trial, data)
+            assert trial.native_model is not None  # trained_model gives a NativeTask for a model of your own
+            source = _native_source(cls.declaration, trial.native_model, feed, classes, trial.seed)
+            adapter.build(adapter.native_model(native.make(trial.native_model, trial.seed), source), info.task,
+                          optimizer)
+        _load(adapter, trial, data)
         adapter.wait()
         events.emit(Phase(name="build", edge="end"))
         events.emit(Ready(versions=adapter.versions(), settings=adapter.settings().record()))
@@ -210,20 +209,19 @@ def _failure(adapter: Adapter | None, exc: BaseException) -> Error:
     return Error(kind=kind, reason=reason[:500], traceback="".join(traceback.format_exception(exc))[-4000:])
 
 
-def _native_source(declaration: Declaration, entry: FrameworkEntry, feed: Input, classes: int,
+def _native_source(declaration: Declaration, model: NativeModel, feed: Input, classes: int,
                    seed: int) -> native.NativeSource:
-    """What the adapter needs to adopt the entry's model of your own; for a family that starts every backend from the
+    """What the adapter needs to adopt the trial's model of your own; for a family that starts every backend from the
     same weights (``Declaration.shared_weights``), the weights file, drawn now unless it exists
     (``harness.neutral.native.draw_shared_weights``, in this interpreter)."""
     from harness.neutral.data import cache_folder
 
-    assert entry.model is not None
     weights = None
     if declaration.shared_weights:
-        path = native.shared_weights_path(declaration.family or declaration.name, entry.model, feed, classes, seed,
+        path = native.shared_weights_path(declaration.family or declaration.name, model, feed, classes, seed,
                                           cache_folder())
-        weights = native.draw_shared_weights(declaration.shared_weights, entry.model, feed, classes, seed, path)
-    return native.NativeSource(entry.model.factory, feed, classes, seed, weights)
+        weights = native.draw_shared_weights(declaration.shared_weights, model, feed, classes, seed, path)
+    return native.NativeSource(model.factory, feed, classes, seed, weights)
 
 
 def _model_metrics(adapter: Adapter, info: ModelInfo | NativeTask, trial: Trial, optimizer: OptimizerSpec,

@@ -126,7 +126,7 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               devices=data_parallel_devices(variant.data_parallel, device) if variant.data_parallel and n > 1 else (),
               label=entry.row, python=entry.python, command=tuple(entry.command) if entry.command else None,
               micro_batch_size=batch, repeat=repeat, variant=variant.label, augmentation=variant.augmentation,
-              optimizer=None if not variant.label else variant.optimizer,
+              optimizer=variant.optimizer,
               precision=variant.precision, compile=variant.compile,
               device=device, threads=spec.cpu_threads or available_cpus(), seed=seed, epochs=spec.epochs,
               warmup_steps=spec.warmup_steps, timing=spec.timing,
@@ -135,7 +135,10 @@ def plan(spec: Spec, device: str) -> list[Trial]:
               memory_limit_bytes=None if spec.memory_limit_mb is None else int(spec.memory_limit_mb * 1e6),
               target_accuracy=spec.target_accuracy, evaluate_every=spec.evaluate_every, input=variant.input,
               evaluate_every_samples=spec.evaluate_every_samples,
-              loader=spec.loader, gradient_noise=spec.gradient_noise, stop_at_target=spec.stop_at_target)
+              loader=spec.loader, gradient_noise=spec.gradient_noise, stop_at_target=spec.stop_at_target,
+              model=spec.model if entry.model is None else None, native_model=entry.model, dataset=spec.dataset,
+              allocator=spec.allocator, worker_start=spec.worker_start,
+              compilation_cache=None if spec.compilation_cache is None else os.path.abspath(spec.compilation_cache))
         for repeat in range(spec.repeats)
         for seed in (spec.seeds or [spec.seed])
         for index, variant in enumerate(variants(spec))

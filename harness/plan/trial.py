@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
-from harness.plan.support import Conditions
+from harness.neutral import datasets, models, native
+from harness.neutral.models import ModelInfo
+from harness.plan.support import Conditions, NativeTask
 from harness.spec import (
+    AllocatorSpec,
     CompileMode,
+    Dataset,
+    DigitsData,
     GradientNoiseSpec,
     InputMode,
     LoaderSpec,
+    ModelSpec,
+    NativeModel,
     OptimizerSpec,
     Precision,
     TimingSpec,
@@ -19,29 +27,31 @@ from harness.spec import (
 
 @dataclass(frozen=True)
 class Trial:
-    """One framework entry, one batch size, one repeat: one worker process. The worker receives it as it is, typed,
-    in ``harness.execution.protocol.Payload``.
+    """One framework entry, one batch size, one repeat: one worker process. The worker receives it as it is, typed, in
+    ``harness.execution.protocol.Payload``.
 
     id: stable and unique within a run, ``"<label>-bs<batch size>-r<repeat>"`` (the label as a slug, see
-    ``harness.spec.FrameworkEntry``; the framework's name when the entry has no label). framework: the adapter's
-    name; label: the row it belongs to. python, command: how the worker's interpreter is started (see
-    FrameworkEntry; both None for the harness's own interpreter). device: "cpu" or "cuda:N"
-    (``auto`` already resolved). threads: intra-op CPU threads for the framework (inter-op is 1), the same for every
-    framework. micro_batch_size: the samples of one forward/backward pass (the spec's ``batch_sizes`` entry);
-    accumulation_steps micro-batches make one optimizer step of samples_per_step = micro_batch_size x
-    accumulation_steps samples, computed here once (``batch_size`` and ``effective_batch_size`` are the names the
-    trial records keep for the two). learning_rate: what the optimizer uses, after the spec's scaling rule.
-    memory_limit_bytes: the worker's memory cap, or None. target_accuracy: a test accuracy to time, or None.
-    optimizer: the variant's optimizer, or None for the spec's own. precision, compile: ``harness.spec.Precision``
-    and ``CompileMode`` ("default" is resolved by the adapter). max_steps_per_epoch: every epoch cut to its first
-    steps, or None (``harness max-batch --with-dataset`` probes with the whole dataset resident but no whole epoch).
-    data_parallel: N devices, each training on ``per_device_batch_size`` = micro_batch_size / N samples of every
-    step (``adapters.base.shard``); devices: those N devices ("cpu:0".."cpu:N-1" or "cuda:i"), empty for one
-    device; sync_batchnorm: batchnorm over the global batch (``harness.spec.DataParallelSpec``). input: where each
-    step's batch comes from (``harness.spec.InputMode``); loader: the data loader's workers and prefetch
-    (``harness.spec.LoaderSpec``), for ``input == "loader"``. gradient_noise: the squared gradient norms measured at
-    every evaluation (``harness.spec.GradientNoiseSpec``), or None. stop_at_target: the trial ends at the first
-    evaluation that reaches ``target_accuracy``.
+    ``harness.spec.FrameworkEntry``; the framework's name when the entry has no label). framework: the adapter's name;
+    label: the row it belongs to. python, command: how the worker's interpreter is started (see FrameworkEntry; both
+    None for the harness's own interpreter). device: "cpu" or "cuda:N" (``auto`` already resolved). threads: intra-op
+    CPU threads for the framework (inter-op is 1), the same for every framework. micro_batch_size: the samples of one
+    forward/backward pass (the spec's ``batch_sizes`` entry); accumulation_steps micro-batches make one optimizer step
+    of samples_per_step = micro_batch_size x accumulation_steps samples, computed here once (``batch_size`` and
+    ``effective_batch_size`` are the names the trial records keep for the two). learning_rate: what the optimizer uses,
+    after the spec's scaling rule. memory_limit_bytes: the worker's memory cap, or None. target_accuracy: a test
+    accuracy to time, or None. optimizer: the variant's optimizer, or the spec's (its learning rate before scaling:
+    ``training_optimizer`` has the trial's). model: the spec's neutral model, or None where the entry brings its own
+    (native_model: that ``harness.spec.NativeModel``); dataset: the spec's; allocator, compilation_cache (an absolute
+    path, or None): the spec's process settings; worker_start: the spec's (``auto``: forked where possible; ``cold``).
+    precision, compile: ``harness.spec.Precision`` and ``CompileMode`` ("default" is resolved by the adapter).
+    max_steps_per_epoch: every epoch cut to its first steps, or None (``harness max-batch --with-dataset`` probes with
+    the whole dataset resident but no whole epoch). data_parallel: N devices, each training on ``per_device_batch_size``
+    = micro_batch_size / N samples of every step (``adapters.base.shard``); devices: those N devices ("cpu:0".."cpu:N-1"
+    or "cuda:i"), empty for one device; sync_batchnorm: batchnorm over the global batch
+    (``harness.spec.DataParallelSpec``). input: where each step's batch comes from (``harness.spec.InputMode``); loader:
+    the data loader's workers and prefetch (``harness.spec.LoaderSpec``), for ``input == "loader"``. gradient_noise: the
+    squared gradient norms measured at every evaluation (``harness.spec.GradientNoiseSpec``), or None. stop_at_target:
+    the trial ends at the first evaluation that reaches ``target_accuracy``.
     """
 
     id: str
@@ -60,7 +70,7 @@ class Trial:
     memory_limit_bytes: int | None = None
     target_accuracy: float | None = None
     variant: str = ""
-    optimizer: OptimizerSpec | None = None
+    optimizer: OptimizerSpec = dataclasses.field(default_factory=OptimizerSpec)
     augmentation: bool = False
     evaluate_every: int = 1
     evaluate_every_samples: int | None = None
@@ -77,6 +87,12 @@ class Trial:
     loader: LoaderSpec = dataclasses.field(default_factory=LoaderSpec)
     gradient_noise: GradientNoiseSpec | None = None
     stop_at_target: bool = False
+    model: ModelSpec | None = None
+    native_model: NativeModel | None = None
+    dataset: Dataset = dataclasses.field(default_factory=lambda: DigitsData(name="digits"))
+    allocator: AllocatorSpec = dataclasses.field(default_factory=AllocatorSpec)
+    compilation_cache: str | None = None
+    worker_start: Literal["auto", "cold"] = "auto"
 
     def __post_init__(self) -> None:
         if self.samples_per_step != self.micro_batch_size * self.accumulation_steps:
@@ -86,6 +102,24 @@ class Trial:
                                        or self.micro_batch_size % self.data_parallel):
             raise ValueError(f"a data-parallel trial on {self.data_parallel} devices needs that many devices (got "
                              f"{self.devices}) and a batch size they divide ({self.micro_batch_size})")
+
+    @property
+    def training_optimizer(self) -> OptimizerSpec:
+        """The optimizer the trial trains with: ``optimizer`` at the trial's ``learning_rate``."""
+        return self.optimizer.model_copy(update={"learning_rate": self.learning_rate})
+
+    def trained_model(self) -> ModelInfo | NativeTask:
+        """What the trial trains, as the support rule takes it: the neutral model's analysis for the dataset's input
+        and classes, or, for a model of your own, the task the dataset sets (``harness.neutral.native.task``).
+
+        Raises:
+            harness.neutral.models.ModelError: a neutral model the dataset does not fit (the plan's check catches
+                it first).
+        """
+        feed, classes = datasets.describe_input(self.dataset)
+        if self.native_model is not None or self.model is None:
+            return NativeTask(native.task(feed))
+        return models.analyze(self.model, feed, classes)
 
     @property
     def conditions(self) -> Conditions:

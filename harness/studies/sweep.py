@@ -172,7 +172,7 @@ def _run_trials(spec: Spec, run_dir: Path, device: str, trials: list[Trial],
             elif spec.after_oom == "skip" and limit is not None and trial.batch_size > limit:
                 record = skipped_record(trial, limit)
             else:
-                executor.submit(trial.id, Payload(trial=trial, spec=spec), spec.timeout_s,
+                executor.submit(trial.id, Payload(trial=trial), spec.timeout_s,
                                 spec.sampler.interval_s, trial.threads, on_event=on_event)
                 in_flight[trial.id] = trial
                 continue
@@ -242,7 +242,7 @@ def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None,
     device = resolve_device(spec.device, env["gpu"])
     check_devices(spec, spec_path or "spec", device, len(env["gpu"]["devices"]) if "devices" in env["gpu"] else None)
     trials = plan(spec, device)
-    frameworks = probe_entries(spec, spec_path or "spec", device, via=server_probes(spec, trials) if forked else None)
+    frameworks = probe_entries(spec, spec_path or "spec", device, via=server_probes(trials) if forked else None)
     record = new_run(spec, spec_path, device, env, frameworks, [t.id for t in trials])
     run_dir = create_run_dir(out_root, spec.name)
     RunFile.create(run_dir, record)
@@ -259,7 +259,7 @@ def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None,
         raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
                                                  f"started with in {', '.join(differences[:8])}")
     device = run_info.device or resolve_device(spec.device)
-    via = server_probes(spec, plan(spec, device)) if forked else None
+    via = server_probes(plan(spec, device)) if forked else None
     frameworks = probe_entries(spec, spec_path or "spec", device, via=via)
     drop_torn_tail(run_dir / "trials.jsonl")
     probed = [FrameworkEnvironment.model_validate(entry) for entry in frameworks]

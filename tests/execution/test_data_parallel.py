@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.plan import checked_spec, data_parallel_devices, plan, unsupported_reason
+from harness.plan.support import Conditions
 from harness.spec import DataParallelSpec
 from tests.helpers import ROOT, base_spec, data_parallel_env, ranks_gone
 
@@ -79,8 +80,9 @@ def test_a_framework_without_data_parallelism_is_unsupported_at_plan_time(tmp_pa
     spec = checked_spec(base_spec(frameworks=["pytorch"]), tmp_path / "s.yaml")
     plain = Declaration(name="pytorch", title="PyTorch", adapter="adapters.pytorch.adapter:PyTorchAdapter")
     monkeypatch.setitem(adapters.BUILTIN, "pytorch", plain)
-    assert unsupported_reason(spec, "pytorch", data_parallel=2) == "the pytorch adapter does not train data-parallel"
-    assert unsupported_reason(spec, "pytorch", data_parallel=1) is None
+    assert unsupported_reason(spec, "pytorch", Conditions(data_parallel=2)) == \
+        "the pytorch adapter does not train data-parallel"
+    assert unsupported_reason(spec, "pytorch", Conditions(data_parallel=1)) is None
 
 
 def _records(out):

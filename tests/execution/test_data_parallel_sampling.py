@@ -58,7 +58,7 @@ def test_the_host_sampler_follows_every_rank(ranks_folder, tmp_path):
             seen["ranks"] = ranks
             seen["rss"] = [psutil.Process(pid).memory_info().rss for pid in ranks.values()]
 
-    outcome = run_worker(Payload(trial=trial, spec=spec), 120, 0.05, "cpu", trial.threads, on_event=on_event)
+    outcome = run_worker(Payload(trial=trial), 120, 0.05, "cpu", trial.threads, on_event=on_event)
     assert outcome.status == "ok", outcome.reason
     assert sorted(seen["ranks"]) == [0, 1] and seen["ranks"][1] in seen["tree"]
     rss = outcome.sampler["stats"]["rss_bytes"]
@@ -82,7 +82,7 @@ def test_every_gpu_of_a_data_parallel_trial_is_sampled(ranks_folder, tmp_path, m
     monkeypatch.setattr(nvml_module, "_nvml", lambda: nvml)
     spec, trial = _dp_trial(tmp_path)
     trial = replace(trial, device="cuda:0", devices=("cuda:0", "cuda:1"))
-    outcome = run_worker(Payload(trial=trial, spec=spec), 120, 0.05, "cuda:0", trial.threads,
+    outcome = run_worker(Payload(trial=trial), 120, 0.05, "cuda:0", trial.threads,
                          env={"CUDA_VISIBLE_DEVICES": "2,0"})
     assert outcome.status == "ok", outcome.reason
     assert outcome.result().settings["cuda_visible_devices"] == "2,0"

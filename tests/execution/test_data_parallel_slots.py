@@ -32,8 +32,8 @@ def _payloads(tmp_path, device):
     spec = checked_spec(base_spec(frameworks=["fault_dp", "fault"], batch_sizes=[16], warmup_steps=1,
                                   variants={"data_parallel": [2, 1]}), tmp_path / "s.yaml")
     trials = {t.id: t for t in plan(spec, device)}
-    return (Payload(trial=trials["fault-dp-bs16-r0-v0-dp2"], spec=spec),
-            Payload(trial=trials["fault-bs16-r0-v1"], spec=spec))
+    return (Payload(trial=trials["fault-dp-bs16-r0-v0-dp2"]),
+            Payload(trial=trials["fault-bs16-r0-v1"]))
 
 
 def test_joined_slots_list_their_gpus_or_pool_their_cores():

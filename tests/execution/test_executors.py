@@ -68,7 +68,7 @@ def test_one_slot_waits_for_a_failing_launcher_and_frees_the_slot(monkeypatch, t
     calls: list[str] = []
     _fake_launcher(monkeypatch, "pytorch-bs16-r0", calls)
     spec = _spec(tmp_path)
-    first, second = (Payload(trial=t, spec=spec) for t in plan(spec, "cpu")[:2])
+    first, second = (Payload(trial=t) for t in plan(spec, "cpu")[:2])
     with LocalExecutor(local_slots("cpu")) as executor:
         assert executor.capacity == 1
         executor.submit("a", first, 60, None, 1)

@@ -100,7 +100,7 @@ def _payload(tmp_path, **changes):
             "cpu_threads": 1, **changes}
     spec = checked_spec(base_spec(**data), tmp_path / "s.yaml")
     (trial,) = plan(spec, "cpu")
-    return Payload(trial=trial, spec=spec)
+    return Payload(trial=trial)
 
 
 def test_an_oom_a_kill_and_a_hang_leave_the_next_forked_trial_untouched(tmp_path):
@@ -176,11 +176,11 @@ def test_what_starts_cold(tmp_path, fault_adapter, monkeypatch):
     assert launcher.start_mode(_payload(tmp_path)) == "forked"
     spec = checked_spec(base_spec(frameworks=[fault_adapter]), tmp_path / "f.yaml")
     (trial,) = plan(spec, "cpu")
-    assert launcher.start_mode(Payload(trial=trial, spec=spec)) == "cold"
+    assert launcher.start_mode(Payload(trial=trial)) == "cold"
     prefixed = checked_spec(base_spec(frameworks=[{"name": "pytorch", "command": ["env", "{python}"]}]),
                             tmp_path / "p.yaml")
     (trial,) = plan(prefixed, "cpu")
-    assert launcher.start_mode(Payload(trial=trial, spec=prefixed)) == "cold"
+    assert launcher.start_mode(Payload(trial=trial)) == "cold"
 
 
 def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declaration(tmp_path, monkeypatch,
@@ -197,7 +197,7 @@ def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declar
     specs, payloads = {}, {}
     for name in ("fault", "fault_dp"):
         specs[name] = checked_spec(base_spec(frameworks=[name], batch_sizes=[16, 32], epochs=2), tmp_path / f"{name}.y")
-        payloads[name] = Payload(trial=plan(specs[name], "cpu")[0], spec=specs[name])
+        payloads[name] = Payload(trial=plan(specs[name], "cpu")[0])
         assert launcher.start_mode(payloads[name]) == "cold"  # nothing is known of its class yet
         probes.probe(FrameworkEntry(name=name))
     assert launcher.start_mode(payloads["fault"]) == "forked"
@@ -227,9 +227,9 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path, monkeypatch):
     launcher.close_servers(force=True)
     monkeypatch.setattr(probes, "_CACHE", {})
     entry = FrameworkEntry(name="pytorch", python=python)
-    info = probes.probe(entry, device="cuda:0", via=launcher.server_probes(spec, [trial])(entry))
+    info = probes.probe(entry, device="cuda:0", via=launcher.server_probes([trial])(entry))
     assert info.get("device_problem") is None and len(launcher.SERVERS._servers) == 1, info.get("device_problem")
-    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 300, None, "cuda:0")
+    outcome = launcher.run_worker(Payload(trial=trial), 300, None, "cuda:0")
     assert (outcome.status, outcome.start) == ("ok", "forked"), outcome.reason
     parents = {server.proc.pid for server in launcher.SERVERS._servers.values()}
     pynvml.nvmlInit()

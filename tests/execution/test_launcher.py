@@ -86,7 +86,7 @@ def test_a_framework_missing_in_the_worker_is_an_error_not_a_crash(fault_adapter
     """Should the environment change between the probe and a trial, the worker reports it as the trial's error."""
     spec = validate(base_spec(frameworks=[fault_adapter]), tmp_path / "s.yaml")
     trial = plan(spec, "cpu")[0]
-    payload = Payload(trial=trial, spec=spec)
+    payload = Payload(trial=trial)
     monkeypatch.setenv("HARNESS_ADAPTERS", "fault=no_such_module:Ghost")
     outcome = run_worker(payload, 60, None, "cpu", 1)
     assert outcome.status == "error" and outcome.reason.startswith("fault is not installed here")

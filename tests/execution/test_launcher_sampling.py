@@ -39,7 +39,7 @@ def test_a_worker_can_run_without_any_sampler(fault_adapter, monkeypatch, tmp_pa
     def on_event(event):
         threads_seen.update(t.name for t in threading.enumerate())
 
-    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 60, None, "cuda:0", trial.threads,
+    outcome = launcher.run_worker(Payload(trial=trial), 60, None, "cuda:0", trial.threads,
                                   on_event=on_event)
     assert outcome.status == "ok" and outcome.samples == []
     assert outcome.sampler == {"backend": None, "interval_s": None}
@@ -61,7 +61,7 @@ def test_the_launcher_reports_energy_stats_and_throttling_from_nvml(fault_adapte
 
     monkeypatch.setattr(launcher, "make_backend", make)
     spec, trial = _fault_trial(tmp_path)
-    outcome = launcher.run_worker(Payload(trial=trial, spec=spec), 60, 0.05, "cuda:0", trial.threads)
+    outcome = launcher.run_worker(Payload(trial=trial), 60, 0.05, "cuda:0", trial.threads)
     assert outcome.status == "ok"
     info = outcome.sampler
     assert info["backend"] == "nvml" and info["uuid"] == UUID0 and info["interval_s"] == 0.05

@@ -6,6 +6,7 @@ each row trained, with its parameters and FLOPs counted by the framework."""
 from __future__ import annotations
 
 from harness import plan
+from harness.plan.support import Conditions
 from harness.results import store
 from harness.studies import sweep
 from tests.helpers import ROOT, base_spec, report_text
@@ -41,5 +42,5 @@ def test_sync_batchnorm_of_a_model_of_your_own_is_refused_on_the_cpu(tmp_path):
                      data_parallel={"devices": 2, "sync_batchnorm": True})
     del data["model"]
     spec = plan.checked_spec(data, tmp_path / "s.yaml")
-    why = plan.unsupported_reason(spec, "pytorch", data_parallel=2, sync_batchnorm=True)
+    why = plan.unsupported_reason(spec, "pytorch", Conditions(data_parallel=2, sync_batchnorm=True))
     assert why is not None and why.startswith("the pytorch adapter has no synchronised batchnorm on cpu"), why

@@ -311,7 +311,7 @@ def test_a_data_parallel_trial_is_one_ray_task_with_all_its_gpus(no_ray, monkeyp
         spec = checked_spec(base_spec(frameworks=["fault_dp"], batch_sizes=[16], data_parallel=2, warmup_steps=1),
                             tmp_path / "s.yaml")
         trial = plan(spec, "cuda:0")[0]
-        executor.submit(trial.id, Payload(trial=trial, spec=spec), 120, 0.05, 1)
+        executor.submit(trial.id, Payload(trial=trial), 120, 0.05, 1)
         assert not executor.has_room(1)  # both GPUs are the trial's
         finished = executor.wait()
     finally:

@@ -437,8 +437,8 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
             "most 719") in result.notes
     assert result.with_dataset and result.train_size == 1438 and result.max_batch == 1438
     assert result.dataset_bytes == digits.nbytes and result.probe_data_bytes_per_sample == 0
-    assert all(p.spec.dataset.model_dump() == {"name": "digits", "test_fraction": 0.2} for p in payloads)
-    assert all(p.trial.max_steps_per_epoch == PROBE_STEPS and p.spec.epochs == PROBE_EPOCHS for p in payloads)
+    assert all(p.trial.dataset.model_dump() == {"name": "digits", "test_fraction": 0.2} for p in payloads)
+    assert all(p.trial.max_steps_per_epoch == PROBE_STEPS and p.trial.epochs == PROBE_EPOCHS for p in payloads)
     assert result.reason == ("batch size 1438 (the training set's 1438 images) fitted in both of its probes: the cap "
                              "was not reached")
     assert "the search's upper bound is 1438 (1438 training images)" in result.notes[0]
@@ -453,9 +453,9 @@ def test_search_logic_with_the_dataset(monkeypatch, tmp_path):
     assert not result.with_dataset and result.dataset_bytes is None and result.limit == 2000
     # without it, synthetic data of the dataset's shape: as many as a run holds (digits: 1438 training and 359
     # test images), more training images where the batch needs more
-    assert payloads[0].spec.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch == PROBE_STEPS
-    assert payloads[0].spec.dataset.size == 1438 and payloads[0].spec.dataset.test_size == 359
-    assert payloads[-1].spec.dataset.size == 2000 and payloads[-1].spec.dataset.test_size == 359
+    assert payloads[0].trial.dataset.name == "synthetic" and payloads[0].trial.max_steps_per_epoch == PROBE_STEPS
+    assert payloads[0].trial.dataset.size == 1438 and payloads[0].trial.dataset.test_size == 359
+    assert payloads[-1].trial.dataset.size == 2000 and payloads[-1].trial.dataset.test_size == 359
     assert result.run_data["train_size"] == 1438 and result.run_data["test_size"] == 359
 
 
@@ -469,8 +469,8 @@ def test_search_logic_with_token_sequences(monkeypatch, tmp_path):
     simulate_workers(monkeypatch, lambda b: True, payloads=payloads)
     result = find_max_batch(spec, "pytorch", device="cpu", initial_sizes=(16,), max_batch=4096)
     # as many as a run holds (the spec's 2048 and 256 by default), more training samples where the batch needs more
-    assert payloads[0].spec.dataset.model_dump(exclude_unset=True) == {**tokens, "size": 2048, "test_size": 256}
-    assert payloads[-1].spec.dataset.model_dump(exclude_unset=True) == {**tokens, "size": 4096, "test_size": 256}
+    assert payloads[0].trial.dataset.model_dump(exclude_unset=True) == {**tokens, "size": 2048, "test_size": 256}
+    assert payloads[-1].trial.dataset.model_dump(exclude_unset=True) == {**tokens, "size": 4096, "test_size": 256}
     assert result.probe_data_bytes_per_sample == 2 * (6 * 8 + 6 * 8)  # (accumulation + 1) x (ids + labels)
     assert result.run_data == {"train_size": 2048, "test_size": 256, "bytes": (2048 + 256) * (6 * 8 + 6 * 8)}
 

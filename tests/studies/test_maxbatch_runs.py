@@ -363,7 +363,7 @@ def test_data_parallel_probes_are_global_batches_of_per_device_sizes(monkeypatch
         assert trial.data_parallel == 2 and trial.devices == ("cpu:0", "cpu:1")
         # the probe's data: as many as a run holds (the spec's 4096), more where the global batch needs more
         assert trial.batch_size == 2 * trial.per_device_batch_size
-        assert payload.spec.dataset.size == max(4096, trial.batch_size)
+        assert payload.trial.dataset.size == max(4096, trial.batch_size)
     # a training and a test sample (an 8 x 8 float32 image and an int64 label) per global sample, 2 per device
     assert result.probe_data_bytes_per_sample == 2 * 2 * (64 * 4 + 8)
     assert all(p.global_batch_size == 2 * p.batch_size for p in result.probes)
@@ -573,7 +573,7 @@ def test_compile_workers_keep_what_compiling_borrowed_out_of_the_compared_peaks(
     assert any("compiled into a persistent compilation cache (a temporary one" in n for n in result.notes)
     assert "worker of kind `compile`" in max_batch.markdown(result, result_spec(tmp_path))
     # every worker read and wrote one temporary cache, removed when the search ended
-    caches = {p.spec.compilation_cache for p in payloads}
+    caches = {p.trial.compilation_cache for p in payloads}
     assert len(caches) == 1 and None not in caches
     assert not os.path.exists(caches.pop())
 

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
         # the interpreter's probe in a child of the preloaded parent the probes fork from (one data-parallel
         # worker group aside): a fork, not another interpreter importing the framework
         first = probe_spec(searched_spec, entry.row, DEFAULT_INITIAL_SIZES[0], args.memory_limit_mb, device, args.spec)
-        via = server_probes(first, planning.plan(first, device)) if dp is None else None
+        via = server_probes(planning.plan(first, device)) if dp is None else None
         probes.probe_entries(searched_spec, args.spec, device, via=via)
     except SpecError as err:
         print(str(err), file=sys.stderr)

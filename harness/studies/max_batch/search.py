@@ -264,7 +264,7 @@ class _Search:
             trial = plan(pspec, self.device)[0]
             if self.result.probe_steps:  # each epoch cut to its first steps (probe.probe_shape)
                 trial = replace(trial, max_steps_per_epoch=self.result.probe_steps)
-        return run_worker(Payload(trial=trial, spec=pspec), self.timeout_s, interval_s, self.device, trial.threads)
+        return run_worker(Payload(trial=trial), self.timeout_s, interval_s, self.device, trial.threads)
 
     def _control(self, batch_size: int, status: str, reason: str, kind: str = "probe") -> tuple[str, str]:
         """A probe that failed under the CPU cap otherwise than with an OOM (a C++ runtime that cannot allocate a
