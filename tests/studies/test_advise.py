@@ -100,6 +100,9 @@ def test_advise_answers_each_objective_first_with_its_evidence(envs, write_spec,
                                                         validation["ratio"] <= validation["hold_ratio"])
     assert "validated:" in next(line for line in first if "least time to target" in line)
     assert "validation (successive halving" in md
+    # the figure: predicted and measured time to the target against batch size, linked from advice.md
+    figure = advice["entries"]["pytorch"]["plot"]
+    assert (folder / figure).stat().st_size > 10_000 and f"]({figure})" in md
 
 
 @pytest.mark.parametrize(("args", "changes", "words"), [

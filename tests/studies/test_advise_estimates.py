@@ -189,3 +189,11 @@ def test_the_plans_for_a_global_batch_reach_it_with_micro_batches_that_hold():
     assert all(p.devices == 1 for p in plans(1022, 100, devices=4))  # 4 does not divide 1022
     with pytest.raises(ValueError):
         plans(0, 10)
+
+
+def test_the_time_energy_frontier_keeps_the_sizes_no_other_beats_in_both():
+    from harness.studies.advise.plot import frontier
+
+    points = [(64, 1.0, 10.0), (128, 0.8, 12.0), (256, 0.9, 13.0), (512, 0.7, 20.0), (32, 1.5, 9.0), (16, 1.5, 9.5)]
+    assert frontier(points) == [512, 128, 64, 32]  # 256 loses to 128 in both; 16 to 32 in joules at equal seconds
+    assert frontier([(8, 1.0, 1.0), (16, 1.0, 1.0)]) == [8, 16]  # equal points beat neither

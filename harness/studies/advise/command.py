@@ -14,6 +14,7 @@ also holds each stage's run directory.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from harness import plan as planning
 from harness.plan.entries import entry_named
 from harness.results import store
 from harness.spec import GradientNoiseSpec, Spec, SpecError
-from harness.studies.advise import trials
+from harness.studies.advise import plot, trials
 from harness.studies.advise.noise import NoiseScale
 from harness.studies.advise.predict import Speed, candidates, fastest_and_knee, predict
 from harness.studies.advise.trials import log, steps_model
@@ -174,6 +175,10 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
                        "cut": budget.cut}
     answer["notes"] = [f"the budget of {options.budget_s:.0f} s cut: {', '.join(budget.cut)}; the answer rests on "
                        "the stages that ran"] if budget.cut else []
+    for label in labels:
+        figure = plot.figure(label, answer["entries"][label]["objectives"].get("time") or {},
+                             run.folder / "plots" / f"time-to-target-{re.sub(r'[^A-Za-z0-9_.-]+', '-', label)}.png")
+        answer["entries"][label]["plot"] = None if figure is None else str(figure.relative_to(run.folder))
     (run.folder / "advice.json").write_text(json.dumps(answer, indent=2, default=str), encoding="utf-8")
     from harness.studies.advise.output import markdown
 

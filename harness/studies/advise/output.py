@@ -148,6 +148,8 @@ def markdown(advice: dict[str, Any]) -> str:
                              f"{_num(s['step_s_median'], '.5f')} | {_num(s.get('energy_per_step_j'), '.3f')} | "
                              f"{_num(row.get('steps'))} | {_num(row.get('seconds'), '.2f')} |")
             lines.append("")
+        if entry.get("plot"):
+            lines += [f"![{label}: predicted and measured time to the target]({entry['plot']})", ""]
         if entry.get("global_batch", {}).get("rows"):
             lines += global_table(label, entry["global_batch"])
         validation = (entry["objectives"].get("time") or {}).get("validation")
