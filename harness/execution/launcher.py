@@ -48,6 +48,7 @@ __all__ = ["Outcome", "classify", "run_worker", "sampled_devices", "worker_argv"
            "worker_settings"]
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
+STOP_POLL_S = 0.1  # how often a worker run with a ``stop`` event looks at it (a parallel run stopped: its workers end)
 
 
 @dataclass
@@ -336,7 +337,7 @@ class _WorkerRun:
             if remaining <= 0 or (self.stop is not None and self.stop.is_set()):
                 self.timed_out = True  # a stop kills the worker like a timeout (its trial is not recorded)
                 return
-            if not self.selector.select(timeout=min(remaining, 0.5)):
+            if not self.selector.select(timeout=min(remaining, 0.5 if self.stop is None else STOP_POLL_S)):
                 continue
             chunk = os.read(self.read_fd, 65536)
             self._buffer += chunk
@@ -402,16 +403,18 @@ class _WorkerRun:
         self.ended = time.monotonic()
 
     def close(self) -> None:
-        """Stops the sampler and makes sure nothing of the worker outlives it."""
+        """Makes sure nothing of the worker outlives it, then stops the sampler: in that order, since stopping the
+        sampler waits up to 2 s for a backend call in progress (an NVML call on a loaded machine), and a Ctrl-C or
+        SIGTERM must not leave the worker training meanwhile."""
         self.selector.close()
-        # A backend call stuck past the join timeout keeps its NVML handle: closing NVML under it could crash.
-        if self.sampler is not None and self.sampler.stop():
-            self.sampler.backend.close()
         if self.proc.poll() is None:
             _kill_group(self.proc)
             self.proc.wait()
         # Whatever the worker started must not outlive it (a framework's helper processes).
         _kill_group(self.proc)
+        # A backend call stuck past the join timeout keeps its NVML handle: closing NVML under it could crash.
+        if self.sampler is not None and self.sampler.stop():
+            self.sampler.backend.close()
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
                 if stream is not None:

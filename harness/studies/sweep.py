@@ -62,7 +62,8 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
 
     A run stopped on the way (Ctrl-C, SIGTERM or SIGHUP through ``raise_on_signals``, or an error of the harness) is
     marked in run.json (``interrupted``: why, when, the trials finished and not run) and the exception goes on, with
-    ``run_dir`` set on it; the worker of the trial in progress is killed on the way out.
+    ``run_dir`` set on it; the worker of the trial in progress and the preloaded parents are ended before that, so
+    that nothing of the run outlives a Ctrl-C or SIGTERM by more than a moment while its report is written.
 
     ``resume``: an interrupted run directory to finish instead of starting a new one. Trials already in its
     trials.jsonl (whatever their status) are not run again; a torn last line (a crash mid-write) is removed and that
@@ -99,6 +100,11 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     try:
         _run_trials(spec, run_dir, device, trials, on_start, on_end, on_event, executor)
     except BaseException as exc:  # KeyboardInterrupt, Interrupted (SIGTERM, SIGHUP) or a bug: say so in run.json
+        # first the worker still running and the preloaded parents (kept or not: a stopped run leaves no process),
+        # then run.json, then (the CLI) the report of what finished, which takes seconds
+        if made:
+            executor.close()
+        close_servers(force=isinstance(exc, (KeyboardInterrupt, Interrupted)))
         mark_interrupted(run_dir, exc)
         exc.run_dir = run_dir  # type: ignore[attr-defined]
         raise

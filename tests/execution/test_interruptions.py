@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -115,3 +116,150 @@ def test_the_worker_dies_within_a_second_of_its_orchestrator(fault_adapter, writ
     seconds = wait_gone(worker, 5)
     assert seconds is not None, f"the worker outlived its orchestrator ({signal.Signals(signum).name}) by 5 s"
     assert seconds < 1.0, f"the worker ended {seconds:.2f} s after its orchestrator"
+
+
+class _StuckBackend:
+    """The host backend whose calls block ``seconds`` after the first (an NVML call stuck in the driver, a loaded
+    machine): what a launcher that stops its sampler before it kills the worker waits for."""
+
+    def __init__(self, seconds: float):
+        from harness.measure.host import HostBackend
+
+        self.inner, self.seconds, self.calls = HostBackend(), seconds, 0
+        self.name, self.unavailable = self.inner.name, self.inner.unavailable
+
+    def attach(self, pid):
+        self.inner.attach(pid)
+
+    def sample(self):
+        self.calls += 1
+        if self.calls > 1:
+            time.sleep(self.seconds)
+        return self.inner.sample()
+
+    def close(self):
+        self.inner.close()
+
+    def describe(self):
+        return self.inner.describe()
+
+
+def _watch_gone(pid: int, started: list[float], gone: dict[str, float]) -> threading.Thread:
+    """A thread that records in ``gone["at"]`` when ``pid`` has ended (time.monotonic())."""
+    process = psutil.Process(pid)
+
+    def watch():
+        seconds = wait_gone(process, 30)
+        gone["at"] = time.monotonic() if seconds is not None else float("inf")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.serial  # judges how soon the worker ends against a bound of one second
+@pytest.mark.parametrize("worker_start", ["auto", "cold"])
+def test_ctrl_c_kills_the_worker_at_once_whatever_its_sampler_is_doing(fault_adapter, monkeypatch, tmp_path,
+                                                                        worker_start):
+    """Ctrl-C (KeyboardInterrupt in the launcher's thread) while the sampler's backend call blocks: the worker is
+    killed first, then the sampler stopped (its join may take seconds), so the worker is gone within a second."""
+    from harness.execution import launcher
+    from harness.execution.protocol import Payload
+    from harness.plan import checked_spec, plan
+    from harness.record.events import Start
+
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "1:0.01")
+    monkeypatch.setattr(launcher, "make_backend", lambda *args, **kwargs: (_StuckBackend(5.0), None))
+    spec = checked_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[1], warmup_steps=0,
+                                  worker_start=worker_start), tmp_path / "s.yaml")
+    (trial,) = plan(spec, "cpu")
+    main, sent, gone = threading.main_thread().ident, [], {}
+
+    def on_event(event):
+        if isinstance(event, Start):
+            _watch_gone(event.pid, sent, gone)
+
+            def interrupt():
+                sent.append(time.monotonic())
+                signal.pthread_kill(main, signal.SIGINT)
+
+            threading.Timer(1.0, interrupt).start()
+
+    with pytest.raises(KeyboardInterrupt):
+        launcher.run_worker(Payload(trial=trial), 60, 0.05, "cpu", threads=1, on_event=on_event)
+    deadline = time.monotonic() + 10
+    while "at" not in gone and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent and "at" in gone
+    assert gone["at"] - sent[0] < 1.0, f"the worker ended {gone['at'] - sent[0]:.2f} s after Ctrl-C"
+
+
+@pytest.mark.serial  # judges how soon the workers end against a bound of one second
+def test_closing_a_parallel_executor_kills_its_workers_at_once(fault_adapter, monkeypatch, tmp_path):
+    """A parallel run stopped (the executor closed): each worker is killed within a second, its sampler stuck or
+    not."""
+    from harness.execution import launcher
+    from harness.execution.executors import LocalExecutor, Slot
+    from harness.execution.protocol import Payload
+    from harness.plan import checked_spec, plan
+    from harness.record.events import Start
+
+    monkeypatch.setenv("HARNESS_STEP_SLEEP", "1:0.01")
+    monkeypatch.setattr(launcher, "make_backend", lambda *args, **kwargs: (_StuckBackend(5.0), None))
+    spec = checked_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[1], warmup_steps=0, repeats=2),
+                        tmp_path / "s.yaml")
+    trials = plan(spec, "cpu")
+    pids: list[int] = []
+    executor = LocalExecutor([Slot("cpu", "cpu", {}, None, 1), Slot("cpu", "cpu", {}, None, 1)])
+    for trial in trials:
+        executor.submit(trial.id, Payload(trial=trial), 60, 0.05, 1,
+                        on_event=lambda e: pids.append(e.pid) if isinstance(e, Start) else None)
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 2
+    time.sleep(1.0)
+    gone: list[dict[str, float]] = [{}, {}]
+    watchers = [_watch_gone(pid, [], into) for pid, into in zip(pids, gone)]
+    started = time.monotonic()
+    executor.close()
+    for watcher in watchers:
+        watcher.join(10)
+    assert all("at" in g for g in gone)
+    late = max(g["at"] for g in gone) - started
+    assert late < 1.0, f"a worker ended {late:.2f} s after the executor's close"
+
+
+@pytest.mark.serial  # judges how soon every process of the run ends against a bound of one second
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_every_process_of_the_run_ends_within_a_second_before_the_report(fault_adapter, write_spec, tmp_path,
+                                                                          signum):
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it), SIGTERM or SIGKILL to the orchestrator while
+    a forked trial trains after a finished one: the worker and the preloaded parent it forked from end within a
+    second (the report of the finished trial is written after: it takes seconds)."""
+    spec = write_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[16, 1], warmup_steps=0))
+    out = tmp_path / "results"
+    env = {**os.environ, **LONG, "HARNESS_KEEP_FORK_SERVERS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        worker = wait_for_worker(proc, out, finished=1)
+        time.sleep(0.5)
+        processes = _children(proc.pid)
+        assert len(processes) >= 2, processes  # the preloaded parent and its forked worker
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+        late = {p.pid: wait_gone(p, 5) for p in processes}
+        report = next(out.iterdir()) / "report.md"
+        assert all(seconds is not None and seconds < 1.0 for seconds in late.values()), (
+            f"after {signal.Signals(signum).name}: {late} (seconds each process lived; worker {worker.pid})")
+        proc.communicate(timeout=60)
+        if signum != signal.SIGKILL:
+            assert proc.returncode == 128 + signum and report.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
