@@ -8,7 +8,7 @@ worker's VmData growth above the capped baseline, TensorFlow's capped BFC alloca
 
     python benchmarks/probe_steps.py specs/max_batch.yaml pytorch:16,250 tensorflow:16,400 --repeats 2
 
-Findings: docs/findings/2026-11-29-probe-steps.md.
+Findings: docs/findings/2026-11-28-probe-steps.md.
 """
 
 from __future__ import annotations

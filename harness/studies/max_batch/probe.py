@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from harness.execution.launcher import Outcome
 
 CPU_HEADROOM_BYTES = 2 << 30  # without memory_limit_mb, the CPU cap is the available memory less this
-# A probe's steps (docs/findings/2026-11-29-probe-steps.md): the peak settles at the second optimizer step (the first
+# A probe's steps (docs/findings/2026-11-28-probe-steps.md): the peak settles at the second optimizer step (the first
 # allocates the optimizer's state), so PROBE_EPOCHS epochs of PROBE_STEPS steps each (the settled step, then safety
 # steps that train again after an evaluation, as a run does) where that was measured; FULL_PROBE_EPOCHS of every step
 # elsewhere (MXNet's pooled allocator kept growing over whole epochs; frameworks not measured keep the probe they had).
