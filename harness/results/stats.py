@@ -1,5 +1,9 @@
-"""Statistics over repeats (medians and bootstrap confidence intervals, scipy.stats.bootstrap), over seeds (means
-and Student-t intervals, scipy.stats.t), and the noise of a metric on a machine (pooled spread of log values)."""
+"""Statistics over repeats (medians and percentile-bootstrap confidence intervals), over seeds (means and Student-t
+intervals), and the noise of a metric on a machine (pooled spread of log values).
+
+The two intervals are scipy.stats's (``bootstrap``, ``t.interval``) computed in numpy and ``scipy.special``, to the
+bit: importing scipy.stats alone costs the report about a second of CPU (``tests/results/test_stats.py`` holds them
+equal)."""
 
 from __future__ import annotations
 
@@ -24,11 +28,22 @@ def median_ci(values: Sequence[float], confidence: float = CONFIDENCE, resamples
         return None
     if np.all(data == data[0]):
         return float(data[0]), float(data[0])
-    from scipy import stats as scipy_stats  # here, not at the top: ~1 s of CPU that a run without repeats never needs
-
-    result = scipy_stats.bootstrap((data,), np.median, confidence_level=confidence, n_resamples=resamples,
-                                   method="percentile", random_state=np.random.default_rng(seed))
-    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+    # scipy.stats.bootstrap(..., method="percentile"): resamples drawn as rng.integers(0, n, (resamples, n)), the
+    # statistic over the last axis, then scipy.stats.quantile's default ('linear', Hyndman and Fan's 7) at alpha/2
+    # and 1 - alpha/2 in scipy's own arithmetic
+    rng = np.random.default_rng(seed)
+    theta = np.sort(np.median(data[rng.integers(0, data.size, (resamples, data.size))], axis=-1))
+    alpha = np.asarray((1 - confidence) / 2, dtype=theta.dtype)
+    p = np.stack((alpha, 1 - alpha))
+    n = float(theta.size)
+    jg = p * n + (1 - p)
+    jp1 = jg // 1
+    j = jp1 - 1
+    g = jg % 1
+    g[j < 0] = 0
+    low_i, high_i = np.clip(j, 0.0, n - 1).astype(np.int64), np.clip(jp1, 0.0, n - 1).astype(np.int64)
+    low, high = (1 - g) * theta[low_i] + g * theta[high_i]
+    return float(low), float(high)
 
 
 def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -39,9 +54,12 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[fl
         return None
     if np.all(data == data[0]):  # no spread: a zero-width interval (scipy's would be nan)
         return float(data[0]), float(data[0])
-    from scipy import stats as scipy_stats  # see median_ci
+    from scipy.special import stdtrit  # here, not at the top: a run with one seed never needs it
 
-    low, high = scipy_stats.t.interval(confidence, data.size - 1, loc=data.mean(), scale=scipy_stats.sem(data))
+    # scipy.stats.t.interval(confidence, n - 1, loc=mean, scale=sem) as scipy computes it: ppf(q) * scale + loc
+    scale, loc, q = np.std(data, ddof=1) / np.sqrt(data.size), data.mean(), np.asarray(confidence)
+    low = stdtrit(data.size - 1, (1.0 - q) / 2) * scale + loc
+    high = stdtrit(data.size - 1, (1.0 + q) / 2) * scale + loc
     return float(low), float(high)
 
 
