@@ -82,8 +82,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.idiomatic_loops import DEVICE, device_refusal  # noqa: E402
 from harness import plan as plan_module  # noqa: E402
-from harness.execution.launcher import close_servers, run_worker, start_mode, worker_settings  # noqa: E402
+from harness.execution.launcher import run_worker, worker_settings  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
+from harness.execution.workers import Workers, start_mode  # noqa: E402
 from harness.neutral import datasets  # noqa: E402
 from harness.plan import available_cpus  # noqa: E402
 from harness.record import TrialMetrics  # noqa: E402
@@ -139,7 +140,7 @@ def run_harness(spec: Spec, sampler: bool, device: str = "cpu") -> dict[str, Any
             "timing": spec.timing.model_dump(mode="json"),
             "trial": {k: v for k, v in payload.model_dump(mode="json")["trial"].items()
                       if k not in ("python", "command")},
-            "sampler_interval_s": interval, "start": start_mode(payload)}
+            "sampler_interval_s": interval, "start": start_mode(payload.trial)}
 
 
 def run_loop(spec: Spec, spec_path: str, framework: str, batch_size: int, epochs: int,
@@ -406,14 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     for (framework, batch), reason in refused.items():
         runs.append(skipped_run(framework, batch, epochs[batch], reason))
         log(f"{framework} bs {batch} skipped: {reason}")
-    try:
+    with Workers():  # the preloaded parents of forked workers, ended after the last (each holds a framework's memory)
         for repeat in range(args.repeats):
             for index, (framework, batch) in enumerate(cells):
                 if (framework, batch) not in refused:
                     runs.append(measure(args, framework, batch, epochs[batch], timing, device, pythons, repeat,
                                         index, log))
-    finally:
-        close_servers()  # the preloaded parents of forked workers, if any (each holds a framework's memory)
 
     table, rows = summarize(runs, cells)
     variant_table, variant_rows = summarize_variants(runs, cells, args.harness) if len(args.harness) > 1 else ("", [])

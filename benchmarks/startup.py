@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 
 from harness.execution import launcher  # noqa: E402
 from harness.execution.protocol import Payload  # noqa: E402
+from harness.execution.workers import Workers  # noqa: E402
 from harness.plan import plan  # noqa: E402
 from harness.record.phases import TrialPhases  # noqa: E402
 from harness.spec import Spec  # noqa: E402
@@ -80,6 +81,7 @@ def main() -> int:
     trials: list[dict[str, Any]] = []
     began = time.monotonic()
     parents = {}
+    owner = Workers().__enter__()  # the preloaded parents of the forked trials, ended after the last
     for framework in frameworks:  # the uncounted round: parents started, file cache warm for both paths
         run_trial(framework, args.batch_size, 1, "cold")
         parents[framework] = run_trial(framework, args.batch_size, 1, "auto")["phases"]["start_s"]
@@ -92,7 +94,7 @@ def main() -> int:
             assert forked["start"] == "forked" and cold["start"] == "cold", (forked["start"], cold["start"])
             assert forked["accuracy"] == cold["accuracy"], (framework, forked["accuracy"], cold["accuracy"])
             assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(forked["losses"], cold["losses"])), framework
-    launcher.close_servers()
+    owner.__exit__(None, None, None)
     print(f"{args.repeats} repeats per path and framework, batch size {args.batch_size}, {args.epochs} epochs, "
           f"{time.monotonic() - began:.0f} s in all; seconds per trial, median [min..max]")
     print(f"{'framework':<11} {'outside cold':>22} {'outside forked':>22} {'ratio':>6} {'wall cold':>22} "

@@ -19,14 +19,6 @@ if str(ROOT) not in sys.path:
 from tests.fakes.fault_adapter import REGISTRATION  # noqa: E402
 from tests.helpers import base_spec, made_once  # noqa: E402
 
-# The preloaded parents of forked workers serve every test of a pytest process instead of one sweep each (importing a
-# framework costs seconds, paid once per process); a server's key holds the environment and folder, so a test that
-# changes either gets its own (harness.execution.forkserver.Servers). Set here, the CLI runs the tests start inherit
-# it too, which keeps their parents to their own exit, as a sweep's end would. The name is
-# harness.execution.launcher.KEEP_SERVERS_VARIABLE (not imported: this file also loads in framework environments,
-# which lack the launcher's dependencies; tests/execution/test_forkserver.py checks the two agree).
-os.environ.setdefault("HARNESS_KEEP_FORK_SERVERS", "1")
-
 # OpenMP threads that finish a parallel region sleep at once instead of spinning for the next one (libgomp's default,
 # OMP_WAIT_POLICY unset, spins a while: https://gcc.gnu.org/onlinedocs/libgomp/OMP_005fWAIT_005fPOLICY.html; Intel's
 # runtime: KMP_BLOCKTIME). On this 2-core machine, with two test processes side by side and each starting workers, a
@@ -101,6 +93,22 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=position)  # stable: within a file and among the rest, the collection order stays
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_parents():
+    """The owner of the preloaded parents of forked workers for the whole pytest process
+    (``harness.execution.workers.Workers``, active while the session runs): its parents serve every test instead of
+    one sweep or search each (importing a framework costs seconds, paid once per process); a parent's key holds the
+    environment and folder, so a test that changes either gets its own. Closed at the session's end. None in a
+    framework's environment (tests/adapters' suites), which lacks the harness's side of the launcher."""
+    try:
+        from harness.execution.workers import Workers
+    except ImportError:
+        yield None
+        return
+    with Workers() as workers:
+        yield workers
 
 
 @pytest.fixture(scope="session")

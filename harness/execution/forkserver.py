@@ -301,11 +301,12 @@ UNKEYED_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class Servers:
-    """The launcher's servers, one per (interpreter, framework, environment, working folder), started on first use
-    and ended by ``close`` (the sweep's end, or the interpreter's exit). The key holds the whole environment a server
-    starts with (this process's, then the launcher's settings) and the working folder, since its children inherit
-    both: a changed variable or folder gets a new server. At most ``limit`` run at once (each holds a framework's
-    memory): starting one more ends the least recently used. Thread-safe: parallel executors launch from threads."""
+    """The servers of one owner (``harness.execution.workers.Workers``), one per (interpreter, framework,
+    environment, working folder), started on first use and ended by ``close`` (the owner's). The key holds the
+    whole environment a server starts with (this process's, then the launcher's settings) and the working folder,
+    since its children inherit both: a changed variable or folder gets a new server. At most ``limit`` run at once
+    (each holds a framework's memory): starting one more ends the least recently used. Thread-safe: parallel
+    executors launch from threads."""
 
     def __init__(self, limit: int = 6) -> None:
         self._servers: dict[str, Server] = {}

@@ -18,7 +18,6 @@ of ``HARNESS_ADAPTERS``).
 
 from __future__ import annotations
 
-import atexit
 import os
 import selectors
 import signal
@@ -33,9 +32,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-from harness.execution import forkserver, probes
+from harness.execution import forkserver
 from harness.execution.entry import worker_command
 from harness.execution.protocol import Payload, parse_event
+from harness.execution.workers import Workers, active, owner, start_mode, worker_settings
 from harness.measure.energy import energy_over_windows, throttle_summary
 from harness.measure.multi_gpu import device_summaries
 from harness.measure.sampler import Sampler, make_backend, phase_stats, samples_until
@@ -44,8 +44,8 @@ from harness.record import Status
 from harness.record.events import Error, Event, Phase, Result, Start, first, phase_windows
 from harness.spec import FrameworkEntry
 
-__all__ = ["Outcome", "classify", "run_worker", "sampled_devices", "worker_argv", "worker_env",
-           "worker_settings"]
+__all__ = ["Outcome", "classify", "owner", "run_worker", "sampled_devices", "worker_argv", "worker_env",
+           "worker_settings"]  # owner, worker_settings: harness.execution.workers's, re-exported
 LOG_TAIL_BYTES = 4000
 KILL_GRACE_S = 5.0
 STOP_POLL_S = 0.1  # how often a worker run with a ``stop`` event looks at it (a parallel run stopped: its workers end)
@@ -80,38 +80,6 @@ def worker_env(threads: int | None, base: dict[str, str] | None = None,
     """The worker's environment: the caller's (``base``, default os.environ) with ``worker_settings`` applied."""
     env = dict(os.environ if base is None else base)
     env.update(worker_settings(threads, env, allocator))
-    return env
-
-
-def worker_settings(threads: int | None, base: dict[str, str] | None = None,
-                    allocator: dict[str, Any] | None = None) -> dict[str, str]:
-    """The variables the harness sets for a worker, for every built-in adapter's declaration alike
-    (``adapters.records``): thread counts (read at import, so the bootstrap sets them before any framework is
-    imported: OpenMP's, MKL's, OpenBLAS's and each declaration's ``thread_environment``), the allocator variables a
-    spec sets (each declaration's ``allocator_environment``), each declaration's ``environment`` defaults (a value
-    in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match NVML's (unless ``base`` sets
-    another order), and the extra adapters of HARNESS_ADAPTERS. They travel in the payload too, since a container
-    does not inherit the launcher's environment."""
-    import adapters  # the registry of declarations: imports no framework
-
-    base = dict(os.environ if base is None else base)
-    env: dict[str, str] = {}
-    allocator = allocator or {}
-    records = adapters.records()
-    for record in records:
-        env.update({variable: str(allocator[option]) for option, variable in record.allocator_environment.items()
-                    if allocator.get(option)})
-    env["CUDA_DEVICE_ORDER"] = base.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    for record in records:
-        env.update({variable: base.get(variable, value) for variable, value in record.environment.items()})
-    env["PYTHONUNBUFFERED"] = "1"
-    if base.get("HARNESS_ADAPTERS"):
-        env["HARNESS_ADAPTERS"] = base["HARNESS_ADAPTERS"]
-    if threads is not None:
-        env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads)))
-        for record in records:
-            env.update({variable: value.replace("{threads}", str(threads))
-                        for variable, value in record.thread_environment.items()})
     return env
 
 
@@ -177,7 +145,7 @@ def sampler_info(sampler: Sampler, note: str | None, events: list[Event]) -> dic
 def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, device: str,
                threads: int | None = None, on_event: Callable[[Event], None] | None = None,
                env: dict[str, str] | None = None, cpus: list[int] | None = None,
-               stop: threading.Event | None = None) -> Outcome:
+               stop: threading.Event | None = None, workers: Workers | None = None) -> Outcome:
     """Starts a worker for ``payload`` (``harness.execution.protocol.Payload``), samples it every ``interval_s``
     seconds, waits at most ``timeout_s`` seconds, and returns its Outcome. ``interval_s=None`` runs the worker with
     no sampler at all (no thread, no backend; Outcome.sampler is ``{"backend": None, "interval_s": None}``), to
@@ -190,7 +158,8 @@ def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, dev
     worker's cuda:0, cuda:1, ...: the sampler maps the worker's numbers to NVML's through it, else through this
     process's); ``cpus``: the cores the worker is pinned to (its affinity mask, set by the bootstrap before any
     framework starts a thread; ``os.sched_setaffinity``); ``stop``: an event that, once set, kills the worker (a
-    parallel run being stopped).
+    parallel run being stopped); ``workers``: the owner of the preloaded parents a worker may fork from
+    (``harness.execution.workers``; default the active one; none: the worker starts cold).
     """
     sampler: Sampler | None = None
     note: str | None = None
@@ -200,7 +169,8 @@ def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, dev
         sampler = Sampler(backend, interval_s)
     started = time.monotonic()
     with tempfile.TemporaryFile() as log:
-        run = _WorkerRun(payload, threads, log, sampler, on_event, stop, env=env, cpus=cpus)
+        run = _WorkerRun(payload, threads, log, sampler, on_event, stop, env=env, cpus=cpus,
+                         workers=workers or active())
         try:
             run.pump(started + timeout_s)
             run.wait(started + timeout_s)
@@ -219,69 +189,6 @@ def run_worker(payload: Payload, timeout_s: float, interval_s: float | None, dev
                    sampler_info(sampler, note, run.events), run.start, started, ended)
 
 
-#: The preloaded parents of this process's forked workers (``harness.execution.forkserver``), ended at its exit.
-SERVERS = forkserver.Servers()
-atexit.register(SERVERS.close)
-
-
-def start_mode(payload: Payload) -> str:
-    """How ``payload``'s worker starts: "forked" from a preloaded parent when ``worker_start: auto``, the platform
-    can, the entry is a plain interpreter (a prefix, a container, cannot receive the worker's streams) and the
-    adapter declares ``fork_safe`` (of HARNESS_ADAPTERS: as its probe read it, ``probes.declared_fork_safe``);
-    else "cold"."""
-    import adapters  # the registry of declarations: imports no framework
-
-    trial = payload.trial
-    if trial.worker_start != "auto" or trial.command or not forkserver.forkable():
-        return "cold"
-    record = adapters.declaration(trial.framework)
-    safe = record.fork_safe if record else probes.declared_fork_safe(trial.framework, trial.python)
-    return "forked" if safe else "cold"
-
-
-def server_probes(trials: list[Trial]) -> Callable[[FrameworkEntry], Any]:
-    """For ``harness.execution.probes.probe_entries``: per framework entry, a runner of its probe in a child
-    forked from the preloaded parent its first trial (of ``trials``, the planned ones) will fork from, the parent
-    started now (``SERVERS``, so the trial finds it: the same interpreter, framework and worker settings); None
-    where that trial starts cold (``start_mode``). The probe then costs a fork instead of a second interpreter
-    importing the framework; a trial whose executor gives it other settings (a pinned slot's threads) gets a server
-    of its own, as before."""
-
-    def via(entry: FrameworkEntry) -> Any:
-        trial = next((t for t in trials if t.label == entry.row), None)
-        if trial is None or start_mode(Payload(trial=trial)) != "forked":
-            return None
-        settings = worker_settings(trial.threads, allocator=trial.allocator.model_dump())
-
-        def run(code: str, args: list[str], timeout_s: float) -> tuple[int, str, str]:
-            return _server(trial, settings).probe(code, args, timeout_s)
-
-        return run
-
-    return via
-
-
-def _server(trial: Trial, settings: dict[str, str]) -> forkserver.Server:
-    """The preloaded parent ``trial``'s worker forks from, started now if there is none: keyed by the trial's
-    interpreter, framework and the worker's ``settings`` (``worker_settings``, and an executor's variables), so a
-    trial and its environment's probe (``server_probes``) share it. Raises RuntimeError or OSError when it cannot
-    start."""
-    entry = FrameworkEntry(name=trial.framework, python=trial.python)
-    return SERVERS.get(entry.argv(), trial.framework, settings)
-
-
-#: Set (to anything but "" or "0"), the preloaded parents outlive a sweep or a search and serve the next one in this
-#: process (the test suite, a notebook running several sweeps); they end at the process's exit.
-KEEP_SERVERS_VARIABLE = "HARNESS_KEEP_FORK_SERVERS"
-
-
-def close_servers(force: bool = False) -> None:
-    """Ends every preloaded parent (the end of a sweep or a search: each holds a framework's memory), unless
-    KEEP_SERVERS_VARIABLE asks to keep them and ``force`` is False."""
-    if force or os.environ.get(KEEP_SERVERS_VARIABLE, "") in ("", "0"):
-        SERVERS.close()
-
-
 def sampled_devices(payload: Payload, device: str) -> str | list[str]:
     """What the sampler of ``payload``'s trial watches: ``device``, or, when that is a GPU and the trial is
     data-parallel on GPUs, every device of the trial (``Trial.devices``, as the worker numbers them)."""
@@ -297,20 +204,21 @@ class _WorkerRun:
 
     def __init__(self, payload: Payload, threads: int | None, log: Any, sampler: Sampler | None,
                  on_event: Callable[[Event], None] | None, stop: threading.Event | None = None,
-                 env: dict[str, str] | None = None, cpus: list[int] | None = None):
+                 env: dict[str, str] | None = None, cpus: list[int] | None = None, workers: Workers | None = None):
         self.sampler, self.on_event, self.log, self.stop = sampler, on_event, log, stop
         self.events: list[Event] = []
         self.notes: list[str] = []
         self.timed_out = False
         self._buffer = b""
-        settings = {**worker_settings(threads, allocator=payload.trial.allocator.model_dump()), **(env or {})}
+        settings = Workers.settings(payload.trial, threads, env)
         payload = payload.model_copy(update={"env": settings, "launcher_pid": os.getpid(),
                                              "cpus": list(cpus) if cpus else payload.cpus})
-        self.start, self.ended = start_mode(payload), 0.0
+        self.start, self.ended = start_mode(payload.trial) if workers is not None else "cold", 0.0
         self.proc: subprocess.Popen[bytes] | forkserver.Forked
         if self.start == "forked":
+            assert workers is not None
             try:
-                self.proc = _server(payload.trial, settings).spawn(log)
+                self.proc = workers.spawn(payload.trial, settings, log)
             except (RuntimeError, OSError) as err:
                 self.notes.append(f"not forked ({err}): started cold")
                 self.start = "cold"

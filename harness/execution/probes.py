@@ -1,7 +1,7 @@
 """The environment probe: once per run, each framework entry's interpreter is started (or a child of the preloaded
-parent its trials fork from, ``harness.execution.launcher.server_probes``) and reports its Python, numpy, framework
-and packages, and whether it has what its worker needs. A worker needs, in its interpreter, only numpy (1.26 or
-2.x), pydantic, PyYAML and its framework: the harness itself is imported from the folder that holds it
+parent its trials fork from, ``harness.execution.workers.Workers.probe_runner``) and reports its Python, numpy,
+framework and packages, and whether it has what its worker needs. A worker needs, in its interpreter, only numpy
+(1.26 or 2.x), pydantic, PyYAML and its framework: the harness itself is imported from the folder that holds it
 (``harness.execution.bootstrap``), never installed there."""
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
     (``Adapter.device_problem``), or None. model: a model of your own to check there
     (``harness.execution.native_probe.request``); its report is ``model_check``. via: runs the probe instead of a
     fresh interpreter, ``via(code, args, timeout_s) -> (exit status, stdout, stderr)`` (a forked child of the
-    preloaded parent the entry's trials will fork from: ``harness.execution.launcher.server_probes``); when it
+    preloaded parent the entry's trials will fork from: ``harness.execution.workers.Workers.probe_runner``); when it
     fails or gives no report, the probe starts the interpreter as usual, whose error is the one raised.
 
     Raises ValueError with a one-line reason when the prefix cannot start, exits without a report, lacks numpy,

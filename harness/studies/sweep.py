@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.execution.executors import Executor, ExecutorError, Finished, LocalExecutor, local_slots
-from harness.execution.launcher import close_servers, server_probes
 from harness.execution.probes import probe_entries
 from harness.execution.protocol import Payload
+from harness.execution.workers import Workers, owner
 from harness.measure import machine
 from harness.measure.machine import resolve_device
 from harness.plan import Trial, check_devices, data_parallel_settings, plan, unsupported_reason
@@ -84,13 +84,21 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     """
     if executor is not None:
         check_executor(spec, executor, spec_path)  # before anything is written
-    forked = executor is None  # the default executor's trials fork from this process's SERVERS: so do the probes
-    try:
-        run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path, forked) if resume is not None else
-                                   _create(spec, out_root, spec_path, forked))
-    except BaseException:
-        close_servers()  # a probe may have started one
-        raise
+    # the owner of the preloaded parents the workers fork from: the sweep's own, closed at its end, unless one is
+    # active (the test suite's, tests/conftest.py)
+    with owner() as workers:
+        return _sweep(spec, out_root, spec_path, on_start, on_end, on_event, resume, executor, adjust, workers)
+
+
+def _sweep(spec: Spec, out_root: str | Path, spec_path: str | Path | None,
+           on_start: Callable[[Trial, int, int], None] | None, on_end: Callable[[Trial, TrialRecord], None] | None,
+           on_event: Callable[[Event], None] | None, resume: str | Path | None, executor: Executor | None,
+           adjust: Callable[[Trial], Trial] | None, workers: Workers) -> Path:
+    """``run_spec``'s run with ``workers`` (entered): the probes fork from it for the default executor (whose trials
+    fork from the same parents: the same settings)."""
+    owner = workers if executor is None else None
+    run_dir, run_info, done = (_reopen(spec, Path(resume), spec_path, owner) if resume is not None else
+                               _create(spec, out_root, spec_path, owner))
     device = run_info.device
     trials = [adjust(t) if adjust else t for t in plan(spec, device) if t.id not in done]
     made = executor is None  # the sweep closes only the executor it makes
@@ -100,18 +108,18 @@ def run_spec(spec: Spec, out_root: str | Path, spec_path: str | Path | None = No
     try:
         _run_trials(spec, run_dir, device, trials, on_start, on_end, on_event, executor)
     except BaseException as exc:  # KeyboardInterrupt, Interrupted (SIGTERM, SIGHUP) or a bug: say so in run.json
-        # first the worker still running and the preloaded parents (kept or not: a stopped run leaves no process),
-        # then run.json, then (the CLI) the report of what finished, which takes seconds
+        # first the worker still running and the preloaded parents (whoever owns them: a stopped run leaves no
+        # process), then run.json, then (the CLI) the report of what finished, which takes seconds
         if made:
             executor.close()
-        close_servers(force=isinstance(exc, (KeyboardInterrupt, Interrupted)))
+        if isinstance(exc, (KeyboardInterrupt, Interrupted)):
+            workers.close()
         mark_interrupted(run_dir, exc)
         exc.run_dir = run_dir  # type: ignore[attr-defined]
         raise
     finally:
         if made:
             executor.close()
-        close_servers()  # the preloaded parents of forked workers: each holds a framework's memory
     RunFile(run_dir).update(lambda run: run.finish(now()))
     return run_dir
 
@@ -239,16 +247,17 @@ def check_executor(spec: Spec, executor: Executor, spec_path: str | Path | None 
 
 
 def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None,
-            forked: bool = False) -> tuple[Path, RunRecord, set[str]]:
+            workers: Workers | None = None) -> tuple[Path, RunRecord, set[str]]:
     """A new run directory and its run.json (``harness.studies.records.new_run``: the machine, each framework entry's
-    environment as its probe reported it, the resolved device, the planned trials). ``forked``: each probe runs in a
-    child of the preloaded parent its entry's first trial will fork from (``server_probes``). Raises SpecError, with
-    nothing written, when an entry's interpreter fails its probe."""
+    environment as its probe reported it, the resolved device, the planned trials). ``workers``: each probe runs in a
+    child of the preloaded parent of it that its entry's first trial will fork from (``Workers.probe_entries``).
+    Raises SpecError, with nothing written, when an entry's interpreter fails its probe."""
     env = machine.collect()
     device = resolve_device(spec.device, env["gpu"])
     check_devices(spec, spec_path or "spec", device, len(env["gpu"]["devices"]) if "devices" in env["gpu"] else None)
     trials = plan(spec, device)
-    frameworks = probe_entries(spec, spec_path or "spec", device, via=server_probes(trials) if forked else None)
+    frameworks = (workers.probe_entries(spec, spec_path or "spec", device, trials) if workers is not None else
+                  probe_entries(spec, spec_path or "spec", device))
     record = new_run(spec, spec_path, device, env, frameworks, [t.id for t in trials])
     run_dir = create_run_dir(out_root, spec.name)
     RunFile.create(run_dir, record)
@@ -256,7 +265,7 @@ def _create(spec: Spec, out_root: str | Path, spec_path: str | Path | None,
 
 
 def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None,
-            forked: bool = False) -> tuple[Path, RunRecord, set[str]]:
+            workers: Workers | None = None) -> tuple[Path, RunRecord, set[str]]:
     """An interrupted run directory, its run.json marked resumed, and the ids of its finished trials. Raises
     SpecError when ``spec`` differs from the one the run started with."""
     run_info = read_run(run_dir)
@@ -265,8 +274,8 @@ def _reopen(spec: Spec, run_dir: Path, spec_path: str | Path | None,
         raise SpecError(spec_path or "spec", "", f"cannot resume {run_dir}: the spec differs from the one it "
                                                  f"started with in {', '.join(differences[:8])}")
     device = run_info.device or resolve_device(spec.device)
-    via = server_probes(plan(spec, device)) if forked else None
-    frameworks = probe_entries(spec, spec_path or "spec", device, via=via)
+    frameworks = (workers.probe_entries(spec, spec_path or "spec", device, plan(spec, device)) if workers is not None
+                  else probe_entries(spec, spec_path or "spec", device))
     drop_torn_tail(run_dir / "trials.jsonl")
     probed = [FrameworkEnvironment.model_validate(entry) for entry in frameworks]
     record = RunFile(run_dir).update(lambda run: run.resume(now(), probed))

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness.execution import forkserver, launcher, probes
+from harness.execution import forkserver, launcher, probes, workers
 from harness.execution.protocol import Payload
 from harness.plan import checked_spec, plan
 from harness.record.events import Ready
@@ -143,7 +143,7 @@ def test_an_oom_a_kill_and_a_hang_leave_the_next_forked_trial_untouched(tmp_path
     # against 1.886788715015758 was seen, a few ulps of a float32 sum)
     assert after.result().metrics.epochs[0].train_loss == pytest.approx(first.result().metrics.epochs[0].train_loss,
                                                                         rel=1e-6)
-    launcher.close_servers(force=True)
+    workers.active().close()
 
 
 def test_a_probe_the_parent_cannot_answer_runs_in_a_fresh_interpreter(monkeypatch):
@@ -172,15 +172,15 @@ def test_a_data_parallel_trial_forks_rank_0_and_starts_its_ranks(tmp_path):
 def test_what_starts_cold(tmp_path, fault_adapter, monkeypatch):
     """A spec asking for cold starts, an adapter of HARNESS_ADAPTERS no probe has read, a command prefix: cold."""
     monkeypatch.setattr(probes, "_FORK_SAFE", {})
-    assert launcher.start_mode(_payload(tmp_path, worker_start="cold")) == "cold"
-    assert launcher.start_mode(_payload(tmp_path)) == "forked"
+    assert workers.start_mode(_payload(tmp_path, worker_start="cold").trial) == "cold"
+    assert workers.start_mode(_payload(tmp_path).trial) == "forked"
     spec = checked_spec(base_spec(frameworks=[fault_adapter]), tmp_path / "f.yaml")
     (trial,) = plan(spec, "cpu")
-    assert launcher.start_mode(Payload(trial=trial)) == "cold"
+    assert workers.start_mode(trial) == "cold"
     prefixed = checked_spec(base_spec(frameworks=[{"name": "pytorch", "command": ["env", "{python}"]}]),
                             tmp_path / "p.yaml")
     (trial,) = plan(prefixed, "cpu")
-    assert launcher.start_mode(Payload(trial=trial)) == "cold"
+    assert workers.start_mode(trial) == "cold"
 
 
 def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declaration(tmp_path, monkeypatch,
@@ -198,10 +198,10 @@ def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declar
     for name in ("fault", "fault_dp"):
         specs[name] = checked_spec(base_spec(frameworks=[name], batch_sizes=[16, 32], epochs=2), tmp_path / f"{name}.y")
         payloads[name] = Payload(trial=plan(specs[name], "cpu")[0])
-        assert launcher.start_mode(payloads[name]) == "cold"  # nothing is known of its class yet
+        assert workers.start_mode(payloads[name].trial) == "cold"  # nothing is known of its class yet
         probes.probe(FrameworkEntry(name=name))
-    assert launcher.start_mode(payloads["fault"]) == "forked"
-    assert launcher.start_mode(payloads["fault_dp"]) == "cold"
+    assert workers.start_mode(payloads["fault"].trial) == "forked"
+    assert workers.start_mode(payloads["fault_dp"].trial) == "cold"
     spec = specs["fault"]
     forked = store.read_trials(sweep.run_spec(spec, tmp_path / "forked"))
     cold = store.read_trials(sweep.run_spec(spec.model_copy(update={"worker_start": "cold"}), tmp_path / "cold"))
@@ -224,23 +224,22 @@ def test_the_parent_never_makes_a_cuda_context(tmp_path, monkeypatch):
     spec = checked_spec(base_spec(frameworks=[{"name": "pytorch", "python": python}], batch_sizes=[32],
                                   epochs=1, device="cuda:0"), tmp_path / "s.yaml")
     (trial,) = plan(spec, "cuda:0")
-    launcher.close_servers(force=True)
     monkeypatch.setattr(probes, "_CACHE", {})
     entry = FrameworkEntry(name="pytorch", python=python)
-    info = probes.probe(entry, device="cuda:0", via=launcher.server_probes([trial])(entry))
-    assert info.get("device_problem") is None and len(launcher.SERVERS._servers) == 1, info.get("device_problem")
-    outcome = launcher.run_worker(Payload(trial=trial), 300, None, "cuda:0")
-    assert (outcome.status, outcome.start) == ("ok", "forked"), outcome.reason
-    parents = {server.proc.pid for server in launcher.SERVERS._servers.values()}
-    pynvml.nvmlInit()
-    try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            users = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-            assert not users & parents, (index, users, parents)
-    finally:
-        pynvml.nvmlShutdown()
-        launcher.close_servers(force=True)
+    with workers.Workers() as owner:
+        info = probes.probe(entry, device="cuda:0", via=owner.probe_runner([trial])(entry))
+        assert info.get("device_problem") is None and len(owner.servers._servers) == 1, info.get("device_problem")
+        outcome = launcher.run_worker(Payload(trial=trial), 300, None, "cuda:0")
+        assert (outcome.status, outcome.start) == ("ok", "forked"), outcome.reason
+        parents = {server.proc.pid for server in owner.servers._servers.values()}
+        pynvml.nvmlInit()
+        try:
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                users = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+                assert not users & parents, (index, users, parents)
+        finally:
+            pynvml.nvmlShutdown()
 
 
 def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path, monkeypatch):
@@ -266,30 +265,36 @@ def test_a_jax_compilation_cache_is_an_option_the_report_records(tmp_path, monke
     assert f"JAX's persistent cache in `{from_tests}`" in report_text(shared_dir)
 
 
-def test_the_parents_end_with_the_sweep_unless_kept_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch,
-                                                                                          fault_adapter):
-    """Without HARNESS_KEEP_FORK_SERVERS a sweep's end ends its parents; with it, the next sweep forks from the same
-    parent, and a changed variable (its children would inherit it) starts another. (The fault adapter's parents:
-    what a parent's life is does not depend on the framework it holds.)"""
-    assert os.environ.get(launcher.KEEP_SERVERS_VARIABLE) == "1"  # tests/conftest.py sets it by name
-    launcher.close_servers(force=True)
+def test_the_parents_end_with_their_owner_and_a_changed_environment_gets_its_own(tmp_path, monkeypatch,
+                                                                                fault_adapter):
+    """A sweep with no active owner makes its own and ends its parents at its end; inside an active owner (the test
+    session's, tests/conftest.py) the next sweep forks from the same parent, a changed variable (its children would
+    inherit it) starts another, and closing the owner ends them all. (The fault adapter's parents: what a parent's
+    life is does not depend on the framework it holds.)"""
+    assert workers.active() is not None  # tests/conftest.py's, for the session
     spec = checked_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[16], epochs=1, cpu_threads=1),
                         tmp_path / "s.yaml")
-    try:
-        monkeypatch.setenv(launcher.KEEP_SERVERS_VARIABLE, "0")
-        sweep.run_spec(spec, tmp_path / "a")
-        assert launcher.SERVERS._servers == {}
-        monkeypatch.setenv(launcher.KEEP_SERVERS_VARIABLE, "1")
+    made = []
+    original = forkserver.Server.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(forkserver.Server, "__init__", record)
+    monkeypatch.setattr(workers, "_ACTIVE", [])  # no owner active: the sweep makes its own
+    (alone,) = {r.start for r in store.read_trials(sweep.run_spec(spec, tmp_path / "a"))}
+    assert alone == "forked" and made and not any(server.alive() for server in made)
+    with workers.Workers() as owner:
         sweep.run_spec(spec, tmp_path / "b")
-        (first,) = launcher.SERVERS._servers.values()
+        (first,) = owner.servers._servers.values()
         sweep.run_spec(spec, tmp_path / "c")
-        assert list(launcher.SERVERS._servers.values()) == [first] and first.alive()
+        assert list(owner.servers._servers.values()) == [first] and first.alive()
         monkeypatch.setenv("HARNESS_TEST_MARKER", "changed")
         records = {r.start for r in store.read_trials(sweep.run_spec(spec, tmp_path / "d"))}
-        assert records == {"forked"} and len(launcher.SERVERS._servers) == 2
-    finally:
-        launcher.close_servers(force=True)
-    assert launcher.SERVERS._servers == {} and not first.alive()
+        assert records == {"forked"} and len(owner.servers._servers) == 2
+    assert owner.servers._servers == {} and not first.alive() and workers.active() is None
+    assert launcher.run_worker(Payload(trial=plan(spec, "cpu")[0]), 60, None, "cpu").start == "cold"  # no owner
 
 
 def test_at_most_limit_parents_run_the_least_recently_used_ends_first(fault_adapter):

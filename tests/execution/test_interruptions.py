@@ -239,7 +239,7 @@ def test_every_process_of_the_run_ends_within_a_second_before_the_report(fault_a
     second (the report of the finished trial is written after: it takes seconds)."""
     spec = write_spec(base_spec(frameworks=[fault_adapter], batch_sizes=[16, 1], warmup_steps=0))
     out = tmp_path / "results"
-    env = {**os.environ, **LONG, "HARNESS_KEEP_FORK_SERVERS": "0"}
+    env = {**os.environ, **LONG}
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(spec), "--out", str(out), "--no-progress"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)

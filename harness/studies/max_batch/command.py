@@ -9,7 +9,7 @@ from typing import Any
 
 from harness import plan as planning
 from harness.execution import probes
-from harness.execution.launcher import server_probes
+from harness.execution.workers import Workers, owner
 from harness.measure.machine import resolve_device
 from harness.plan.entries import entry_named
 from harness.spec import Spec, SpecError
@@ -24,6 +24,12 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
     (one line on standard error, before anything runs: a --data-parallel below 1 or above the devices this machine
     has, or a trial the framework's adapter cannot train, among them: ``checks.check_search``). ``spec``: the spec
     file ``args.spec`` as the command read and checked it (``harness.cli.common.load_spec``, its data ready)."""
+    with owner() as workers:  # the preloaded parents of its probes and workers, ended with the search
+        return _run(args, spec, workers)
+
+
+def _run(args: argparse.Namespace, spec: Spec, workers: Workers) -> int:
+    """``run`` with ``workers``, whose parents the probes and the search's workers fork from."""
     try:
         if args.memory_limit_mb is not None and args.memory_limit_mb <= 0:
             raise SpecError(args.spec, "memory_limit_mb", "--memory-limit-mb must be positive")
@@ -38,7 +44,7 @@ def run(args: argparse.Namespace, spec: Spec) -> int:
         # the interpreter's probe in a child of the preloaded parent the probes fork from (one data-parallel
         # worker group aside): a fork, not another interpreter importing the framework
         first = probe_spec(searched_spec, entry.row, DEFAULT_INITIAL_SIZES[0], args.memory_limit_mb, device, args.spec)
-        via = server_probes(planning.plan(first, device)) if dp is None else None
+        via = workers.probe_runner(planning.plan(first, device)) if dp is None else None
         probes.probe_entries(searched_spec, args.spec, device, via=via)
     except SpecError as err:
         print(str(err), file=sys.stderr)

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness.execution.launcher import run_worker
+from harness.execution.launcher import owner, run_worker
 from harness.execution.protocol import Payload
 from harness.measure.machine import resolve_device
 from harness.neutral import datasets, memory
@@ -93,7 +93,7 @@ def find_max_batch(spec: Spec, framework: str, device: str | None = None, *, mem
         raise ValueError(err.message) from None
     if compile_first is None:
         compile_first = warm.compiles_into_peak(spec, framework, device)
-    with warm.cached(spec, compile_first) as (spec, note):
+    with owner(), warm.cached(spec, compile_first) as (spec, note):  # owner: the parents its workers fork from
         search = _Search(spec, framework, device,
                          memory_limit_mb if memory_limit_mb is not None else spec.memory_limit_mb, margin, tolerance,
                          min_batch, max_batch, timeout_s if timeout_s is not None else spec.timeout_s,
