@@ -50,20 +50,26 @@ def owner() -> Iterator[Workers]:
 
 
 def worker_settings(threads: int | None, base: dict[str, str] | None = None,
-                    allocator: dict[str, Any] | None = None) -> dict[str, str]:
-    """The variables the harness sets for a worker, for every built-in adapter's declaration alike
-    (``adapters.records``): thread counts (read at import, so the bootstrap sets them before any framework is
-    imported: OpenMP's, MKL's, OpenBLAS's and each declaration's ``thread_environment``), the allocator variables a
-    spec sets (each declaration's ``allocator_environment``), each declaration's ``environment`` defaults (a value
-    in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device numbers match NVML's (unless ``base`` sets
-    another order), and the extra adapters of HARNESS_ADAPTERS. They travel in the payload too, since a container
-    does not inherit the launcher's environment."""
+                    allocator: dict[str, Any] | None = None, framework: str | None = None) -> dict[str, str]:
+    """The variables the harness sets for a worker of ``framework`` (an adapter's name): those of its declaration
+    (``adapters.declaration``; none for an adapter of HARNESS_ADAPTERS, whose declaration this process never reads)
+    and the generic ones any framework reads; with ``framework`` None, every built-in declaration's alike
+    (``adapters.records``: a benchmark's environment for several). Thread counts (read at import, so the bootstrap
+    sets them before any framework is imported: OpenMP's, MKL's, OpenBLAS's and the declaration's
+    ``thread_environment``), the allocator variables a spec sets (the declaration's ``allocator_environment``), the
+    declaration's ``environment`` defaults (a value in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device
+    numbers match NVML's (unless ``base`` sets another order), and the extra adapters of HARNESS_ADAPTERS. They
+    travel in the payload too, since a container does not inherit the launcher's environment."""
     import adapters  # the registry of declarations: imports no framework
 
     base = dict(os.environ if base is None else base)
     env: dict[str, str] = {}
     allocator = allocator or {}
-    records = adapters.records()
+    if framework is None:
+        records = adapters.records()
+    else:
+        record = adapters.declaration(framework)
+        records = (record,) if record is not None else ()
     for record in records:
         env.update({variable: str(allocator[option]) for option, variable in record.allocator_environment.items()
                     if allocator.get(option)})
@@ -117,10 +123,10 @@ class Workers:
 
     @staticmethod
     def settings(trial: Trial, threads: int | None, env: dict[str, str] | None = None) -> dict[str, str]:
-        """The variables the harness sets for ``trial``'s worker (``worker_settings`` of ``threads``, None: no thread
-        counts, and of its allocator) with an executor's ``env`` over them: what its parent is keyed by, computed
-        here alone for a trial and for its probe."""
-        own = worker_settings(threads, allocator=trial.allocator.model_dump())
+        """The variables the harness sets for ``trial``'s worker (``worker_settings`` of its framework, of
+        ``threads``, None: no thread counts, and of its allocator) with an executor's ``env`` over them: what its
+        parent is keyed by, computed here alone for a trial and for its probe."""
+        own = worker_settings(threads, allocator=trial.allocator.model_dump(), framework=trial.framework)
         return {**own, **(env or {})}
 
     def spawn(self, trial: Trial, settings: dict[str, str], stderr: Any) -> forkserver.Forked:

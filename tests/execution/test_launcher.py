@@ -18,7 +18,7 @@ from harness.plan import plan
 from harness.results import report, store
 from harness.spec import SpecError
 from harness.studies.sweep import run_spec
-from tests.helpers import base_spec
+from tests.helpers import ROOT, base_spec
 
 
 @pytest.mark.serial  # a trial's timeout, timed
@@ -194,3 +194,35 @@ def test_each_seed_trains_from_its_own_weights_and_batches(fault_adapter, tmp_pa
     loss = {(r.repeat, r.seed): r.metrics.final_train_loss for r in records}
     assert loss[(0, 1)] == loss[(1, 1)] and loss[(0, 2)] == loss[(1, 2)]
     assert loss[(0, 1)] != loss[(0, 2)]
+
+
+def test_a_worker_gets_only_its_own_frameworks_variables(tmp_path):
+    """A PyTorch worker's environment holds none of the TF_, XLA_ or MXNET_ variables the harness sets for the other
+    frameworks' workers (their declarations' ``environment`` and ``thread_environment``), only the generic thread
+    counts with PyTorch's own; a TensorFlow worker gets TensorFlow's. Checked on what the launcher computes and on a
+    real PyTorch worker's process environment."""
+    import psutil
+
+    from harness.execution.workers import Workers
+    from harness.record.events import Start
+
+    def trial(name):
+        data = base_spec(frameworks=[{"name": name, "python": str(ROOT / "envs" / name / "bin" / "python")}],
+                         batch_sizes=[32], epochs=1, cpu_threads=1)
+        return plan(validate(data, tmp_path / f"{name}.yaml"), "cpu")[0]
+
+    foreign = ("TF_", "XLA_", "MXNET_")
+    torch = Workers.settings(trial("pytorch"), 1)
+    assert not [k for k in torch if k.startswith(foreign)], torch
+    assert torch["OMP_NUM_THREADS"] == torch["MKL_NUM_THREADS"] == "1"
+    assert Workers.settings(trial("tensorflow"), 2)["TF_NUM_INTRAOP_THREADS"] == "2"
+    seen = {}
+
+    def on_event(event):
+        if isinstance(event, Start):
+            seen.update(psutil.Process(event.pid).environ())
+
+    outcome = run_worker(Payload(trial=trial("pytorch")), 120, None, "cpu", threads=1, on_event=on_event)
+    assert outcome.status == "ok", outcome.reason
+    added = {k for k in seen if k.startswith(foreign)} - set(os.environ)
+    assert seen and not added, added
