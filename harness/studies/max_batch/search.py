@@ -1,19 +1,18 @@
 """The largest batch that fits (seed 004): measured, one worker process per probe, never guessed.
 
-Each probe trains the spec's model at one batch size in a fresh worker under the memory cap (two epochs of three
-optimizer steps, each with an evaluation, where the framework's peak settles within them; three whole epochs
-elsewhere: ``probe.probe_shape``; synthetic images of the dataset's shape, as many as a run of the spec holds and at
-least the batch's, by default; the real dataset with ``with_dataset``); ``ok`` fits, ``oom`` does not, any other
-ending stops the search with its reason. The search probes two small sizes, draws ``peak_bytes = fixed + per_sample
-x B`` through the two largest sizes that fit (``harness.studies.max_batch.bracket``), brackets and narrows the
-limit, and confirms the answer in a second fresh worker; a size seen both fitting and failing is the
-``fits_sometimes`` band, never the answer. The limit is that measured boundary. The recommendation keeps a margin
-below it (by default twice the spread of the peak across the answer's probes) less what a run holds beyond a probe,
-and must hold in run checks: the spec's trial as ``harness run`` runs it, in fresh workers, searched downward until
-a size holds in every run check (``harness.studies.max_batch.runcheck``; the recommendation is
-``harness.studies.max_batch.recommend``). The result never names a size that was not ok in two fresh workers. Before
-the first probe, the trial the probes run is checked against the plan's rule of what the adapter can train
-(``harness.studies.max_batch.checks``).
+Each probe trains the spec's model at one batch size in a fresh worker under the memory cap (two epochs of two optimizer
+steps, each with an evaluation, where the framework's peak settles within them; three whole epochs elsewhere:
+``probe.probe_shape``; synthetic images of the dataset's shape, as many as a run of the spec holds and at least the
+batch's, by default; the real dataset with ``with_dataset``); ``ok`` fits, ``oom`` does not, any other ending stops the
+search with its reason. The search probes two small sizes, draws ``peak_bytes = fixed + per_sample x B`` through the two
+largest sizes that fit (``harness.studies.max_batch.bracket``), brackets and narrows the limit, and confirms the answer
+in a second fresh worker; a size seen both fitting and failing is the ``fits_sometimes`` band, never the answer. The
+limit is that measured boundary. The recommendation keeps a margin below it (by default twice the spread of the peak
+across the answer's probes) less what a run holds beyond a probe, and must hold in run checks: the spec's trial as
+``harness run`` runs it, in fresh workers, searched downward until a size holds in every run check
+(``harness.studies.max_batch.runcheck``; the recommendation is ``harness.studies.max_batch.recommend``). The result
+never names a size that was not ok in two fresh workers. Before the first probe, the trial the probes run is checked
+against the plan's rule of what the adapter can train (``harness.studies.max_batch.checks``).
 
 Under data parallelism (``data_parallel`` N devices) every probe is one data-parallel trial (for PyTorch, rank 0
 and the ranks it starts), the sizes searched are per-device batches and each probe trains the global batch, N x it.
