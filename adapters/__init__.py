@@ -30,7 +30,7 @@ BUILTIN: dict[str, Declaration] = {d.name: d for d in (
 )}
 
 
-def records() -> tuple[Declaration, ...]:
+def declarations() -> tuple[Declaration, ...]:
     """The built-in adapters' declarations, in the registry's order."""
     return tuple(BUILTIN.values())
 

@@ -361,4 +361,4 @@ def default_frameworks() -> list[str]:
     """The built-in adapters' names, in the registry's order."""
     import adapters  # the registry imports no framework
 
-    return [record.name for record in adapters.records()]
+    return [declared.name for declared in adapters.declarations()]

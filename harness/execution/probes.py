@@ -142,7 +142,7 @@ ProbeRunner = Callable[[str, list[str], float], "tuple[int, str, str] | None"]
 def _declared_environment() -> dict[str, str]:
     import adapters  # the registry imports no framework
 
-    return {key: value for record in adapters.records() for key, value in record.environment.items()}
+    return {key: value for declared in adapters.declarations() for key, value in declared.environment.items()}
 
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,

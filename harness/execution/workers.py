@@ -66,22 +66,22 @@ def worker_settings(threads: int | None, base: dict[str, str] | None = None,
     env: dict[str, str] = {}
     allocator = allocator or {}
     if framework is None:
-        records = adapters.records()
+        declared = adapters.declarations()
     else:
-        record = adapters.declaration(framework)
-        records = (record,) if record is not None else ()
-    for record in records:
+        one = adapters.declaration(framework)
+        declared = (one,) if one is not None else ()
+    for record in declared:
         env.update({variable: str(allocator[option]) for option, variable in record.allocator_environment.items()
                     if allocator.get(option)})
     env["CUDA_DEVICE_ORDER"] = base.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    for record in records:
+    for record in declared:
         env.update({variable: base.get(variable, value) for variable, value in record.environment.items()})
     env["PYTHONUNBUFFERED"] = "1"
     if base.get("HARNESS_ADAPTERS"):
         env["HARNESS_ADAPTERS"] = base["HARNESS_ADAPTERS"]
     if threads is not None:
         env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads)))
-        for record in records:
+        for record in declared:
             env.update({variable: value.replace("{threads}", str(threads))
                         for variable, value in record.thread_environment.items()})
     return env

@@ -28,13 +28,13 @@ ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OM
 
 def packages() -> tuple[str, ...]:
     """The distributions whose installed versions a run records: each built-in adapter's, then ``PACKAGES``."""
-    return tuple(d for record in adapters.records() for d in record.distributions) + PACKAGES
+    return tuple(d for declared in adapters.declarations() for d in declared.distributions) + PACKAGES
 
 
 def recorded_environment() -> tuple[str, ...]:
     """The variables ``collect`` records: ``ENVIRONMENT``, each adapter's allocator and recorded variables."""
-    return ENVIRONMENT + tuple(v for record in adapters.records()
-                               for v in (*record.allocator_environment.values(), *record.recorded_environment))
+    return ENVIRONMENT + tuple(v for declared in adapters.declarations()
+                               for v in (*declared.allocator_environment.values(), *declared.recorded_environment))
 
 
 def package_versions() -> dict[str, str]:

@@ -62,7 +62,7 @@ def _device_line(run: RunRecord) -> str:
 def _versions(records: list[TrialRecord]) -> str:
     import adapters  # the registry of declarations (imports no framework): each one's version keys, and CUDA's
 
-    keys = {k for record in adapters.records() for k in record.version_keys} | {"cuda", "cudnn"}
+    keys = {k for declared in adapters.declarations() for k in declared.version_keys} | {"cuda", "cudnn"}
     seen: dict[str, str] = {}
     for r in records:
         for name, version in r.versions.items():

@@ -42,7 +42,7 @@ def summary_row(run_dir: str | Path) -> dict[str, Any]:
                 cell[key] = value if isinstance(value, float) else None
             cells[f"{fw}/{bs}"] = cell
     versions: dict[str, str] = {}
-    framework_keys = {k for record in adapters.records() for k in record.version_keys}
+    framework_keys = {k for declared in adapters.declarations() for k in declared.version_keys}
     for r in data.records:
         versions.update({k: v for k, v in r.versions.items() if k in framework_keys})
     return {"run": Path(run_dir).name, "spec": run.name, "started": run.started,
