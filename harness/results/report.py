@@ -10,7 +10,6 @@ metrics, failures, plots), the study modules and ``notes`` (how the run was meas
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from harness.results.sections import Section, to_markdown
 from harness.results.tables import ReportData
 from harness.results.time_budget import time_budget_section
 
-__all__ = ["ReportData", "build", "render_markdown", "sections", "write"]
+__all__ = ["ReportData", "build", "render_markdown", "sections", "trial_plots", "write"]
 
 
 def study_sections(data: ReportData) -> list[Section | None]:
@@ -70,35 +69,51 @@ def render_markdown(data: ReportData, computed: list[Section] | None = None) -> 
     return to_markdown(sections(data) if computed is None else computed)
 
 
+def _one_blas_thread() -> Any:
+    """A context in which BLAS uses one thread (threadpoolctl, a dependency of scikit-learn's): matplotlib's transforms
+    call numpy.linalg on 3x3 matrices thousands of times a report, and OpenBLAS's other threads spin after each call,
+    about as much CPU again as the whole report on a 2-core machine, for no speed."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - scikit-learn brings it
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
+def trial_plots(run_dir: Path, trial_ids: list[str]) -> dict[str, str | None]:
+    """Each trial's time series saved as ``plots/trials/<id>.png``, in one figure redrawn from trial to trial
+    (``TrialFigures``); returns, per trial, the same figure as report.html's inline SVG (None: no samples, no
+    figure)."""
+    svgs: dict[str, str | None] = {}
+    figures = TrialFigures()
+    for trial_id in trial_ids:
+        svgs[trial_id] = None
+
+        def keep(fig: Any, trial_id: str = trial_id) -> None:
+            svgs[trial_id] = html.svg(fig)
+
+        plot_trial(run_dir, trial_id, run_dir / "plots" / "trials" / f"{trial_id}.png", then=keep, figures=figures)
+    return svgs
+
+
 def write(run_dir: str | Path) -> Path:
     """Writes ``report.md`` and ``report.html`` (``harness.results.html``), both from one computation of the
     sections, and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into the run
-    directory; returns the report's path."""
+    directory; returns the report's path. BLAS is held to one thread meanwhile (``_one_blas_thread``)."""
     run_dir = Path(run_dir)
-    data = load_run(run_dir).data
-    # each figure drawn once: saved as the PNG report.md links, then as report.html's inline SVG
-    metric_svgs: dict[str, str] = {}
+    with _one_blas_thread():
+        data = load_run(run_dir).data
+        # each figure drawn once: saved as the PNG report.md links, then as report.html's inline SVG
+        metric_svgs: dict[str, str] = {}
 
-    def keep_metric(key: str, fig: Any, tips: dict[str, str]) -> None:
-        metric_svgs[key] = html.svg(fig, tips)
+        def keep_metric(key: str, fig: Any, tips: dict[str, str]) -> None:
+            metric_svgs[key] = html.svg(fig, tips)
 
-    plot(data, run_dir / "plots", then=keep_metric)
-    trial_svgs: dict[str, str | None] = {}
-
-    def keep_trial(trial_id: str) -> Callable[[Any], None]:
-        trial_svgs[trial_id] = None  # no samples: no figure
-
-        def keep(fig: Any) -> None:
-            trial_svgs[trial_id] = html.svg(fig)
-
-        return keep
-
-    figures = TrialFigures()  # one figure, redrawn from trial to trial
-    for record in data.records:
-        if record.status == "ok":
-            plot_trial(run_dir, record.id, run_dir / "plots" / "trials" / f"{record.id}.png",
-                       then=keep_trial(record.id), figures=figures)
-    computed = sections(data)
+        plot(data, run_dir / "plots", then=keep_metric)
+        trial_svgs = trial_plots(run_dir, [record.id for record in data.records if record.status == "ok"])
+        computed = sections(data)
     path = run_dir / "report.md"
     path.write_text(to_markdown(computed), encoding="utf-8")
     html.write(data, run_dir, computed, metric_svgs, trial_svgs)
