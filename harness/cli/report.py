@@ -27,11 +27,12 @@ def handle(args: argparse.Namespace) -> int:
     if args.new_run is not None:
         return _pair(args)
     try:
-        path = report.write(args.run_dir)
+        data = report.build(args.run_dir)
     except FileNotFoundError as err:
         print(f"harness report: {err}", file=sys.stderr)
         return EXIT_USAGE
-    print_summary(report.build(args.run_dir), summary_console())
+    path = report.write(args.run_dir, data)
+    print_summary(data, summary_console())
     print(f"report: {path}")
     return 0
 

@@ -138,12 +138,12 @@ def handle(args: argparse.Namespace) -> int:
     with progress, executor if executor is not None else contextlib.nullcontext():
         run_dir = run_spec(spec, args.out, args.spec, on_start=on_start, on_end=on_end, on_event=on_event,
                            resume=args.resume, executor=executor)
-    path = report.write(run_dir)
+    data = report.build(run_dir)
+    path = report.write(run_dir, data)
     if args.history:
         from harness.studies import history
 
         history.append(args.history, run_dir)
-    data = report.build(run_dir)
     print_summary(data, summary_console())
     print(f"run directory: {run_dir}\nreport: {path}")
     return run_status(run_dir)

@@ -98,13 +98,14 @@ def trial_plots(run_dir: Path, trial_ids: list[str]) -> dict[str, str | None]:
     return svgs
 
 
-def write(run_dir: str | Path) -> Path:
+def write(run_dir: str | Path, data: ReportData | None = None) -> Path:
     """Writes ``report.md`` and ``report.html`` (``harness.results.html``), both from one computation of the
     sections, and ``plots/`` (per-metric plots, and per-trial time series in ``plots/trials/``) into the run
-    directory; returns the report's path. BLAS is held to one thread meanwhile (``_one_blas_thread``)."""
+    directory; returns the report's path. ``data``: the run as ``build`` read it, where the caller has it (None:
+    read here). BLAS is held to one thread meanwhile (``_one_blas_thread``)."""
     run_dir = Path(run_dir)
     with _one_blas_thread():
-        data = load_run(run_dir).data
+        data = load_run(run_dir).data if data is None else data
         # each figure drawn once: saved as the PNG report.md links, then as report.html's inline SVG
         metric_svgs: dict[str, str] = {}
 
