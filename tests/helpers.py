@@ -286,3 +286,16 @@ def ranks_gone(pid_files, within_s=1.0):
             return True
         time.sleep(0.05)
     return False
+
+
+def skip_probes(monkeypatch: Any) -> None:
+    """No framework entry's interpreter is probed in a sweep (``harness.execution.probes.probe_entries``, whether the
+    sweep calls it itself or through its ``Workers``): run.json records no environments."""
+    from harness.execution import probes
+    from harness.studies import sweep
+
+    def none(spec: Any, file: Any, device: str = "cpu", via: Any = None) -> list[dict[str, Any]]:
+        return []
+
+    monkeypatch.setattr(sweep, "probe_entries", none)
+    monkeypatch.setattr(probes, "probe_entries", none)

@@ -54,7 +54,7 @@ def worker_settings(threads: int | None, base: dict[str, str] | None = None,
     """The variables the harness sets for a worker of ``framework`` (an adapter's name): those of its declaration
     (``adapters.declaration``; none for an adapter of HARNESS_ADAPTERS, whose declaration this process never reads)
     and the generic ones any framework reads; with ``framework`` None, every built-in declaration's alike
-    (``adapters.records``: a benchmark's environment for several). Thread counts (read at import, so the bootstrap
+    (``adapters.declarations``: a benchmark's environment for several). Thread counts (read at import, so the bootstrap
     sets them before any framework is imported: OpenMP's, MKL's, OpenBLAS's and the declaration's
     ``thread_environment``), the allocator variables a spec sets (the declaration's ``allocator_environment``), the
     declaration's ``environment`` defaults (a value in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device

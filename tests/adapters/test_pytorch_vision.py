@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from harness import plan
+from harness import spec as spec_module
 from harness.execution import environments
 from harness.results import store
 from harness.studies import sweep
@@ -21,7 +22,7 @@ PARAMETERS = {"resnet18": 11_181_642, "mobilenet_v3_small": 1_528_106}
 @pytest.fixture(scope="module")
 def vision_env():
     """envs/pytorch-vision, made when missing (kept when up to date)."""
-    spec = plan.spec_module.load(ROOT / "specs" / "torchvision.yaml")
+    spec = spec_module.load(ROOT / "specs" / "torchvision.yaml")
     for folder, framework, packages in environments.spec_environments(spec):
         environments.create(framework, ROOT / "envs", name=folder, packages=packages)
 

@@ -15,7 +15,7 @@ from harness.execution.launcher import Outcome
 from harness.execution.protocol import Payload
 from harness.plan import checked_spec, plan
 from harness.studies import sweep
-from tests.helpers import base_spec
+from tests.helpers import base_spec, skip_probes
 
 
 def _fake_launcher(monkeypatch, failing: str, calls: list[str], error: type[BaseException] = RuntimeError):
@@ -46,7 +46,7 @@ def _spec(tmp_path, **changes):
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["default-one-slot", "two-slots"])
 def test_a_launcher_failure_is_an_error_trial_and_the_sweep_goes_on(monkeypatch, tmp_path, slots):
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu", via=None: [])  # no interpreter probed
+    skip_probes(monkeypatch)  # no interpreter probed
     calls: list[str] = []
     _fake_launcher(monkeypatch, "pytorch-bs32-r0", calls)
     spec = _spec(tmp_path)
@@ -85,7 +85,7 @@ def test_one_slot_waits_for_a_failing_launcher_and_frees_the_slot(monkeypatch, t
 def test_ctrl_c_in_a_one_slot_launcher_still_stops_the_run(monkeypatch, tmp_path):
     """A KeyboardInterrupt is a stop, not a failed trial: it goes through the executor to the sweep, which marks
     run.json interrupted."""
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu", via=None: [])
+    skip_probes(monkeypatch)
     calls: list[str] = []
     _fake_launcher(monkeypatch, "pytorch-bs32-r0", calls, error=KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt) as stopped:
@@ -97,7 +97,7 @@ def test_ctrl_c_in_a_one_slot_launcher_still_stops_the_run(monkeypatch, tmp_path
 
 
 def test_the_sweep_closes_only_the_executor_it_made(monkeypatch, tmp_path):
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu", via=None: [])
+    skip_probes(monkeypatch)
     _fake_launcher(monkeypatch, "none", [])
     closed: list[str] = []
     monkeypatch.setattr(LocalExecutor, "close", lambda self: closed.append(self.describe()["executor"]))

@@ -10,7 +10,7 @@ from harness.plan.support import Conditions
 from harness.plan.support import unsupported as plan_unsupported
 from harness.results import store
 from harness.studies import sweep
-from tests.helpers import base_spec, report_text
+from tests.helpers import base_spec, report_text, skip_probes
 
 
 def unsupported(name, info, precision, compile, device):
@@ -45,7 +45,7 @@ def test_a_sweep_records_precision_mode_first_step_and_unsupported_rows(monkeypa
     trials are recorded at plan time with the reason and no worker; the bf16 trial ran in bf16 (its settings) with
     its first step timed apart; the report names each row's precision and mode."""
     # JAX's interpreter is never started
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu", via=None: [])
+    skip_probes(monkeypatch)
     spec = checked_spec(base_spec(frameworks=["pytorch", "jax"], variants={
         "precision": ["bf16", "fp16"], "compile": ["eager"]}), tmp_path / "s.yaml")
     run_dir = sweep.run_spec(spec, tmp_path / "runs")

@@ -17,7 +17,7 @@ from harness.results import store
 from harness.spec import ModelSpec
 from harness.studies import sweep
 from tests.fakes.fault_adapter import FaultAdapter
-from tests.helpers import TINY_CNN, base_spec, report_text
+from tests.helpers import TINY_CNN, base_spec, report_text, skip_probes
 
 RESIDUAL_CNN = [
     {"type": "conv2d", "filters": 4, "kernel_size": 3, "padding": "same", "activation": "relu"},
@@ -162,7 +162,7 @@ def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):
 def test_the_sweep_records_unsupported_trials_from_the_plan_and_from_the_worker(fault_adapter, monkeypatch,
                                                                                   tmp_path):
     # no framework's interpreter is started
-    monkeypatch.setattr(sweep, "probe_entries", lambda spec, file, device="cpu", via=None: [])
+    skip_probes(monkeypatch)
     _before_blocks(monkeypatch, "mxnet")
     spec = checked_spec(base_spec(model={"layers": RESIDUAL_CNN}, frameworks=["mxnet", fault_adapter],
                                   batch_sizes=[16, 32]), tmp_path / "s.yaml")
