@@ -210,7 +210,10 @@ def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declar
     for a, b in zip(forked, cold):
         assert [e.train_loss for e in a.metrics.epochs] == [e.train_loss for e in b.metrics.epochs]
         assert a.metrics.test_accuracy == b.metrics.test_accuracy
-        assert a.phases.import_s < b.phases.import_s
+        # the fault adapter's import is a few milliseconds either way (its parent preloads no framework): what
+        # forking saves is the interpreter's start, which import_s alone left to the machine's noise (CI 2026-11-28:
+        # forked 39 ms, cold 9 ms)
+        assert a.phases.start_s + a.phases.import_s < b.phases.start_s + b.phases.import_s
 
 
 @pytest.mark.gpu
