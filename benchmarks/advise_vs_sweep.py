@@ -61,7 +61,7 @@ def run_sweep(args: argparse.Namespace, sizes: list[int], out: Path) -> dict[str
     from harness import spec as spec_module
     from harness.plan.entries import entry_named
     from harness.results.store import read_trials
-    from harness.studies.advise.trials import evaluation_samples
+    from harness.studies.advise.trials import evaluation_samples, train_size_of
     from harness.studies.sweep import run_spec
 
     base = spec_module.load(args.spec)
@@ -69,7 +69,7 @@ def run_sweep(args: argparse.Namespace, sizes: list[int], out: Path) -> dict[str
     data = base.model_dump(mode="json", exclude_none=True)
     data.update(frameworks=[entry.model_dump(mode="json", exclude_none=True)], batch_sizes=sizes,
                 seeds=list(range(args.seeds)), repeats=1, epochs=args.max_epochs, target_accuracy=args.target,
-                stop_at_target=True, evaluate_every=1, evaluate_every_samples=evaluation_samples(base),
+                stop_at_target=True, evaluate_every=1, evaluate_every_samples=evaluation_samples(train_size_of(base)),
                 name=f"{base.name}-exhaustive")
     data.pop("variants", None)
     spec = plan.checked_spec(data, args.spec)

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from harness import spec as spec_module
-from harness.neutral import datasets, image_folder, models, native
+from harness.neutral import datasets, image_folder, models
 from harness.plan.entries import check_framework_name, entry_for
 from harness.plan.planner import available_cpus, data_parallel_devices, data_parallel_settings
 from harness.plan.support import Conditions, NativeTask
+from harness.plan.trial import trained
 from harness.spec import (
     Cifar10Data,
     DataParallelSpec,
@@ -139,9 +140,7 @@ def model_info(spec: Spec) -> models.ModelInfo:
 def trained_model(spec: Spec, entry: FrameworkEntry) -> models.ModelInfo | NativeTask:
     """What ``entry`` trains, as the plan's rule takes it (``harness.plan.support.unsupported``): the neutral
     model's analysis, or for an entry with a model of its own the task the dataset sets."""
-    if entry.model is not None:
-        return NativeTask(native.task(datasets.describe_input(spec.dataset)[0]))
-    return model_info(spec)
+    return trained(None if entry.model is not None else spec.model, entry.model, spec.dataset)
 
 
 def spec_conditions(spec: Spec, device: str = "cpu", data_parallel: DataParallelSpec | None = None) -> Conditions:

@@ -109,17 +109,13 @@ class Trial:
         return self.optimizer.model_copy(update={"learning_rate": self.learning_rate})
 
     def trained_model(self) -> ModelInfo | NativeTask:
-        """What the trial trains, as the support rule takes it: the neutral model's analysis for the dataset's input
-        and classes, or, for a model of your own, the task the dataset sets (``harness.neutral.native.task``).
+        """What the trial trains, as the support rule takes it (``trained``).
 
         Raises:
             harness.neutral.models.ModelError: a neutral model the dataset does not fit (the plan's check catches
                 it first).
         """
-        feed, classes = datasets.describe_input(self.dataset)
-        if self.native_model is not None or self.model is None:
-            return NativeTask(native.task(feed))
-        return models.analyze(self.model, feed, classes)
+        return trained(self.model, self.native_model, self.dataset)
 
     @property
     def conditions(self) -> Conditions:
@@ -146,3 +142,20 @@ class Trial:
     def row(self) -> str:
         """The report row: the label, else the framework's name."""
         return self.label or self.framework
+
+
+def trained(model: ModelSpec | None, native_model: NativeModel | None, dataset: Dataset) -> ModelInfo | NativeTask:
+    """What a trial trains, as the support rule takes it: for a model of your own (``native_model``), the task
+    ``dataset`` sets (``harness.neutral.native.task``); else the neutral ``model``'s analysis for the dataset's input
+    and classes.
+
+    Raises:
+        ValueError: neither a model of your own nor a neutral model.
+        harness.neutral.models.ModelError: a neutral model the dataset does not fit.
+    """
+    feed, classes = datasets.describe_input(dataset)
+    if native_model is not None:
+        return NativeTask(native.task(feed))
+    if model is None:
+        raise ValueError("the spec has no neutral model: every framework entry brings its own")
+    return models.analyze(model, feed, classes)

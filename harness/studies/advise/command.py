@@ -85,10 +85,11 @@ class Budget:
             self.spent[stage] = round(self.spent.get(stage, 0.0) + time.monotonic() - begun, 1)
 
 
-def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str], int, int]:
+def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str], int, int, int]:
     """Everything checked before anything runs: the entries, the objectives, the noise trial's batch size and its
-    split. Returns (the entries' labels, the noise trial's batch size, its micro-batches). Raises SpecError (one
-    line naming the file and the field or argument)."""
+    split, the global batch against the training set. Returns (the entries' labels, the noise trial's batch size,
+    its micro-batches, the training set's size). Raises SpecError (one line naming the file and the field or
+    argument)."""
     labels = [entry.row for entry in spec.entries]
     for name in options.frameworks:
         if name not in labels and name not in {entry.name for entry in spec.entries}:
@@ -106,9 +107,10 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
                                                  "target_accuracy)")
     if options.validate and "time" not in options.objectives:
         raise SpecError(spec_path, "--validate", "judges the time objective: add time to --objective")
-    if options.global_batch is not None and not 2 <= options.global_batch <= trials.train_size_of(spec):
+    train_size = trials.train_size_of(spec)
+    if options.global_batch is not None and not 2 <= options.global_batch <= train_size:
         raise SpecError(spec_path, "--global-batch", f"{options.global_batch} is not between 2 and the "
-                                                     f"{trials.train_size_of(spec)} training samples")
+                                                     f"{train_size} training samples")
     if options.repeats < 1:
         raise SpecError(spec_path, "--repeats", "at least 1")
     k = options.micro_batches
@@ -130,7 +132,7 @@ def check(spec: Spec, spec_path: str | Path, options: Options) -> tuple[list[str
         why = planning.unsupported_reason(noisy, label, planning.spec_conditions(noisy, options.device or "cpu"))
         if why is not None:
             raise SpecError(spec_path, "frameworks", f"{label}: {why}")
-    return chosen, batch, k
+    return chosen, batch, k, train_size
 
 
 def run_directory(out: str | Path, spec: Spec) -> Path:
@@ -148,10 +150,10 @@ def advise(spec: Spec, spec_path: str | Path, options: Options) -> Path:
     """
     from harness.measure.machine import resolve_device
 
-    labels, noise_batch, k = check(spec, spec_path, options)
+    labels, noise_batch, k, train_size = check(spec, spec_path, options)
     target = options.target if options.target is not None else spec.target_accuracy
     run = Stages(spec, spec_path, options, labels, options.device or resolve_device(spec.device), target,
-                 run_directory(options.out, spec), Budget(options.budget_s), trials.train_size_of(spec))
+                 run_directory(options.out, spec), Budget(options.budget_s), train_size)
     answer: dict[str, Any] = {"spec": str(spec_path), "device": run.device, "target_accuracy": target,
                               "objectives": list(options.objectives), "entries": {}}
     memory = run.memory()
@@ -251,9 +253,10 @@ def validate(run: Stages, label: str, time_answer: dict[str, Any], sizes: list[i
     each round; the judgement of the time answer's size goes in ``time_answer["validation"]``."""
     target = run.target
     assert target is not None  # check: --validate needs one
+    every_samples = trials.evaluation_samples(run.train_size)
 
     def train(alive: list[int], seeds: list[int]) -> dict[int, list[float | None]]:
-        return trials.validation_round(run.spec, run.spec_path, label, alive, seeds, target,
+        return trials.validation_round(run.spec, run.spec_path, label, alive, seeds, target, every_samples,
                                        run.folder / f"validate-{label}")
 
     result = run.budget.timed("validate", partial(successive_halving, sizes, train, run.spec.seed,

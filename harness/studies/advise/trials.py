@@ -206,23 +206,23 @@ def speeds_of(records: list[TrialRecord], labels: list[str]) -> dict[str, list[S
     return {label: sorted(by_size.values(), key=lambda s: s.batch_size) for label, by_size in out.items()}
 
 
-def evaluation_samples(spec: Spec) -> int:
-    """The samples between evaluations where time to the target is measured by training: the training set over
-    ``EVALUATIONS_PER_EPOCH`` (at least 1)."""
-    return max(1, train_size_of(spec) // EVALUATIONS_PER_EPOCH)
+def evaluation_samples(train_size: int) -> int:
+    """The samples between evaluations where time to the target is measured by training: the ``train_size``
+    samples of the training set over ``EVALUATIONS_PER_EPOCH`` (at least 1)."""
+    return max(1, train_size // EVALUATIONS_PER_EPOCH)
 
 
 def validation_round(spec: Spec, spec_path: str | Path, label: str, sizes: list[int], seeds: list[int],
-                     target: float, folder: Path) -> dict[int, list[float | None]]:
+                     target: float, every_samples: int, folder: Path) -> dict[int, list[float | None]]:
     """One round of ``--validate`` (``harness.studies.advise.validate``) for one entry: ``sizes`` x ``seeds``
     trained until ``target`` (``stop_at_target``, at most the spec's epochs), evaluated every
-    ``evaluation_samples`` samples. Returns per size the timed training
+    ``every_samples`` samples (``evaluation_samples``). Returns per size the timed training
     seconds to the target of each seed, in ``seeds``' order (None: not reached, or the trial failed)."""
     from harness.studies import sweep
 
     run_spec = derived(spec, spec_path, batch_sizes=sizes, seeds=seeds, repeats=1, accumulation_steps=1,
                        target_accuracy=target, stop_at_target=True, evaluate_every=1,
-                       evaluate_every_samples=evaluation_samples(spec), frameworks=entry_dicts(spec, [label]))
+                       evaluate_every_samples=every_samples, frameworks=entry_dicts(spec, [label]))
     log(f"validate {label}: {len(sizes)} sizes x seeds {seeds[0]}..{seeds[-1]} to {target}")
     run_dir = sweep.run_spec(run_spec, folder, spec_path)
     by_trial = {(r.batch_size, r.seed): r for r in store.read_trials(run_dir) if r.label == label}
