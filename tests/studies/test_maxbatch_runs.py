@@ -341,6 +341,28 @@ def test_the_margin_has_a_floor_of_the_cap(monkeypatch, tmp_path):
     assert result.status == "no_oom" and result.margin_samples == 0 and result.recommended == 300
 
 
+def test_a_run_check_whose_peak_leaves_less_than_the_floor_free_moves_the_recommendation_down(monkeypatch,
+                                                                                               tmp_path):
+    """Issue 59: a run holds 30 MB more than a probe only at large sizes (glibc's heap over a run's steps), so the
+    run at 16 measures no offset and the candidate, the limit less the floor (350 - 40), holds in its two run checks
+    but peaks at 390 MB of the 400 MB cap: 10 MB free where the floor keeps 40. Such a size ran out of memory in 1 of
+    3 plain runs of specs/max_batch.yaml. The candidate moves down by the 30 MB missing (30 samples), to 280, whose
+    runs peak at 360 MB and leave the floor free: that is the recommendation."""
+    from harness.studies.max_batch import runcheck
+
+    run_peak = lambda b: 50e6 + 1e6 * b + (30e6 if b > 100 else 0)  # noqa: E731
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_peak=run_peak,
+                                      margin_floor=runcheck.MARGIN_FLOOR)
+    assert result.limit == 350 and result.margin_samples == 40 and result.run_offset["offset_samples"] == 0
+    assert runs == [16, 310, 310, 280, 280] and result.recommended == 280 and result.recommended_by == "runs", runs
+    assert any(n.startswith("the run checks at 310 peaked at 390.0 MB, leaving less of the cap free than the floor "
+                            "(40.0 MB): the candidate moves down to 280") for n in result.notes), result.notes
+    # an explicit --margin is the user's: the runs' peak confirms it, the floor does not move it
+    result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_peak=run_peak,
+                                      margin=0.1, margin_floor=runcheck.MARGIN_FLOOR)
+    assert runs == [16, 315, 315] and result.recommended == 315
+
+
 def test_without_run_checks_the_recommendation_is_confirmed_in_probes(monkeypatch, tmp_path):
     result, sizes, runs = fake_search(monkeypatch, tmp_path, lambda b: 50e6 + 1e6 * b <= 400e6, run_checks=0,
                                       margin=0.1)

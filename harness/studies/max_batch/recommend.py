@@ -173,11 +173,13 @@ class Recommendation:
         """The search downward for the recommendation, from ``target``: the first candidate ok in every run check
         (each stops at its first failure) is ``recommended``, unless, with the default margin, its run checks' own
         spread of the peak (runs vary more than probes: more steps, the whole dataset) needs more margin than the
-        one applied: the margin then grows to SPREAD_FACTOR x that spread and the candidate moves below it. A
-        failure moves the candidate down one step (the margin, at least one tolerance step), the step doubling with
-        each failure, but never more than half the way to ``held``, the largest size below it that held in a run
-        (bisection toward it; ``held`` itself is checked once the candidates reach it); below ``held`` when it fails
-        too, by halves down to min_batch. So a recommendation comes unless not even min_batch holds in a run.
+        one applied: the margin then grows to SPREAD_FACTOR x that spread and the candidate moves below it; or
+        unless its run checks' highest peak leaves less of the cap free than the floor (``margin_floor`` of the cap,
+        the default margin only): the candidate then moves down by the bytes missing, in samples. A failure moves
+        the candidate down one step (the margin, at least one tolerance step), the step doubling with each failure,
+        but never more than half the way to ``held``, the largest size below it that held in a run (bisection toward
+        it; ``held`` itself is checked once the candidates reach it); below ``held`` when it fails too, by halves
+        down to min_batch. So a recommendation comes unless not even min_batch holds in a run.
         ``failed``: a size that failed a run check before (None: none). Every size tried is named in the notes.
         Raises Stop."""
         result = self.result
@@ -196,15 +198,26 @@ class Recommendation:
                 # the margin those run checks justify, judged against the limit (and, where the cap was not
                 # reached, against the cap's headroom): a target at or below the limit less it needs no more
                 below = target <= result.limit - needed - offset
-                if result.margin is not None or needed <= result.margin_samples or below or target <= held:
+                # the bytes the runs' highest peak leaves free of the cap, short of the floor (a peak above the cap
+                # in a run that was ok does not measure what the cap binds, and is not judged)
+                room = result.cap_bytes - max(result.peaks(target, "run"), default=0.0)
+                short = self._floor - room if room >= 0 else 0.0
+                if target > held and short > 0:
+                    nxt = target - max(self.search.gap(target), runcheck.offset_samples(short, per_sample))
+                    result.notes.append(f"the run checks at {target} peaked at "
+                                        f"{max(result.peaks(target, 'run')) / 1e6:,.1f} MB, leaving less of the "
+                                        f"cap free than the floor ({self._floor / 1e6:,.1f} MB): the candidate "
+                                        f"moves down to {max(held, smallest, nxt)}")
+                elif result.margin is not None or needed <= result.margin_samples or below or target <= held:
                     result.recommended, result.recommended_by = target, "runs"
                     self._tried_note()
                     return
-                result.notes.append(f"the run checks at {target} spread "
-                                    f"{(spread or {}).get('spread_bytes', 0) / 1e6:,.1f} MB in their peaks, more "
-                                    f"than the probes at the answer: the margin grows to {needed} samples")
-                result.margin_samples, result.margin_basis = needed, basis
-                nxt = min(target - self.search.gap(target), result.limit - needed - offset)
+                else:
+                    result.notes.append(f"the run checks at {target} spread "
+                                        f"{(spread or {}).get('spread_bytes', 0) / 1e6:,.1f} MB in their peaks, "
+                                        f"more than the probes at the answer: the margin grows to {needed} samples")
+                    result.margin_samples, result.margin_basis = needed, basis
+                    nxt = min(target - self.search.gap(target), result.limit - needed - offset)
             else:
                 failures += 1
                 if target <= held:  # the size that held in a run failed now: search below it
