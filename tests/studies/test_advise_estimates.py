@@ -143,6 +143,24 @@ def test_a_throughput_trial_times_no_more_than_the_training_to_the_target_it_pre
     assert steps_model(NoiseScale(8, 64, reason="one micro-batch"), 120, 64) is None
 
 
+def test_a_throughput_trial_trains_the_steps_it_times_not_whole_epochs(tmp_path):
+    """A trial asked for 100 timed steps at batch 8 of 4096 training samples (512 steps an epoch) trains the warm-up
+    and those 100, not the epoch (the copy task's throughput stage trained 512 steps at 8 and spent 0.46 of an
+    exhaustive sweep's compute); where an epoch holds fewer, the fewest epochs, each an equal share."""
+    from harness.plan import checked_spec
+    from harness.studies.advise.trials import _adjust, _steps_epochs
+    from tests.helpers import base_spec
+
+    spec = checked_spec(base_spec(warmup_steps=1), tmp_path / "s.yaml")
+    assert _steps_epochs(spec, 4096, 8, 100) == (1, 101)
+    assert _steps_epochs(spec, 4096, 256, 50) == (4, 13)  # 16 steps an epoch: 4 epochs of 13, 52 >= 51 steps
+    assert _steps_epochs(spec, 4096, 4096, 9) == (10, 1)
+    from harness.plan import plan
+
+    trial = _adjust(lambda t: (4, 13))(plan(spec, "cpu")[0])
+    assert (trial.epochs, trial.evaluate_every, trial.max_steps_per_epoch) == (4, 4, 13)
+
+
 def test_successive_halving_keeps_the_faster_half_and_judges_the_prediction():
     """Each round trains the survivors with new seeds; the slower half goes (an unreached seed counts as
     infinitely slow); at most two get the last round; the prediction held when within HOLD_RATIO of the best."""

@@ -60,9 +60,13 @@ def entry_dicts(spec: Spec, labels: list[str]) -> list[dict[str, Any]]:
     return [planning.entry_for(spec, label).model_dump(mode="json", exclude_none=True) for label in labels]
 
 
-def _steps_epochs(spec: Spec, train_size: int, batch: int, steps: int) -> int:
-    """The epochs that hold the spec's warm-up and ``steps`` timed steps at ``batch`` (at least 1)."""
-    return max(1, math.ceil((spec.warmup_steps + steps) / max(1, train_size // batch)))
+def _steps_epochs(spec: Spec, train_size: int, batch: int, steps: int) -> tuple[int, int]:
+    """(epochs, steps per epoch) that hold the spec's warm-up and ``steps`` timed steps at ``batch``, and not many
+    more: the fewest epochs of the training set's train_size // batch steps, each cut to an equal share (a trial
+    of whole epochs timed a whole epoch where 100 steps were asked: 512 steps of the copy task at batch 8)."""
+    needed = spec.warmup_steps + steps
+    epochs = max(1, math.ceil(needed / max(1, train_size // batch)))
+    return epochs, math.ceil(needed / epochs)
 
 
 def _speed_spec(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list[int], repeats: int) -> Spec:
@@ -71,9 +75,14 @@ def _speed_spec(spec: Spec, spec_path: str | Path, labels: list[str], sizes: lis
                    seeds=None, accumulation_steps=1, evaluate_every=1, frameworks=entry_dicts(spec, labels))
 
 
-def _adjust(epochs: Callable[[Trial], int]) -> Callable[[Trial], Trial]:
-    """``run_spec``'s hook: each trial's epochs from ``epochs``, evaluated once, after the last."""
-    return lambda trial: replace(trial, epochs=epochs(trial), evaluate_every=epochs(trial))
+def _adjust(shape: Callable[[Trial], tuple[int, int]]) -> Callable[[Trial], Trial]:
+    """``run_spec``'s hook: each trial's epochs and steps per epoch from ``shape``, evaluated once, after the
+    last."""
+    def adjusted(trial: Trial) -> Trial:
+        epochs, steps = shape(trial)
+        return replace(trial, epochs=epochs, evaluate_every=epochs, max_steps_per_epoch=steps)
+
+    return adjusted
 
 
 def calibrate(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list[int], train_size: int,
@@ -138,7 +147,7 @@ def throughput(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list
     Returns the stage's run directory."""
     from harness.studies import sweep
 
-    def epochs(trial: Trial) -> int:
+    def shape(trial: Trial) -> tuple[int, int]:
         batch = trial.samples_per_step
         known = sorted((b, t) for (row, b), t in step_s.items() if row == trial.row)
         per_step = None
@@ -150,7 +159,7 @@ def throughput(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list
     how = ("no more than the predicted steps to the target" if bound else f"about {MIN_TIMED_S:g} s timed a trial")
     log(f"throughput: {len(sizes)} sizes x {repeats} repeats x {len(labels)} entries, {how}")
     return sweep.run_spec(_speed_spec(spec, spec_path, labels, sizes, repeats), folder, spec_path,
-                          adjust=_adjust(epochs))
+                          adjust=_adjust(shape))
 
 
 def noise_trial(spec: Spec, spec_path: str | Path, labels: list[str], batch: int, k: int, probes: int,
