@@ -11,6 +11,8 @@ measured; and the compute each spent (workers' wall seconds summed: advise's run
 
     .venv/bin/python benchmarks/advise_vs_sweep.py --spec specs/quick.yaml --framework pytorch --target 0.95
     .venv/bin/python benchmarks/advise_vs_sweep.py --json /tmp/advise_vs_sweep.json
+    .venv/bin/python benchmarks/advise_vs_sweep.py --spec specs/own_model.yaml --target 0.97 \
+        --set learning_rate_scaling=sqrt --set base_batch_size=64 --set cpu_threads=1
 
 Each round's advise and sweep write their run directories under a temporary folder (``--out`` keeps them).
 """
@@ -83,6 +85,23 @@ def run_sweep(args: argparse.Namespace, sizes: list[int], out: Path) -> dict[str
     return {"reached": reached, "wall_s": wall, "worker_s": worker_seconds(run_dir)}
 
 
+def overridden(spec: Path, sets: list[str]) -> Path:
+    """A copy of ``spec`` with each ``KEY=VALUE`` of ``sets`` at its top level (the value read as YAML), written
+    beside it (a model of your own is found relative to the spec's folder); the caller removes it."""
+    import yaml
+
+    data = yaml.safe_load(spec.read_text())
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: KEY=VALUE")
+        data[key] = yaml.safe_load(value)
+    handle, name = tempfile.mkstemp(prefix=f".{spec.stem}-", suffix=".yaml", dir=spec.parent)
+    with open(handle, "w") as out:
+        yaml.safe_dump(data, out, sort_keys=False)
+    return Path(name)
+
+
 def summary(sizes_s: dict[int, list[float | None]]) -> dict[int, dict[str, Any]]:
     out = {}
     for size, values in sizes_s.items():
@@ -106,9 +125,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run advise --validate each round, its measured best against the sweep's")
     parser.add_argument("--out", help="keep the run directories here (default: a temporary folder)")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change the spec's top-level KEY for both sides, e.g. learning_rate_scaling=sqrt")
     args = parser.parse_args(argv)
     keep = Path(args.out) if args.out else None
-    rounds = []
+    derived = overridden(Path(args.spec), args.set) if args.set else None
+    shown, args.spec = args.spec, str(derived or args.spec)
+    try:
+        rounds = compare(args, keep)
+    finally:
+        if derived is not None:
+            derived.unlink()
+    args.spec = shown + "".join(f" --set {item}" for item in args.set)
+    report(args, rounds)
+    return 0
+
+
+def compare(args: argparse.Namespace, keep: Path | None) -> list[dict[str, Any]]:
+    """``--rounds`` of advise (and ``--validate`` where asked) then the exhaustive sweep, interleaved."""
+    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = keep or Path(tmp)
         for index in range(args.rounds):
@@ -125,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[-1]["validate"] = {"wall_s": checked["wall_s"], "worker_s": checked["worker_s"],
                                           "validation": checked["advice"]["entries"][label]["objectives"]["time"]
                                           .get("validation")}
+    return rounds
+
+
+def report(args: argparse.Namespace, rounds: list[dict[str, Any]]) -> None:
+    """Each round's table, its ratio and compute, and the medians over the rounds (``--json``: every figure)."""
     for index, one in enumerate(rounds):
         table = summary(one["sweep"]["reached"])
         pick = one["time"].get("batch_size")
@@ -169,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
               f"({computes[0]:.2f}..{computes[-1]:.2f}) of the sweep's")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds}, indent=1, default=str))
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,3 +28,20 @@ def test_worker_seconds_sum_every_trial_of_every_run(tmp_path):
         folder.mkdir(parents=True)
         (folder / "trials.jsonl").write_text("".join(json.dumps({"wall_s": w}) + "\n" for w in walls))
     assert _benchmark().worker_seconds(tmp_path) == 3.75
+
+
+def test_set_changes_the_spec_beside_it_for_both_sides(tmp_path):
+    """--set KEY=VALUE: a copy of the spec with the key changed, in the spec's folder (a model of your own is found
+    there), read as YAML values; a malformed item is refused."""
+    import pytest
+    import yaml
+
+    spec = tmp_path / "own.yaml"
+    spec.write_text("name: own\nbatch_sizes: [16, 64]\nmodel: {factory: 'models.py:net'}\n")
+    derived = _benchmark().overridden(spec, ["learning_rate_scaling=sqrt", "base_batch_size=64"])
+    assert derived.parent == tmp_path and derived != spec
+    assert yaml.safe_load(derived.read_text()) == {"name": "own", "batch_sizes": [16, 64],
+                                                   "model": {"factory": "models.py:net"},
+                                                   "learning_rate_scaling": "sqrt", "base_batch_size": 64}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _benchmark().overridden(spec, ["nothing"])

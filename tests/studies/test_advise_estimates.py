@@ -129,7 +129,8 @@ def test_a_throughput_trial_times_no_more_than_the_training_to_the_target_it_pre
 
     assert timed_steps(64, None, None) == MIN_TIMED_STEPS  # nothing calibrated
     assert timed_steps(64, 0.001, None) == round(MIN_TIMED_S / 0.001)  # about a second
-    assert timed_steps(64, 0.1, None) == MIN_TIMED_STEPS  # slow steps: the least count
+    assert timed_steps(64, 0.05, None) == round(MIN_TIMED_S / 0.05)  # 20 steps of 50 ms
+    assert timed_steps(64, 0.4, None) == MIN_BOUNDED_STEPS  # slow steps: the least count, 4 s
     model = steps_model(NoiseScale(8, 64, b_simple=100.0, interval=(80.0, 130.0)), 120, 64)
     assert model == pytest.approx((100.0, 120 / (1 + 100 / 64)))
     b_noise, s_min = model

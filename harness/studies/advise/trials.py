@@ -20,17 +20,20 @@ from harness.spec import Spec
 from harness.studies.advise.noise import NoiseScale, noise_scale
 from harness.studies.advise.predict import Speed, steps_to_target
 
-#: Timed steps a throughput trial has at least (its epochs are raised to give them): fewer spread the repeats of a
-#: small model several-fold (docs/findings/2026-11-28-advise.md).
-MIN_TIMED_STEPS = 50
-#: Timed seconds a throughput trial aims at where no prediction bounds it: 50 steps of a small model on a GPU are
-#: shorter than NVML's energy counter refresh (docs/findings/2026-11-28-gpu-run.md).
+#: Timed steps of a trial whose step time is not known yet (the calibration, at the smallest and the largest
+#: candidate): enough to size the throughput trials, whose own timing is what advise reports.
+MIN_TIMED_STEPS = 20
+#: Timed seconds a throughput trial aims at, at least MIN_BOUNDED_STEPS steps: 10 steps of a small model timed 10 ms
+#: and spread its repeats 5-fold (docs/findings/2026-11-28-advise.md), while 10 steps of 0.4 s are steady (the copy
+#: task's decoder at batch 256); 50 steps of a small model on a GPU are shorter than NVML's energy counter refresh
+#: (docs/findings/2026-11-28-gpu-run.md).
 MIN_TIMED_S = 1.0
 #: Evaluations per epoch of the training set where advise measures time to the target by training (``--validate``):
 #: every training set / 8 samples, the same at every batch size, so that steps to the target are resolved finer
 #: than an epoch (an MLP on digits has 179 steps an epoch at batch 8, 2 at 512).
 EVALUATIONS_PER_EPOCH = 8
-#: Timed steps a throughput trial bounded by its predicted steps to the target has at least.
+#: Timed steps a throughput trial has at least, whether its length comes from MIN_TIMED_S or from its predicted steps
+#: to the target.
 MIN_BOUNDED_STEPS = 10
 #: Timed seconds a bounded trial has at least where energy is an objective on a device with an energy counter:
 #: NVML's total-energy counter refreshes about every 0.1 s (docs/findings/2026-11-28-gpu-run.md).
@@ -105,7 +108,7 @@ def timed_steps(batch: int, per_step_s: float | None, model: tuple[float, float]
     """How many steps a throughput trial at ``batch`` times.
 
     Without a prediction: enough for ``MIN_TIMED_S`` seconds at ``per_step_s`` (the calibration's, interpolated),
-    at least ``MIN_TIMED_STEPS``. With one (``model``: (B_noise, S_min), ``steps_model``): no more than the steps
+    at least ``MIN_BOUNDED_STEPS`` (``MIN_TIMED_STEPS`` where ``per_step_s`` is None). With one (``model``: (B_noise, S_min), ``steps_model``): no more than the steps
     to the target it predicts, S(B) = S_min (1 + B_noise / B), and at least ``MIN_BOUNDED_STEPS`` and ``floor_s``
     seconds (an energy counter's refresh).
 
@@ -120,7 +123,7 @@ def timed_steps(batch: int, per_step_s: float | None, model: tuple[float, float]
     """
     if per_step_s is None:
         return MIN_TIMED_STEPS
-    goal = max(MIN_TIMED_STEPS, math.ceil(MIN_TIMED_S / max(per_step_s, 1e-9)))
+    goal = max(MIN_BOUNDED_STEPS, math.ceil(MIN_TIMED_S / max(per_step_s, 1e-9)))
     if model is None:
         return goal
     b_noise, s_min = model
