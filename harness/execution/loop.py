@@ -272,12 +272,16 @@ class _Loop:
 
     def evaluate(self, losses: list[tuple[float, int]], epoch_seconds: float, train_started: float) -> None:
         """The test set after the steps trained so far (outside the timed windows), its record and time to the target
-        (``evaluation_steps`` says when); the record's ``epoch`` is the one its last step belongs to. ``losses``: the
-        loss reads since the evaluation before, (mean, steps) each; the record's ``train_loss`` is their mean weighted
-        by steps, the mean over every step (``train_loss_steps`` of them; nan when none), and ``timed_s`` the timed
-        seconds since the evaluation before."""
+        (``evaluation_steps`` says when), and the gradient norms where ``gradient_noise`` asks (every ``every``-th
+        evaluation and the last, before the test set; the first to reach the target, after it); the record's
+        ``epoch`` is the one its last step belongs to. ``losses``: the loss reads since the evaluation before, (mean,
+        steps) each; the record's ``train_loss`` is their mean weighted by steps, the mean over every step
+        (``train_loss_steps`` of them; nan when none), and ``timed_s`` the timed seconds since the evaluation
+        before."""
         epoch, step = (self.done - 1) // self.steps_per_epoch, self.done
-        noise = self.gradient_norms(epoch, None if self.every_samples is None else step)
+        due = self.noise is not None and ((len(self.epoch_records) + 1) % self.noise.every == 0
+                                          or step == self.epochs * self.steps_per_epoch)
+        noise = self.gradient_norms(epoch, None if self.every_samples is None else step) if due else None
         self.emit(Phase(name="eval", epoch=epoch, edge="start"))
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
         self.emit(Phase(name="eval", epoch=epoch, edge="end"))
@@ -286,6 +290,8 @@ class _Loop:
             # wall_s: from the first step to the end of this evaluation, everything included.
             self.reached = {"epochs": epoch + 1, "steps": step, "training_s": self.measured_seconds,
                             "wall_s": time.perf_counter() - train_started}
+            if noise is None and self.noise is not None:  # the norms where the target is first reached: the
+                noise = self.gradient_norms(epoch, None if self.every_samples is None else step)  # same parameters
         steps = sum(count for _, count in losses)
         train_loss = sum(mean * count for mean, count in losses if count) / steps if steps else math.nan
         record: dict[str, Any] = {"epoch": epoch, "train_loss": train_loss, "train_loss_steps": steps,

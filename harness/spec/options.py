@@ -115,15 +115,18 @@ class LoaderSpec(_Strict):
 
 
 class GradientNoiseSpec(_Strict):
-    """The gradient noise scale's measurements (docs/guide/which-batch-size.md): at every evaluation, before the test
-    set, ``probes`` batches of the trial's optimizer step (B samples, drawn from the training set by the harness from
-    the seed and epoch) are each split into ``micro_batches`` k micro-batches of b = B / k, and the squared norms of
-    the k micro-batch gradients and of their mean are recorded (``Adapter.gradient_norms``; McCandlish et al. 2018,
-    Appendix A). Outside the timed windows; parameters and optimizer state are not changed. One device, resident
-    input: the plan refuses a data-parallel or loader trial with the reason."""
+    """The gradient noise scale's measurements (docs/guide/which-batch-size.md): at every ``every``-th evaluation and
+    the last one scheduled (1: at each), before its test set, and at the first to reach ``target_accuracy`` (after
+    its test set: the same parameters), ``probes`` batches of the trial's optimizer step (B samples, drawn from the
+    training set by the harness from the seed and epoch) are each split into ``micro_batches`` k micro-batches of
+    b = B / k, and the squared norms of the k micro-batch gradients and of their mean are recorded
+    (``Adapter.gradient_norms``; McCandlish et al. 2018, Appendix A). Outside the timed windows; parameters and
+    optimizer state are not changed. One device, resident input: the plan refuses a data-parallel or loader trial
+    with the reason."""
 
     micro_batches: int = Field(default=8, ge=2)
     probes: int = Field(default=4, ge=1)
+    every: int = Field(default=1, ge=1)
 
 
 class DataParallelSpec(_Strict):

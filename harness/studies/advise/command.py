@@ -231,7 +231,7 @@ class Stages:
         reached: dict[str, int | None] = {}
         if {"time", "energy"} & set(objectives) and budget.allows("noise"):
             run_dir = budget.timed("noise", partial(trials.noise_trial, spec, path, labels, noise_batch, k,
-                                                    self.options.probes, self.target, self.folder))
+                                                    self.options.probes, self.target, self.folder, self.train_size))
             answer["noise_run"] = str(run_dir)
             noise, reached = trials.noise_scales(store.read_trials(run_dir), labels, noise_batch, k, self.target,
                                                  spec.seed)

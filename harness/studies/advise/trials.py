@@ -32,6 +32,9 @@ MIN_TIMED_S = 1.0
 #: every training set / 8 samples, the same at every batch size, so that steps to the target are resolved finer
 #: than an epoch (an MLP on digits has 179 steps an epoch at batch 8, 2 at 512).
 EVALUATIONS_PER_EPOCH = 8
+#: The noise trial's gradient norms at every this-many evaluations (of EVALUATIONS_PER_EPOCH an epoch): twice an
+#: epoch, while its steps to the target are resolved to an eighth of one.
+NOISE_EVERY = 4
 #: Timed steps a throughput trial has at least, whether its length comes from MIN_TIMED_S or from its predicted steps
 #: to the target.
 MIN_BOUNDED_STEPS = 10
@@ -108,9 +111,9 @@ def timed_steps(batch: int, per_step_s: float | None, model: tuple[float, float]
     """How many steps a throughput trial at ``batch`` times.
 
     Without a prediction: enough for ``MIN_TIMED_S`` seconds at ``per_step_s`` (the calibration's, interpolated),
-    at least ``MIN_BOUNDED_STEPS`` (``MIN_TIMED_STEPS`` where ``per_step_s`` is None). With one (``model``: (B_noise, S_min), ``steps_model``): no more than the steps
-    to the target it predicts, S(B) = S_min (1 + B_noise / B), and at least ``MIN_BOUNDED_STEPS`` and ``floor_s``
-    seconds (an energy counter's refresh).
+    at least ``MIN_BOUNDED_STEPS`` (``MIN_TIMED_STEPS`` where ``per_step_s`` is None). With one (``model``:
+    (B_noise, S_min), ``steps_model``): no more than the steps to the target it predicts, S(B) = S_min
+    (1 + B_noise / B), and at least ``MIN_BOUNDED_STEPS`` and ``floor_s`` seconds (an energy counter's refresh).
 
     Args:
         batch: the trial's samples per step.
@@ -166,15 +169,18 @@ def throughput(spec: Spec, spec_path: str | Path, labels: list[str], sizes: list
 
 
 def noise_trial(spec: Spec, spec_path: str | Path, labels: list[str], batch: int, k: int, probes: int,
-           target: float | None, folder: Path) -> Path:
-    """The noise stage: one trial per entry at ``batch``, its gradient norms measured at every evaluation
-    (``harness.spec.GradientNoiseSpec``), trained for the spec's epochs toward ``target`` and stopped there
-    (``stop_at_target``). Returns its run directory."""
+           target: float | None, folder: Path, train_size: int) -> Path:
+    """The noise stage: one trial per entry at ``batch``, trained for the spec's epochs toward ``target`` and
+    stopped there (``stop_at_target``), evaluated every ``evaluation_samples(train_size)`` samples, so that the steps
+    it took to the target (S0) are resolved finer than an epoch, and its gradient norms measured at every
+    ``NOISE_EVERY``-th evaluation (``harness.spec.GradientNoiseSpec``). Returns its run directory."""
     from harness.studies import sweep
 
     noise_spec = derived(spec, spec_path, batch_sizes=[batch], repeats=1, seeds=None, accumulation_steps=1,
                          target_accuracy=target, stop_at_target=target is not None, evaluate_every=1,
-                         gradient_noise={"micro_batches": k, "probes": probes}, frameworks=entry_dicts(spec, labels))
+                         evaluate_every_samples=evaluation_samples(train_size),
+                         gradient_noise={"micro_batches": k, "probes": probes, "every": NOISE_EVERY},
+                         frameworks=entry_dicts(spec, labels))
     log(f"noise scale: batch {batch} in {k} micro-batches of {batch // k}, {spec.epochs} epoch(s)")
     return sweep.run_spec(noise_spec, folder, spec_path)
 
@@ -193,7 +199,8 @@ def noise_scales(records: list[TrialRecord], labels: list[str], batch: int, k: i
             continue
         noise[record.label] = noise_scale(record.metrics.epochs, target, seed=seed)
         at = record.metrics.time_to_target
-        reached[record.label] = (None if at is None or record.metrics.steps_per_epoch is None
+        reached[record.label] = (None if at is None else at.steps if at.steps is not None
+                                 else None if record.metrics.steps_per_epoch is None
                                  else at.epochs * record.metrics.steps_per_epoch)
     return noise, reached
 
