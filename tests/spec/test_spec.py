@@ -30,9 +30,13 @@ def test_shipped_specs_are_valid(tmp_path, monkeypatch):
     assert spec_module.model_info(resnet18).parameter_count == 11_173_962  # by hand in tests/test_blocks.py
     small = spec_module.load(ROOT / "specs" / "resnet_small.yaml")
     assert small.dataset.name == "synthetic" and spec_module.model_info(small).layers[5].shortcut
-    for name in ("transformer_small.yaml", "transformer.yaml"):
+    for name in ("transformer_small.yaml", "transformer.yaml", "advise_copy.yaml"):
         decoder = spec_module.load(ROOT / "specs" / name)
         assert decoder.dataset.name == "synthetic_tokens" and spec_module.model_info(decoder).task == "next_token"
+    # advise_copy.yaml is transformer_small.yaml's decoder under a learning-rate rule and a target
+    copy, small = (spec_module.load(ROOT / "specs" / f) for f in ("advise_copy.yaml", "transformer_small.yaml"))
+    assert copy.model == small.model and copy.dataset == small.dataset
+    assert (copy.learning_rate_scaling, copy.base_batch_size, copy.target_accuracy) == ("sqrt", 64, 0.55)
 
 
 @pytest.mark.parametrize("change, field, words", [
