@@ -70,7 +70,9 @@ LONGEST_FIRST = ("execution/test_scale_out.py",  # ~103: Ray instances and pinne
                  "studies/test_nightly.py",  # ~70 of it in the parallel part, the nightly script's test included
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
+                 "studies/test_advise.py",  # ~59 (2026-11-29): two real advise runs, one with --validate
                  "adapters/test_keras_tensorflow.py",  # ~55
+                 "adapters/test_gradient_norms.py",  # ~50 (2026-11-29): seven drivers, one per environment
                  "execution/test_environments.py",  # ~47
                  "adapters/test_pytorch_data_parallel.py",  # ~45
                  "test_gpu_check.py",  # ~41
