@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from harness.neutral.data import cache_folder  # noqa: E402
 from tests.fakes.fault_adapter import REGISTRATION  # noqa: E402
 from tests.helpers import base_spec, made_once  # noqa: E402
 
@@ -31,11 +32,15 @@ os.environ.setdefault("KMP_BLOCKTIME", "0")
 # JAX's persistent compilation cache for every process the tests start (the suites in envs/jax and envs/keras-jax,
 # trials, probes; https://docs.jax.dev/en/latest/persistent_compilation_cache.html): XLA compiling the same programs
 # again in each fresh process is most of the JAX tests' time (tests/adapters/jax_suite.py: 45-63 s with an empty
-# cache, 11 s with a filled one, 2026-11-26). Every program whatever its compile time or size. In build/ (made by
-# the first test run, removed by make clean): what is cached is XLA's executable for a program, keyed by the program,
-# the XLA version and its flags, so a test gets the executable it would compile. A trial records the directory
-# (its settings' compilation_cache_dir); tests/execution/test_forkserver.py checks the harness's own default without.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / "build" / "xla-cache"))
+# cache, 11 s with a filled one, 2026-11-26). Every program whatever its compile time or size. Beside the harness's
+# other caches (``harness.neutral.data.cache_folder``: $HARNESS_DATA, else ~/.cache/harness), not in the checkout, so
+# that a fresh clone does not compile again what an earlier run of the suite on this machine compiled
+# (tests/adapters/test_jax.py: 59 and 80 CPU-s with an empty cache, 38 and 37 with the filled one, 2 interleaved
+# pairs, 2026-11-29), as TorchInductor's cache (/tmp/torchinductor_<user>) and uv's already are. What is cached is
+# XLA's executable for a program, keyed by the program, the XLA version and its flags, so a test gets the executable
+# it would compile, whichever checkout filled it. A trial records the directory (its settings'
+# compilation_cache_dir); tests/execution/test_forkserver.py checks the harness's own default without.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_folder() / "xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # ... and what is compiled is compiled quickly: XLA's CPU backend at LLVM optimization level 0 (XLA's debug option
@@ -65,7 +70,9 @@ LONGEST_FIRST = ("execution/test_scale_out.py",  # ~103: Ray instances and pinne
                  "studies/test_nightly.py",  # ~70 of it in the parallel part, the nightly script's test included
                  "adapters/test_jax.py",  # ~69: its suite and scenarios in envs/jax (XLA's cache empty at first)
                  "adapters/test_keras_jax.py",  # ~64: its suite and scenarios in envs/keras-jax
+                 "studies/test_advise.py",  # ~59 (2026-11-29): two real advise runs, one with --validate
                  "adapters/test_keras_tensorflow.py",  # ~55
+                 "adapters/test_gradient_norms.py",  # ~50 (2026-11-29): seven drivers, one per environment
                  "execution/test_environments.py",  # ~47
                  "adapters/test_pytorch_data_parallel.py",  # ~45
                  "test_gpu_check.py",  # ~41

@@ -47,9 +47,9 @@ def saved(tmp_path_factory) -> dict[str, dict]:
         argv = [_python(framework), "-m", "tests.adapters.gradient_norms_run", framework,
                 str(folder / f"{framework}.json")]
         # each driver trains two adapters of every model alike: their second train step is the first's compiled
-        # program, read from a compilation cache of the driver's own (about 3 of 15 CPU-seconds on JAX)
-        cache = {"JAX_COMPILATION_CACHE_DIR": str(folder / f"{framework}-jax-cache")}
-        proc = subprocess.run(argv, cwd=ROOT, env={**env, **cache}, capture_output=True, text=True, timeout=600)
+        # program, read from the suite's compilation cache (tests/conftest.py: about 3 of 15 CPU-seconds on JAX),
+        # which also holds every program of the JAX drivers once an earlier run has compiled them
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{argv}\n{proc.stderr[-3000:]}"
 
     with ThreadPoolExecutor(max_workers=2) as pool:
