@@ -3,6 +3,7 @@
 An adapter runs in the worker process of one trial, made with the trial's ``RunOptions``, and is called by lifecycle
 (docs/design/layout.md#the-adapter-contract). Timing is never done inside an adapter, and whether a trial can run at
 all is the plan's answer from the adapter's ``Declaration`` (``harness.plan.support``): adapters do not re-check it.
+The built-in adapters implement it as ``adapters.parts.Facade``s of a ``Training`` and an ``Inputs`` part.
 """
 
 from __future__ import annotations
