@@ -172,7 +172,7 @@ class Adapter(abc.ABC):
 
     def __init__(self, options: RunOptions | None = None) -> None:
         options = options or RunOptions()
-        self.options = options.model_copy(update={"compile": self.declaration.mode(options.compile)})
+        self.options = options.model_copy(update={"compile": self.declaration.capabilities.mode(options.compile)})
         self._loss_steps = 0  # train_steps since the last read_loss: each adapter's train_step adds one
 
     @property
@@ -379,7 +379,7 @@ class Adapter(abc.ABC):
         Raises:
             ValueError: k < 2, or k does not divide B.
             NotImplementedError: the adapter cannot (the default; the plan refuses such a trial from
-                ``Declaration.gradient_noise``)."""
+                ``Capabilities.gradient_noise``)."""
         raise NotImplementedError(f"the {self.name} adapter does not measure gradient norms")
 
     # -- evaluation ----------------------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ class Facade(Adapter, Generic[TrainingT, InputsT]):
         Raises:
             ValueError: a data-parallel trial or a loader's batch (one device, resident input only), fewer than 2
                 micro-batches, or ones that do not divide the batch."""
-        if not self.declaration.gradient_noise:
+        if not self.declaration.capabilities.gradient_noise:
             return super().gradient_norms(batch, micro_batches)
         if self.options.data_parallel is not None:
             raise ValueError("gradient norms are measured on one device")

@@ -70,7 +70,7 @@ class JaxAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     def versions(self) -> dict[str, str]:
         out = {"jax": jax.__version__, "optax": optax.__version__}
         for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", *(
-                self.declaration.loader_modules.values() if self.options.input == "loader" else ()), *(
+                self.declaration.capabilities.loader_modules.values() if self.options.input == "loader" else ()), *(
                 ("flax",) if self._native else ())):
             try:
                 out[dist.replace("-", "_")] = importlib.metadata.version(dist)
@@ -270,7 +270,7 @@ class JaxAdapter(Facade[Training, Inputs], declaration=DECLARATION):
         if self._mesh is not None:
             data_parallel = {
                 "devices": [str(d) for d in self._mesh.devices.flat],
-                "mechanism": self.declaration.data_parallel_mechanism,
+                "mechanism": self.declaration.data_parallel.mechanism,
                 "batchnorm": "synchronised (pmean of the batch moments)" if self.options.data_parallel is not None
                 and self.options.data_parallel.sync_batchnorm else
                 "per device; running statistics: the mean of the devices' (pmean)",

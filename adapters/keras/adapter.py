@@ -61,8 +61,8 @@ class KerasAdapter(Facade["Training", "Inputs"]):
     def __init__(self, options: RunOptions | None = None) -> None:
         super().__init__(options)
         # before anything imports Keras: TensorFlow imports it on its own (tf.keras), on KERAS_BACKEND's backend
-        os.environ["KERAS_BACKEND"] = self.declaration.backend
-        self.backend = BACKENDS[self.declaration.backend](self.name, self.options)
+        os.environ["KERAS_BACKEND"] = self.declaration.family.backend
+        self.backend = BACKENDS[self.declaration.family.backend](self.name, self.options)
         self._keras: Any = None
         self._seed = 0
         self._neutral: NeutralModel | None = None  # the neutral builder's model, for the canonical state
@@ -101,7 +101,7 @@ class KerasAdapter(Facade["Training", "Inputs"]):
         under which every model built afterwards computes. Raises DeviceUnavailable for a GPU the backend cannot
         see (and on JAX for a GPU memory cap)."""
         self.backend.place(device, threads)
-        keras = self._keras = import_keras(self.declaration.backend)
+        keras = self._keras = import_keras(self.declaration.family.backend)
         keras.utils.set_random_seed(seed)
         keras.config.set_dtype_policy(declarations.POLICIES[self.options.precision])
         self._seed = seed
@@ -179,7 +179,8 @@ class KerasAdapter(Facade["Training", "Inputs"]):
         (``memory_fraction``, ``memory_growth``) and what ``Model.compile`` chose (``Training.settings``)."""
         intra, inter = self.backend.threads() if self._keras is not None else (None, None)
         extras: dict[str, Any] = {
-            "keras_backend": self._keras.backend.backend() if self._keras is not None else self.declaration.backend,
+            "keras_backend": (self._keras.backend.backend() if self._keras is not None
+                              else self.declaration.family.backend),
             "device": self.backend.device, "dtype_policy": declarations.POLICIES[self.options.precision],
             "tf32": self.options.precision != "fp32" and self.backend.gpu, "train_api": "keras.Model.train_on_batch",
             **self.backend.applied, **(self._training.settings() if self._training is not None else {})}

@@ -148,7 +148,7 @@ class TensorFlowAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     def cpu_allocator_peak(self) -> int | None:
         """The CPU BFC allocator's peak bytes since it was created (``get_memory_info("CPU:0")["peak"]``), which TF
         keeps only when the worker's memory limit put CPU tensors in a BFC allocator
-        (``DECLARATION.cpu_allocator_cap``); None otherwise, or when TF is already shutting down."""
+        (``Memory.cpu_allocator_cap``); None otherwise, or when TF is already shutting down."""
         try:
             return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
         except Exception:  # noqa: BLE001 - no BFC allocator on the CPU, or TF already shutting down
