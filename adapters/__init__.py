@@ -18,7 +18,7 @@ from adapters.base import Adapter, DeviceUnavailable
 from adapters.declaration import Declaration
 
 __all__ = ["Adapter", "BUILTIN", "Declaration", "DeviceUnavailable", "attention", "available_names", "declaration",
-           "backends", "get", "records", "with_backend"]
+           "backends", "declarations", "get", "with_backend"]
 
 #: The built-in adapters' declarations by name, one line per framework (the order reports list them in).
 BUILTIN: dict[str, Declaration] = {d.name: d for d in (
@@ -38,13 +38,13 @@ def declarations() -> tuple[Declaration, ...]:
 def backends(family: str) -> list[str]:
     """The backends the built-in adapters of ``family`` ("keras") run on, in the registry's order; [] for a name that
     is no family."""
-    return [record.backend for record in BUILTIN.values() if record.family == family]
+    return [d.family.backend for d in BUILTIN.values() if d.family.name == family]
 
 
 def with_backend(family: str, backend: str) -> str | None:
     """The name of the built-in adapter of ``family`` on ``backend`` (``{name: keras, backend: jax}`` ->
     "keras-jax"), or None when there is none."""
-    return next((r.name for r in BUILTIN.values() if r.family == family and r.backend == backend), None)
+    return next((d.name for d in BUILTIN.values() if d.family.name == family and d.family.backend == backend), None)
 
 
 def declaration(name: str) -> Declaration | None:
@@ -54,11 +54,11 @@ def declaration(name: str) -> Declaration | None:
 
 
 def attention(name: str) -> str:
-    """What the adapter ``name``'s attention keeps (``Declaration.attention``), without importing its framework: its
+    """What the adapter ``name``'s attention keeps (``Capabilities.attention``), without importing its framework: its
     declaration's for a built-in adapter, the contract's default ("unfused") for an adapter of ``HARNESS_ADAPTERS``
     (its worker reads the class itself)."""
-    record = declaration(name)
-    return record.attention if record is not None else "unfused"
+    declared = declaration(name)
+    return declared.capabilities.attention if declared is not None else "unfused"
 
 
 def _extra() -> dict[str, str]:
@@ -72,7 +72,7 @@ def _extra() -> dict[str, str]:
 
 
 def _targets() -> dict[str, str]:
-    return {**{name: record.adapter for name, record in BUILTIN.items()}, **_extra()}
+    return {**{name: declared.adapter for name, declared in BUILTIN.items()}, **_extra()}
 
 
 def available_names() -> list[str]:

@@ -3,6 +3,7 @@
 An adapter runs in the worker process of one trial, made with the trial's ``RunOptions``, and is called by lifecycle
 (docs/design/layout.md#the-adapter-contract). Timing is never done inside an adapter, and whether a trial can run at
 all is the plan's answer from the adapter's ``Declaration`` (``harness.plan.support``): adapters do not re-check it.
+The built-in adapters implement it as ``adapters.parts.Facade``s of a ``Training`` and an ``Inputs`` part.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class Adapter(abc.ABC):
 
     def __init__(self, options: RunOptions | None = None) -> None:
         options = options or RunOptions()
-        self.options = options.model_copy(update={"compile": self.declaration.mode(options.compile)})
+        self.options = options.model_copy(update={"compile": self.declaration.capabilities.mode(options.compile)})
         self._loss_steps = 0  # train_steps since the last read_loss: each adapter's train_step adds one
 
     @property
@@ -378,7 +379,7 @@ class Adapter(abc.ABC):
         Raises:
             ValueError: k < 2, or k does not divide B.
             NotImplementedError: the adapter cannot (the default; the plan refuses such a trial from
-                ``Declaration.gradient_noise``)."""
+                ``Capabilities.gradient_noise``)."""
         raise NotImplementedError(f"the {self.name} adapter does not measure gradient norms")
 
     # -- evaluation ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Docstrings and comments name only what exists: every reference to the project's own code
-(``harness.plan.support.unsupported``, ``Adapter.gradient_norms``, ``self._mesh``, `Declaration.loader`) in a
+(``harness.plan.support.unsupported``, ``Adapter.gradient_norms``, ``self._mesh``, `Capabilities.loader`) in a
 docstring or comment of ``harness``, ``adapters``, benchmarks/, scripts/ and tests/, and in README.md and docs/ (not
 the dated findings, which describe the code as it was), resolves to a module, class, function, method, attribute or
 field defined in the project.

@@ -16,15 +16,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from adapters.base import (
-    Adapter,
-    Batch,
     DataParallel,
     DeviceUnavailable,
     Model,
@@ -39,9 +35,8 @@ from adapters.jax.inputs import Inputs
 from adapters.jax.neutral import Builder, NeutralModel
 from adapters.jax.runtime import jax, jnp, one_thread, optax
 from adapters.jax.training import DATA, Functional, Training
-from harness.neutral.datasets import Data
+from adapters.parts import Facade
 from harness.neutral.info import ModelInfo
-from harness.neutral.inputs import InputSource
 from harness.neutral.native import NativeSource
 from harness.spec import OptimizerSpec
 
@@ -56,7 +51,7 @@ def _oom_types() -> tuple[type, ...]:
     return tuple(t for t in found if isinstance(t, type))
 
 
-class JaxAdapter(Adapter, declaration=DECLARATION):
+class JaxAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     def __init__(self, options: RunOptions | None = None) -> None:
         super().__init__(options)
         self.device: Any = None
@@ -69,27 +64,13 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         self._mesh: Any = None
         self._neutral: NeutralModel | None = None  # the neutral builder's model, for the canonical state
         self._native: dict[str, str] = {}  # a model of your own: what the record says of it (flax_model.Adopted)
-        self._training: Training | None = None
-        self._inputs: Inputs | None = None
-
-    @property
-    def training(self) -> Training:
-        if self._training is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._training
-
-    @property
-    def inputs(self) -> Inputs:
-        if self._inputs is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._inputs
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
     def versions(self) -> dict[str, str]:
         out = {"jax": jax.__version__, "optax": optax.__version__}
         for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", *(
-                self.declaration.loader_modules.values() if self.options.input == "loader" else ()), *(
+                self.declaration.capabilities.loader_modules.values() if self.options.input == "loader" else ()), *(
                 ("flax",) if self._native else ())):
             try:
                 out[dist.replace("-", "_")] = importlib.metadata.version(dist)
@@ -216,59 +197,22 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
             return None, f"{source} has no flops on {getattr(self.device, 'platform', 'this backend')}"
         return int(round(flops / samples)), source
 
-    def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
+    def make_parts(self, model: Model, task: str, optimizer: OptimizerSpec) -> tuple[Training, Inputs]:
         """``model`` (a ``training.Functional``) trained through ``adapters.jax.training.Training`` on the device (or
         the mesh), its data through ``adapters.jax.inputs.Inputs``."""
         if not isinstance(model, Functional):
             raise TypeError(f"the jax adapter trains an adapters.jax.training.Functional, not {type(model).__name__}")
         if self._neutral is not None and model is not self._neutral.model:
             self._neutral = None  # another source's model: its own names
-        self._training = Training(model, task, optimizer, self.options, self.device, self._mesh, self._seed)
-        self._inputs = Inputs(self.options, self.device, self._training.placement, task != "image_classification")
-
-    def load(self, data: Data) -> None:
-        self.inputs.load(data)
-
-    def open_loader(self, source: InputSource) -> None:
-        self.inputs.open_loader(source)
-
-    def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
-        self.inputs.set_train_images(images)
+        training = Training(model, task, optimizer, self.options, self.device, self._mesh, self._seed)
+        return training, Inputs(self.options, self.device, training.placement, task != "image_classification")
 
     # -- steps ---------------------------------------------------------------------------------------------------
-
-    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Batch]:
-        return self.inputs.batches(order, samples_per_step, epoch)
-
-    def train_step(self, batch: Batch, micro_batches: int = 1) -> None:
-        """One step (``Training.step``) on the batch's arrays (``Inputs.arrays``). Data-parallel: one step over the
-        mesh, without micro-batches (ValueError)."""
-        self.training.step(*self.inputs.arrays(batch), micro_batches)
-        self._loss_steps += 1
-
-    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
-        """``Training.gradient_norms`` on a resident batch's samples, on one device. Raises ValueError for a
-        data-parallel trial or a loader's batch, and as ``Training.gradient_norms``."""
-        if self.options.data_parallel is not None:
-            raise ValueError("gradient norms are measured on one device")
-        x, y, indices = self.inputs.arrays(batch)
-        if indices is None:
-            raise ValueError("gradient norms are measured on a resident batch, not a loader's")
-        return self.training.gradient_norms(x, y, indices, micro_batches)
 
     def wait(self) -> None:
         self.training.wait()
 
-    def _take_loss_sum(self) -> float:
-        return self.training.take_loss_sum()
-
-    # -- evaluation and state ------------------------------------------------------------------------------------
-
-    def evaluate(self, batch_size: int) -> tuple[float, float]:
-        return self.training.evaluate(self.inputs.x_test, self.inputs.y_test, batch_size)
-
-    def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        return self.training.predict(self.inputs.array(inputs))
+    # -- state ---------------------------------------------------------------------------------------------------
 
     def _state(self, tree: Any) -> Weights:
         """``tree`` (the first device's) in the canonical layouts for the neutral model; for another model its leaves
@@ -285,9 +229,6 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         return self._state(self.training.first(self.training.stats))
 
     # -- telemetry -----------------------------------------------------------------------------------------------
-
-    def compilations(self) -> int | None:
-        return self.training.compilations()
 
     def reset_memory_stats(self) -> None:
         """JAX cannot reset its allocator's peak: ``memory_stats`` reports the peak since the worker started,
@@ -329,7 +270,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         if self._mesh is not None:
             data_parallel = {
                 "devices": [str(d) for d in self._mesh.devices.flat],
-                "mechanism": self.declaration.data_parallel_mechanism,
+                "mechanism": self.declaration.data_parallel.mechanism,
                 "batchnorm": "synchronised (pmean of the batch moments)" if self.options.data_parallel is not None
                 and self.options.data_parallel.sync_batchnorm else
                 "per device; running statistics: the mean of the devices' (pmean)",
@@ -338,7 +279,7 @@ class JaxAdapter(Adapter, declaration=DECLARATION):
         return Settings(precision=self.options.precision, compile=self.mode,
                         intra_op_threads=1 if one_thread() else None,
                         memory_limit_bytes=self._memory.get("memory_limit_bytes") if self._gpu else None,
-                        loader=self._inputs.loader_settings if self._inputs is not None else None,
+                        loader=self.loader_settings(),
                         data_parallel=data_parallel, **extras)
 
     def is_oom(self, exc: BaseException) -> bool:

@@ -45,7 +45,7 @@ class Inputs:
         #: on digits on an H200). Not over a mesh, whose steps take them as numpy, sharded by jit.
         self.stage_indices = placement is device
 
-    def array(self, x: npt.NDArray[Any], placement: Any = None) -> Any:
+    def tensor(self, x: npt.NDArray[Any], placement: Any = None) -> Any:
         """Images as float32 NHWC, or token ids as int32, on the device (or ``placement``)."""
         return jax.device_put(jnp.asarray(x, jnp.int32 if self.tokens else jnp.float32),
                               self.device if placement is None else placement)
@@ -54,9 +54,9 @@ class Inputs:
         """The test set on the device and, in resident mode, the training set on the placement (``input: loader``:
         the training batches come through ``open_loader``'s pipeline)."""
         if self.options.input == "resident":
-            self.x_train = self.array(data.train_images, self.placement)
+            self.x_train = self.tensor(data.train_images, self.placement)
             self.y_train = jax.device_put(jnp.asarray(data.y_train, jnp.int32), self.placement)
-        self.x_test = self.array(data.x_test)
+        self.x_test = self.tensor(data.x_test)
         self.y_test = jax.device_put(jnp.asarray(data.y_test, jnp.int32), self.device)
 
     def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
@@ -112,9 +112,9 @@ class Inputs:
         return _device_prefetch(dataset.to_iter_dataset(self._read_options), self.device,
                                 self.options.loader.prefetch)
 
-    def arrays(self, batch: Any) -> tuple[Any, Any, npt.NDArray[np.int32] | None]:
-        """What ``Training.step`` takes for a batch of ``batches``: (the training set's x, y, the step's indices) in
-        resident mode, (x, y, None) for a loader's batch."""
+    def arrays(self, batch: Any, micro_batches: int) -> tuple[Any, Any, npt.NDArray[np.int32] | None]:
+        """What ``Training.step`` takes for a batch of ``batches`` (which splits it into ``micro_batches``): (the
+        training set's x, y, the step's indices) in resident mode, (x, y, None) for a loader's batch."""
         if self._source is None:
             return self.x_train, self.y_train, batch
         x, y = batch

@@ -98,15 +98,16 @@ class Training:
 
     # -- the step ----------------------------------------------------------------------------------------------
 
-    def step(self, x: Any, y: Any, indices: Any, micro_batches: int) -> None:
-        """Queues one optimizer step and keeps its new state and loss sum. Resident mode: ``indices`` (int32 (B,),
-        on one device already there, ``Inputs.batches``; over a mesh numpy, which jit shards) of the samples of
-        ``x``, ``y`` (the dataset on the placement) to train on. A copy to the device made here would wait behind the
-        queued steps (``jnp.asarray`` of numpy: 2.2 against 1.2 ms of host time a step at batch 64 on the CPU), so
-        it is made before the window. Loader mode (``indices`` None): ``x``, ``y`` are the batch on the device.
-        One jitted step per (B, micro-batches) and mode: every batch of a trial has the same shapes and dtypes, so
-        each compiles once. Raises ValueError when ``micro_batches`` does not divide B, and data-parallel for
-        gradient accumulation or a B that the devices do not divide."""
+    def step(self, arrays: tuple[Any, Any, Any], micro_batches: int) -> None:
+        """Queues one optimizer step on ``arrays`` (x, y, indices: ``Inputs.arrays``) and keeps its new state and loss
+        sum. Resident mode: ``indices`` (int32 (B,), on one device already there, ``Inputs.batches``; over a mesh
+        numpy, which jit shards) of the samples of ``x``, ``y`` (the dataset on the placement) to train on. A copy to
+        the device made here would wait behind the queued steps (``jnp.asarray`` of numpy: 2.2 against 1.2 ms of host
+        time a step at batch 64 on the CPU), so it is made before the window. Loader mode (``indices`` None): ``x``,
+        ``y`` are the batch on the device. One jitted step per (B, micro-batches) and mode: every batch of a trial has
+        the same shapes and dtypes, so each compiles once. Raises ValueError when ``micro_batches`` does not divide B,
+        and data-parallel for gradient accumulation or a B that the devices do not divide."""
+        x, y, indices = arrays
         size = int(x.shape[0]) if indices is None else len(indices)
         micro_batch_size(size, micro_batches)  # raises ValueError for an uneven split
         key: tuple[Any, ...] = (size, micro_batches) if indices is not None else (size, micro_batches, "loader")
@@ -233,14 +234,15 @@ class Training:
                                in_specs=(P(), P(), P(), P(), P(DATA)), out_specs=(P(), P()))
         return jax.jit(mapped, donate_argnums=(0, 1) if self.gpu else ())
 
-    def gradient_norms(self, x_all: Any, y_all: Any, indices: Any, micro_batches: int) -> tuple[list[float], float]:
-        """Squared L2 norms of the ``micro_batches`` k micro-batch gradients of the samples ``indices`` (int32 (B,)
-        on the device, resident mode) of ``x_all``, ``y_all``, and of their mean (``Adapter.gradient_norms``), at the
-        current parameters: one jitted call per (B, k) (``_squared_norms``), read back when done. The training state
-        is an input only (neither donated nor replaced), so the parameters, optimizer state, batch statistics, key,
-        loss scale and loss sum stay as they are. fp16: the loss is scaled by the training's current loss scale; where
-        the scaled gradients overflow (a step would be skipped), the call is repeated at half the scale
-        (``LOSS_SCALE_BACKOFF``), down to 1, as the dynamic scaling would back off, without changing the training's.
+    def gradient_norms(self, arrays: tuple[Any, Any, Any], micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of the ``micro_batches`` k micro-batch gradients of ``arrays`` (x_all, y_all, indices:
+        the samples ``indices``, int32 (B,) on the device, of the resident set), and of their mean
+        (``Adapter.gradient_norms``), at the current parameters: one jitted call per (B, k) (``_squared_norms``), read
+        back when done. The training state is an input only (neither donated nor replaced), so the parameters,
+        optimizer state, batch statistics, key, loss scale and loss sum stay as they are. fp16: the loss is scaled by
+        the training's current loss scale; where the scaled gradients overflow (a step would be skipped), the call is
+        repeated at half the scale (``LOSS_SCALE_BACKOFF``), down to 1, as the dynamic scaling would back off, without
+        changing the training's.
 
         Returns:
             ([|g_1|^2, ..., |g_k|^2], |G|^2): per-parameter sums of squares in float32, added up in float64 here.
@@ -248,11 +250,11 @@ class Training:
         Raises:
             ValueError: k < 2, or k does not divide B.
         """
+        x_all, y_all, indices = arrays
         if micro_batches < 2:
             raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
-        size = len(indices)
-        micro_batch_size(size, micro_batches)  # raises ValueError for an uneven split
-        key = (size, micro_batches)
+        micro_batch_size(len(indices), micro_batches)  # raises ValueError for an uneven split
+        key = (len(indices), micro_batches)
         if key not in self._norms:
             self._norms[key] = jax.jit(functools.partial(self._squared_norms, micro_batches))
         scale = None if self.scaler is None else float(self.scaler[0])

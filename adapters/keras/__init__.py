@@ -11,7 +11,8 @@ before Keras is imported (``adapters.keras.adapter.import_keras``). Keras has no
 parallelism here (the declarations say so; the plan refuses both).
 """
 
-from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE, Declaration, Limit
+from adapters import declaration as d
+from adapters.declaration import ALL_LAYERS, ALL_TASKS, BOTH, CUDA, FP16_NOTE
 
 #: The dtype policy of each precision (https://keras.io/api/mixed_precision/policy/), Keras's global one: every
 #: model built after ``prepare`` computes in it.
@@ -23,34 +24,36 @@ TF32_NOTE = ("Keras 3 has no TF32 dtype policy (https://keras.io/api/mixed_preci
 
 
 def _keras(backend: str, title: str, native: str, distributions: tuple[str, ...], default: str,
-           modes: dict[str, str], attention: str, **extra: object) -> Declaration:
-    return Declaration(
+           modes: dict[str, str], attention: str, environment: d.Environment | None = None,
+           limits: tuple[d.Limit, ...] = ()) -> d.Declaration:
+    return d.Declaration(
         name=f"keras-{backend}",
         title=f"Keras ({title})",
         adapter=f"adapters.keras.adapter:Keras{title}Adapter",
-        family="keras",
-        backend=backend,
-        native=native,
         distributions=("keras", *distributions),
-        # mixed_bfloat16 and mixed_float16 (loss scaling through the LossScaleOptimizer that Model.compile wraps
-        # around the optimizer): https://keras.io/api/mixed_precision/policy/
-        precisions={"fp32": BOTH, "bf16": BOTH, "fp16": CUDA},
-        notes={"fp16": FP16_NOTE, "tf32": TF32_NOTE},
-        compile_modes=modes,
-        default_compile=default,
-        layers=ALL_LAYERS,
-        tasks=ALL_TASKS,
-        attention=attention,
-        data_parallel_mechanism=("not measured through Keras: keras.distribution.DataParallel exists for the JAX "
-                                 "backend only; the native adapters train data-parallel"),
-        # a model of your own (adapters.keras.adapter.KerasAdapter.native_model), started on every backend from the
-        # same initial weights, drawn once per seed on Keras's numpy backend (adapters.keras.weights)
-        native_model="keras.Model",
-        shared_weights="adapters.keras.weights",
-        # Adapter.gradient_norms: Model.stateless_call in training mode and the backend's own gradients
-        # (adapters.keras.training, adapters.keras.backends), the moving statistics untouched
-        gradient_noise=True,
-        **extra,  # type: ignore[arg-type]
+        capabilities=d.Capabilities(
+            # mixed_bfloat16 and mixed_float16 (loss scaling through the LossScaleOptimizer that Model.compile wraps
+            # around the optimizer): https://keras.io/api/mixed_precision/policy/
+            precisions={"fp32": BOTH, "bf16": BOTH, "fp16": CUDA},
+            notes={"fp16": FP16_NOTE, "tf32": TF32_NOTE},
+            compile_modes=modes,
+            default_compile=default,
+            layers=ALL_LAYERS,
+            tasks=ALL_TASKS,
+            attention=attention,
+            # Adapter.gradient_norms: Model.stateless_call in training mode and the backend's own gradients
+            # (adapters.keras.training, adapters.keras.backends), the moving statistics untouched
+            gradient_noise=True,
+            # a model of your own (adapters.keras.adapter.KerasAdapter.native_model), started on every backend from
+            # the same initial weights, drawn once per seed on Keras's numpy backend (adapters.keras.weights)
+            native_model="keras.Model",
+            limits=limits,
+        ),
+        data_parallel=d.DataParallelism(
+            mechanism=("not measured through Keras: keras.distribution.DataParallel exists for the JAX backend only; "
+                         "the native adapters train data-parallel")),
+        environment=environment or d.Environment(),
+        family=d.Family(name="keras", backend=backend, native=native, shared_weights="adapters.keras.weights"),
     )
 
 
@@ -61,10 +64,10 @@ JAX = _keras(
     # keras.ops.dot_product_attention on JAX is jax.nn.dot_product_attention's XLA path: the probabilities are kept
     "unfused",
     # as the native JAX adapter: JAX's GPU backend would otherwise map 75 % of the GPU's memory when it starts
-    environment={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-    limits=(Limit(reason="the keras-jax adapter takes no memory cap on a GPU: XLA's memory fraction must be set "
-                         "before JAX's GPU backend starts, and Keras's device query starts it (the native jax adapter "
-                         "takes one)", device="cuda", memory_limit=True),),
+    environment=d.Environment(variables={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),
+    limits=(d.Limit(reason="the keras-jax adapter takes no memory cap on a GPU: XLA's memory fraction must be set "
+                           "before JAX's GPU backend starts, and Keras's device query starts it (the native jax "
+                           "adapter takes one)", device="cuda", memory_limit=True),),
 )
 TORCH = _keras(
     "torch", "PyTorch", "pytorch", ("torch",), "eager",
@@ -78,8 +81,8 @@ TENSORFLOW = _keras(
     {"eager": "Model.compile(jit_compile=False): a tf.function graph without XLA (Keras's default on a CPU)",
      "compiled": "Model.compile(jit_compile=True): tf.function(jit_compile=True), XLA (Keras's default on a GPU)"},
     "unfused",
-    environment={"TF_CPP_MIN_LOG_LEVEL": "2"},
-    thread_environment={"TF_NUM_INTRAOP_THREADS": "{threads}", "TF_NUM_INTEROP_THREADS": "1"},
+    environment=d.Environment(variables={"TF_CPP_MIN_LOG_LEVEL": "2"},
+                              threads={"TF_NUM_INTRAOP_THREADS": "{threads}", "TF_NUM_INTEROP_THREADS": "1"}),
 )
 
 DECLARATIONS = (JAX, TORCH, TENSORFLOW)

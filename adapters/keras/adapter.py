@@ -20,22 +20,18 @@ import importlib
 import importlib.metadata
 import os
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
-
 from adapters import keras as declarations
-from adapters.base import Adapter, Batch, Model, RunOptions, Settings, Weights
+from adapters.base import Model, RunOptions, Settings, Weights
 from adapters.keras.backends import BACKENDS
+from adapters.parts import Facade
 from harness.neutral.native import NativeModelError
 
 if TYPE_CHECKING:
     from adapters.keras.inputs import Inputs
     from adapters.keras.neutral import NeutralModel
     from adapters.keras.training import Training
-    from harness.neutral.datasets import Data
     from harness.neutral.info import ModelInfo
     from harness.neutral.native import NativeSource
     from harness.spec import OptimizerSpec
@@ -59,19 +55,17 @@ def import_keras(backend: str) -> Any:
     return keras
 
 
-class KerasAdapter(Adapter):
+class KerasAdapter(Facade["Training", "Inputs"]):
     """One backend's Keras. A subclass names its declaration, whose ``backend`` it runs on."""
 
     def __init__(self, options: RunOptions | None = None) -> None:
         super().__init__(options)
         # before anything imports Keras: TensorFlow imports it on its own (tf.keras), on KERAS_BACKEND's backend
-        os.environ["KERAS_BACKEND"] = self.declaration.backend
-        self.backend = BACKENDS[self.declaration.backend](self.name, self.options)
+        os.environ["KERAS_BACKEND"] = self.declaration.family.backend
+        self.backend = BACKENDS[self.declaration.family.backend](self.name, self.options)
         self._keras: Any = None
         self._seed = 0
         self._neutral: NeutralModel | None = None  # the neutral builder's model, for the canonical state
-        self._training: Training | None = None
-        self._inputs: Inputs | None = None
 
     def prepared(self) -> Any:
         """The Keras module ``prepare`` imported. Raises RuntimeError before ``prepare``: the dtype policy must be set
@@ -79,18 +73,6 @@ class KerasAdapter(Adapter):
         if self._keras is None:
             raise RuntimeError(f"the {self.name} adapter was asked for a model before prepare imported Keras")
         return self._keras
-
-    @property
-    def training(self) -> Training:
-        if self._training is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._training
-
-    @property
-    def inputs(self) -> Inputs:
-        if self._inputs is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._inputs
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -119,7 +101,7 @@ class KerasAdapter(Adapter):
         under which every model built afterwards computes. Raises DeviceUnavailable for a GPU the backend cannot
         see (and on JAX for a GPU memory cap)."""
         self.backend.place(device, threads)
-        keras = self._keras = import_keras(self.declaration.backend)
+        keras = self._keras = import_keras(self.declaration.family.backend)
         keras.utils.set_random_seed(seed)
         keras.config.set_dtype_policy(declarations.POLICIES[self.options.precision])
         self._seed = seed
@@ -159,10 +141,10 @@ class KerasAdapter(Adapter):
         self._neutral = None
         return model
 
-    def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
+    def make_parts(self, model: Model, task: str, optimizer: OptimizerSpec) -> tuple[Training, Inputs]:
         """``model`` (any ``keras.Model`` whose outputs are logits: (B, classes), or (B, L, vocab) for a next-token
         model, whose loss Keras's sparse cross-entropy takes over every position alike) trained through
-        ``adapters.keras.training.Training``, compiled at its first step."""
+        ``adapters.keras.training.Training``, compiled at its first step; its input ``adapters.keras.inputs.Inputs``."""
         if not isinstance(model, self.prepared().Model):
             raise TypeError(f"the {self.name} adapter trains a keras.Model, not {type(model).__name__}")
         from adapters.keras.inputs import Inputs
@@ -170,39 +152,9 @@ class KerasAdapter(Adapter):
 
         if self._neutral is not None and self._neutral.model is not model:
             self._neutral = None  # another source's model: its own variables are its state
-        self._training = Training(model, optimizer, self.options)
-        self._inputs = Inputs()
-
-    def load(self, data: Data) -> None:
-        self.inputs.load(data)
-
-    def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
-        self.inputs.set_train_images(images)
+        return Training(model, optimizer, self.options, self.backend), Inputs()
 
     # -- steps ---------------------------------------------------------------------------------------------------
-
-    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Batch]:
-        """Each whole step's indices as an int32 tensor on the device, staged when called
-        (``adapters.keras.inputs.Inputs.batches``)."""
-        return self.inputs.batches(order, samples_per_step)
-
-    def train_step(self, batch: Batch, micro_batches: int = 1) -> None:
-        """``Training.step`` on the batch's micro-batches gathered on the device (``Inputs.parts``): k
-        ``train_on_batch`` calls for k micro-batches. Raises ValueError when k does not divide the batch, or differs
-        from the first step's (Keras fixes the accumulation when the model is compiled)."""
-        self.training.step(self.inputs.parts(batch, micro_batches), micro_batches)
-        self._loss_steps += 1
-
-    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
-        """``Training.gradient_norms`` on the batch's micro-batches, gathered as ``train_step`` gathers them
-        (``Inputs.parts``), by the backend's gradient mechanism (``Backend.gradient``).
-
-        Raises:
-            ValueError: fewer than 2 micro-batches, or ones that do not divide the batch.
-        """
-        if micro_batches < 2:
-            raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
-        return self.training.gradient_norms(self.inputs.parts(batch, micro_batches), micro_batches, self.backend)
 
     def wait(self) -> None:
         """The device idle: ``train_on_batch`` already returned its loss on the host; on a GPU the backend's own
@@ -211,16 +163,7 @@ class KerasAdapter(Adapter):
         if self._training is not None:
             self.backend.sync(list(self._training.model.trainable_variables))
 
-    def _take_loss_sum(self) -> float:
-        return self.training.take_loss_sum()
-
-    # -- evaluation and state ------------------------------------------------------------------------------------
-
-    def evaluate(self, batch_size: int) -> tuple[float, float]:
-        return self.training.evaluate(self.inputs.x_test, self.inputs.y_test, batch_size)
-
-    def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        return self.training.predict(inputs)
+    # -- state ---------------------------------------------------------------------------------------------------
 
     def get_weights(self) -> Weights:
         return self._neutral.state(trained=True) if self._neutral is not None else self.training.state(trained=True)
@@ -236,17 +179,13 @@ class KerasAdapter(Adapter):
         (``memory_fraction``, ``memory_growth``) and what ``Model.compile`` chose (``Training.settings``)."""
         intra, inter = self.backend.threads() if self._keras is not None else (None, None)
         extras: dict[str, Any] = {
-            "keras_backend": self._keras.backend.backend() if self._keras is not None else self.declaration.backend,
+            "keras_backend": (self._keras.backend.backend() if self._keras is not None
+                              else self.declaration.family.backend),
             "device": self.backend.device, "dtype_policy": declarations.POLICIES[self.options.precision],
             "tf32": self.options.precision != "fp32" and self.backend.gpu, "train_api": "keras.Model.train_on_batch",
             **self.backend.applied, **(self._training.settings() if self._training is not None else {})}
         return Settings(precision=self.options.precision, compile=self.mode, intra_op_threads=intra,
                         inter_op_threads=inter, memory_limit_bytes=self.backend.memory_limit_bytes, **extras)
-
-    def compilations(self) -> int | None:
-        """None: Keras keeps its train function's traces behind private attributes (a jitted step inside a
-        wrapper on JAX, a tf.function inside one on TensorFlow), so no recompilation is counted for its rows."""
-        return None
 
     def reset_memory_stats(self) -> None:
         self.backend.reset_peaks()

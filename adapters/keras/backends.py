@@ -311,5 +311,5 @@ class TensorFlow(Backend):
             isinstance(exc, errors.InternalError) and "Dst tensor is not initialized" in str(exc))
 
 
-#: The backends by KERAS_BACKEND's value (``Declaration.backend``).
+#: The backends by KERAS_BACKEND's value (``Family.backend``).
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (JAX, Torch, TensorFlow)}

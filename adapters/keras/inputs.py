@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from adapters.base import micro_batch_size
 from harness.neutral.datasets import Data
+from harness.neutral.inputs import InputSource
 from harness.neutral.steps import steps
 
 
@@ -35,6 +36,7 @@ class Inputs:
         self.y_train: Any = None
         self.x_test: npt.NDArray[Any] = np.zeros(0, np.float32)
         self.y_test: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        self.loader_settings: dict[str, Any] | None = None  # resident only
 
     def load(self, data: Data) -> None:
         """Float32 NHWC images (or int32 (N, L) token ids) and int32 labels as backend tensors on the device."""
@@ -46,7 +48,15 @@ class Inputs:
         one, which nothing compiled holds (each step's batch is gathered outside ``train_on_batch``)."""
         self.x_train = to_tensor(np.asarray(images, np.float32))
 
-    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int) -> Iterator[Any]:
+    def open_loader(self, source: InputSource) -> None:
+        """Raises NotImplementedError: Keras has no data loader mode here."""
+        raise NotImplementedError("the Keras adapters have no data loader mode")
+
+    def tensor(self, inputs: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """``inputs`` on the host, as ``Training.predict`` takes them (it converts them batch by batch)."""
+        return np.asarray(inputs)
+
+    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Any]:
         """The epoch's steps (``harness.neutral.steps.steps``) as int32 index tensors on the device, staged now: the
         whole steps' indices converted in one copy, then sliced per step."""
         count = len(steps(order, samples_per_step))
@@ -55,7 +65,7 @@ class Inputs:
         staged = to_tensor(np.asarray(order[:count * samples_per_step], np.int64))
         return iter([staged[p * samples_per_step:(p + 1) * samples_per_step] for p in range(count)])
 
-    def parts(self, batch: Any, micro_batches: int) -> Iterator[tuple[Any, Any]]:
+    def arrays(self, batch: Any, micro_batches: int) -> Iterator[tuple[Any, Any]]:
         """The step's ``micro_batches`` consecutive micro-batches as (x, y), each gathered (``keras.ops.take``) as it
         is trained on. Raises ValueError when ``micro_batches`` does not divide the batch."""
         size = micro_batch_size(int(batch.shape[0]), micro_batches)

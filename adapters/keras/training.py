@@ -47,8 +47,8 @@ class Training:
     """One trial's training of ``model`` with ``optimizer`` in the options' precision and mode. Compiled at the first
     step (``compile``), when the micro-batches per step are known."""
 
-    def __init__(self, model: Any, optimizer: OptimizerSpec, options: RunOptions) -> None:
-        self.model, self.optimizer, self.options = model, optimizer, options
+    def __init__(self, model: Any, optimizer: OptimizerSpec, options: RunOptions, backend: Backend) -> None:
+        self.model, self.optimizer, self.options, self.backend = model, optimizer, options, backend
         self.compiled_for: int | None = None  # the micro-batches per step Model.compile fixed
         self._loss_sum = 0.0  # the steps' losses since the last read, on the host (train_on_batch returns them there)
         self._settings: dict[str, Any] = {}
@@ -93,7 +93,7 @@ class Training:
             total += float(self.model.train_on_batch(x, y))
         self._loss_sum += total / micro_batches
 
-    def gradient_norms(self, parts: Parts, micro_batches: int, backend: Backend) -> tuple[list[float], float]:
+    def gradient_norms(self, parts: Parts, micro_batches: int) -> tuple[list[float], float]:
         """Squared L2 norms of the gradients of the ``micro_batches`` k parts' mean losses, and of their mean
         (``Adapter.gradient_norms``), at the current variables; nothing the training depends on is changed.
 
@@ -116,16 +116,15 @@ class Training:
         in float64.
 
         Args:
-            parts: the k micro-batches (x, y) on the device (``Inputs.parts``).
+            parts: the k micro-batches (x, y) on the device (``Inputs.arrays``).
             micro_batches: k >= 2, the number of parts.
-            backend: the backend, whose ``gradient`` takes the gradients.
 
         Returns:
             ([|g_1|^2, ..., |g_k|^2], |G|^2), G the mean of the k gradients.
         """
         if self._part is None:
-            self._gradient = backend.gradient(self._micro_loss)
-            self._part = backend.compiled(self._part_norms)
+            self._gradient = self.backend.gradient(self._micro_loss)
+            self._part = self.backend.compiled(self._part_norms)
         parts = list(parts)
         trainable = [v.value for v in self.model.trainable_variables]
         state = [v.value for v in self.model.non_trainable_variables]
@@ -189,6 +188,11 @@ class Training:
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
         return INITIAL_LOSS_SCALE
+
+    def compilations(self) -> None:
+        """None: Keras keeps its train function's traces behind private attributes (a jitted step inside a wrapper on
+        JAX, a tf.function inside one on TensorFlow), so no recompilation is counted for its rows."""
+        return None
 
     def take_loss_sum(self) -> float:
         """The sum of the steps' losses since the last read, restarted: ``train_on_batch`` resets Keras's metrics and

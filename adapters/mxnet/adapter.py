@@ -15,15 +15,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from adapters.base import (
-    Adapter,
-    Batch,
     DataParallel,
     DeviceUnavailable,
     Model,
@@ -40,9 +36,8 @@ from adapters.mxnet.inputs import Inputs
 from adapters.mxnet.neutral import Builder, NeutralNet
 from adapters.mxnet.runtime import gluon, inter_op_threads, mx, nd, omp_threads, thread_settings
 from adapters.mxnet.training import HYBRIDIZE_FLAGS, Training
-from harness.neutral.datasets import Data
+from adapters.parts import Facade
 from harness.neutral.info import ModelInfo
-from harness.neutral.inputs import InputSource
 from harness.neutral.native import NativeModelError, NativeSource
 from harness.neutral.steps import to_layout
 from harness.spec import OptimizerSpec
@@ -52,7 +47,7 @@ NO_FLOP_COUNTER = ("MXNet 1.9.1 has no FLOP counter: its profiler (mx.profiler) 
                    "not FLOPs, and Block.summary counts parameters and output shapes only")
 
 
-class MXNetAdapter(Adapter, declaration=DECLARATION):
+class MXNetAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     def __init__(self, options: RunOptions | None = None) -> None:
         super().__init__(options)
         self.ctx = mx.cpu()
@@ -64,20 +59,6 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         self._neutral: NeutralNet | None = None  # the neutral builder's model, for the canonical state
         self._own: Any = None  # any other model build trains (a model of your own's block), for its names
         self._initialised: dict[str, Any] = {}  # how native_model initialised a model of your own, for settings()
-        self._training: Training | None = None
-        self._inputs: Inputs | None = None
-
-    @property
-    def training(self) -> Training:
-        if self._training is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._training
-
-    @property
-    def inputs(self) -> Inputs:
-        if self._inputs is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._inputs
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -230,7 +211,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         python/docs/api/mxnet/profiler/index.html: operator timings and memory)."""
         return None, NO_FLOP_COUNTER
 
-    def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
+    def make_parts(self, model: Model, task: str, optimizer: OptimizerSpec) -> tuple[Training, Inputs]:
         """``model`` (a Gluon block initialised on the contexts) trained through ``adapters.mxnet.training.Training``;
         the input (``adapters.mxnet.inputs.Inputs``) for ``task``. The neutral builder's batchnorm layers get the
         running-variance correction to the canonical (unbiased) update where MXNet's kernel is biased, for the
@@ -244,40 +225,10 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
             batchnorms, self._own = self._neutral.batchnorms, None
         else:
             self._neutral, self._own = None, model.block if isinstance(model, L.Logits) else model
-        self._training = Training(model, task, optimizer, self.options, self.contexts, batchnorms)
-        self._inputs = Inputs(self.options, self.contexts, task != "image_classification")
-
-    def load(self, data: Data) -> None:
-        self.inputs.load(data)
-
-    def open_loader(self, source: InputSource) -> None:
-        self.inputs.open_loader(source)
-
-    def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
-        self.inputs.set_train_images(images)
+        return (Training(model, task, optimizer, self.options, self.contexts, batchnorms),
+                Inputs(self.options, self.contexts, task != "image_classification"))
 
     # -- steps ---------------------------------------------------------------------------------------------------
-
-    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Batch]:
-        return self.inputs.batches(order, samples_per_step, epoch)
-
-    def train_step(self, batch: Batch, micro_batches: int = 1) -> None:
-        """One optimizer step (``Training.step``) on each context's part of the batch (``Inputs.parts``); returns
-        once its work is queued. Data-parallel: every context its shard, the gradients summed over the contexts by
-        the kvstore; gradient accumulation is not combined with it (ValueError)."""
-        if len(self.contexts) > 1 and micro_batches != 1:
-            raise ValueError("gradient accumulation with data parallelism is not supported")
-        takes, samples = self.inputs.parts(batch)
-        self.training.step(takes, samples, micro_batches)
-        self._loss_steps += 1
-
-    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
-        """``Training.gradient_norms`` on the batch's part (``Inputs.parts``), on one context. Raises ValueError for
-        a data-parallel trial, and as ``Training.gradient_norms``."""
-        if len(self.contexts) > 1 or self.options.data_parallel is not None:
-            raise ValueError("gradient norms are measured on one device")
-        takes, samples = self.inputs.parts(batch)
-        return self.training.gradient_norms(takes[0], samples, micro_batches)
 
     def wait(self) -> None:
         """``nd.waitall``: every operator queued on the engine is done
@@ -287,17 +238,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
         engine round trip)."""
         nd.waitall()
 
-    def _take_loss_sum(self) -> float:
-        return self.training.take_loss_sum()
-
-    # -- evaluation and state ------------------------------------------------------------------------------------
-
-    def evaluate(self, batch_size: int) -> tuple[float, float]:
-        return self.training.evaluate(self.inputs.x_test, self.inputs.y_test, batch_size)
-
-    def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """Data-parallel: on the first context."""
-        return self.training.predict(self.inputs.tensor(inputs if self.inputs.tokens else inputs.astype(np.float32)))
+    # -- state ---------------------------------------------------------------------------------------------------
 
     def get_weights(self) -> Weights:
         """The first context's copy (data-parallel: every context's is the same, each updated with the same summed
@@ -373,7 +314,7 @@ class MXNetAdapter(Adapter, declaration=DECLARATION):
                               else "BatchNorm (per device)")}
         return Settings(precision=self.options.precision, compile=self.mode, intra_op_threads=omp_threads(),
                         inter_op_threads=inter_op_threads(), memory_limit_bytes=None,
-                        loader=self._inputs.loader_settings if self._inputs is not None else None,
+                        loader=self.loader_settings(),
                         data_parallel=data_parallel, **extras)
 
     def is_oom(self, exc: BaseException) -> bool:

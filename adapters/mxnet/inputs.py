@@ -1,7 +1,7 @@
 """MXNet's input: the dataset resident on every context (each step gathered by its indices, ``nd.take``), or
 ``mxnet.gluon.data.DataLoader`` reading each step through the harness's source; images NCHW float32, tokens int64.
 
-Both give a step as each context's part (``Inputs.parts``: a ``Take`` per context), which the training mechanics
+Both give a step as each context's part (``Inputs.arrays``: a ``Take`` per context), which the training mechanics
 (``adapters.mxnet.training``) train on whatever its origin.
 
 Every array made from the host here goes in through ``nd.from_numpy`` (zero-copy DLPack, https://mxnet.apache.org/
@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from adapters.base import RunOptions, shard
 from adapters.mxnet.runtime import gluon, nd
-from adapters.mxnet.training import Take
+from adapters.mxnet.training import Step, Take
 from harness.neutral.datasets import Data
 from harness.neutral.inputs import InputSource
 from harness.neutral.steps import read_step, steps, to_layout
@@ -128,10 +128,10 @@ class Inputs:
             yield (nd.from_numpy(x, zero_copy=True).as_in_context(self.ctx),
                    nd.from_numpy(y, zero_copy=True).as_in_context(self.ctx))
 
-    def parts(self, batch: Any) -> tuple[list[Take], int]:
-        """A batch of ``batches`` as each context's ``Take`` and the step's samples B. Resident: context d gathers
-        (``nd.take``) its indices, or a slice of them, from its own copy of the training set; loader: the batch's
-        (x, y), or a slice of them (a view)."""
+    def arrays(self, batch: Any, micro_batches: int) -> Step:
+        """A batch of ``batches`` as each context's ``Take`` and the step's samples B (``Training.step`` splits them
+        into ``micro_batches``). Resident: context d gathers (``nd.take``) its indices, or a slice of them, from its
+        own copy of the training set; loader: the batch's (x, y), or a slice of them (a view)."""
         if self._loader is not None:
             x, y = batch
 

@@ -26,9 +26,11 @@ from harness.spec import OptimizerSpec
 #: gluon/hybrid_block.html): one cached graph whose memory is allocated once and whose shapes are fixed.
 HYBRIDIZE_FLAGS = {"static_alloc": True, "static_shape": True}
 
-#: One context's part of a step (``adapters.mxnet.inputs.Inputs.parts``): ``take(None)`` gathers all its samples as
+#: One context's part of a step (``adapters.mxnet.inputs.Inputs.arrays``): ``take(None)`` gathers all its samples as
 #: (x, y) on its context, ``take(slice(a, b))`` its samples a:b, so that a micro-batch's samples are made when it runs.
 Take = Callable[[slice | None], tuple[Any, Any]]
+#: A step as ``adapters.mxnet.inputs.Inputs.arrays`` gives it: each context's ``Take`` and the step's samples B.
+Step = tuple[list[Take], int]
 
 
 class Training:
@@ -94,11 +96,12 @@ class Training:
         nd.waitall()
         return trainer
 
-    def step(self, takes: list[Take], batch: int, micro_batches: int) -> None:
-        """One optimizer step on a batch of ``batch`` samples, given as each context's part (``takes``: one, or
-        data-parallel one per context, ``_step_parallel``). Forward and backward run under ``autograd.record`` and
-        the Trainer steps with ``batch_size = batch``: the backward pass of the per-sample loss vector gives the
-        gradient of the sum, which ``Trainer.step`` rescales by 1 / batch_size, so the update uses the mean gradient
+    def step(self, arrays: Step, micro_batches: int) -> None:
+        """One optimizer step on a batch of B samples, given as each context's part (``arrays``: the ``Take``s, one,
+        or data-parallel one per context, ``_step_parallel``, and B). Forward and backward run under
+        ``autograd.record`` and the Trainer steps with ``batch_size = batch``: the backward pass of the per-sample loss
+        vector gives the gradient of the sum, which ``Trainer.step`` rescales by 1 / batch_size, so the update uses
+        the mean gradient
         (https://mxnet.apache.org/versions/1.9.1/api/python/docs/api/gluon/trainer.html#mxnet.gluon.Trainer.step).
         Returns once the work is queued; an error in it (an out-of-memory one too) is raised by the next ``wait`` or
         loss read. The loss goes into the per-sample running sum with one queued operator a step. In fp16 the
@@ -107,7 +110,10 @@ class Training:
         With ``micro_batches`` k > 1 (gradient accumulation) the parameters' ``grad_req`` is ``add``: the gradients
         are zeroed, each micro-batch of B / k runs forward and backward on its own (adding the gradient of its summed
         loss), and one ``Trainer.step(B)`` applies the sum rescaled by 1 / B, the mean over all B samples. Raises
-        ValueError when k does not divide B."""
+        ValueError when k does not divide B, and data-parallel for gradient accumulation."""
+        takes, batch = arrays
+        if len(takes) > 1 and micro_batches != 1:
+            raise ValueError("gradient accumulation with data parallelism is not supported")
         if len(takes) > 1:
             self._step_parallel(takes, batch)
         elif micro_batches == 1:
@@ -180,9 +186,9 @@ class Training:
         for device, loss in enumerate(losses):  # one sum per device
             self._add_loss((batch, 1, device), loss)
 
-    def gradient_norms(self, take: Take, batch: int, micro_batches: int) -> tuple[list[float], float]:
-        """Squared L2 norms of the ``micro_batches`` k micro-batch gradients of a batch of ``batch`` samples on the
-        first context (``take``, one context's part), and of their mean (``Adapter.gradient_norms``), at the current
+    def gradient_norms(self, arrays: Step, micro_batches: int) -> tuple[list[float], float]:
+        """Squared L2 norms of the ``micro_batches`` k micro-batch gradients of a batch of B samples on one context
+        (``arrays``: its ``Take`` and B), and of their mean (``Adapter.gradient_norms``), at the current
         parameters (``_squared_norms``). Those forward passes move batchnorm's running statistics (the parameters
         without a gradient), so they are copied before and written back after, once the engine is idle: the CPU
         kernel writes them undeclared (``RunningVariance.correct``). The Trainer (its optimizer state, AMP's loss
@@ -195,8 +201,12 @@ class Training:
             the parameters in float64 here; returns once the engine is idle.
 
         Raises:
-            ValueError: k < 2, or k does not divide B.
+            ValueError: k < 2, k does not divide B, or a data-parallel step (several contexts).
         """
+        takes, batch = arrays
+        if len(takes) > 1:
+            raise ValueError("gradient norms are measured on one device")
+        take = takes[0]
         if micro_batches < 2:
             raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
         micro = micro_batch_size(batch, micro_batches)
@@ -296,6 +306,10 @@ class Training:
         """Logits of ``x`` (on the first context), float32, in inference mode."""
         logits: npt.NDArray[np.float32] = self.net(x).asnumpy().astype(np.float32, copy=False)
         return logits  # fp16 under AMP: its last dense layer's output
+
+    def compilations(self) -> None:
+        """None: MXNet counts no hybridized graphs (``Adapter.compilations``)."""
+        return None
 
     def settings(self) -> dict[str, Any]:
         """AMP's loss scale and its policy (fp16), and data-parallel the kvstore Gluon created."""

@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from adapters.base import (
-    Adapter,
-    Batch,
     DataParallel,
     DeviceUnavailable,
     Model,
@@ -33,19 +28,18 @@ from adapters.base import (
     device_index,
     device_kind,
 )
+from adapters.parts import Facade
 from adapters.pytorch import DECLARATION
 from adapters.pytorch import layers as L
 from adapters.pytorch.inputs import Inputs
 from adapters.pytorch.neutral import Builder, NeutralModule
 from adapters.pytorch.training import Training
-from harness.neutral.datasets import Data
 from harness.neutral.info import ModelInfo
-from harness.neutral.inputs import InputSource
 from harness.neutral.native import NativeModelError, NativeSource
 from harness.spec import OptimizerSpec
 
 
-class PyTorchAdapter(Adapter, declaration=DECLARATION):
+class PyTorchAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     #: The process group's timeout (``init_process_group(timeout=...)``, data-parallel only): how long a rank waits
     #: for the others at the rendezvous (rank 0's TCPStore for the rest to join, the others to reach it) and in every
     #: collective after it, before it fails with an error instead of hanging. It must exceed the longest time one rank
@@ -62,20 +56,6 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         self._memory_limit: dict[str, Any] = {}  # what _apply_memory_limit applied, for settings()
         self._ranks: DataParallel | None = None  # options.data_parallel once prepare joined the process group
         self._neutral: NeutralModule | None = None  # the neutral builder's model, for the canonical state
-        self._training: Training | None = None
-        self._inputs: Inputs | None = None
-
-    @property
-    def training(self) -> Training:
-        if self._training is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._training
-
-    @property
-    def inputs(self) -> Inputs:
-        if self._inputs is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._inputs
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -215,54 +195,17 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
             training.opt.zero_grad(set_to_none=True)
         return int(counter.get_total_flops()) // len(x), "torch.utils.flop_counter.FlopCounterMode"
 
-    def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
+    def make_parts(self, model: Model, task: str, optimizer: OptimizerSpec) -> tuple[Training, Inputs]:
         """``model`` on the device, in training mode except inside ``evaluate`` and ``predict``, trained through
         ``adapters.pytorch.training.Training`` (DistributedDataParallel when data-parallel; evaluation and prediction
-        use the unwrapped module)."""
+        use the unwrapped module); its input ``adapters.pytorch.inputs.Inputs``."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"the pytorch adapter trains a torch.nn.Module, not {type(model).__name__}")
         net = model.to(self.device)
-        self._training = Training(net, task, optimizer, self.options, self.device, self._ranks)
-        self._inputs = Inputs(self.options, self.device, task != "image_classification", self._ranks)
-
-    def load(self, data: Data) -> None:
-        self.inputs.load(data)
-
-    def open_loader(self, source: InputSource) -> None:
-        self.inputs.open_loader(source)
-
-    def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
-        self.inputs.set_train_images(images)
+        return (Training(net, task, optimizer, self.options, self.device, self._ranks),
+                Inputs(self.options, self.device, task != "image_classification", self._ranks))
 
     # -- steps ---------------------------------------------------------------------------------------------------
-
-    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Batch]:
-        return self.inputs.batches(order, samples_per_step, epoch)
-
-    def train_step(self, batch: Batch, micro_batches: int = 1) -> None:
-        """One optimizer step (``Training.step``) on the batch's micro-batches (``Inputs.parts``). Data-parallel:
-        this rank's shard through the DDP module; the recorded loss is the shard's mean, averaged over the ranks when
-        it is read. Gradient accumulation is not combined with it (ValueError)."""
-        if self._ranks is not None and micro_batches > 1:
-            raise ValueError("gradient accumulation with data parallelism is not supported")
-        self.training.step(self.inputs.parts(batch, micro_batches), micro_batches)
-        self._loss_steps += 1
-
-    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
-        """``Training.gradient_norms`` on the batch's micro-batches, split as ``train_step`` splits them
-        (``Inputs.parts``).
-
-        Raises:
-            ValueError: fewer than 2 micro-batches, or ones that do not divide the batch; a data-parallel trial or
-                a loader's batch (one device, resident input only).
-        """
-        if self.options.data_parallel is not None:
-            raise ValueError("gradient norms are measured on one device")
-        if isinstance(batch, tuple):  # a loader's (x, y); a resident batch is the step's index tensor
-            raise ValueError("gradient norms are measured on resident batches (input: resident), not a loader's")
-        if micro_batches < 2:
-            raise ValueError(f"gradient norms need at least 2 micro-batches, not {micro_batches}")
-        return self.training.gradient_norms(self.inputs.parts(batch, micro_batches), micro_batches)
 
     def wait(self) -> None:
         """``torch.cuda.synchronize`` on a GPU; nothing on the CPU, where eager and compiled steps run their kernels
@@ -282,17 +225,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         dist.broadcast(tensor, src=0)
         return int(tensor.item())
 
-    def _take_loss_sum(self) -> float:
-        return self.training.take_loss_sum()
-
-    # -- evaluation and state ------------------------------------------------------------------------------------
-
-    def evaluate(self, batch_size: int) -> tuple[float, float]:
-        return self.training.evaluate(self.inputs.x_test, self.inputs.y_test, batch_size)
-
-    def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        return self.training.predict(self.inputs.tensor(inputs if self.inputs.tokens else
-                                                        inputs.astype(np.float32)))
+    # -- state ---------------------------------------------------------------------------------------------------
 
     def get_weights(self) -> Weights:
         if self._neutral is not None:
@@ -307,9 +240,6 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
                 for name, b in self.training.net.named_buffers() if b.is_floating_point()}
 
     # -- telemetry -----------------------------------------------------------------------------------------------
-
-    def compilations(self) -> int | None:
-        return self.training.compilations()
 
     def reset_memory_stats(self) -> None:
         if self.device.type == "cuda":
@@ -341,7 +271,7 @@ class PyTorchAdapter(Adapter, declaration=DECLARATION):
         return Settings(precision=self.options.precision, compile=self.mode,
                         intra_op_threads=torch.get_num_threads(), inter_op_threads=torch.get_num_interop_threads(),
                         memory_limit_bytes=self._memory_limit.get("memory_limit_bytes"),
-                        loader=self._inputs.loader_settings if self._inputs is not None else None,
+                        loader=self.loader_settings(),
                         data_parallel=data_parallel, **extras)
 
     def is_oom(self, exc: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """PyTorch's input: the dataset resident on the device (each step gathered by its indices), or a
 ``torch.utils.data.DataLoader`` reading each step through the harness's source; images NCHW, tokens int64.
 
-Both give a step's micro-batches as (x, y) pairs on the device (``Inputs.parts``), which the training mechanics
+Both give a step's micro-batches as (x, y) pairs on the device (``Inputs.arrays``), which the training mechanics
 (``adapters.pytorch.training``) train on whatever their origin.
 """
 
@@ -90,7 +90,7 @@ class Inputs:
         for x, y in self._loader:
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def parts(self, batch: Any, micro_batches: int) -> Parts:
+    def arrays(self, batch: Any, micro_batches: int) -> Parts:
         """The step's ``micro_batches`` consecutive micro-batches as (x, y) on the device. Resident: gathered from
         the training set as each is trained on (only one micro-batch's inputs exist at a time); data-parallel this
         rank's shard of the step (``shard``). Loader: the batch's chunks. Raises ValueError when ``micro_batches``

@@ -73,8 +73,10 @@ class Training:
         (``backward`` adds into ``.grad``), so that the one ``opt.step`` applies the mean gradient over all B samples
         while only one micro-batch's activations are alive at a time. The recorded loss is the mean over all B
         samples. Data-parallel: the DDP module's backward all-reduces the gradients (their mean over the ranks: the
-        global batch's with equal shards). In the compiled mode the graphs TorchDynamo captures here are counted
-        (``compilations``)."""
+        global batch's with equal shards); gradient accumulation is not combined with it (ValueError). In the
+        compiled mode the graphs TorchDynamo captures here are counted (``compilations``)."""
+        if self.ranks is not None and micro_batches > 1:
+            raise ValueError("gradient accumulation with data parallelism is not supported")
         self._counted(lambda: self._step(parts, micro_batches))
 
     def _step(self, parts: Parts, micro_batches: int) -> None:
@@ -107,7 +109,7 @@ class Training:
         up in float64.
 
         Args:
-            parts: the k micro-batches (x, y) of one step on the device, as ``Inputs.parts`` gives them.
+            parts: the k micro-batches (x, y) of one step on the device, as ``Inputs.arrays`` gives them.
             micro_batches: k, the number of parts.
 
         Returns:

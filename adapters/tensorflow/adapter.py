@@ -12,16 +12,15 @@ Design: docs/design/framework-caveats.md#tensorflow (Keras's two layers, tracing
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before the import: silences TF's C++ INFO and WARNING logs
 
 import numpy as np
-import numpy.typing as npt
 import tensorflow as tf
 
-from adapters.base import Adapter, Batch, Model, RunOptions, Settings, Weights
+from adapters.base import Model, RunOptions, Settings, Weights
+from adapters.parts import Facade
 from adapters.tensorflow import DECLARATION
 from adapters.tensorflow.devices import Devices, default_threads, device_problem
 from adapters.tensorflow.inputs import Inputs
@@ -30,29 +29,14 @@ from adapters.tensorflow.neutral import Builder, Network
 from adapters.tensorflow.training import Training
 from harness.neutral.datasets import Data
 from harness.neutral.info import ModelInfo
-from harness.neutral.inputs import InputSource
 from harness.spec import OptimizerSpec
 
 
-class TensorFlowAdapter(Adapter, declaration=DECLARATION):
+class TensorFlowAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     def __init__(self, options: RunOptions | None = None) -> None:
         super().__init__(options)
         self.devices = Devices(self.options)
         self._neutral: Network | None = None  # the neutral builder's model, for the canonical state
-        self._training: Training | None = None
-        self._inputs: Inputs | None = None
-
-    @property
-    def training(self) -> Training:
-        if self._training is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._training
-
-    @property
-    def inputs(self) -> Inputs:
-        if self._inputs is None:
-            raise RuntimeError("the model is not built yet (build)")
-        return self._inputs
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -92,44 +76,24 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             self._neutral = builder.build(info, weights)
         return self._neutral
 
-    def build(self, model: Model, task: str, optimizer: OptimizerSpec) -> None:
+    def make_parts(self, model: Model, task: str, optimizer: OptimizerSpec) -> tuple[Training, Inputs]:
         """``model`` (called as ``model(x, training=...)``, with ``trainable_variables`` created under
         ``Devices.placement``) trained through ``adapters.tensorflow.training.Training``, with the optimizer's state
-        over all of its trainable variables."""
+        over all of its trainable variables; its input ``adapters.tensorflow.inputs.Inputs``."""
         if not callable(model) or not hasattr(model, "trainable_variables"):
             raise TypeError(f"the tensorflow adapter trains a model called as model(x, training=...) with "
                             f"trainable_variables (a neutral Network, a Keras model), not {type(model).__name__}")
-        self._training = Training(model, task, optimizer, self.options, self.devices)
-        self._inputs = Inputs(self.options, self.devices, task != "image_classification")
+        return (Training(model, task, optimizer, self.options, self.devices),
+                Inputs(self.options, self.devices, task != "image_classification"))
 
     def load(self, data: Data) -> None:
+        """``Inputs.load``; in resident mode the training set is then the one the steps gather from
+        (``Training.resident``)."""
         self.inputs.load(data)
         if self.options.input == "resident":
             self.training.resident(self.inputs.x_train, self.inputs.y_train)
 
-    def open_loader(self, source: InputSource) -> None:
-        self.inputs.open_loader(source)
-
-    def set_train_images(self, images: npt.NDArray[np.float32]) -> None:
-        self.inputs.set_train_images(images)
-
     # -- steps ---------------------------------------------------------------------------------------------------
-
-    def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Batch]:
-        """``Inputs.batches``: resident, the epoch's index tensors staged on the device now; loader, the tf.data
-        pipeline's batches."""
-        return self.inputs.batches(order, samples_per_step, epoch)
-
-    def train_step(self, batch: Batch, micro_batches: int = 1) -> None:
-        """One step (``Training.step``) on a batch of ``batches``."""
-        self.training.step(batch, micro_batches)
-        self._loss_steps += 1
-
-    def gradient_norms(self, batch: Batch, micro_batches: int) -> tuple[list[float], float]:
-        """``Training.gradient_norms``: eager, on the resident batch's micro-batches as the accumulating step gathers
-        them. Raises ValueError for a data-parallel trial, a loader's batch, or fewer than 2 micro-batches or ones
-        that do not divide the batch."""
-        return self.training.gradient_norms(batch, micro_batches)
 
     def wait(self) -> None:
         """Blocks until queued work is done: ``sync_devices`` on a GPU
@@ -141,16 +105,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
         if self._training is not None and self._training.last_loss is not None:
             self._training.last_loss.numpy()
 
-    def _take_loss_sum(self) -> float:
-        return self.training.take_loss_sum()
-
-    # -- evaluation and state ------------------------------------------------------------------------------------
-
-    def evaluate(self, batch_size: int) -> tuple[float, float]:
-        return self.training.evaluate(self.inputs.x_test, self.inputs.y_test, batch_size)
-
-    def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        return self.training.predict(inputs)
+    # -- state ---------------------------------------------------------------------------------------------------
 
     def get_weights(self) -> Weights:
         """Copies of the current parameters under their canonical names, in the canonical layout: the exact inverse
@@ -170,9 +125,6 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
             return self._neutral.state(trained=False) if self._neutral is not None else {}
 
     # -- telemetry -----------------------------------------------------------------------------------------------
-
-    def compilations(self) -> int | None:
-        return self.training.compilations()
 
     def reset_memory_stats(self) -> None:
         """Restarts the GPU allocator's peak (https://www.tensorflow.org/api_docs/python/tf/config/experimental/
@@ -196,7 +148,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
     def cpu_allocator_peak(self) -> int | None:
         """The CPU BFC allocator's peak bytes since it was created (``get_memory_info("CPU:0")["peak"]``), which TF
         keeps only when the worker's memory limit put CPU tensors in a BFC allocator
-        (``DECLARATION.cpu_allocator_cap``); None otherwise, or when TF is already shutting down."""
+        (``Memory.cpu_allocator_cap``); None otherwise, or when TF is already shutting down."""
         try:
             return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
         except Exception:  # noqa: BLE001 - no BFC allocator on the CPU, or TF already shutting down
@@ -226,7 +178,7 @@ class TensorFlowAdapter(Adapter, declaration=DECLARATION):
                         intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads() or default_threads(),
                         inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads() or default_threads(),
                         memory_limit_bytes=memory_limit,
-                        loader=self._inputs.loader_settings if self._inputs is not None else None,
+                        loader=self.loader_settings(),
                         data_parallel=self.devices.data_parallel_settings(), **extras)
 
     def is_oom(self, exc: BaseException) -> bool:

@@ -3,7 +3,7 @@
 float32 images or (N, L) int64 token ids, int64 labels.
 
 A resident batch is the step's int64 (B,) index tensor; a loader's batch is (x, y) on the device. The training
-mechanics (``adapters.tensorflow.training``) take either.
+mechanics (``adapters.tensorflow.training``) take either (``Inputs.arrays``: the batch itself).
 """
 
 from __future__ import annotations
@@ -81,6 +81,16 @@ class Inputs:
             "loader": "tf.data.Dataset", "num_parallel_calls": workers or None, "prefetch": prefetch,
             "deterministic": True, "source": "files" if source.from_files else "memory",
             "read": "tf.numpy_function (the harness's reader, Pillow for files)"}
+
+    def tensor(self, inputs: npt.NDArray[Any]) -> tf.Tensor:
+        """float32 NHWC images or int64 (N, L) token ids as a constant on the first device (``Devices.first``)."""
+        with self.devices.first():
+            return tf.constant(np.asarray(inputs, dtype=self.dtype))
+
+    def arrays(self, batch: Any, micro_batches: int) -> Any:
+        """A batch of ``batches`` as ``Training.step`` takes it: itself (the step's function gathers a resident
+        batch's micro-batches, ``Training._resident_parts``)."""
+        return batch
 
     def batches(self, order: npt.NDArray[np.int64], samples_per_step: int, epoch: int) -> Iterator[Any]:
         """Resident: the epoch's steps (``harness.neutral.steps.steps``) moved to the device now, when called, one

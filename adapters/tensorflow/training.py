@@ -362,11 +362,10 @@ class Training:
         count = y.shape.num_elements()  # samples, or every position of every sequence
         return float(total_loss.numpy()) / count, float(correct.numpy()) / count
 
-    def predict(self, inputs: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """float32 logits, (N, classes), for float32 NHWC images (N, H, W, C) or int64 (N, L) token ids; (N, L,
-        vocab) for a next-token model."""
+    def predict(self, x: tf.Tensor) -> npt.NDArray[np.float32]:
+        """float32 logits, (N, classes), for float32 NHWC images (N, H, W, C) or int64 (N, L) token ids on the first
+        device (``Inputs.tensor``); (N, L, vocab) for a next-token model."""
         with self.devices.first():
-            x = tf.constant(np.asarray(inputs, dtype=np.int64 if self.tokens else np.float32))
             if self.logits_fn is None:
                 self._inference(x)
             result: npt.NDArray[np.float32] = self.logits_fn(x).numpy()

@@ -13,7 +13,7 @@ single-threaded, so that forking copies no lock another thread holds. It dies wh
 (its standard input closes).
 
 Which trials fork: those of a framework whose declaration says its imports are safe to fork from
-(``Declaration.fork_safe``), run by a plain interpreter (no command prefix: a container cannot receive the streams),
+(``Start.fork_safe``), run by a plain interpreter (no command prefix: a container cannot receive the streams),
 on Linux; every other trial, and every trial of a spec with ``worker_start: cold``, starts cold. The record says which
 (``TrialRecord.start``). Design and the isolation tests: docs/design/timing.md#where-a-trials-time-goes.
 """
@@ -54,7 +54,7 @@ def serve(socket_path: str, framework: str) -> int:
     import harness.execution.worker  # noqa: F401 - the worker side: numpy, pydantic, the harness's modules
 
     cls = adapters.get(framework)  # the adapter's module, and so the framework; nothing is made of it
-    for module in cls.declaration.preload:
+    for module in cls.declaration.start.preload:
         importlib.import_module(module)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)

@@ -141,7 +141,7 @@ def apply_cpu_memory_limit(limit_bytes: int, declaration: Any = None, emit: Call
     capped = _capped_allocator(declaration)
     if capped:
         mib = max(1, limit_bytes // MIB)
-        os.environ.update({k: v.replace("{mib}", str(mib)) for k, v in declaration.cpu_allocator_cap.items()})
+        os.environ.update({k: v.replace("{mib}", str(mib)) for k, v in declaration.memory.cpu_allocator_cap.items()})
         info["mechanism"] = f"{capped} limit + RLIMIT_DATA backstop"
         info["cpu_allocator_limit_mib"] = mib
         info["rlimit_data_bytes"] = _set_data_limit(data + TF_BACKSTOP_FACTOR * limit_bytes + TF_BACKSTOP_EXTRA_BYTES)
@@ -186,9 +186,9 @@ def _report_at_exit(report: Callable[[], None]) -> None:
 def _capped_allocator(declaration: Any) -> str:
     """The name of the declaration's capped CPU allocator, "<framework> <allocator>" ("tensorflow cpu BFC
     allocator"), or "" without one."""
-    if declaration is None or not declaration.cpu_allocator_cap:
+    if declaration is None or not declaration.memory.cpu_allocator_cap:
         return ""
-    return f"{declaration.name} {declaration.cpu_allocator}"
+    return f"{declaration.name} {declaration.memory.cpu_allocator}"
 
 
 def peak_estimate(capped: str, baseline: dict[str, int], now: dict[str, int], peak_reset: bool,

@@ -4,7 +4,7 @@ import; ``checked`` turns its report into run.json's record or the spec error. `
 default options, its framework seeded, the factory imported and called (``harness.neutral.native.make``), the object
 adopted (``Adapter.native_model``: the framework's own model type or an error), built for the task, a batch of two
 samples predicted and its logits' shape compared with what the dataset needs, and the trainable parameters counted.
-A family that starts every backend from the same weights (Keras: ``Declaration.shared_weights``) draws them here,
+A family that starts every backend from the same weights (Keras: ``Family.shared_weights``) draws them here,
 once per seed, for the trials to load. Any failure is a ``SpecError`` naming the spec file and
 ``frameworks.N.model`` (or ``.model.factory``), one line, exit 2 before anything is written
 (docs/guide/own-model.md).
@@ -64,11 +64,12 @@ def check(name: str, request: dict[str, Any]) -> dict[str, Any]:
         cls = adapters.get(name)
         declared = cls.declaration
         weights: Path | None = None
-        if declared.shared_weights:  # drawn once per seed, here, for every trial of the family to load
+        family = declared.family
+        if family.shared_weights:  # drawn once per seed, here, for every trial of the family to load
             for seed in seeds:
-                path = native.shared_weights_path(declared.family or declared.name, model, feed, classes, seed,
+                path = native.shared_weights_path(family.name or declared.name, model, feed, classes, seed,
                                                   cache_folder())
-                found = native.draw_shared_weights(declared.shared_weights, model, feed, classes, seed, path)
+                found = native.draw_shared_weights(family.shared_weights, model, feed, classes, seed, path)
                 weights = weights or found
         adapter = cls()
         adapter.prepare("cpu", 1, seeds[0])

@@ -50,7 +50,7 @@ if not out["missing"]:
         import adapters
         adapter = adapters.get(name)()
         out["versions"] = adapter.versions()
-        out["fork_safe"] = bool(type(adapter).declaration.fork_safe)
+        out["fork_safe"] = bool(type(adapter).declaration.start.fork_safe)
         if device != "cpu":
             out["device_problem"] = adapter.device_problem(device)
         if model:  # a model of your own, checked in the same interpreter
@@ -131,7 +131,7 @@ def _probe_code() -> str:
 
 
 _CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
-#: (interpreter argv, adapter name, HARNESS_ADAPTERS) -> the adapter's ``Declaration.fork_safe``, as its probe read it
+#: (interpreter argv, adapter name, HARNESS_ADAPTERS) -> the adapter's ``Start.fork_safe``, as its probe read it
 #: from the class: what ``declared_fork_safe`` answers for an adapter of HARNESS_ADAPTERS, whose declaration this
 #: process never imports.
 _FORK_SAFE: dict[tuple[tuple[str, ...], str, str], bool] = {}
@@ -142,7 +142,7 @@ ProbeRunner = Callable[[str, list[str], float], "tuple[int, str, str] | None"]
 def _declared_environment() -> dict[str, str]:
     import adapters  # the registry imports no framework
 
-    return {key: value for declared in adapters.declarations() for key, value in declared.environment.items()}
+    return {key: value for declared in adapters.declarations() for key, value in declared.environment.variables.items()}
 
 
 def probe(entry: FrameworkEntry, needed: dict[str, str] | None = None,
@@ -208,7 +208,7 @@ def _entry_key(entry: FrameworkEntry) -> tuple[tuple[str, ...], str, str]:
 
 def declared_fork_safe(name: str, python: str | None) -> bool | None:
     """Whether adapter ``name`` in the interpreter ``python`` (None: this one) declares its workers safe to fork
-    (``Declaration.fork_safe``), as a probe of this process read it there (``probe``); None when no probe of it has
+    (``Start.fork_safe``), as a probe of this process read it there (``probe``); None when no probe of it has
     run here (a Ray task's process, a worker started without a sweep)."""
     return _FORK_SAFE.get(_entry_key(FrameworkEntry(name=name, python=python)))
 
@@ -310,5 +310,5 @@ def loader_modules(spec: Spec, name: str) -> dict[str, str]:
     import adapters  # the registry imports no framework
 
     inputs = {spec.input, *((spec.variants.input or []) if spec.variants is not None else [])}
-    record = adapters.declaration(name)
-    return dict(record.loader_modules) if record is not None and "loader" in inputs else {}
+    declared = adapters.declaration(name)
+    return dict(declared.capabilities.loader_modules) if declared is not None and "loader" in inputs else {}

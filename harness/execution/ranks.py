@@ -1,4 +1,4 @@
-"""The ranks of a multi-process data-parallel trial (one process per device, ``Declaration.data_parallel ==
+"""The ranks of a multi-process data-parallel trial (one process per device, ``DataParallelism.kind ==
 "processes"``): rank 0 is the worker the launcher started; it starts ranks 1..N-1 in its own interpreter with the
 environment torchrun gives each rank (https://docs.pytorch.org/docs/stable/elastic/run.html#environment-variables),
 and watches them: a rank that exits early or reports an error ends the whole trial. Standard library only.

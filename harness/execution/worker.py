@@ -81,16 +81,17 @@ def _jsonable(value: Any) -> Any:
 
 def run_options(declaration: Declaration, trial: Trial, rank: int = 0) -> RunOptions:
     """The adapter's ``RunOptions``, built once: the trial's precision, compile mode (resolved by the declaration)
-    and memory limit, and the trial's allocator settings that the declaration names (``Declaration.allocator_options``;
+    and memory limit, and the trial's allocator settings that the declaration names (``Environment.allocator_options``;
     the others keep their defaults); for a data-parallel trial its devices, this process's ``rank`` and how many
     processes share them."""
     from adapters.base import DataParallel, RunOptions
     from harness.spec import AllocatorSpec
 
-    allocator = AllocatorSpec(**{option: getattr(trial.allocator, option) for option in declaration.allocator_options})
+    allocator = AllocatorSpec(**{option: getattr(trial.allocator, option)
+                                 for option in declaration.environment.allocator_options})
     data_parallel = None
     if trial.data_parallel > 1:
-        processes = trial.data_parallel if declaration.data_parallel == "processes" else 1
+        processes = trial.data_parallel if declaration.data_parallel.kind == "processes" else 1
         data_parallel = DataParallel(devices=trial.devices, processes=processes, rank=rank,
                                      sync_batchnorm=trial.sync_batchnorm)
     return RunOptions(precision=trial.precision, compile=trial.compile, memory_limit_bytes=trial.memory_limit_bytes,
@@ -182,12 +183,13 @@ def run(payload: Payload | dict[str, Any], events: Events) -> int:
 
 def _metrics(adapter: Adapter, info: Any, trial: Any, optimizer: Any, measured: Any, data: Any) -> TrialMetrics:
     """The trial's metrics: the training loop's measurements with the model's, the data's and the trial's settings."""
+    modes = type(adapter).declaration.capabilities.compile_modes
     added: dict[str, Any] = {**_model_metrics(adapter, info, trial, optimizer, measured), **_data_metrics(data),
                              "precision": trial.precision, "compile": adapter.mode,
-                             "compile_meaning": type(adapter).declaration.compile_modes.get(adapter.mode, "")}
+                             "compile_meaning": modes.get(adapter.mode, "")}
     if trial.data_parallel > 1:
         added["data_parallelism"] = DataParallelism(devices=list(trial.devices), sync_batchnorm=trial.sync_batchnorm,
-                                                    mechanism=type(adapter).declaration.data_parallel_mechanism)
+                                                    mechanism=type(adapter).declaration.data_parallel.mechanism)
     return TrialMetrics.model_validate({**measured.model_dump(exclude_unset=True), **added})
 
 
@@ -212,15 +214,14 @@ def _failure(adapter: Adapter | None, exc: BaseException) -> Error:
 def _native_source(declaration: Declaration, model: NativeModel, feed: Input, classes: int,
                    seed: int) -> native.NativeSource:
     """What the adapter needs to adopt the trial's model of your own; for a family that starts every backend from the
-    same weights (``Declaration.shared_weights``), the weights file, drawn now unless it exists
+    same weights (``Family.shared_weights``), the weights file, drawn now unless it exists
     (``harness.neutral.native.draw_shared_weights``, in this interpreter)."""
     from harness.neutral.data import cache_folder
 
-    weights = None
-    if declaration.shared_weights:
-        path = native.shared_weights_path(declaration.family or declaration.name, model, feed, classes, seed,
-                                          cache_folder())
-        weights = native.draw_shared_weights(declaration.shared_weights, model, feed, classes, seed, path)
+    weights, family = None, declaration.family
+    if family.shared_weights:
+        path = native.shared_weights_path(family.name or declaration.name, model, feed, classes, seed, cache_folder())
+        weights = native.draw_shared_weights(family.shared_weights, model, feed, classes, seed, path)
     return native.NativeSource(model.factory, feed, classes, seed, weights)
 
 
@@ -234,7 +235,7 @@ def _model_metrics(adapter: Adapter, info: ModelInfo | NativeTask, trial: Trial,
         out: dict[str, Any] = {
             "model_source": "neutral", "parameter_count": info.parameter_count, "flops_source": "the neutral model's "
             "layers (harness.neutral.info)",
-            "memory_predicted": _predicted_memory(info, trial, optimizer, adapter.declaration.attention)}
+            "memory_predicted": _predicted_memory(info, trial, optimizer, adapter.declaration.capabilities.attention)}
     else:
         flops, counted_by = adapter.train_flops_per_sample()
         out = {"model_source": "native", "parameter_count": int(sum(w.size for w in adapter.get_weights().values())),
@@ -284,7 +285,7 @@ def _adapter_class(payload: Payload, info: ModelInfo | NativeTask,
 
 
 def _data_parallel_start(declared: Declaration, payload: Payload, events: Events) -> tuple[Ranks | None, int]:
-    """Before the framework is imported: sets the declaration's ``data_parallel_environment`` and, for a
+    """Before the framework is imported: sets the declaration's ``DataParallelism.environment`` and, for a
     one-process-per-device framework, starts ranks 1..N-1 (``harness.execution.ranks``) when this process is rank
     0, the worker the launcher started. Returns (the started ranks or None, this process's rank). A rank that fails
     ends the trial: rank 0 reports it (``Error``, the rank's reason) and kills its process group."""
@@ -292,8 +293,8 @@ def _data_parallel_start(declared: Declaration, payload: Payload, events: Events
     from harness.execution.ranks import Ranks, rank_environment, this_rank
 
     trial = payload.trial
-    os.environ.update(declared.data_parallel_variables(trial.data_parallel, os.environ))
-    if declared.data_parallel != "processes":
+    os.environ.update(declared.data_parallel.variables(trial.data_parallel, os.environ))
+    if declared.data_parallel.kind != "processes":
         return None, 0
     mine = this_rank()
     if mine is not None:

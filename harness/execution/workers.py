@@ -70,20 +70,21 @@ def worker_settings(threads: int | None, base: dict[str, str] | None = None,
     else:
         one = adapters.declaration(framework)
         declared = (one,) if one is not None else ()
-    for record in declared:
-        env.update({variable: str(allocator[option]) for option, variable in record.allocator_environment.items()
-                    if allocator.get(option)})
+    for declaration in declared:
+        env.update({variable: str(allocator[option])
+                    for option, variable in declaration.environment.allocator.items() if allocator.get(option)})
     env["CUDA_DEVICE_ORDER"] = base.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    for record in declared:
-        env.update({variable: base.get(variable, value) for variable, value in record.environment.items()})
+    for declaration in declared:
+        env.update({variable: base.get(variable, value)
+                    for variable, value in declaration.environment.variables.items()})
     env["PYTHONUNBUFFERED"] = "1"
     if base.get("HARNESS_ADAPTERS"):
         env["HARNESS_ADAPTERS"] = base["HARNESS_ADAPTERS"]
     if threads is not None:
         env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads)))
-        for record in declared:
+        for declaration in declared:
             env.update({variable: value.replace("{threads}", str(threads))
-                        for variable, value in record.thread_environment.items()})
+                        for variable, value in declaration.environment.threads.items()})
     return env
 
 
@@ -96,8 +97,8 @@ def start_mode(trial: Trial) -> str:
 
     if trial.worker_start != "auto" or trial.command or not forkserver.forkable():
         return "cold"
-    record = adapters.declaration(trial.framework)
-    safe = record.fork_safe if record else probes.declared_fork_safe(trial.framework, trial.python)
+    declaration = adapters.declaration(trial.framework)
+    safe = declaration.start.fork_safe if declaration else probes.declared_fork_safe(trial.framework, trial.python)
     return "forked" if safe else "cold"
 
 

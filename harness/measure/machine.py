@@ -34,7 +34,7 @@ def packages() -> tuple[str, ...]:
 def recorded_environment() -> tuple[str, ...]:
     """The variables ``collect`` records: ``ENVIRONMENT``, each adapter's allocator and recorded variables."""
     return ENVIRONMENT + tuple(v for declared in adapters.declarations()
-                               for v in (*declared.allocator_environment.values(), *declared.recorded_environment))
+                               for v in (*declared.environment.allocator.values(), *declared.environment.recorded))
 
 
 def package_versions() -> dict[str, str]:

@@ -77,7 +77,7 @@ def predict(info: ModelInfo, batch_size: int, optimizer: Any, accumulation_steps
     optimizer: a ``harness.spec.OptimizerSpec`` (its ``name`` and ``momentum``). accumulation_steps: micro-batches
     per optimizer step (the effective batch is accumulation_steps x batch_size). dtype_bytes: bytes of a float
     value. attention: what the framework's attention keeps, one of ``ATTENTIONS`` (the adapter's declared
-    ``Declaration.attention``, read by ``adapters.attention``). Raises ValueError for a batch size or accumulation
+    ``Capabilities.attention``, read by ``adapters.attention``). Raises ValueError for a batch size or accumulation
     below 1 or an unknown attention."""
     if batch_size < 1 or accumulation_steps < 1:
         raise ValueError(f"batch_size {batch_size} and accumulation_steps {accumulation_steps} must be at least 1")

@@ -38,7 +38,7 @@ class NativeSource:
     """What an adapter needs to adopt a model of your own (``adapters.base.Adapter.native_model``): the factory (for
     messages), what the model is fed (``input``, NHWC images or token ids) and its classes (the vocabulary for a
     next-token task), the trial's seed (the framework's own initialisation follows it), and for a family that starts
-    every backend from the same weights (``Declaration.shared_weights``) the weights file to load, else None."""
+    every backend from the same weights (``Family.shared_weights``) the weights file to load, else None."""
 
     factory: str
     input: Input
@@ -159,7 +159,7 @@ def shared_weights_path(family: str, model: NativeModel, input: Input, classes: 
 def draw_shared_weights(module: str, model: NativeModel, input: Input, classes: int, seed: int, path: Path,
                         python: str | None = None, timeout_s: float = 600.0) -> Path:
     """The initial weights of ``model`` for ``seed`` at ``path`` (``shared_weights_path``), drawn now by ``python -m
-    module`` (the family's drawing module, ``Declaration.shared_weights``; default interpreter: this one) unless the
+    module`` (the family's drawing module, ``Family.shared_weights``; default interpreter: this one) unless the
     file exists. The module reads one JSON argument (factory, kwargs, input, classes, seed, path) and writes the file;
     the draw is deterministic, so two processes drawing the same file at once write the same bytes, and the file
     appears whole (written aside, then renamed). Raises NativeModelError (field ``model``) with the module's last

@@ -162,7 +162,7 @@ def unsupported_reason(spec: Spec, framework: str, conditions: Conditions | None
     from harness.plan.support import unsupported
 
     entry = entry_for(spec, framework)
-    record = declaration(entry.name)
-    if record is None:
+    declared = declaration(entry.name)
+    if declared is None:
         return None
-    return unsupported(record, trained_model(spec, entry), conditions or spec_conditions(spec))
+    return unsupported(declared, trained_model(spec, entry), conditions or spec_conditions(spec))

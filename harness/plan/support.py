@@ -44,19 +44,19 @@ class Conditions:
     gradient_noise: bool = False
 
 
-def unsupported(record: Declaration, info: ModelInfo | NativeTask,
+def unsupported(declaration: Declaration, info: ModelInfo | NativeTask,
                 conditions: Conditions = Conditions()) -> str | None:
-    """Why the adapter of ``record`` cannot train ``info`` (the neutral model's analysis, or a model of your own:
+    """Why the adapter of ``declaration`` cannot train ``info`` (the neutral model's analysis, or a model of your own:
     ``NativeTask``) under ``conditions``: the first reason of ``support_gap`` (``native_gap`` for a model of your
     own), ``execution_gap``, ``data_parallel_gap``, ``input_gap``, ``noise_gap`` and ``limit_gap``, one line; None
     when it can."""
     c = conditions
-    return ((native_gap(record, info) if isinstance(info, NativeTask) else support_gap(record, info))
-            or execution_gap(record, c.precision, c.compile, c.device)
-            or data_parallel_gap(record, info, c.data_parallel, c.sync_batchnorm, c.device)
-            or input_gap(record, c.input, c.data_parallel)
-            or noise_gap(record, c.gradient_noise, c.data_parallel, c.input)
-            or limit_gap(record, info, c))
+    return ((native_gap(declaration, info) if isinstance(info, NativeTask) else support_gap(declaration, info))
+            or execution_gap(declaration, c.precision, c.compile, c.device)
+            or data_parallel_gap(declaration, info, c.data_parallel, c.sync_batchnorm, c.device)
+            or input_gap(declaration, c.input, c.data_parallel)
+            or noise_gap(declaration, c.gradient_noise, c.data_parallel, c.input)
+            or limit_gap(declaration, info, c))
 
 
 @dataclass(frozen=True)
@@ -68,90 +68,95 @@ class NativeTask:
     task: str
 
 
-def native_gap(record: Declaration, native: NativeTask) -> str | None:
-    """None when the adapter adopts a model of your own (``Declaration.native_model``) for ``native``'s task; else
+def native_gap(declaration: Declaration, native: NativeTask) -> str | None:
+    """None when the adapter adopts a model of your own (``Capabilities.native_model``) for ``native``'s task; else
     one line saying what it lacks."""
-    if not record.native_model:
-        return f"the {record.name} adapter trains no model of your own" + (
-            f": {record.native_note}" if record.native_note else "")
-    if native.task not in record.tasks:
-        return f"the {record.name} adapter does not support {describe_feature(native.task)} (the dataset)"
+    can = declaration.capabilities
+    if not can.native_model:
+        return f"the {declaration.name} adapter trains no model of your own" + (
+            f": {can.native_note}" if can.native_note else "")
+    if native.task not in can.tasks:
+        return f"the {declaration.name} adapter does not support {describe_feature(native.task)} (the dataset)"
     return None
 
 
-def support_gap(record: Declaration, info: ModelInfo) -> str | None:
-    """None when the declaration's ``layers`` and ``tasks`` cover every requirement of ``info``
+def support_gap(declaration: Declaration, info: ModelInfo) -> str | None:
+    """None when the declaration's ``layers`` and ``tasks`` (``Capabilities``) cover every requirement of ``info``
     (``harness.neutral.info.requirements``); else one line naming the first one missing and where, e.g. "the pytorch
     adapter does not support residual blocks (model.layers.1)"."""
+    can = declaration.capabilities
     for feature, where in requirements(info):
-        if feature not in (record.tasks if feature in TASKS else record.layers):
-            return f"the {record.name} adapter does not support {describe_feature(feature)} ({where})"
+        if feature not in (can.tasks if feature in TASKS else can.layers):
+            return f"the {declaration.name} adapter does not support {describe_feature(feature)} ({where})"
     return None
 
 
-def execution_gap(record: Declaration, precision: str, compile: str, device: str) -> str | None:
+def execution_gap(declaration: Declaration, precision: str, compile: str, device: str) -> str | None:
     """None when the adapter trains in ``precision`` with ``compile`` on ``device``'s kind; else one line saying which
     it lacks, e.g. "the mxnet adapter does not train in fp16 on cpu (only on cuda)", followed by the declaration's
     note on that precision (why not) where there is one."""
-    kind = device_kind(device)
-    if kind not in record.precisions.get(precision, frozenset()):
-        where = sorted(record.precisions.get(precision, ()))
+    can, kind = declaration.capabilities, device_kind(device)
+    if kind not in can.precisions.get(precision, frozenset()):
+        where = sorted(can.precisions.get(precision, ()))
         also = f" (only on {', '.join(where)})" if where else ""
-        why = f": {record.notes[precision]}" if precision in record.notes else ""
-        return f"the {record.name} adapter does not train in {precision} on {kind}{also}{why}"
-    mode = record.mode(compile)
-    if mode not in record.compile_modes:
-        return f"the {record.name} adapter has no {mode} mode (its modes: {', '.join(sorted(record.compile_modes))})"
+        why = f": {can.notes[precision]}" if precision in can.notes else ""
+        return f"the {declaration.name} adapter does not train in {precision} on {kind}{also}{why}"
+    mode = can.mode(compile)
+    if mode not in can.compile_modes:
+        return f"the {declaration.name} adapter has no {mode} mode (its modes: {', '.join(sorted(can.compile_modes))})"
     return None
 
 
-def data_parallel_gap(record: Declaration, info: ModelInfo | NativeTask, devices: int, sync_batchnorm: bool,
+def data_parallel_gap(declaration: Declaration, info: ModelInfo | NativeTask, devices: int, sync_batchnorm: bool,
                       device: str = "cpu") -> str | None:
     """None when the adapter trains ``info`` on ``devices`` devices (with ``sync_batchnorm``, which matters only for a
     model with batchnorm) on ``device``'s kind; else one line saying what it lacks."""
     if devices <= 1:
         return None
-    if not record.data_parallel:
-        return f"the {record.name} adapter does not train data-parallel" + (
-            f": {record.data_parallel_mechanism}" if record.data_parallel_mechanism else "")
-    if sync_batchnorm and has_batchnorm(info) and device_kind(device) not in record.sync_batchnorm:
-        why = f": {record.sync_batchnorm_note}" if record.sync_batchnorm_note else ""
-        return f"the {record.name} adapter has no synchronised batchnorm on {device_kind(device)}{why}"
+    parallel = declaration.data_parallel
+    if not parallel.kind:
+        return f"the {declaration.name} adapter does not train data-parallel" + (
+            f": {parallel.mechanism}" if parallel.mechanism else "")
+    if sync_batchnorm and has_batchnorm(info) and device_kind(device) not in parallel.sync_batchnorm:
+        why = f": {parallel.sync_batchnorm_note}" if parallel.sync_batchnorm_note else ""
+        return f"the {declaration.name} adapter has no synchronised batchnorm on {device_kind(device)}{why}"
     return None
 
 
-def input_gap(record: Declaration, source: str, devices: int = 1) -> str | None:
+def input_gap(declaration: Declaration, source: str, devices: int = 1) -> str | None:
     """None when the adapter trains with ``source`` (``harness.spec.InputMode``) on ``devices`` devices; else one
-    line saying what it lacks. Loader mode needs the declaration's ``loader``, and is not combined with data
-    parallelism (each device would need its shard of every batch from the loader)."""
+    line saying what it lacks. Loader mode needs the declaration's ``loader`` (``Capabilities.loader``), and is not
+    combined with data parallelism (each device would need its shard of every batch from the loader)."""
     if source != "loader":
         return None
-    if not record.loader:
-        return f"the {record.name} adapter has no data loader mode (input: loader)"
+    if not declaration.capabilities.loader:
+        return f"the {declaration.name} adapter has no data loader mode (input: loader)"
     if devices > 1:
         return "input: loader is not combined with data parallelism yet (each device would need its own shard)"
     return None
 
 
-def noise_gap(record: Declaration, gradient_noise: bool, devices: int = 1, source: str = "resident") -> str | None:
+def noise_gap(declaration: Declaration, gradient_noise: bool, devices: int = 1, source: str = "resident") -> str | None:
     """None unless the trial measures gradient norms (``harness.spec.GradientNoiseSpec``) and the adapter cannot:
-    it must declare ``gradient_noise``, and the norms are measured on one device from resident batches."""
+    it must declare ``gradient_noise`` (``Capabilities.gradient_noise``), and the norms are measured on one device
+    from resident batches."""
     if not gradient_noise:
         return None
-    if not record.gradient_noise:
-        return f"the {record.name} adapter does not measure gradient norms (gradient_noise)"
+    if not declaration.capabilities.gradient_noise:
+        return f"the {declaration.name} adapter does not measure gradient norms (gradient_noise)"
     if devices > 1 or source == "loader":
         return "gradient_noise is measured on one device with resident input"
     return None
 
 
-def limit_gap(record: Declaration, info: ModelInfo | NativeTask, conditions: Conditions) -> str | None:
-    """The reason of the first of the declaration's ``limits`` that the trial matches, else None."""
-    c = conditions
+def limit_gap(declaration: Declaration, info: ModelInfo | NativeTask, conditions: Conditions) -> str | None:
+    """The reason of the first of the declaration's ``limits`` (``Capabilities.limits``) that the trial matches,
+    else None."""
+    c, can = conditions, declaration.capabilities
     facts = {"data_parallel": c.data_parallel > 1, "sync_batchnorm": c.sync_batchnorm and has_batchnorm(info),
-             "compile": record.mode(c.compile), "precision": c.precision, "device": device_kind(c.device),
+             "compile": can.mode(c.compile), "precision": c.precision, "device": device_kind(c.device),
              "input": c.input, "memory_limit": c.memory_limit, "native": isinstance(info, NativeTask)}
-    for limit in record.limits:
+    for limit in can.limits:
         if all(getattr(limit, key) in (None, value) for key, value in facts.items()):
             return limit.reason
     return None

@@ -26,10 +26,10 @@ def pairs(data: ReportData) -> list[tuple[str, str]]:
     for row in data.frameworks:
         keras = first.get(row)
         declaration = adapters.BUILTIN.get(keras.framework) if keras is not None else None
-        if keras is None or declaration is None or not declaration.native:
+        if keras is None or declaration is None or not declaration.family.native:
             continue
         found += [(row, other) for other in data.frameworks if (native := first.get(other)) is not None
-                  and native.framework == declaration.native and native.variant == keras.variant]
+                  and native.framework == declaration.family.native and native.variant == keras.variant]
     return found
 
 

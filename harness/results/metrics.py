@@ -38,8 +38,8 @@ def title(key: str) -> str:
     """A row's title: a built-in framework's name as its declaration writes it ("pytorch" -> "PyTorch"), any other
     label as it is, with the variant kept."""
     framework, _, variant = key.partition(" (")
-    record = adapters.BUILTIN.get(framework)
-    return (record.title if record else framework) + (f" ({variant}" if variant else "")
+    declared = adapters.BUILTIN.get(framework)
+    return (declared.title if declared else framework) + (f" ({variant}" if variant else "")
 
 
 def scaled(read: Callable[[TrialRecord], Any], scale: float = 1.0) -> Read:

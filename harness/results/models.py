@@ -62,7 +62,7 @@ def _proven(adapter: str, model: dict[str, Any] | None) -> str:
     if model is None:
         return "yes: every neutral row (the same weights and batches)"
     declaration = adapters.BUILTIN.get(adapter)
-    if declaration is not None and declaration.shared_weights:
-        family = declaration.family or declaration.name
+    if declaration is not None and declaration.family.shared_weights:
+        family = declaration.family.name or declaration.name
         return f"yes, among the {family} rows of this factory (the same weights, drawn once per seed)"
     return "no: a model of your own"

@@ -69,7 +69,7 @@ def test_options_are_given_at_construction(adapter_cls):
     options = run_options({"memory_limit_bytes": 10**9})
     adapter = adapter_cls(options)
     assert adapter.options.memory_limit_bytes == 10**9
-    assert adapter.options.compile == adapter_cls.declaration.default_compile == adapter.mode
+    assert adapter.options.compile == adapter_cls.declaration.capabilities.default_compile == adapter.mode
     with pytest.raises(Exception, match="frozen"):
         adapter.options.precision = "bf16"
     assert adapter_cls().options.memory_limit_bytes is None  # nothing shared between instances

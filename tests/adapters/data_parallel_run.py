@@ -70,8 +70,8 @@ def _model(batchnorm: bool):
 
 def set_data_parallel_environment(record, devices: int) -> None:
     """The declaration's ``data_parallel_environment`` in ``os.environ``, as the worker sets it
-    (``Declaration.data_parallel_variables``), before the framework is imported."""
-    os.environ.update(record.data_parallel_variables(devices, os.environ))
+    (``DataParallelism.variables``), before the framework is imported."""
+    os.environ.update(record.data_parallel.variables(devices, os.environ))
 
 
 def refusals(adapter, order) -> dict[str, str]:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         set_data_parallel_environment(record, devices)
     rank, processes = 0, 1
     ranks = None
-    if devices > 1 and record.data_parallel == "processes":
+    if devices > 1 and record.data_parallel.kind == "processes":
         processes = devices
         mine = this_rank()
         if mine is None:  # rank 0: start the others, each running this command

@@ -166,7 +166,8 @@ def test_the_loader_trains_as_resident_mode_does():
     assert settings["train_step_compilations"] == {"32x2 loader": 1}
     assert settings["loader"] == {"loader": "grain.MapDataset", "num_threads": 2, "prefetch_buffer_size": 6,
                                   "device_put_prefetch": 3, "source": "memory"}
-    assert DECLARATION.loader == "grain.MapDataset" and dict(DECLARATION.loader_modules) == {"grain": "grain"}
+    can = DECLARATION.capabilities
+    assert can.loader == "grain.MapDataset" and dict(can.loader_modules) == {"grain": "grain"}
 
 
 def test_oom_is_classified_by_status_and_type():
@@ -199,8 +200,8 @@ def test_a_gpu_is_unavailable_here():
 def test_the_builder_builds_every_declared_layer_kind():
     """The neutral builder has a ``visit_<kind>`` for every layer kind the declaration names (its options, such as
     conv2d.stride, are the layer's own), and for no other."""
-    assert Builder.kinds() == {kind for kind in DECLARATION.layers if "." not in kind}
-    assert DECLARATION.layers == ALL_LAYERS
+    assert Builder.kinds() == {kind for kind in DECLARATION.capabilities.layers if "." not in kind}
+    assert DECLARATION.capabilities.layers == ALL_LAYERS
 
 
 # ----------------------------------------------------------------------------------------------- precision and mode
@@ -264,7 +265,8 @@ def _products(adapter) -> list:
 def test_execution_modes_and_precisions_are_declared():
     """One mode, compiled (the default); fp32 and bf16 everywhere, tf32 and fp16 on CUDA GPUs only: the plan's rule
     from the declaration (``harness.plan.support``)."""
-    assert JaxAdapter.declaration.default_compile == "compiled" and list(DECLARATION.compile_modes) == ["compiled"]
+    can = JaxAdapter.declaration.capabilities
+    assert can.default_compile == "compiled" and list(DECLARATION.capabilities.compile_modes) == ["compiled"]
     assert JaxAdapter(run_options({"compile": "default"})).mode == "compiled"
     runs = [("bf16", "cpu"), ("fp32", "cpu"), ("fp16", "cuda:0"), ("tf32", "cuda"), ("bf16", "cuda")]
     kit.check_execution_declared("jax", [(p, mode, d) for p, d in runs for mode in ("compiled", "default")], {

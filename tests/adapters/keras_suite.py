@@ -18,7 +18,7 @@ from tests.adapters.conformance import *  # noqa: F403 (the conformance tests, c
 
 NAME = os.environ["HARNESS_KERAS_ADAPTER"]
 ADAPTER = adapters.get(NAME)
-BACKEND = ADAPTER.declaration.backend
+BACKEND = ADAPTER.declaration.family.backend
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_keras_runs_on_the_declared_backend():
     settings = adapter.settings().record()
     assert settings["keras_backend"] == BACKEND and settings["dtype_policy"] == "float32"
     assert settings["train_api"] == "keras.Model.train_on_batch" and settings["precision"] == "fp32"
-    assert settings["compile"] == ADAPTER.declaration.default_compile and settings["loader"] is None
+    assert settings["compile"] == ADAPTER.declaration.capabilities.default_compile and settings["loader"] is None
     assert settings["data_parallel"] is None
     if BACKEND != "jax":  # JAX's CPU threads are XLA's own: not told
         assert settings["intra_op_threads"] == 2 and settings["inter_op_threads"] == 1
@@ -63,7 +63,8 @@ def test_modes_map_to_jit_compile_and_train_alike():
         weights[mode] = adapter.get_weights()
     for name, value in weights["eager"].items():
         np.testing.assert_allclose(weights["compiled"][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
-    assert ADAPTER.declaration.default_compile == {"jax": "compiled", "torch": "eager", "tensorflow": "eager"}[BACKEND]
+    defaults = {"jax": "compiled", "torch": "eager", "tensorflow": "eager"}
+    assert ADAPTER.declaration.capabilities.default_compile == defaults[BACKEND]
 
 
 def test_bf16_is_keras_mixed_bfloat16_within_its_rounding():
@@ -140,8 +141,9 @@ def test_a_model_of_your_own_learns_the_digits_through_native_model():
     the worker records; ``get_buffers``: batchnorm's moving statistics), each moved by more than 1e-3 but the bias of
     the convolution that feeds the batchnorm, whose gradient is zero (batchnorm subtracts each channel's mean). The
     declaration adopts a keras.Model and shares initial weights across the backends; the plan accepts the task."""
-    record = ADAPTER.declaration
-    assert (record.native_model, record.shared_weights) == ("keras.Model", "adapters.keras.weights")
+    declared = ADAPTER.declaration
+    assert declared.capabilities.native_model == "keras.Model"
+    assert declared.family.shared_weights == "adapters.keras.weights"
     assert unsupported(adapters.BUILTIN[NAME], NativeTask("image_classification")) is None
     adapter, data = keras_native.adopt(ADAPTER, kit.SGD, None)
     model = adapter.training.model

@@ -50,7 +50,8 @@ RTOL, ATOL, SYNC_ATOL = 1e-5, 1e-6, 1e-5
 FORCED_SYNC = r'''
 import dataclasses, sys
 from adapters.mxnet.adapter import MXNetAdapter
-MXNetAdapter.declaration = dataclasses.replace(MXNetAdapter.declaration, default_compile="eager")
+MXNetAdapter.declaration = dataclasses.replace(MXNetAdapter.declaration, capabilities=dataclasses.replace(
+    MXNetAdapter.declaration.capabilities, default_compile="eager"))
 from tests.adapters import data_parallel_run
 sys.exit(data_parallel_run.main(sys.argv[1:]))
 '''
@@ -290,9 +291,10 @@ def test_what_data_parallel_training_refuses():
 def test_the_declaration_and_the_settings_name_the_mechanism():
     """One process drives every context (no environment to set); the settings record the contexts, the kvstore Gluon
     created, the update on every context and the batchnorm kind."""
-    assert DECLARATION.data_parallel == "devices" and not DECLARATION.data_parallel_environment
-    assert DECLARATION.sync_batchnorm == frozenset({"cuda"})
-    assert "'device' kvstore" in DECLARATION.data_parallel_mechanism
+    parallel = DECLARATION.data_parallel
+    assert parallel.kind == "devices" and not parallel.environment
+    assert parallel.sync_batchnorm == frozenset({"cuda"})
+    assert "'device' kvstore" in parallel.mechanism
     adapter = _adapter(2)
     kit.step(adapter, np.arange(32))
     adapter.read_loss()

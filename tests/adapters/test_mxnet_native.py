@@ -81,7 +81,7 @@ def test_a_gluon_cnn_of_your_own_learns_digits(data):
     assert settings["gluon_parameters"] == 12 and settings["parameters_kept_from_factory"] == 0  # 10 + 2 running stats
     assert adapter.train_flops_per_sample() == (None, NO_FLOP_COUNTER)
     assert "no FLOP counter" in NO_FLOP_COUNTER
-    assert adapters.BUILTIN["mxnet"].native_model == "mxnet.gluon.HybridBlock"
+    assert adapters.BUILTIN["mxnet"].capabilities.native_model == "mxnet.gluon.HybridBlock"
 
 
 def test_the_seed_draws_the_initial_weights_by_gluons_rules(data):

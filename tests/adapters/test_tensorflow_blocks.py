@@ -31,7 +31,7 @@ def test_it_declares_every_layer_and_task_and_builds_every_kind():
     """The declaration names every layer and task, the plan's rule accepts the block models, and the neutral builder
     has a ``visit_<kind>`` for every layer kind of the declaration (its options are the kinds' own)."""
     declaration = TensorFlowAdapter.declaration
-    assert declaration.layers == ALL_LAYERS and declaration.tasks == ALL_TASKS
+    assert declaration.capabilities.layers == ALL_LAYERS and declaration.capabilities.tasks == ALL_TASKS
     for model, cfg in scenarios.BLOCK_MODELS.values():
         assert unsupported(declaration, models.analyze(model, *datasets.describe_input(cfg))) is None
     assert Builder.kinds() == {kind for kind in ALL_LAYERS if "." not in kind}

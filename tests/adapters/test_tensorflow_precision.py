@@ -263,8 +263,9 @@ def test_settings_record_precision_and_mode():
 
 def test_what_it_cannot_run_is_refused_with_a_reason():
     declaration = TensorFlowAdapter.declaration
-    assert declaration.precisions == {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
-    assert set(declaration.compile_modes) == {"eager", "compiled"} and declaration.default_compile == "eager"
+    can = declaration.capabilities
+    assert can.precisions == {"fp32": BOTH, "tf32": CUDA, "bf16": BOTH, "fp16": CUDA}
+    assert set(can.compile_modes) == {"eager", "compiled"} and can.default_compile == "eager"
     kit.check_execution_declared("tensorflow", [("bf16", "compiled", "cpu"), ("bf16", "default", "cpu"),
                                                 ("fp16", "compiled", "cuda:0"), ("tf32", "default", "cuda")], {
         ("fp16", "default", "cpu"): "the tensorflow adapter does not train in fp16 on cpu (only on cuda): fp16 with "

@@ -132,28 +132,26 @@ def test_one_failing_rank_ends_the_trial_and_the_sweep_goes_on(write_spec, tmp_p
 
 
 def test_the_declared_environment_appends_to_flag_variables_and_sets_the_others():
-    from adapters.declaration import Declaration
+    from adapters.declaration import DataParallelism
 
-    record = Declaration(name="x", title="x", adapter="m:C", data_parallel="devices",
-                         data_parallel_environment={"XLA_FLAGS": "--count={devices}", "OTHER": "{devices}"})
-    assert record.data_parallel_variables(2, {"XLA_FLAGS": "--launcher", "OTHER": "9"}) == {
+    parallel = DataParallelism(kind="devices", environment={"XLA_FLAGS": "--count={devices}", "OTHER": "{devices}"})
+    assert parallel.variables(2, {"XLA_FLAGS": "--launcher", "OTHER": "9"}) == {
         "XLA_FLAGS": "--launcher --count=2", "OTHER": "2"}
-    assert record.data_parallel_variables(4, {}) == {"XLA_FLAGS": "--count=4", "OTHER": "4"}
+    assert parallel.variables(4, {}) == {"XLA_FLAGS": "--count=4", "OTHER": "4"}
 
 
 def test_flags_are_composed_from_flags_only_whatever_the_order():
     """A token that is no flag ends XLA's parsing of XLA_FLAGS (jaxlib 0.10.2): the one-thread setting's stray
     ``intra_op_parallelism_threads=1`` hid the host device count of every one-thread data-parallel JAX trial."""
-    from adapters.declaration import Declaration, append_flags
+    from adapters.declaration import DataParallelism, append_flags
 
     stray = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     assert append_flags(stray, "--xla_force_host_platform_device_count=2") == (
         "--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=2")
     assert append_flags("--a=1 --b", "--a=2") == "--b --a=2"  # the last value wins, in the last place
     assert append_flags("", "") == "" and append_flags("  -- x ", "--c") == "--c"
-    record = Declaration(name="x", title="x", adapter="m:C", data_parallel="devices",
-                         data_parallel_environment={"XLA_FLAGS": "--count={devices}"})
-    assert record.data_parallel_variables(2, {"XLA_FLAGS": stray}) == {
+    parallel = DataParallelism(kind="devices", environment={"XLA_FLAGS": "--count={devices}"})
+    assert parallel.variables(2, {"XLA_FLAGS": stray}) == {
         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false --count=2"}
 
 

@@ -186,7 +186,7 @@ def test_what_starts_cold(tmp_path, fault_adapter, monkeypatch):
 def test_an_adapter_of_harness_adapters_forks_once_its_probe_has_read_its_declaration(tmp_path, monkeypatch,
                                                                                       fault_adapter):
     """HARNESS_ADAPTERS adapters are imported only in their workers' interpreters: cold until the entry's probe has
-    read the class's ``Declaration.fork_safe`` there; then a declared fork-safe one (the fault adapter) forks, one
+    read the class's ``Start.fork_safe`` there; then a declared fork-safe one (the fault adapter) forks, one
     that does not declare it (the data-parallel fault adapter) stays cold. A sweep probes first, so its trials fork
     and train as cold ones do."""
     from tests.fakes.fault_adapter import DATA_PARALLEL_REGISTRATION, REGISTRATION

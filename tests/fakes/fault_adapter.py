@@ -20,15 +20,16 @@ import time
 import numpy as np
 
 from adapters.base import Adapter, Settings, shard
-from adapters.declaration import Declaration
+from adapters.declaration import DataParallelism, Declaration, Start
 from harness.neutral.steps import steps
 
 REGISTRATION = "fault=tests.fakes.fault_adapter:FaultAdapter"
 
 
+# numpy only: forked, as a built-in would be
 class FaultAdapter(Adapter, declaration=Declaration(name="fault", title="fault",
                                                     adapter="tests.fakes.fault_adapter:FaultAdapter",
-                                                    fork_safe=True)):  # numpy only: forked, as a built-in would be
+                                                    start=Start(fork_safe=True))):
     def __init__(self, options=None) -> None:
         super().__init__(options)
         self.steps = 0
@@ -152,7 +153,7 @@ DATA_PARALLEL_REGISTRATION = "fault_dp=tests.fakes.fault_adapter:DataParallelFau
 
 class DataParallelFaultAdapter(FaultAdapter, declaration=Declaration(
         name="fault_dp", title="fault_dp", adapter="tests.fakes.fault_adapter:DataParallelFaultAdapter",
-        data_parallel="processes", data_parallel_mechanism="one numpy process per device, no all-reduce")):
+        data_parallel=DataParallelism(kind="processes", mechanism="one numpy process per device, no all-reduce"))):
     def prepare(self, device, threads, seed):
         super().prepare(device, threads, seed)
         dp = self.options.data_parallel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from adapters.base import Adapter, Settings, shard
-from adapters.declaration import Declaration
+from adapters.declaration import DataParallelism, Declaration
 from harness.neutral.steps import steps
 
 #: What a step holds per per-device sample, beyond its images: written, so resident and counted by the cap.
@@ -19,7 +19,7 @@ REGISTRATION = "memory_dp=tests.fakes.memory_adapter:MemoryAdapter"
 
 class MemoryAdapter(Adapter, declaration=Declaration(
         name="memory_dp", title="memory_dp", adapter="tests.fakes.memory_adapter:MemoryAdapter",
-        data_parallel="processes", data_parallel_mechanism="one numpy process per device, no all-reduce")):
+        data_parallel=DataParallelism(kind="processes", mechanism="one numpy process per device, no all-reduce"))):
 
     def prepare(self, device, threads, seed):
         dp = self.options.data_parallel

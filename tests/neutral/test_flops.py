@@ -133,7 +133,7 @@ def test_which_input_gradients_are_skipped(layers):
 @pytest.mark.parametrize("name", ["cnn", "resnet_small"])
 def test_saved_activations_of_image_models(name):
     info = spec_model(name)
-    attention = PyTorchAdapter.declaration.attention
+    attention = PyTorchAdapter.declaration.capabilities.attention
     predicted = memory.predict(info, BATCH, _sgd(), attention=attention).activations_per_sample
     assert saved_bytes(info) == pytest.approx(predicted, rel=0.005)
 
@@ -144,7 +144,7 @@ def test_saved_activations_of_attention_follow_the_declared_implementation():
     info = spec_model("transformer_small")
     fused = memory.predict(info, BATCH, _sgd(), attention="fused").activations_per_sample
     unfused = memory.predict(info, BATCH, _sgd(), attention="unfused").activations_per_sample
-    assert PyTorchAdapter.declaration.attention == "fused"
+    assert PyTorchAdapter.declaration.capabilities.attention == "fused"
     assert saved_bytes(info) == pytest.approx(fused, rel=0.005)
     assert unfused > 1.1 * fused  # the probabilities, heads x L x L per layer, are what tells them apart
     # the math path also keeps q and k scaled by sqrt(1 / sqrt(D / heads)) each, copies beside the projection's output

@@ -9,7 +9,17 @@ import dataclasses
 import pytest
 
 import adapters
-from adapters.declaration import ALL_LAYERS, ALL_TASKS, BASIC_LAYERS, BOTH, CPU, IMAGE_TASKS, Limit
+from adapters.declaration import (
+    ALL_LAYERS,
+    ALL_TASKS,
+    BASIC_LAYERS,
+    BOTH,
+    CPU,
+    IMAGE_TASKS,
+    DataParallelism,
+    Limit,
+    Memory,
+)
 from harness.neutral import models
 from harness.plan import checked_spec, unsupported_reason
 from harness.plan.support import Conditions, unsupported
@@ -38,15 +48,16 @@ def test_every_declaration_is_complete_and_its_adapter_class_takes_it():
 
     assert list(adapters.BUILTIN) == ["pytorch", "tensorflow", "mxnet", "jax", "keras-jax", "keras-torch",
                                       "keras-tensorflow"]
-    for name, record in adapters.BUILTIN.items():
-        assert record.name == name and record.title and record.distributions, name
-        package = record.family or name
-        assert record.adapter.startswith(f"adapters.{package}.adapter:"), record.adapter
-        assert not record.native or (adapters.BUILTIN[record.native].title in record.title), name
-        assert record.precisions["fp32"] == BOTH and record.default_compile in record.compile_modes, name
-        assert (record.layers, record.tasks) == (ALL_LAYERS, ALL_TASKS), name
-        assert record.attention in memory.ATTENTIONS and record.attention == adapters.attention(name), name
-        assert set(record.notes) <= set(record.precisions) | {"bf16", "tf32"}, name
+    for name, declared in adapters.BUILTIN.items():
+        can, family = declared.capabilities, declared.family
+        assert declared.name == name and declared.title and declared.distributions, name
+        package = family.name or name
+        assert declared.adapter.startswith(f"adapters.{package}.adapter:"), declared.adapter
+        assert not family.native or (adapters.BUILTIN[family.native].title in declared.title), name
+        assert can.precisions["fp32"] == BOTH and can.default_compile in can.compile_modes, name
+        assert (can.layers, can.tasks) == (ALL_LAYERS, ALL_TASKS), name
+        assert can.attention in memory.ATTENTIONS and can.attention == adapters.attention(name), name
+        assert set(can.notes) <= set(can.precisions) | {"bf16", "tf32"}, name
 
 
 def test_a_family_names_its_backends():
@@ -55,26 +66,30 @@ def test_a_family_names_its_backends():
     assert adapters.backends("keras") == ["jax", "torch", "tensorflow"] and adapters.backends("pytorch") == []
     assert [adapters.with_backend("keras", b) for b in ("jax", "torch", "tensorflow", "mxnet")] == [
         "keras-jax", "keras-torch", "keras-tensorflow", None]
-    assert {adapters.BUILTIN[f"keras-{b}"].native for b in ("jax", "torch", "tensorflow")} == {
+    assert {adapters.BUILTIN[f"keras-{b}"].family.native for b in ("jax", "torch", "tensorflow")} == {
         "jax", "pytorch", "tensorflow"}
     with pytest.raises(ValueError, match="family and backend go together"):
         dataclasses.replace(adapters.BUILTIN["keras-jax"], name="keras-torch")
 
 
 def test_a_declaration_that_contradicts_itself_is_refused():
-    record = adapters.BUILTIN["mxnet"]
-    for change, words in (({"default_compile": "eager", "compile_modes": {"compiled": "x"}}, "default mode"),
-                          ({"adapter": "adapters.mxnet.adapter"}, "not module:Class"),
-                          ({"cpu_allocator_cap": {"X": "{mib}"}}, "go together")):
+    declared = adapters.BUILTIN["mxnet"]
+    for change, words in (
+            (lambda: dataclasses.replace(declared.capabilities, default_compile="eager",
+                                         compile_modes={"compiled": "x"}), "default mode"),
+            (lambda: dataclasses.replace(declared, adapter="adapters.mxnet.adapter"), "not module:Class"),
+            (lambda: Memory(cpu_allocator_cap={"X": "{mib}"}), "go together"),
+            (lambda: DataParallelism(kind="ranks"), "is not '', 'devices' or 'processes'")):
         with pytest.raises(ValueError, match=words):
-            dataclasses.replace(record, **change)
+            change()
 
 
 def test_an_adapter_class_takes_its_declaration():
     """A class that names a record has exactly the record's name and facts; a subclass keeps its parent's; its
     options resolve "default" to the record's mode."""
-    record = dataclasses.replace(adapters.BUILTIN["mxnet"], name="planted", precisions={"fp32": CPU},
-                                 notes={"fp16": "never"})
+    mxnet = adapters.BUILTIN["mxnet"]
+    record = dataclasses.replace(mxnet, name="planted", capabilities=dataclasses.replace(
+        mxnet.capabilities, precisions={"fp32": CPU}, notes={"fp16": "never"}))
 
     class Declared(FaultAdapter, declaration=record):
         pass
@@ -85,7 +100,7 @@ def test_an_adapter_class_takes_its_declaration():
         pass
 
     assert Sub.declaration is record and Sub.name == "planted"
-    assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.layers == BASIC_LAYERS
+    assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.capabilities.layers == BASIC_LAYERS
     assert FaultAdapter.declaration.adapter == "tests.fakes.fault_adapter:FaultAdapter"
     info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
     assert unsupported(record, info, Conditions("fp32", "default", "cuda:0")) == (
@@ -105,8 +120,10 @@ def test_a_declared_limit_refuses_its_combination_and_nothing_else():
     reason; sync batchnorm matters only for a model with batchnorm."""
     limit = Limit(reason="no sync batchnorm when compiled", data_parallel=True, sync_batchnorm=True,
                   compile="compiled")
-    record = dataclasses.replace(adapters.BUILTIN["tensorflow"], name="limited", limits=(limit,),
-                                 sync_batchnorm=BOTH)
+    tensorflow = adapters.BUILTIN["tensorflow"]
+    record = dataclasses.replace(
+        tensorflow, name="limited", capabilities=dataclasses.replace(tensorflow.capabilities, limits=(limit,)),
+        data_parallel=dataclasses.replace(tensorflow.data_parallel, sync_batchnorm=BOTH))
     norm = models.analyze(ModelSpec.model_validate({"layers": [
         {"type": "conv2d", "filters": 2, "kernel_size": 3}, {"type": "batchnorm"}, {"type": "flatten"},
         {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
@@ -123,8 +140,9 @@ def _before_blocks(monkeypatch, *names: str) -> None:
     """The registry as it was before TensorFlow and MXNet built blocks: for ``names``, the basic layers and image
     classification only (a built-in adapter that lacks something, decided at plan time)."""
     for name in names:
-        monkeypatch.setitem(adapters.BUILTIN, name, dataclasses.replace(
-            adapters.BUILTIN[name], layers=BASIC_LAYERS, tasks=IMAGE_TASKS))
+        declared = adapters.BUILTIN[name]
+        monkeypatch.setitem(adapters.BUILTIN, name, dataclasses.replace(declared, capabilities=dataclasses.replace(
+            declared.capabilities, layers=BASIC_LAYERS, tasks=IMAGE_TASKS)))
 
 
 def _unsupported(name: str, info) -> str | None:

@@ -1,6 +1,6 @@
 """The report's "Keras over native" section from constructed trial records (no training): the throughput and peak
 memory ratios of a Keras row over its native framework's row per batch size, their noise verdicts, the pairing by
-``Declaration.native``, the section's absence without the native framework, and the declarations' titles ("Keras
+``Family.native``, the section's absence without the native framework, and the declarations' titles ("Keras
 (JAX)") for rows without a label of their own."""
 
 from __future__ import annotations

@@ -73,16 +73,16 @@ def check_supported(spec: Spec, framework: str, device: str, dp: DataParallelSpe
     from adapters import declaration  # the registry imports no framework
 
     entry = entry_for(spec, framework)
-    record = declaration(entry.name)
-    if record is None:
+    declared = declaration(entry.name)
+    if declared is None:
         return
     info = trained_model(spec, entry)
     conditions = replace(spec_conditions(spec, device, dp), memory_limit=memory_limit, gradient_noise=False)
-    why = unsupported(record, info, conditions)
+    why = unsupported(declared, info, conditions)
     if why is None:
         return
     alone = conditions.data_parallel > 1 and unsupported(
-        record, info, replace(conditions, data_parallel=1, sync_batchnorm=False)) is None
+        declared, info, replace(conditions, data_parallel=1, sync_batchnorm=False)) is None
     raise SpecError(spec_file, field if alone else "", why)
 
 

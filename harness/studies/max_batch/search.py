@@ -160,8 +160,8 @@ class _Search:
             return
         predicted = memory.predict(model_info(spec), 1, spec.optimizer, spec.accumulation_steps,
                                    attention=attention(result.framework))
-        record = declaration(entry_for(spec, result.framework).name)
-        replicas = self.devices if record is not None and record.data_parallel == "devices" else 1
+        declared = declaration(entry_for(spec, result.framework).name)
+        replicas = self.devices if declared is not None and declared.data_parallel.kind == "devices" else 1
         run_data = result.run_data["bytes"] if result.run_data is not None else None
         fixed = replicas * predicted.fixed + (result.dataset_bytes or 0) + (run_data or 0)
         # the probe's data: the run's dataset in the fixed part where it holds the batch (the line below it), else

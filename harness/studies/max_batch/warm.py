@@ -22,11 +22,11 @@ from harness.studies.max_batch.probe import peak as probe_peak
 
 def compiles_into_peak(spec: Spec, framework: str, device: str) -> bool:
     """True where ``framework``'s declaration says the allocator peak its workers report on ``device``'s kind
-    includes what compiling borrowed (``Declaration.compile_peak``: JAX on a GPU)."""
+    includes what compiling borrowed (``Memory.compile_peak``: JAX on a GPU)."""
     from adapters import declaration  # the registry imports no framework
 
-    record = declaration(entry_for(spec, framework).name)
-    return record is not None and ("cpu" if device == "cpu" else "cuda") in record.compile_peak
+    declared = declaration(entry_for(spec, framework).name)
+    return declared is not None and ("cpu" if device == "cpu" else "cuda") in declared.memory.compile_peak
 
 
 @contextmanager
