@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +29,12 @@ from tests.helpers import base_spec, made_once  # noqa: E402
 # times a step against a figure; a run records both variables (harness.measure.machine.ENVIRONMENT).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("KMP_BLOCKTIME", "0")
+# Ctrl-C as a terminal sends it: a suite started in the background by a script (`cmd &` without job control) inherits
+# SIGINT ignored (POSIX), and every process it starts would too (an ignored signal stays ignored across exec), so the
+# interruption tests' SIGINT would reach nothing. Python's own handler again here: the children then start with the
+# default (a handler is reset at exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # JAX's persistent compilation cache for every process the tests start (the suites in envs/jax and envs/keras-jax,
 # trials, probes; https://docs.jax.dev/en/latest/persistent_compilation_cache.html): XLA compiling the same programs
