@@ -130,9 +130,9 @@ class JaxAdapter(Facade[Training, Inputs], declaration=DECLARATION):
     def _prepare_data_parallel(self, parallel: DataParallel) -> None:
         """A ``jax.sharding.Mesh`` over the trial's devices (``DataParallel.devices``: "cpu:i" is the i-th of
         ``jax.devices("cpu")``, host devices that ``--xla_force_host_platform_device_count`` in XLA_FLAGS makes (the
-        declaration's ``data_parallel_environment``, set before JAX is imported); "cuda:i" the i-th GPU) with one axis,
-        DATA; the first of them is ``self.device`` (evaluation, ``predict``, memory statistics). One process drives
-        them all. Raises DeviceUnavailable when JAX sees fewer devices than the trial names."""
+        declaration's ``DataParallelism.environment``, set before JAX is imported); "cuda:i" the i-th GPU) with one
+        axis, DATA; the first of them is ``self.device`` (evaluation, ``predict``, memory statistics). One process
+        drives them all. Raises DeviceUnavailable when JAX sees fewer devices than the trial names."""
         found = []
         for name, (kind, index) in zip(parallel.devices, parallel.one_process_devices("jax")):
             platform = "gpu" if kind == "cuda" else kind

@@ -279,9 +279,10 @@ class _Loop:
         (``train_loss_steps`` of them; nan when none), and ``timed_s`` the timed seconds since the evaluation
         before."""
         epoch, step = (self.done - 1) // self.steps_per_epoch, self.done
+        key = None if self.every_samples is None else step  # several evaluations an epoch: probes drawn by step
         due = self.noise is not None and ((len(self.epoch_records) + 1) % self.noise.every == 0
                                           or step == self.epochs * self.steps_per_epoch)
-        noise = self.gradient_norms(epoch, None if self.every_samples is None else step) if due else None
+        noise = self.gradient_norms(epoch, key) if due else None
         self.emit(Phase(name="eval", epoch=epoch, edge="start"))
         test_loss, test_accuracy = self.adapter.evaluate(self.micro)
         self.emit(Phase(name="eval", epoch=epoch, edge="end"))
@@ -291,7 +292,7 @@ class _Loop:
             self.reached = {"epochs": epoch + 1, "steps": step, "training_s": self.measured_seconds,
                             "wall_s": time.perf_counter() - train_started}
             if noise is None and self.noise is not None:  # the norms where the target is first reached: the
-                noise = self.gradient_norms(epoch, None if self.every_samples is None else step)  # same parameters
+                noise = self.gradient_norms(epoch, key)  # same parameters as before the test set
         steps = sum(count for _, count in losses)
         train_loss = sum(mean * count for mean, count in losses if count) / steps if steps else math.nan
         record: dict[str, Any] = {"epoch": epoch, "train_loss": train_loss, "train_loss_steps": steps,

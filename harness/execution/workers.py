@@ -56,10 +56,11 @@ def worker_settings(threads: int | None, base: dict[str, str] | None = None,
     and the generic ones any framework reads; with ``framework`` None, every built-in declaration's alike
     (``adapters.declarations``: a benchmark's environment for several). Thread counts (read at import, so the bootstrap
     sets them before any framework is imported: OpenMP's, MKL's, OpenBLAS's and the declaration's
-    ``thread_environment``), the allocator variables a spec sets (the declaration's ``allocator_environment``), the
-    declaration's ``environment`` defaults (a value in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA's device
-    numbers match NVML's (unless ``base`` sets another order), and the extra adapters of HARNESS_ADAPTERS. They
-    travel in the payload too, since a container does not inherit the launcher's environment."""
+    ``Environment.threads``), the allocator variables a spec sets (its ``Environment.allocator``), the
+    declaration's ``Environment.variables`` defaults (a value in ``base`` wins), CUDA_DEVICE_ORDER=PCI_BUS_ID so
+    CUDA's device numbers match NVML's (unless ``base`` sets another order), and the extra adapters of
+    HARNESS_ADAPTERS. They travel in the payload too, since a container does not inherit the launcher's
+    environment."""
     import adapters  # the registry of declarations: imports no framework
 
     base = dict(os.environ if base is None else base)

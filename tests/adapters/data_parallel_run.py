@@ -13,7 +13,7 @@ seeds the framework, built from the canonical seed-0 weights, loaded) and shares
 the interpreter; what the interpreter holds is the worker's set-up for the largest device count of the runs (at most
 one count above 1):
 
-- before the framework is imported the declaration's ``data_parallel_environment`` is set for that count (JAX's host
+- before the framework is imported the declaration's ``DataParallelism.environment`` is set for that count (JAX's host
   device count), as the worker sets it for a data-parallel trial. A one-device run trains on the framework's first
   device, the others idle, as the one-device adapters of the checks scripts of the per-framework tests do;
 - the multi-device runs come first: the first prepare splits TensorFlow's CPU into logical devices, which it can only
@@ -69,7 +69,7 @@ def _model(batchnorm: bool):
 
 
 def set_data_parallel_environment(record, devices: int) -> None:
-    """The declaration's ``data_parallel_environment`` in ``os.environ``, as the worker sets it
+    """The declaration's ``DataParallelism.environment`` in ``os.environ``, as the worker sets it
     (``DataParallelism.variables``), before the framework is imported."""
     os.environ.update(record.data_parallel.variables(devices, os.environ))
 

@@ -198,9 +198,9 @@ def test_each_seed_trains_from_its_own_weights_and_batches(fault_adapter, tmp_pa
 
 def test_a_worker_gets_only_its_own_frameworks_variables(tmp_path):
     """A PyTorch worker's environment holds none of the TF_, XLA_ or MXNET_ variables the harness sets for the other
-    frameworks' workers (their declarations' ``environment`` and ``thread_environment``), only the generic thread
-    counts with PyTorch's own; a TensorFlow worker gets TensorFlow's. Checked on what the launcher computes and on a
-    real PyTorch worker's process environment."""
+    frameworks' workers (their declarations' ``Environment.variables`` and ``Environment.threads``), only the generic
+    thread counts with PyTorch's own; a TensorFlow worker gets TensorFlow's. Checked on what the launcher computes
+    and on a real PyTorch worker's process environment."""
     import psutil
 
     from harness.execution.workers import Workers

@@ -199,9 +199,7 @@ def noise_scales(records: list[TrialRecord], labels: list[str], batch: int, k: i
             continue
         noise[record.label] = noise_scale(record.metrics.epochs, target, seed=seed)
         at = record.metrics.time_to_target
-        reached[record.label] = (None if at is None else at.steps if at.steps is not None
-                                 else None if record.metrics.steps_per_epoch is None
-                                 else at.epochs * record.metrics.steps_per_epoch)
+        reached[record.label] = None if at is None else at.steps  # the training loop records the steps
     return noise, reached
 
 

@@ -200,14 +200,13 @@ class Recommendation:
                 below = target <= result.limit - needed - offset
                 # the bytes the runs' highest peak leaves free of the cap, short of the floor (a peak above the cap
                 # in a run that was ok does not measure what the cap binds, and is not judged)
-                room = result.cap_bytes - max(result.peaks(target, "run"), default=0.0)
-                short = self._floor - room if room >= 0 else 0.0
+                highest = max(result.peaks(target, "run"), default=0.0)
+                short = self._floor - (result.cap_bytes - highest) if highest <= result.cap_bytes else 0.0
                 if target > held and short > 0:
                     nxt = target - max(self.search.gap(target), runcheck.offset_samples(short, per_sample))
-                    result.notes.append(f"the run checks at {target} peaked at "
-                                        f"{max(result.peaks(target, 'run')) / 1e6:,.1f} MB, leaving less of the "
-                                        f"cap free than the floor ({self._floor / 1e6:,.1f} MB): the candidate "
-                                        f"moves down to {max(held, smallest, nxt)}")
+                    result.notes.append(f"the run checks at {target} peaked at {highest / 1e6:,.1f} MB, leaving "
+                                        f"less of the cap free than the floor ({self._floor / 1e6:,.1f} MB): the "
+                                        f"candidate moves down to {max(held, smallest, nxt)}")
                 elif result.margin is not None or needed <= result.margin_samples or below or target <= held:
                     result.recommended, result.recommended_by = target, "runs"
                     self._tried_note()
