@@ -95,8 +95,10 @@ def test_the_probes_hold_what_a_run_holds_and_the_recommendation_holds_in_a_real
     """The user's case, for real: a run holds the spec's whole dataset (28 MB under an 80 MB cap). The probes hold
     as many samples of the dataset's shape (before issue 42 they held data of the batch's size only, and an answer
     that fitted both of its probes ran out of memory in a plain run, 28 MB short). So a run adds next to nothing
-    beyond a probe, the limit is a run's limit, a plain `harness run` at the recommendation is ok and one at the
-    smallest size that failed is not."""
+    beyond a probe, the limit is a run's limit, a plain `harness run` at the recommendation is ok and one 5 MB past
+    the smallest size that failed is not: the 5 MB the offset is allowed, for a probe at the boundary fails or fits by
+    a few MB from one process to the next (a run at the smallest failed size, 239, was ok once in a CI run whose probe
+    there had failed; a search later the same day held 239 and failed at 262)."""
     from harness import cli
     from harness.plan import checked_spec
     from harness.studies import max_batch
@@ -113,13 +115,14 @@ def test_the_probes_hold_what_a_run_holds_and_the_recommendation_holds_in_a_real
     assert result.limit <= (80e6 - 28e6) / BYTES_PER_SAMPLE, text
     assert result.statuses(result.recommended, "run") == ["ok", "ok"], text
     assert f"recommended: {result.recommended} (ok in 2 run checks" in text
+    beyond = result.smallest_oom + math.ceil(5e6 / BYTES_PER_SAMPLE)
     records = {}
-    for batch in (result.smallest_oom, result.recommended):
+    for batch in (beyond, result.recommended):
         path = write_spec({**memory_spec(), "batch_sizes": [batch]}, f"run{batch}.yaml")
         assert cli.main(["run", str(path), "--out", str(tmp_path / f"runs{batch}")]) == 0
         run_dir = next((tmp_path / f"runs{batch}").iterdir())
         records[batch] = json.loads((run_dir / "trials.jsonl").read_text().splitlines()[0])
-    assert records[result.smallest_oom]["status"] == "oom", records[result.smallest_oom]["reason"]
+    assert records[beyond]["status"] == "oom", records[beyond]["reason"]
     assert records[result.recommended]["status"] == "ok", records[result.recommended]["reason"]
 
 
