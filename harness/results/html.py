@@ -18,7 +18,7 @@ from typing import Any
 
 from harness.record.run import RunRecord
 from harness.results.metrics import title
-from harness.results.plots import metric_figure, trial_figure
+from harness.results.plots import NO_METRIC_PLOTS, metric_figure, plotted_metrics, trial_figure
 from harness.results.sections import Block, BulletList, Images, Lines, Paragraph, Section, Table
 from harness.results.tables import ReportData
 
@@ -149,12 +149,16 @@ def render(data: ReportData, run_dir: Path, sections: list[Section],
             continue
         body.append(section_html(section))
         if section.key == "ohio_state":
-            body += ["<h2 id=\"plots\">Every metric against batch size</h2>",
-                     "<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">"]
-            for metric in data.metrics:
-                body.append(metric_svgs[metric.key] if metric_svgs and metric.key in metric_svgs else
-                            svg(*metric_figure(data, metric)))
-            body.append("</div>")
+            drawn = plotted_metrics(data)
+            body.append("<h2 id=\"plots\">Every metric against batch size</h2>")
+            if not drawn:
+                body.append(f"<p>{html.escape(NO_METRIC_PLOTS)}</p>")
+            else:
+                body.append("<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">")
+                for metric in drawn:
+                    body.append(metric_svgs[metric.key] if metric_svgs and metric.key in metric_svgs else
+                                svg(*metric_figure(data, metric)))
+                body.append("</div>")
     body += ["<h2 id=\"trials-heading\">Trials</h2>", trials_table(data),
              "<h2>Each trial over time</h2><p>Sampled metrics against seconds since the worker started; warm-up "
              "grey, timed windows green.</p>"]

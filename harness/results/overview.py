@@ -13,6 +13,7 @@ from harness.record.run import RunRecord
 from harness.record.trial import TrialRecord
 from harness.results.derived import mfu
 from harness.results.metrics import GPM_METRICS, Metric, title
+from harness.results.plots import NO_METRIC_PLOTS, plotted_metrics
 from harness.results.sections import (
     BulletList,
     Images,
@@ -240,8 +241,12 @@ def failed_section(data: ReportData) -> Section | None:
 
 
 def plots_section(data: ReportData) -> Section:
-    """The links to the plots: one per metric (``plots/<key>.png``), then each ok trial's time series."""
+    """The links to the plots: one per metric drawn against batch size (``plots/<key>.png``,
+    ``harness.results.plots.plotted_metrics``; with fewer than two batch sizes a line saying there are none), then each
+    ok trial's time series."""
     trials = ", ".join(f"[{r.id}](plots/trials/{r.id}.png)" for r in data.records if r.status == "ok")
+    drawn = plotted_metrics(data)
+    against = (Images(tuple((m.title, f"plots/{m.key}.png") for m in drawn)) if drawn else Paragraph(NO_METRIC_PLOTS))
     return Section("plots", "Plots", (
-        Images(tuple((m.title, f"plots/{m.key}.png") for m in data.metrics)),
+        against,
         Paragraph("Per-trial time series (sampled metrics over time, warm-up and timed windows shaded): " + trials)))

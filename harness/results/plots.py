@@ -58,6 +58,19 @@ def _fix_ticks(fig: Any) -> None:
             axis.set_major_formatter(labels)
 
 
+#: What the report says in place of the plots against batch size when ``plotted_metrics`` draws none.
+NO_METRIC_PLOTS = ("No plot against batch size: fewer than two batch sizes have a trial that ended ok, so the tables "
+                   "hold every figure a plot would.")
+
+
+def plotted_metrics(data: ReportData) -> list[Metric]:
+    """The metrics drawn against batch size: every one of the run's metrics where at least two batch sizes have a
+    trial that ended ok, none otherwise (a line needs two points: with one batch size, the tables hold every
+    figure a plot would)."""
+    sizes = {r.batch_size for r in data.records if r.status == "ok"}
+    return list(data.metrics) if len(sizes) >= 2 else []
+
+
 def metric_figure(data: ReportData, metric: Metric) -> tuple[Any, dict[str, str]]:
     """The metric against batch size (log2 axis), a line per row; ok cells only. Returns the figure and, per point,
     its SVG group id (``<metric key>-<n>``) and a hover text (row, batch size, value with unit), which the HTML report
@@ -90,11 +103,12 @@ def metric_figure(data: ReportData, metric: Metric) -> tuple[Any, dict[str, str]
 
 def plot(data: ReportData, out_dir: Path,
          then: Callable[[str, Any, dict[str, str]], None] | None = None) -> list[Path]:
-    """One PNG per metric (``metric_figure``), ``out_dir/<metric key>.png``; ``then(key, figure, tips)``, when given,
-    is called with each figure after it is saved (the HTML report saves it again)."""
+    """One PNG per metric drawn against batch size (``plotted_metrics``, ``metric_figure``),
+    ``out_dir/<metric key>.png``; ``then(key, figure, tips)``, when given, is called with each figure after it is
+    saved (the HTML report saves it again)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for metric in data.metrics:
+    for metric in plotted_metrics(data):
         fig, tips = metric_figure(data, metric)
         path = out_dir / f"{metric.key}.png"
         fig.savefig(path)

@@ -67,3 +67,26 @@ def test_every_figure_is_in_both_reports(tmp_path):
     assert len(re.findall(r"<svg[ >]", page)) == len(data.metrics) + len(ok)
     for trial_id in ok:
         assert re.search(rf"<summary>{trial_id}</summary><svg", page), trial_id
+
+
+@pytest.mark.parametrize("statuses", [("ok",), ("ok", "oom")], ids=["one-size", "one-size-ok"])
+def test_a_run_with_one_batch_size_that_ended_ok_has_no_plot_against_batch_size(tmp_path, statuses):
+    """Fewer than two batch sizes with an ok trial (one size, or a second whose trials ran out of memory): no metric
+    is drawn against batch size (a line of one point), both reports say so, and each ok trial's time series is still
+    drawn and linked."""
+    records = [record(fw, size, status=status) for fw in ("pytorch", "mxnet")
+               for size, status in zip((8, 16), statuses)]
+    run_dir = make_run(tmp_path, records)
+    ok = [r["id"] for r in records if r["status"] == "ok"]
+    for trial_id in ok:
+        write_series(run_dir, trial_id, 2.0, 100.0, 200.0)
+    data = report.build(run_dir)
+    assert data.metrics and plots.plotted_metrics(data) == []
+    markdown = report.write(run_dir).read_text()
+    page = (run_dir / "report.html").read_text()
+    assert not any((run_dir / "plots" / f"{m.key}.png").exists() for m in data.metrics)
+    assert not any(f"(plots/{m.key}.png)" in markdown for m in data.metrics)
+    assert plots.NO_METRIC_PLOTS in markdown and plots.NO_METRIC_PLOTS in page
+    assert len(re.findall(r"<svg[ >]", page)) == len(ok)
+    for trial_id in ok:
+        assert f"(plots/trials/{trial_id}.png)" in markdown and (run_dir / "plots" / "trials" / f"{trial_id}.png").exists()
