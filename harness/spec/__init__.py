@@ -19,7 +19,6 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from harness.spec.base import SpecError, _Strict
@@ -306,6 +305,8 @@ def load(path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) 
     except UnicodeDecodeError as err:
         line = err.object[:err.start].count(b"\n") + 1
         raise SpecError(file, "", f"not UTF-8 text: byte 0x{err.object[err.start]:02x} at line {line}") from None
+    import yaml  # here, not at the top: every worker imports this package and none reads a spec file
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
