@@ -89,4 +89,5 @@ def test_a_run_with_one_batch_size_that_ended_ok_has_no_plot_against_batch_size(
     assert plots.NO_METRIC_PLOTS in markdown and plots.NO_METRIC_PLOTS in page
     assert len(re.findall(r"<svg[ >]", page)) == len(ok)
     for trial_id in ok:
-        assert f"(plots/trials/{trial_id}.png)" in markdown and (run_dir / "plots" / "trials" / f"{trial_id}.png").exists()
+        png = f"plots/trials/{trial_id}.png"
+        assert f"({png})" in markdown and (run_dir / png).exists()
