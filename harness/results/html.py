@@ -149,13 +149,13 @@ def render(data: ReportData, run_dir: Path, sections: list[Section],
             continue
         body.append(section_html(section))
         if section.key == "ohio_state":
-            drawn = plotted_metrics(data)
+            plotted = plotted_metrics(data)
             body.append("<h2 id=\"plots\">Every metric against batch size</h2>")
-            if not drawn:
+            if not plotted:
                 body.append(f"<p>{html.escape(NO_METRIC_PLOTS)}</p>")
             else:
                 body.append("<p>Hover over a point for its row, batch size and value.</p><div class=\"plots\">")
-                for metric in drawn:
+                for metric in plotted:
                     body.append(metric_svgs[metric.key] if metric_svgs and metric.key in metric_svgs else
                                 svg(*metric_figure(data, metric)))
                 body.append("</div>")
