@@ -61,9 +61,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def handle(args: argparse.Namespace) -> int:
     from harness.cli.common import load_spec
     from harness.spec import SpecError
-    from harness.studies.advise import Options, advise
 
     spec = load_spec(args.spec, offline=args.offline)
+    from harness.studies.advise import Options, advise  # (0.3 s of imports) for a spec that runs only
     options = Options(frameworks=args.framework, objectives=args.objective, target=args.target_accuracy,
                       budget_s=None if args.budget is None else args.budget * 60, repeats=args.repeats,
                       noise_batch=args.noise_batch, micro_batches=args.micro_batches, probes=args.probes,

@@ -96,13 +96,14 @@ def handle(args: argparse.Namespace) -> int:
     )
 
     from harness.record import Epoch, Event, TrialRecord
-    from harness.results import report
-    from harness.studies.sweep import raise_on_signals, run_spec
 
     overrides = {"frameworks": args.frameworks, "batch_sizes": args.batch_sizes, "epochs": args.epochs}
     # the dataset fetched or decoded once, and the spec checked, before the first trial
     spec = load_spec(args.spec, overrides, offline=args.offline, progress=False if args.no_progress else None)
+    # the sweep and the report's code (pandas, matplotlib: 0.3 s) only for a spec that runs: a bad one answers at once
     from harness.measure.sampler import interval_warning
+    from harness.results import report
+    from harness.studies.sweep import raise_on_signals, run_spec
 
     if (warning := interval_warning(spec.sampler.interval_s)) is not None:
         print(f"{args.spec}: sampler.interval_s: {warning}", file=sys.stderr)
