@@ -68,10 +68,10 @@ def _model(batchnorm: bool):
     ]})
 
 
-def set_data_parallel_environment(record, devices: int) -> None:
+def set_data_parallel_environment(declared, devices: int) -> None:
     """The declaration's ``DataParallelism.environment`` in ``os.environ``, as the worker sets it
     (``DataParallelism.variables``), before the framework is imported."""
-    os.environ.update(record.data_parallel.variables(devices, os.environ))
+    os.environ.update(declared.data_parallel.variables(devices, os.environ))
 
 
 def refusals(adapter, order) -> dict[str, str]:
@@ -137,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     import adapters
     from harness.execution.ranks import Ranks, rank_environment, this_rank
 
-    record = adapters.declaration(framework)
-    assert record is not None, framework
+    declared = adapters.declaration(framework)
+    assert declared is not None, framework
     devices = max(run.devices for run in runs)
     if devices > 1:
-        set_data_parallel_environment(record, devices)
+        set_data_parallel_environment(declared, devices)
     rank, processes = 0, 1
     ranks = None
-    if devices > 1 and record.data_parallel.kind == "processes":
+    if devices > 1 and declared.data_parallel.kind == "processes":
         processes = devices
         mine = this_rank()
         if mine is None:  # rank 0: start the others, each running this command

@@ -39,11 +39,11 @@ RESIDUAL_CNN = [
 
 
 def test_every_declaration_is_complete_and_its_adapter_class_takes_it():
-    """Each registry record names its framework, title, distributions and a module:Class path inside its own package;
-    every adapter trains in fp32 on both device kinds, declares its default mode among its modes, every layer and
-    task (each proven equal to PyTorch in tests/adapters/) and an attention the memory model knows. The class a path
-    names takes its class-level facts from that record (checked where the framework is installed: tests/adapters,
-    and JAX's in its own environment by tests/adapters/jax_suite.py)."""
+    """Each registry declaration names its framework, title, distributions and a module:Class path inside its own
+    package; every adapter trains in fp32 on both device kinds, declares its default mode among its modes, every
+    layer and task (each proven equal to PyTorch in tests/adapters/) and an attention the memory model knows. The
+    class a path names takes its class-level facts from that declaration (checked where the framework is installed:
+    tests/adapters, and JAX's in its own environment by tests/adapters/jax_suite.py)."""
     from harness.neutral import memory
 
     assert list(adapters.BUILTIN) == ["pytorch", "tensorflow", "mxnet", "jax", "keras-jax", "keras-torch",
@@ -85,27 +85,27 @@ def test_a_declaration_that_contradicts_itself_is_refused():
 
 
 def test_an_adapter_class_takes_its_declaration():
-    """A class that names a record has exactly the record's name and facts; a subclass keeps its parent's; its
-    options resolve "default" to the record's mode."""
+    """A class that names a declaration has exactly its name and facts; a subclass keeps its parent's; its
+    options resolve "default" to the declaration's mode."""
     mxnet = adapters.BUILTIN["mxnet"]
-    record = dataclasses.replace(mxnet, name="planted", capabilities=dataclasses.replace(
+    declared = dataclasses.replace(mxnet, name="planted", capabilities=dataclasses.replace(
         mxnet.capabilities, precisions={"fp32": CPU}, notes={"fp16": "never"}))
 
-    class Declared(FaultAdapter, declaration=record):
+    class Declared(FaultAdapter, declaration=declared):
         pass
 
-    assert Declared.name == "planted" and Declared.declaration is record and Declared().mode == "compiled"
+    assert Declared.name == "planted" and Declared.declaration is declared and Declared().mode == "compiled"
 
     class Sub(Declared):
         pass
 
-    assert Sub.declaration is record and Sub.name == "planted"
+    assert Sub.declaration is declared and Sub.name == "planted"
     assert FaultAdapter.declaration.name == "fault" and FaultAdapter.declaration.capabilities.layers == BASIC_LAYERS
     assert FaultAdapter.declaration.adapter == "tests.fakes.fault_adapter:FaultAdapter"
     info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
-    assert unsupported(record, info, Conditions("fp32", "default", "cuda:0")) == (
+    assert unsupported(declared, info, Conditions("fp32", "default", "cuda:0")) == (
         "the planted adapter does not train in fp32 on cuda (only on cpu)")
-    assert unsupported(record, info, Conditions("fp16", "default", "cpu")).endswith(": never")
+    assert unsupported(declared, info, Conditions("fp16", "default", "cpu")).endswith(": never")
 
 
 def test_an_adapter_of_harness_adapters_has_no_declaration_here(monkeypatch):
@@ -121,19 +121,19 @@ def test_a_declared_limit_refuses_its_combination_and_nothing_else():
     limit = Limit(reason="no sync batchnorm when compiled", data_parallel=True, sync_batchnorm=True,
                   compile="compiled")
     tensorflow = adapters.BUILTIN["tensorflow"]
-    record = dataclasses.replace(
+    declared = dataclasses.replace(
         tensorflow, name="limited", capabilities=dataclasses.replace(tensorflow.capabilities, limits=(limit,)),
         data_parallel=dataclasses.replace(tensorflow.data_parallel, sync_batchnorm=BOTH))
     norm = models.analyze(ModelSpec.model_validate({"layers": [
         {"type": "conv2d", "filters": 2, "kernel_size": 3}, {"type": "batchnorm"}, {"type": "flatten"},
         {"type": "dense", "units": 10}]}), (8, 8, 1), 10)
     plain = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
-    assert unsupported(record, norm,
+    assert unsupported(declared, norm,
                        Conditions("fp32", "compiled", "cpu", 2, True)) == "no sync batchnorm when compiled"
-    assert unsupported(record, norm, Conditions("fp32", "eager", "cpu", 2, True)) is None
-    assert unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 2, False)) is None
-    assert unsupported(record, norm, Conditions("fp32", "compiled", "cpu", 1, True)) is None
-    assert unsupported(record, plain, Conditions("fp32", "compiled", "cpu", 2, True)) is None
+    assert unsupported(declared, norm, Conditions("fp32", "eager", "cpu", 2, True)) is None
+    assert unsupported(declared, norm, Conditions("fp32", "compiled", "cpu", 2, False)) is None
+    assert unsupported(declared, norm, Conditions("fp32", "compiled", "cpu", 1, True)) is None
+    assert unsupported(declared, plain, Conditions("fp32", "compiled", "cpu", 2, True)) is None
 
 
 def _before_blocks(monkeypatch, *names: str) -> None:
@@ -147,8 +147,8 @@ def _before_blocks(monkeypatch, *names: str) -> None:
 
 def _unsupported(name: str, info) -> str | None:
     """The plan's answer for the adapter ``name`` (None for one of HARNESS_ADAPTERS, decided in its worker)."""
-    record = adapters.declaration(name)
-    return None if record is None else unsupported(record, info)
+    declared = adapters.declaration(name)
+    return None if declared is None else unsupported(declared, info)
 
 
 def test_reasons_name_the_first_missing_kind_option_or_task(monkeypatch):
@@ -205,10 +205,10 @@ def test_keras_on_jax_takes_no_memory_cap_on_a_gpu():
     """Keras's JAX backend cannot cap GPU memory (XLA's fraction is read when JAX's GPU backend starts, which Keras's
     device query does first): the declaration's limit refuses a capped trial on a GPU, and only that."""
     info = models.analyze(ModelSpec.model_validate({"layers": TINY_CNN}), (8, 8, 1), 10)
-    record = adapters.BUILTIN["keras-jax"]
-    why = unsupported(record, info, Conditions("fp32", "default", "cuda:0", memory_limit=True))
+    declared = adapters.BUILTIN["keras-jax"]
+    why = unsupported(declared, info, Conditions("fp32", "default", "cuda:0", memory_limit=True))
     assert why is not None and why.startswith("the keras-jax adapter takes no memory cap on a GPU"), why
-    assert unsupported(record, info, Conditions("fp32", "default", "cuda:0")) is None
-    assert unsupported(record, info, Conditions("fp32", "default", "cpu", memory_limit=True)) is None
+    assert unsupported(declared, info, Conditions("fp32", "default", "cuda:0")) is None
+    assert unsupported(declared, info, Conditions("fp32", "default", "cpu", memory_limit=True)) is None
     assert unsupported(adapters.BUILTIN["jax"], info,
                        Conditions("fp32", "default", "cuda:0", memory_limit=True)) is None
